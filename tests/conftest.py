@@ -1,0 +1,137 @@
+"""Shared fixtures: real PostgreSQL clusters (publisher, subscriber) and fresh databases.
+
+The two clusters live for the whole test session (initdb costs about a second each); each
+test that asks for ``source_db``/``target_db`` gets a database of its own, dropped after
+the test together with any replication slot left in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from pgsieve.core.pgcluster import LocalCluster, free_port
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+
+
+def _tmp_root() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="pgsieve-test-"))
+    # The server runs as an unprivileged user when we are root; it must reach its datadir.
+    root.chmod(0o755)
+    return root
+
+
+@dataclass
+class Database:
+    """A database of its own on a shared cluster."""
+
+    cluster: LocalCluster
+    name: str
+
+    @property
+    def dsn(self) -> str:
+        return self.cluster.dsn(self.name)
+
+    def connect(self, autocommit: bool = True) -> psycopg.Connection[tuple[object, ...]]:
+        return psycopg.connect(self.dsn, autocommit=autocommit)
+
+    def execute(self, sql: str, params: tuple[object, ...] | None = None) -> None:
+        with self.connect() as conn:
+            conn.execute(sql.encode() if params is None else sql, params)  # type: ignore[arg-type]
+
+    def query(self, sql: str, params: tuple[object, ...] | None = None) -> list[tuple[object, ...]]:
+        with self.connect() as conn:
+            return conn.execute(sql, params).fetchall()  # type: ignore[arg-type]
+
+
+def _drop_database(cluster: LocalCluster, name: str) -> None:
+    with psycopg.connect(cluster.dsn("postgres"), autocommit=True) as conn:
+        slots = conn.execute(
+            "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s", (name,)
+        ).fetchall()
+        for slot_name, pid in slots:
+            if pid:
+                conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            with contextlib.suppress(psycopg.Error):
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (slot_name,))
+        subs = conn.execute("SELECT subname FROM pg_subscription s JOIN pg_database d "
+                            "ON d.oid = s.subdbid WHERE d.datname = %s", (name,)).fetchall()
+        if subs:
+            with psycopg.connect(cluster.dsn(name), autocommit=True) as dbconn:
+                for (sub,) in subs:
+                    dbconn.execute(f'ALTER SUBSCRIPTION "{sub}" DISABLE')
+                    dbconn.execute(f'ALTER SUBSCRIPTION "{sub}" SET (slot_name = NONE)')
+                    dbconn.execute(f'DROP SUBSCRIPTION "{sub}"')
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def cluster_root() -> Iterator[Path]:
+    root = _tmp_root()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _session_cluster(root: Path, name: str, **settings: str) -> LocalCluster:
+    return LocalCluster(
+        root / name,
+        free_port(),
+        settings={"fsync": "off", "synchronous_commit": "off", **settings},
+        password_roles=("pgsieve_pw",),
+    ).start()
+
+
+@pytest.fixture(scope="session")
+def publisher(cluster_root: Path) -> Iterator[LocalCluster]:
+    """The source cluster (wal_level=logical) for the whole test session."""
+    cluster = _session_cluster(cluster_root, "publisher", logical_decoding_work_mem="64kB")
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def subscriber(cluster_root: Path) -> Iterator[LocalCluster]:
+    """The target cluster, also wal_level=logical so native subscriptions can run there."""
+    cluster = _session_cluster(cluster_root, "subscriber")
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture(scope="session")
+def replica_only_cluster(cluster_root: Path) -> Iterator[LocalCluster]:
+    """A cluster with wal_level=replica: a source pgsieve must refuse."""
+    cluster = _session_cluster(cluster_root, "replica_only", wal_level="replica")
+    yield cluster
+    cluster.destroy()
+
+
+def _fresh_db(cluster: LocalCluster, prefix: str) -> Iterator[Database]:
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(cluster.dsn("postgres"), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    db = Database(cluster, name)
+    try:
+        yield db
+    finally:
+        if os.environ.get("PGSIEVE_KEEP_TEST_DBS") != "1":
+            _drop_database(cluster, name)
+
+
+@pytest.fixture
+def source_db(publisher: LocalCluster) -> Iterator[Database]:
+    yield from _fresh_db(publisher, "src")
+
+
+@pytest.fixture
+def target_db(subscriber: LocalCluster) -> Iterator[Database]:
+    yield from _fresh_db(subscriber, "tgt")
