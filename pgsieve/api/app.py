@@ -1,0 +1,58 @@
+"""The FastAPI application: routers per resource under ``/api/v1``, the dashboard at ``/``."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from fastapi import Depends, FastAPI
+from fastapi.responses import FileResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+
+from pgsieve.api.deps import require_token
+from pgsieve.api.problems import install_problem_handlers
+from pgsieve.api.routers import health, slots, sources, targets
+from pgsieve.core.credentials import SecretBox, install_log_scrubber
+from pgsieve.core.db import session_factory
+from pgsieve.core.settings import Settings, get_settings
+
+FRONTEND = Path(__file__).resolve().parents[2] / "frontend"
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    install_log_scrubber()
+    app = FastAPI(
+        title="pgsieve",
+        version="0.1.0",
+        description="REST-controlled PostgreSQL logical replication with row filters.",
+    )
+    app.state.settings = settings
+    app.state.sessionmaker = session_factory(settings.effective_database_url)
+    app.state.secret_box = SecretBox(settings.effective_secret_key())
+    app.state.api_token = settings.effective_api_token()
+    install_problem_handlers(app)
+
+    authed = [Depends(require_token)]
+    for module in (sources, targets, slots):
+        app.include_router(module.router, prefix="/api/v1", dependencies=authed)
+    # SPEC lists /healthz and /metrics beside the /api/v1 resources: serve both spellings.
+    for prefix in ("", "/api/v1"):
+        app.include_router(health.router, prefix=prefix)
+        app.include_router(health.metrics_router, prefix=prefix, dependencies=authed)
+
+    if (FRONTEND / "index.html").exists():
+        app.mount("/static", StaticFiles(directory=FRONTEND), name="static")
+
+        @app.get("/", include_in_schema=False)
+        def dashboard() -> Response:
+            return FileResponse(FRONTEND / "index.html")
+    else:  # pragma: no cover - a checkout always has the frontend
+
+        @app.get("/", include_in_schema=False)
+        def root() -> Response:
+            return RedirectResponse("/docs")
+
+    return app

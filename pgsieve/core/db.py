@@ -1,0 +1,57 @@
+"""Metadata store engine and sessions (SQLite by default, PostgreSQL in production)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+
+def make_engine(url: str) -> Engine:
+    kwargs: dict[str, Any] = {"future": True, "pool_pre_ping": True}
+    if url.startswith("sqlite"):
+        db_path = url.split("///", 1)[-1]
+        if db_path and db_path != ":memory:":
+            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+        # API threads, workers and the CLI share the file: wait for locks instead of failing.
+        kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
+    engine = create_engine(url, **kwargs)
+    if url.startswith("sqlite"):
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+@lru_cache(maxsize=8)
+def engine_for(url: str) -> Engine:
+    return make_engine(url)
+
+
+def session_factory(url: str) -> sessionmaker[Session]:
+    return sessionmaker(bind=engine_for(url), expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(url: str) -> Iterator[Session]:
+    """A session that commits on success and rolls back on any exception."""
+    session = session_factory(url)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()

@@ -1,0 +1,256 @@
+"""Metadata store: SQLAlchemy 2 typed models.
+
+The store holds pgsieve's *desired* state (sources, targets, publications, subscriptions)
+and its record of work (jobs, per-table sync state, progress samples). The live state of
+slots and publications is always read from the source's catalog; what is kept here is
+what pgsieve created and intends, so the two can be compared (drift).
+
+LSNs are stored as BIGINT (their 64-bit value) so they compare and subtract in SQL;
+the API formats them as ``X/XXXXXXXX``. Every schema change is an Alembic migration.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite returns naive values)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, datetime: UtcDateTime()}
+
+
+class Source(Base):
+    """A publisher database (PostgreSQL >= 15, wal_level=logical)."""
+
+    __tablename__ = "sources"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    dsn_encrypted: Mapped[str] = mapped_column(Text)
+    server_version: Mapped[str] = mapped_column(String(64))
+    server_version_num: Mapped[int] = mapped_column(Integer)
+    wal_level: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    publications: Mapped[list[Publication]] = relationship(
+        back_populates="source", cascade="all, delete-orphan"
+    )
+    slots: Mapped[list[Slot]] = relationship(back_populates="source", cascade="all, delete-orphan")
+
+
+class Target(Base):
+    """Where replicated rows land (kind ``postgres`` for now)."""
+
+    __tablename__ = "targets"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    kind: Mapped[str] = mapped_column(String(16), default="postgres")
+    dsn_encrypted: Mapped[str] = mapped_column(Text)
+    server_version: Mapped[str] = mapped_column(String(64))
+    server_version_num: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Publication(Base):
+    """Desired state of a publication on a source."""
+
+    __tablename__ = "publications"
+    __table_args__ = (UniqueConstraint("source_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    source_id: Mapped[str] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    all_tables: Mapped[bool] = mapped_column(Boolean, default=False)
+    schemas: Mapped[list[Any]] = mapped_column(default=list)
+    publish: Mapped[list[Any]] = mapped_column(
+        default=lambda: ["insert", "update", "delete", "truncate"]
+    )
+    publish_via_partition_root: Mapped[bool] = mapped_column(Boolean, default=False)
+    managed: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    source: Mapped[Source] = relationship(back_populates="publications")
+    tables: Mapped[list[PublicationTable]] = relationship(
+        back_populates="publication", cascade="all, delete-orphan", order_by="PublicationTable.id"
+    )
+
+
+class PublicationTable(Base):
+    __tablename__ = "publication_tables"
+    __table_args__ = (UniqueConstraint("publication_id", "table_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    publication_id: Mapped[str] = mapped_column(ForeignKey("publications.id", ondelete="CASCADE"))
+    table_name: Mapped[str] = mapped_column(String(130))
+    where: Mapped[str | None] = mapped_column(Text, nullable=True)
+    columns: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+
+    publication: Mapped[Publication] = relationship(back_populates="tables")
+
+
+class Slot(Base):
+    """A logical replication slot pgsieve created (or adopted) on a source."""
+
+    __tablename__ = "slots"
+    __table_args__ = (UniqueConstraint("source_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    source_id: Mapped[str] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    plugin: Mapped[str] = mapped_column(String(63), default="pgoutput")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    source: Mapped[Source] = relationship(back_populates="slots")
+
+
+class Subscription(Base):
+    """Source + publications + slot + target + options: one replication pipeline."""
+
+    __tablename__ = "subscriptions"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    source_id: Mapped[str] = mapped_column(ForeignKey("sources.id", ondelete="RESTRICT"))
+    target_id: Mapped[str] = mapped_column(ForeignKey("targets.id", ondelete="RESTRICT"))
+    publications: Mapped[list[Any]] = mapped_column(default=list)
+    slot_name: Mapped[str] = mapped_column(String(63))
+    copy_data: Mapped[bool] = mapped_column(Boolean, default=True)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    state: Mapped[str] = mapped_column(String(16), default="initializing")
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    options: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    received_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    applied_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    last_commit_ts: Mapped[datetime | None] = mapped_column(nullable=True)
+    skip_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    tables: Mapped[list[SubscriptionTable]] = relationship(
+        back_populates="subscription",
+        cascade="all, delete-orphan",
+        order_by="SubscriptionTable.table_name",
+    )
+
+
+class SubscriptionTable(Base):
+    """Per-table state of a subscription, as ``pg_subscription_rel`` plus counters."""
+
+    __tablename__ = "subscription_tables"
+    __table_args__ = (UniqueConstraint("subscription_id", "table_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE")
+    )
+    table_name: Mapped[str] = mapped_column(String(130))
+    sync_state: Mapped[str] = mapped_column(String(16), default="init")
+    sync_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    rows_copied: Mapped[int] = mapped_column(BigInteger, default=0)
+    rows_total: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    inserts: Mapped[int] = mapped_column(BigInteger, default=0)
+    updates: Mapped[int] = mapped_column(BigInteger, default=0)
+    deletes: Mapped[int] = mapped_column(BigInteger, default=0)
+    truncates: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    subscription: Mapped[Subscription] = relationship(back_populates="tables")
+
+
+class Job(Base):
+    """An asynchronous operation (initial sync, resync) with progress and a result."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    kind: Mapped[str] = mapped_column(String(32))
+    subscription_id: Mapped[str | None] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), nullable=True
+    )
+    state: Mapped[str] = mapped_column(String(16), default="queued")
+    progress_done: Mapped[int] = mapped_column(BigInteger, default=0)
+    progress_total: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class ProgressSample(Base):
+    """One point of a subscription's lag history (kept bounded, for charts)."""
+
+    __tablename__ = "progress_samples"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), index=True
+    )
+    sampled_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    source_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    received_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    applied_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    lag_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    lag_seconds: Mapped[float | None] = mapped_column(nullable=True)
+
+
+class WorkerHeartbeat(Base):
+    """Last sign of life of each Celery worker (and, later, of each consumer lock)."""
+
+    __tablename__ = "worker_heartbeats"
+
+    worker: Mapped[str] = mapped_column(String(200), primary_key=True)
+    beat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)

@@ -1,0 +1,194 @@
+"""Talking to user databases: connecting, checking the server, managing slots.
+
+Everything here takes a plaintext DSN (decrypted by the caller) and never puts it in an
+error message. Connections are short-lived: these are control-plane calls.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from psycopg.rows import dict_row
+
+from pgsieve.core.credentials import parse_dsn, scrub_secrets
+from pgsieve.core.errors import Conflict, NotFound, PgsieveError, Unprocessable, Unreachable
+from pgsieve.core.lsn import format_lsn
+
+MIN_SERVER_VERSION_NUM = 150000
+SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    server_version: str
+    server_version_num: int
+    wal_level: str
+    is_superuser: bool
+    can_replicate: bool
+
+
+def _connect_error(exc: psycopg.Error, code: str) -> PgsieveError:
+    # libpq's message says what failed (host, auth, database) but never the password;
+    # scrub anyway in case a future libpq echoes the conninfo.
+    message = scrub_secrets(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
+    return Unreachable(f"cannot connect: {message}", code=code)
+
+
+@contextmanager
+def connect(
+    dsn: str,
+    *,
+    unreachable_code: str = "source_unreachable",
+    connect_timeout: int = 5,
+    autocommit: bool = True,
+    **kwargs: Any,
+) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+    """Open a connection or raise a 4xx error with ``unreachable_code``."""
+    params = parse_dsn(dsn)
+    params.setdefault("connect_timeout", str(connect_timeout))
+    params.setdefault("application_name", "pgsieve")
+    try:
+        conn = psycopg.connect(autocommit=autocommit, row_factory=dict_row, **params, **kwargs)
+    except psycopg.Error as exc:
+        raise _connect_error(exc, unreachable_code) from None
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def inspect_server(conn: psycopg.Connection[dict[str, Any]]) -> ServerInfo:
+    row = conn.execute(
+        "SELECT current_setting('server_version') AS v,"
+        " current_setting('server_version_num')::int AS n,"
+        " current_setting('wal_level') AS w,"
+        " r.rolsuper AS su, r.rolreplication AS rep"
+        " FROM pg_roles r WHERE r.rolname = current_user"
+    ).fetchone()
+    assert row is not None
+    return ServerInfo(row["v"], row["n"], row["w"], bool(row["su"]), bool(row["rep"]))
+
+
+def check_server_version(info: ServerInfo) -> None:
+    if info.server_version_num < MIN_SERVER_VERSION_NUM:
+        raise Unprocessable(
+            f"PostgreSQL {info.server_version} is not supported: pgsieve needs 15 or newer "
+            "(row filters and column lists arrived in 15)",
+            code="unsupported_server_version",
+        )
+
+
+def check_source(info: ServerInfo) -> None:
+    """A source must be PostgreSQL >= 15 with wal_level=logical."""
+    check_server_version(info)
+    if info.wal_level != "logical":
+        raise Unprocessable(
+            f"wal_level is '{info.wal_level}' on the source; logical replication needs "
+            "wal_level = logical (ALTER SYSTEM SET wal_level = logical, then restart)",
+            code="wal_level_not_logical",
+        )
+
+
+# -- slots -------------------------------------------------------------------------------
+
+SLOT_QUERY = """
+SELECT s.slot_name, s.plugin, s.slot_type, s.database, s.temporary, s.active, s.active_pid,
+       s.restart_lsn::text AS restart_lsn, s.confirmed_flush_lsn::text AS confirmed_flush_lsn,
+       CASE WHEN s.restart_lsn IS NULL THEN NULL
+            ELSE pg_wal_lsn_diff(
+                CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                     ELSE pg_current_wal_lsn() END, s.restart_lsn)::bigint
+       END AS retained_wal_bytes,
+       s.wal_status, s.safe_wal_size, s.two_phase
+FROM pg_replication_slots s
+WHERE s.database = current_database() {extra}
+ORDER BY s.slot_name
+"""
+
+
+def _slot_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": row["slot_name"],
+        "plugin": row["plugin"],
+        "slot_type": row["slot_type"],
+        "database": row["database"],
+        "temporary": row["temporary"],
+        "active": row["active"],
+        "active_pid": row["active_pid"],
+        "restart_lsn": format_lsn(row["restart_lsn"]),
+        "confirmed_flush_lsn": format_lsn(row["confirmed_flush_lsn"]),
+        "retained_wal_bytes": row["retained_wal_bytes"],
+        "wal_status": row["wal_status"],
+        "safe_wal_size": row["safe_wal_size"],
+        "two_phase": row["two_phase"],
+    }
+
+
+def list_slots(conn: psycopg.Connection[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logical slots of the connected database, with the WAL each one holds back."""
+    rows = conn.execute(SLOT_QUERY.format(extra="")).fetchall()  # type: ignore[arg-type]
+    return [_slot_row(r) for r in rows]
+
+
+def get_slot(conn: psycopg.Connection[dict[str, Any]], name: str) -> dict[str, Any] | None:
+    rows = conn.execute(
+        SLOT_QUERY.format(extra="AND s.slot_name = %s"),  # type: ignore[arg-type]
+        (name,),
+    ).fetchall()
+    return _slot_row(rows[0]) if rows else None
+
+
+def validate_slot_name(name: str) -> None:
+    if not isinstance(name, str) or not SLOT_NAME.match(name):
+        raise Unprocessable(
+            "slot names are 1-63 characters of lower-case letters, digits and underscores",
+            code="invalid_slot_name",
+        )
+
+
+def create_slot(
+    conn: psycopg.Connection[dict[str, Any]], name: str, two_phase: bool = False
+) -> dict[str, Any]:
+    validate_slot_name(name)
+    if get_slot(conn, name) is not None:
+        raise Conflict(f"a replication slot named '{name}' already exists", code="slot_exists")
+    try:
+        conn.execute(
+            "SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, %s)",
+            (name, two_phase),
+        )
+    except psycopg.errors.DuplicateObject:
+        raise Conflict(
+            f"a replication slot named '{name}' already exists", code="slot_exists"
+        ) from None
+    except psycopg.errors.ObjectNotInPrerequisiteState as exc:
+        # e.g. wal_level was lowered, or max_replication_slots is exhausted
+        raise Unprocessable(str(exc).strip(), code="slot_create_failed") from None
+    except psycopg.errors.ConfigurationLimitExceeded as exc:
+        raise Conflict(str(exc).strip(), code="slot_limit_reached") from None
+    slot = get_slot(conn, name)
+    assert slot is not None
+    return slot
+
+
+def drop_slot(conn: psycopg.Connection[dict[str, Any]], name: str) -> None:
+    slot = get_slot(conn, name)
+    if slot is None:
+        raise NotFound(f"no replication slot named '{name}'", code="slot_not_found")
+    if slot["active"]:
+        raise Conflict(
+            f"replication slot '{name}' is in use by process {slot['active_pid']}; "
+            "disable its consumer first",
+            code="slot_active",
+        )
+    try:
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (name,))
+    except psycopg.errors.ObjectInUse:
+        raise Conflict(f"replication slot '{name}' became active", code="slot_active") from None
+    except psycopg.errors.UndefinedObject:
+        raise NotFound(f"no replication slot named '{name}'", code="slot_not_found") from None

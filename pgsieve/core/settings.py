@@ -1,0 +1,96 @@
+"""The one settings object, read from ``PGSIEVE_*`` environment variables and ``.env``.
+
+Embedded defaults make a fresh checkout work with nothing configured: the metadata store
+is a SQLite file and the Celery broker a folder under ``PGSIEVE_HOME`` (``.pgsieve``);
+the API token and the credential-encryption key are generated once and kept there too.
+In production every one of these is set explicitly (PostgreSQL, Redis, a Spark master).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="PGSIEVE_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+    )
+
+    home: Path = Field(
+        default=Path(".pgsieve"),
+        description="State directory for embedded defaults (SQLite file, broker, keys).",
+    )
+    database_url: str | None = Field(
+        default=None, description="Metadata store; default sqlite:///<home>/pgsieve.db"
+    )
+    broker_url: str | None = Field(
+        default=None,
+        description="Celery broker (redis://… in production); default a filesystem broker.",
+    )
+    api_token: SecretStr | None = Field(default=None, description="Bearer token for the API.")
+    secret_key: SecretStr | None = Field(
+        default=None, description="Key that encrypts stored credentials (DSN passwords)."
+    )
+    spark_master: str = Field(default="local[*]", description="Spark master URL.")
+    pg_bindir: str | None = Field(default=None, description="PostgreSQL server binaries.")
+    connect_timeout: int = Field(default=5, ge=1, le=120, description="Seconds, for DSNs.")
+    statement_timeout_ms: int = Field(default=15_000, ge=100)
+    log_level: str = "INFO"
+
+    # -- derived values -----------------------------------------------------------------
+    @property
+    def state_dir(self) -> Path:
+        return self.home.absolute()
+
+    @property
+    def effective_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite:///{self.state_dir / 'pgsieve.db'}"
+
+    @property
+    def effective_broker_url(self) -> str:
+        return self.broker_url or "filesystem://"
+
+    @property
+    def broker_folder(self) -> Path:
+        return self.state_dir / "broker"
+
+    def effective_api_token(self) -> str:
+        if self.api_token is not None:
+            return self.api_token.get_secret_value()
+        return _generated_secret(self.state_dir / "api-token")
+
+    def effective_secret_key(self) -> str:
+        if self.secret_key is not None:
+            return self.secret_key.get_secret_value()
+        return _generated_secret(self.state_dir / "secret-key")
+
+
+def _generated_secret(path: Path) -> str:
+    """Read a secret kept in the state directory, creating it (mode 0600) the first time."""
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_urlsafe(32)
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")
+    tmp.touch(mode=0o600)
+    tmp.write_text(value)
+    # Two processes starting at once: link() is atomic and refuses to replace, so the
+    # first one wins and the other reads the winner's value.
+    with contextlib.suppress(FileExistsError):
+        os.link(tmp, path)
+    tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

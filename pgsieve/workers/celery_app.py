@@ -1,0 +1,69 @@
+"""The Celery application.
+
+Tasks are small and idempotent: ``acks_late`` with prefetch 1, so a task whose worker dies
+is delivered again rather than lost, and one worker never hoards work it is not doing.
+Work is tracked in the metadata store (jobs, heartbeats), so no result backend is needed.
+
+Broker: ``PGSIEVE_BROKER_URL`` (Redis in production). Without it, a filesystem broker
+under ``PGSIEVE_HOME`` lets the API, a worker and beat on one machine talk with no extra
+service; it is for the demo and development only (no visibility timeout, one host).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from celery import Celery
+
+from pgsieve.core.settings import Settings, get_settings
+
+HEARTBEAT_EVERY = timedelta(seconds=10)
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    conf: dict[str, Any] = {
+        "broker_url": settings.effective_broker_url,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "task_ignore_result": True,
+        "broker_connection_retry_on_startup": True,
+        "worker_hijack_root_logger": False,
+        "beat_schedule_filename": str(settings.state_dir / "celerybeat-schedule"),
+        "beat_schedule": {
+            "worker-heartbeat": {
+                "task": "pgsieve.worker_heartbeat",
+                "schedule": HEARTBEAT_EVERY.total_seconds(),
+            },
+        },
+        "timezone": "UTC",
+    }
+    if settings.effective_broker_url.startswith("filesystem://"):
+        queue = settings.broker_folder / "queue"
+        processed = settings.broker_folder / "processed"
+        queue.mkdir(parents=True, exist_ok=True)
+        processed.mkdir(parents=True, exist_ok=True)
+        conf["broker_transport_options"] = {
+            "data_folder_in": str(queue),
+            "data_folder_out": str(queue),
+            "processed_folder": str(processed),
+            "store_processed": False,
+        }
+    elif settings.effective_broker_url.startswith(("redis://", "rediss://")):
+        # Consume cycles are bounded well below this; a task not acked by then is redelivered.
+        conf["broker_transport_options"] = {"visibility_timeout": 3600}
+    return conf
+
+
+def make_celery(settings: Settings | None = None) -> Celery:
+    settings = settings or get_settings()
+    app = Celery("pgsieve", include=["pgsieve.workers.tasks"])
+    app.conf.update(celery_config(settings))
+    app.conf.pgsieve_settings = settings
+    return app
+
+
+celery_app = make_celery()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Creates .venv and installs exactly what requirements.lock pins (plus pgsieve itself).
+# Checks the two things pip cannot install: Java 17+ (Spark) and PostgreSQL >= 15 server
+# binaries (local clusters for the demo and the tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+fail() { echo "pgsieve setup: $*" >&2; exit 1; }
+
+command -v python3 >/dev/null || fail "python3 (3.11+) is required"
+python3 - <<'PY' || fail "Python 3.11 or newer is required"
+import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)
+PY
+
+if ! command -v java >/dev/null; then
+  fail "Java 17 or newer is required for Spark (Debian: apt-get install openjdk-17-jre-headless)"
+fi
+java_major=$(java -version 2>&1 | sed -nE 's/.*version "([0-9]+).*/\1/p' | head -n1)
+[ -n "$java_major" ] && [ "$java_major" -ge 17 ] || \
+  fail "Java 17 or newer is required for Spark; found: $(java -version 2>&1 | head -n1)"
+
+bindir="${PGSIEVE_PG_BINDIR:-}"
+if [ -z "$bindir" ]; then
+  if command -v pg_config >/dev/null; then bindir=$(pg_config --bindir); fi
+  if [ -z "$bindir" ] || [ ! -x "$bindir/initdb" ]; then
+    bindir=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n1 || true)
+  fi
+fi
+[ -n "$bindir" ] && [ -x "$bindir/initdb" ] && [ -x "$bindir/postgres" ] || \
+  fail "PostgreSQL 15+ server binaries (initdb, postgres) not found (Debian: apt-get install postgresql-15), or set PGSIEVE_PG_BINDIR"
+pg_major=$("$bindir/postgres" --version | sed -nE 's/.* ([0-9]+)(\.[0-9]+)?.*/\1/p')
+[ "${pg_major:-0}" -ge 15 ] || fail "PostgreSQL 15+ server binaries are required; found $pg_major in $bindir"
+
+stamp=.venv/.pgsieve-installed
+if [ -f "$stamp" ] && [ "$stamp" -nt requirements.lock ] && [ "$stamp" -nt pyproject.toml ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check uv==0.13.8
+.venv/bin/uv pip sync --quiet --python .venv/bin/python requirements.lock
+.venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e .
+touch "$stamp"
