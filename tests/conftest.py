@@ -47,11 +47,11 @@ class Database:
 
     def execute(self, sql: str, params: tuple[object, ...] | None = None) -> None:
         with self.connect() as conn:
-            conn.execute(sql.encode() if params is None else sql, params)  # type: ignore[arg-type]
+            conn.execute(sql.encode() if params is None else sql, params)
 
     def query(self, sql: str, params: tuple[object, ...] | None = None) -> list[tuple[object, ...]]:
         with self.connect() as conn:
-            return conn.execute(sql, params).fetchall()  # type: ignore[arg-type]
+            return conn.execute(sql, params).fetchall()
 
 
 def _drop_database(cluster: LocalCluster, name: str) -> None:

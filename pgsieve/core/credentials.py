@@ -8,6 +8,7 @@ masks anything that looks like a password in log records as a second line of def
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import re
@@ -53,8 +54,15 @@ def mask_dsn(dsn: str) -> str:
                        parts.query)
         masked = f"{parts.scheme}://{netloc}{parts.path}"
         return masked + (f"?{query}" if query else "")
-    if "password" in params:
-        params["password"] = MASK
+    if "password" not in params:
+        return dsn.strip()
+    # Keep the user's own spelling and order; fall back to a rebuilt string if the text
+    # form was unusual enough that the pattern missed the password.
+    masked = _scrub(dsn.strip())
+    with contextlib.suppress(InvalidDsn):
+        if parse_dsn(masked).get("password") == MASK:
+            return masked
+    params["password"] = MASK
     return make_conninfo(**params)
 
 

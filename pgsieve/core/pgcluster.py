@@ -170,6 +170,20 @@ class LocalCluster:
             entry = pwd.getpwnam(self.run_as)
             os.chown(path, entry.pw_uid, entry.pw_gid)
 
+    def _check_reachable(self) -> None:
+        """Fail clearly when the server's OS user cannot traverse to the data directory."""
+        if not (self.run_as and self.run_as != getpass.getuser()):
+            return
+        probe = subprocess.run(
+            self._cmd(["test", "-x", str(self.datadir.parent)]), check=False, timeout=10
+        )
+        if probe.returncode != 0:
+            raise ClusterError(
+                f"the OS user '{self.run_as}' that runs PostgreSQL cannot reach "
+                f"{self.datadir.parent}; choose a directory every user can traverse "
+                "(e.g. under /tmp or the project folder)"
+            )
+
     # -- lifecycle ----------------------------------------------------------------------
     @property
     def initialized(self) -> bool:
@@ -182,6 +196,7 @@ class LocalCluster:
             self.datadir.mkdir(parents=True, exist_ok=True)
             self.datadir.chmod(0o700)
             self._chown(self.datadir)
+            self._check_reachable()
             self._run(
                 [
                     self._bin("initdb"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
 from pgsieve.core.credentials import parse_dsn, scrub_secrets
@@ -50,10 +51,10 @@ def connect(
 ) -> Iterator[psycopg.Connection[dict[str, Any]]]:
     """Open a connection or raise a 4xx error with ``unreachable_code``."""
     params = parse_dsn(dsn)
-    params.setdefault("connect_timeout", str(connect_timeout))
-    params.setdefault("application_name", "pgsieve")
+    defaults = {"connect_timeout": str(connect_timeout), "application_name": "pgsieve"}
+    conninfo = make_conninfo(dsn, **{k: v for k, v in defaults.items() if k not in params})
     try:
-        conn = psycopg.connect(autocommit=autocommit, row_factory=dict_row, **params, **kwargs)
+        conn = psycopg.connect(conninfo, autocommit=autocommit, row_factory=dict_row, **kwargs)
     except psycopg.Error as exc:
         raise _connect_error(exc, unreachable_code) from None
     try:
@@ -131,13 +132,13 @@ def _slot_row(row: dict[str, Any]) -> dict[str, Any]:
 
 def list_slots(conn: psycopg.Connection[dict[str, Any]]) -> list[dict[str, Any]]:
     """Logical slots of the connected database, with the WAL each one holds back."""
-    rows = conn.execute(SLOT_QUERY.format(extra="")).fetchall()  # type: ignore[arg-type]
+    rows = conn.execute(SLOT_QUERY.format(extra="")).fetchall()
     return [_slot_row(r) for r in rows]
 
 
 def get_slot(conn: psycopg.Connection[dict[str, Any]], name: str) -> dict[str, Any] | None:
     rows = conn.execute(
-        SLOT_QUERY.format(extra="AND s.slot_name = %s"),  # type: ignore[arg-type]
+        SLOT_QUERY.format(extra="AND s.slot_name = %s"),
         (name,),
     ).fetchall()
     return _slot_row(rows[0]) if rows else None

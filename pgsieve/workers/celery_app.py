@@ -42,14 +42,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "timezone": "UTC",
     }
     if settings.effective_broker_url.startswith("filesystem://"):
-        queue = settings.broker_folder / "queue"
-        processed = settings.broker_folder / "processed"
-        queue.mkdir(parents=True, exist_ok=True)
-        processed.mkdir(parents=True, exist_ok=True)
+        folders = {n: settings.broker_folder / n for n in ("queue", "processed", "control")}
+        for folder in folders.values():
+            folder.mkdir(parents=True, exist_ok=True)
         conf["broker_transport_options"] = {
-            "data_folder_in": str(queue),
-            "data_folder_out": str(queue),
-            "processed_folder": str(processed),
+            "data_folder_in": str(folders["queue"]),
+            "data_folder_out": str(folders["queue"]),
+            "processed_folder": str(folders["processed"]),
+            "control_folder": str(folders["control"]),
             "store_processed": False,
         }
     elif settings.effective_broker_url.startswith(("redis://", "rediss://")):

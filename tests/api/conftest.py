@@ -22,8 +22,8 @@ def settings(tmp_path: Path) -> Settings:
     return Settings(
         home=tmp_path / "home",
         database_url=f"sqlite:///{tmp_path / 'meta.db'}",
-        api_token=TOKEN,  # type: ignore[arg-type]
-        secret_key="unit-test-secret",  # type: ignore[arg-type]
+        api_token=TOKEN,
+        secret_key="unit-test-secret",
         connect_timeout=3,
     )
 
@@ -48,7 +48,7 @@ def anon_client(settings: Settings, metadata_engine: Engine) -> Iterator[TestCli
         yield c
 
 
-def assert_problem(response, status: int, code: str) -> dict:  # type: ignore[no-untyped-def,type-arg]
+def assert_problem(response, status: int, code: str) -> dict:  # type: ignore[type-arg]
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/problem+json")
     body = response.json()

@@ -98,7 +98,8 @@ def test_wal_level_not_logical(client, replica_only_cluster, metadata_engine):
 
 
 def test_duplicate_name(client, source_db: Database, metadata_engine):
-    assert client.post("/api/v1/sources", json={"name": "a", "dsn": source_db.dsn}).status_code == 201
+    r = client.post("/api/v1/sources", json={"name": "a", "dsn": source_db.dsn})
+    assert r.status_code == 201
     assert_problem(
         client.post("/api/v1/sources", json={"name": "a", "dsn": source_db.dsn}), 409,
         "duplicate_name",

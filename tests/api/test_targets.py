@@ -47,7 +47,8 @@ def test_target_errors(client, target_db, metadata_engine):
         client.post("/api/v1/targets", json={"name": "t", "dsn": dsn}), 422, "target_unreachable"
     )
     assert "pw-secret" not in str(body)
-    assert client.post("/api/v1/targets", json={"name": "t", "dsn": target_db.dsn}).status_code == 201
+    r = client.post("/api/v1/targets", json={"name": "t", "dsn": target_db.dsn})
+    assert r.status_code == 201
     assert_problem(
         client.post("/api/v1/targets", json={"name": "t", "dsn": target_db.dsn}), 409,
         "duplicate_name",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from datetime import datetime
 
-
 from pydantic import BaseModel, Field
 
 from pgsieve.api.schemas.common import Dsn, Name, StrictModel
