@@ -189,7 +189,11 @@ class _Model:
     """Indexes the inputs by (schema, name) and answers membership questions."""
 
     def __init__(self, publications: Sequence[Publication], tables: Iterable[TableInfo]) -> None:
-        self.publications = list(publications)
+        # A subscription cannot name a publication twice; keep the first of each name.
+        unique: dict[str, Publication] = {}
+        for pub in publications:
+            unique.setdefault(pub.name, pub)
+        self.publications = list(unique.values())
         self.tables: dict[_Key, TableInfo] = {}
         self.issues: dict[_Key, list[FilterIssue]] = {}
         for t in tables:

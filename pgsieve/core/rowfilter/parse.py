@@ -632,7 +632,9 @@ class _Collector:
             )
             return False
         if isinstance(node, ast.SQLValueFunction):
-            name = _SQL_VALUE_FUNCTION_NAMES.get(node.op, "CURRENT_*") if node.op else "CURRENT_*"
+            name = "CURRENT_*"
+            if node.op is not None:
+                name = _SQL_VALUE_FUNCTION_NAMES.get(node.op, name)
             self.sql_value_functions.add(name)
             self._issue(
                 IssueCode.MUTABLE_FUNCTION,

@@ -1,0 +1,344 @@
+"""Combining row filters and column lists across publications (pure; PostgreSQL 15 rules)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pgsieve.core.rowfilter.effective import (
+    EffectiveFilter,
+    Publication,
+    PublishedTable,
+    TableInfo,
+    effective_filters,
+    initial_sync_plan,
+    publication_tables,
+)
+from pgsieve.core.rowfilter.parse import IssueCode
+
+ALL = frozenset({"insert", "update", "delete", "truncate"})
+
+# The manual's section 31.3.7 example.
+SEED_TABLES = [
+    TableInfo("public", "t1", columns=("a", "b", "c")),
+    TableInfo("public", "t2", columns=("d", "e", "f")),
+    TableInfo("public", "t3", columns=("g", "h", "i")),
+]
+P1 = Publication("p1", (PublishedTable("t1", "a > 5 AND c = 'NSW'"),))
+P2 = Publication("p2", (PublishedTable("t1"), PublishedTable("t2", "e = 99")))
+P3 = Publication("p3", (PublishedTable("t2", "d = 10"), PublishedTable("t3", "g = 10")))
+
+PARTITIONS = [
+    TableInfo("public", "parent", partitioned=True, columns=("a",)),
+    TableInfo("public", "child", parent="public.parent", columns=("a",)),
+]
+
+
+def by_table(results: list[EffectiveFilter]) -> dict[str, EffectiveFilter]:
+    return {r.table: r for r in results}
+
+
+def test_seed_p1_alone():
+    (t1,) = effective_filters([P1], SEED_TABLES)
+    assert t1.table == "public.t1"
+    assert t1.filter == "a > 5 AND c = 'NSW'"
+    assert t1.filters == {op: "a > 5 AND c = 'NSW'" for op in ("insert", "update", "delete")}
+    assert t1.initial_sync_filter == "a > 5 AND c = 'NSW'"
+    assert t1.publications == ("p1",)
+    assert t1.redundant_because == ()
+    assert t1.operations == ("insert", "update", "delete", "truncate")
+
+
+def test_seed_t1_filter_is_redundant_with_p2():
+    res = by_table(effective_filters([P1, P2, P3], SEED_TABLES))
+    t1 = res["public.t1"]
+    assert t1.filter is None
+    assert t1.initial_sync_filter is None
+    assert t1.publications == ("p1", "p2")
+    assert [(r.publication, r.reason) for r in t1.redundant_because] == [("p2", "no_row_filter")]
+    assert "without a row filter" in t1.as_dict()["redundant_because"][0]  # type: ignore[index]
+
+
+def test_seed_t2_filters_are_ored_and_t3_single():
+    res = by_table(effective_filters([P1, P2, P3], SEED_TABLES))
+    assert res["public.t2"].filter == "(e = 99) OR (d = 10)"
+    assert res["public.t2"].initial_sync_filter == "(e = 99) OR (d = 10)"
+    assert res["public.t2"].publications == ("p2", "p3")
+    assert res["public.t3"].filter == "g = 10"
+    # order of publications follows the subscription's order, identical filters collapse
+    res2 = by_table(effective_filters([P3, P2, P3], SEED_TABLES))
+    assert res2["public.t2"].filter == "(d = 10) OR (e = 99)"
+
+
+def test_unpublished_tables_are_absent():
+    assert set(by_table(effective_filters([P3], SEED_TABLES))) == {"public.t2", "public.t3"}
+    assert effective_filters([], SEED_TABLES) == []
+
+
+def test_filters_combine_per_publish_operation():
+    t = [TableInfo("public", "t", columns=("id", "a"))]
+    ins = Publication("ins", (PublishedTable("t", "a > 1"),), publish=frozenset({"insert"}))
+    upd = Publication(
+        "upd", (PublishedTable("t", "id < 5"),), publish=frozenset({"update", "delete"})
+    )
+    (r,) = effective_filters([ins, upd], t)
+    assert r.filters == {"insert": "a > 1", "update": "id < 5", "delete": "id < 5"}
+    assert r.filter is None and r.filter_varies_by_operation
+    assert r.operations == ("insert", "update", "delete")
+    # initial sync ignores publish operations: rows matching either filter are copied
+    assert r.initial_sync_filter == "(a > 1) OR (id < 5)"
+
+    nofilter_ins = Publication("nf", (PublishedTable("t"),), publish=frozenset({"insert"}))
+    (r,) = effective_filters([ins, upd, nofilter_ins], t)
+    assert r.filters == {"insert": None, "update": "id < 5", "delete": "id < 5"}
+    assert [(x.publication, x.operations) for x in r.redundant_because] == [("nf", ("insert",))]
+    assert r.initial_sync_filter is None  # one member without filter copies everything
+
+
+def test_truncate_only_publication_contributes_no_dml_filter():
+    t = [TableInfo("public", "t")]
+    trunc = Publication("tr", (PublishedTable("t"),), publish=frozenset({"truncate"}))
+    ins = Publication("ins", (PublishedTable("t", "a > 1"),), publish=frozenset({"insert"}))
+    (r,) = effective_filters([trunc, ins], t)
+    assert r.filters == {"insert": "a > 1"}
+    assert r.operations == ("insert", "truncate")
+    assert r.redundant_because == ()
+
+
+def test_for_all_tables_and_schema_publications_make_filters_redundant():
+    tables = [TableInfo("public", "t"), TableInfo("sales", "o")]
+    filtered = Publication(
+        "f", (PublishedTable("public.t", "a > 1"), PublishedTable("sales.o", "b = 2"))
+    )
+    everything = Publication("all", all_tables=True)
+    res = by_table(effective_filters([filtered, everything], tables))
+    assert res["public.t"].filter is None
+    assert res["public.t"].redundant_because[0].reason == "for_all_tables"
+
+    sales = Publication("s", schemas=("sales",))
+    res = by_table(effective_filters([filtered, sales], tables))
+    assert res["public.t"].filter == "a > 1"  # other schema: unaffected
+    assert res["sales.o"].filter is None
+    assert res["sales.o"].redundant_because[0].reason == "for_tables_in_schema"
+    assert res["sales.o"].initial_sync_filter is None
+
+
+def test_seed_partition_example_via_root_uses_parent_filter():
+    p4 = Publication(
+        "p4",
+        (PublishedTable("parent", "a < 5"), PublishedTable("child", "a >= 5")),
+        publish_via_partition_root=True,
+    )
+    (child,) = effective_filters([p4], PARTITIONS)
+    assert child.table == "public.child"
+    assert child.published_as == "public.parent"
+    assert child.filter == "a < 5"
+    assert child.initial_sync_filter == "a < 5"
+    assert publication_tables(p4, PARTITIONS) == ["public.parent"]
+
+
+def test_seed_partition_example_not_via_root_uses_child_filter():
+    p4 = Publication(
+        "p4", (PublishedTable("parent"), PublishedTable("child", "a >= 5"))
+    )
+    (child,) = effective_filters([p4], PARTITIONS)
+    assert child.published_as == "public.child"
+    assert child.filter == "a >= 5"
+    assert child.initial_sync_filter == "a >= 5"
+    assert publication_tables(p4, PARTITIONS) == ["public.child"]
+    # only the parent listed: its leaves are published, unfiltered, as themselves
+    only_parent = Publication("pp", (PublishedTable("parent"),))
+    (child,) = effective_filters([only_parent], PARTITIONS)
+    assert child.published_as == "public.child"
+    assert child.filter is None
+
+
+def test_multilevel_partitions_publish_as_topmost_published_ancestor():
+    tables = [
+        TableInfo("public", "root", partitioned=True),
+        TableInfo("public", "mid", partitioned=True, parent="public.root"),
+        TableInfo("public", "leaf", parent="public.mid"),
+        TableInfo("public", "other", parent="public.root"),
+    ]
+    pub = Publication(
+        "p",
+        (PublishedTable("mid", "a > 1"), PublishedTable("leaf", "a > 2")),
+        publish_via_partition_root=True,
+    )
+    res = by_table(effective_filters([pub], tables))
+    assert set(res) == {"public.leaf"}
+    assert res["public.leaf"].published_as == "public.mid"
+    assert res["public.leaf"].filter == "a > 1"
+    assert publication_tables(pub, tables) == ["public.mid"]
+
+    at_root = Publication("r", (PublishedTable("root", "a > 0"),), publish_via_partition_root=True)
+    res = by_table(effective_filters([pub, at_root], tables))
+    # the highest ancestor over all publications wins; only its publications contribute
+    assert res["public.leaf"].published_as == "public.root"
+    assert res["public.leaf"].publications == ("r",)
+    assert res["public.leaf"].filter == "a > 0"
+    assert res["public.other"].published_as == "public.root"
+
+
+def test_mixed_via_root_settings_are_reported_for_the_initial_copy():
+    via_root = Publication(
+        "vr", (PublishedTable("parent", "a < 5"),), publish_via_partition_root=True
+    )
+    leafwise = Publication("lw", (PublishedTable("child", "a >= 5"),))
+    (child,) = effective_filters([via_root, leafwise], PARTITIONS)
+    assert child.published_as == "public.parent"
+    assert child.filter == "a < 5"
+    assert child.publications == ("vr",)
+    assert IssueCode.INITIAL_SYNC_OVERLAP in {i.code for i in child.issues}
+    plan = {s.relation: s for s in initial_sync_plan([via_root, leafwise], PARTITIONS)}
+    assert set(plan) == {"public.parent", "public.child"}
+    assert plan["public.child"].issues[0].code == IssueCode.INITIAL_SYNC_OVERLAP
+
+
+def test_publish_operations_are_ored_over_all_levels():
+    # PostgreSQL quirk mirrored: operations come from every publication that publishes the
+    # leaf, filters only from those at the winning ancestor level.
+    via_root = Publication(
+        "vr",
+        (PublishedTable("parent", "a < 5"),),
+        publish=frozenset({"insert"}),
+        publish_via_partition_root=True,
+    )
+    leafwise = Publication(
+        "lw", (PublishedTable("child", "a >= 5"),), publish=frozenset({"update"})
+    )
+    (child,) = effective_filters([via_root, leafwise], PARTITIONS)
+    assert child.operations == ("insert", "update")
+    assert child.filters == {"insert": "a < 5", "update": None}
+
+
+def test_column_lists():
+    t = [TableInfo("public", "t", columns=("id", "a", "b"))]
+    p_a = Publication("pa", (PublishedTable("t", columns=("id", "a")),))
+    p_b = Publication("pb", (PublishedTable("t", "a > 1", columns=("a", "id")),))
+    (r,) = effective_filters([p_a, p_b], t)
+    assert r.columns == ("id", "a")
+    assert r.issues == ()
+
+    p_c = Publication("pc", (PublishedTable("t", columns=("id", "b")),))
+    (r,) = effective_filters([p_a, p_c], t)
+    assert r.columns == ("id", "a", "b")
+    assert [i.code for i in r.issues] == [IssueCode.CONFLICTING_COLUMN_LISTS]
+
+    every = Publication("ev", (PublishedTable("t", columns=("b", "a", "id")),))
+    (r,) = effective_filters([every], t)
+    assert r.columns is None  # a list naming every column is no list
+
+    (r,) = effective_filters([p_a, Publication("all", all_tables=True)], t)
+    assert r.columns is None
+    assert [i.code for i in r.issues] == [IssueCode.CONFLICTING_COLUMN_LISTS]
+    plan = initial_sync_plan([p_a, p_c], t)
+    assert plan[0].columns == ("id", "a", "b")
+    assert plan[0].issues[0].code == IssueCode.CONFLICTING_COLUMN_LISTS
+
+
+def test_invalid_filter_fails_closed():
+    t = [TableInfo("public", "t")]
+    bad = Publication("bad", (PublishedTable("t", "a > 1); DROP TABLE t; --"),))
+    good = Publication("good", (PublishedTable("t", "b = 2"),))
+    (r,) = effective_filters([bad, good], t)
+    assert r.filter == "(false) OR (b = 2)"
+    assert [i.code for i in r.issues] == [IssueCode.INVALID_ROW_FILTER]
+
+
+def test_unknown_published_table_is_reported():
+    pub = Publication("p", (PublishedTable("nosuch", "a > 1"),))
+    (r,) = effective_filters([pub], SEED_TABLES)
+    assert r.table == "public.nosuch"
+    assert [i.code for i in r.issues] == [IssueCode.UNKNOWN_PUBLISHED_TABLE]
+
+
+def test_publication_tables_like_postgresql_15():
+    tables = [
+        TableInfo("public", "plain"),
+        TableInfo("public", "parent", partitioned=True),
+        TableInfo("other", "child", parent="public.parent"),
+    ]
+    assert publication_tables(Publication("a", all_tables=True), tables) == [
+        "public.plain",
+        "other.child",
+    ]
+    assert publication_tables(
+        Publication("a", all_tables=True, publish_via_partition_root=True), tables
+    ) == ["public.plain", "public.parent"]
+    # a schema publication expands partitioned tables to their leaves, in any schema
+    assert publication_tables(Publication("s", schemas=("public",)), tables) == [
+        "public.plain",
+        "other.child",
+    ]
+    assert publication_tables(
+        Publication("s", schemas=("public",), publish_via_partition_root=True), tables
+    ) == ["public.plain", "public.parent"]
+    assert publication_tables(Publication("o", schemas=("other",)), tables) == ["other.child"]
+
+
+# --------------------------------------------------------------------------------------
+# properties
+
+
+_filter = st.sampled_from([None, "a > 1", "b = 2", "a < 0 OR b IS NULL"])
+_ops = st.sets(st.sampled_from(["insert", "update", "delete", "truncate"])).map(frozenset)
+_pub_spec = st.tuples(_filter, _ops, st.booleans())
+
+
+def _pubs(specs: list[tuple[str | None, frozenset[str], bool]]) -> list[Publication]:
+    return [
+        Publication(f"p{i}", () if all_tables else (PublishedTable("t", where),), (),
+                    all_tables, ops)
+        for i, (where, ops, all_tables) in enumerate(specs)
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_pub_spec, min_size=1, max_size=5))
+def test_property_or_semantics(specs: list[tuple[str | None, frozenset[str], bool]]):
+    pubs = _pubs(specs)
+    (r,) = effective_filters(pubs, [TableInfo("public", "t")])
+    for op in ("insert", "update", "delete"):
+        publishing = [p for p in pubs if op in p.publish]
+        if not publishing:
+            assert op not in r.filters
+            continue
+        unfiltered = any(p.all_tables or p.tables[0].where is None for p in publishing)
+        if unfiltered:
+            assert r.filters[op] is None
+        else:
+            expected = list(dict.fromkeys(str(p.tables[0].where) for p in publishing))
+            got = r.filters[op]
+            assert got is not None
+            for term in expected:
+                assert (term if len(expected) == 1 else f"({term})") in got
+    # initial sync ignores operations
+    any_unfiltered = any(p.all_tables or p.tables[0].where is None for p in pubs)
+    assert (r.initial_sync_filter is None) == any_unfiltered
+    # permuting publications changes only the order of ORed terms
+    (rev,) = effective_filters(list(reversed(pubs)), [TableInfo("public", "t")])
+    for op, combined in r.filters.items():
+        other = rev.filters[op]
+        assert (combined is None) == (other is None)
+        if combined is not None and other is not None:
+            assert sorted(combined.split(" OR ")) == sorted(other.split(" OR "))
+
+
+@pytest.mark.parametrize("via_root", [True, False])
+def test_every_leaf_is_reported_once(via_root: bool):
+    tables = [
+        TableInfo("public", "root", partitioned=True),
+        *(TableInfo("public", f"p{i}", parent="public.root") for i in range(4)),
+    ]
+    pub = Publication(
+        "p",
+        (PublishedTable("root", "a > 1" if via_root else None),),
+        publish_via_partition_root=via_root,
+    )
+    res = effective_filters([pub], tables)
+    assert sorted(r.table for r in res) == [f"public.p{i}" for i in range(4)]
+    assert {r.published_as for r in res} == (
+        {"public.root"} if via_root else {f"public.p{i}" for i in range(4)}
+    )
