@@ -74,6 +74,63 @@ def beat(ctx: typer.Context) -> None:
     celery_app.start(["beat", "--loglevel=INFO", *ctx.args])
 
 
+@app.command()
+def tail(
+    dsn: Annotated[str, typer.Option(help="source database (libpq URI or key=value)")],
+    slot: Annotated[str, typer.Option(help="logical replication slot (pgoutput)")],
+    publication: Annotated[
+        list[str], typer.Option(help="publication name (repeat for several)")
+    ],
+    create_slot: Annotated[bool, typer.Option(help="create the slot if missing")] = False,
+    from_lsn: Annotated[
+        str | None, typer.Option("--from", help="skip transactions ending at or before LSN")
+    ] = None,
+    confirm: Annotated[
+        bool, typer.Option(help="advance the slot past what was printed (default: never)")
+    ] = False,
+    transport: Annotated[str, typer.Option(help="sql or walsender")] = "sql",
+    binary: Annotated[bool, typer.Option(help="ask pgoutput for binary values")] = False,
+    messages: Annotated[bool, typer.Option(help="include logical messages")] = True,
+    limit: Annotated[int | None, typer.Option(help="stop after N changes")] = None,
+    timeout: Annotated[float | None, typer.Option(help="stop after N seconds")] = None,
+) -> None:
+    """Print a slot's decoded changes as JSON lines (the slot is not moved unless --confirm)."""
+    import sys
+
+    from pgsieve.core.credentials import InvalidDsn, parse_dsn
+    from pgsieve.core.lsn import InvalidLsn, Lsn
+    from pgsieve.workers.tail import TailOptions, run_tail
+    from pgsieve.workers.transports import TransportError
+
+    _logging()
+    try:
+        parse_dsn(dsn)
+        start = Lsn.parse(from_lsn) if from_lsn else None
+    except (InvalidDsn, InvalidLsn) as exc:
+        typer.echo(f"pgsieve tail: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if transport not in ("sql", "walsender"):
+        typer.echo("pgsieve tail: --transport is sql or walsender", err=True)
+        raise typer.Exit(2)
+    opts = TailOptions(
+        dsn=dsn, slot=slot, publications=tuple(publication), create_slot=create_slot,
+        from_lsn=start, confirm=confirm, transport=transport, binary=binary,
+        messages=messages, limit=limit, timeout=timeout,
+    )
+    try:
+        run_tail(opts, sys.stdout)
+    except KeyboardInterrupt:
+        pass
+    except TransportError as exc:
+        typer.echo(f"pgsieve tail: {exc}", err=True)
+        raise typer.Exit(1) from None
+    except Exception as exc:  # psycopg errors: say what PostgreSQL said, no traceback
+        from pgsieve.core.credentials import scrub_secrets
+
+        typer.echo(f"pgsieve tail: {scrub_secrets(str(exc).strip())}", err=True)
+        raise typer.Exit(1) from None
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
     """Apply Alembic migrations to PGSIEVE_DATABASE_URL."""

@@ -1,0 +1,71 @@
+"""A consumer process for the crash tests: applies each transaction to a JSON-lines file
+(the "target"), fsyncs, then confirms; on start resumes after the file's last LSN.
+
+Run: python -m tests.integration.consumer_child DSN SLOT PUBLICATION TRANSPORT OUT_FILE
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from pgsieve.core.lsn import Lsn
+from pgsieve.core.pgoutput.assembler import Transaction
+from pgsieve.workers.consumer import IdleProgress, SlotConsumer
+from pgsieve.workers.tail import item_records
+from pgsieve.workers.transports import (
+    PgoutputOptions,
+    SqlTransport,
+    Transport,
+    WalsenderTransport,
+)
+
+
+def last_applied(path: Path) -> Lsn | None:
+    if not path.exists():
+        return None
+    last = None
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                last = json.loads(line)["end_lsn"]
+            except json.JSONDecodeError:  # a torn last line: not applied
+                break
+    return Lsn.parse(last) if last else None
+
+
+def main() -> None:
+    dsn, slot, publication, transport_name, out = sys.argv[1:6]
+    path = Path(out)
+    options = PgoutputOptions(publication_names=(publication,), proto_version=2)
+    transport: Transport = (
+        WalsenderTransport(dsn, slot, options)
+        if transport_name == "walsender"
+        else SqlTransport(dsn, slot, options, window_bytes=1 << 20)
+    )
+    consumer = SlotConsumer(transport, proto_version=2, resume_after=last_applied(path),
+                            memory_limit=256 * 1024)
+    with path.open("a") as f:
+        for item in consumer.items(time.monotonic() + 120):
+            if isinstance(item, IdleProgress):  # record the idle position, then confirm it
+                f.write(json.dumps({"end_lsn": str(item.lsn), "changes": []}) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+                consumer.confirm(item.lsn)
+                continue
+            if not isinstance(item, Transaction):
+                continue
+            records = [
+                {k: r[k] for k in ("table", "op", "new", "old")} for r in item_records(item)
+            ]
+            f.write(json.dumps({"end_lsn": str(item.end_lsn), "changes": records}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            consumer.confirm(item.end_lsn)
+
+
+if __name__ == "__main__":
+    main()

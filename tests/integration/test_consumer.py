@@ -1,0 +1,402 @@
+"""The slot consumer end to end on a real publisher, with both transports.
+
+The workload is known in Python, so the expected change stream is computed from it and
+compared with what the consumer yields: streamed (large) transactions, an aborted large
+transaction, a rolled-back savepoint, TRUNCATE, logical messages, interleaving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from pgsieve.core.lsn import Lsn
+from pgsieve.core.pgoutput.assembler import StandaloneMessage, Transaction
+from pgsieve.workers.consumer import IdleProgress, SlotConsumer
+from pgsieve.workers.tail import item_records
+from pgsieve.workers.transports import (
+    PgoutputOptions,
+    SqlTransport,
+    Transport,
+    TransportError,
+    WalsenderTransport,
+)
+from tests.conftest import Database
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SETUP = """
+CREATE TABLE acct (id int PRIMARY KEY, owner text NOT NULL, balance numeric(12,2));
+CREATE TABLE note (id int PRIMARY KEY, body text);
+CREATE PUBLICATION pub FOR TABLE acct, note;
+"""
+
+
+def _slot(db: Database, name: str = "s") -> None:
+    db.execute(f"SELECT pg_create_logical_replication_slot('{name}', 'pgoutput')")
+
+
+def _transport(kind: str, db: Database, slot: str = "s", **kw: Any) -> Transport:
+    options = PgoutputOptions(publication_names=("pub",), proto_version=2, messages=True)
+    if kind == "sql":
+        return SqlTransport(db.dsn, slot, options, window_bytes=kw.get("window", 1 << 20))
+    return WalsenderTransport(db.dsn, slot, options)
+
+
+def run_workload(db: Database) -> list[list[dict[str, Any]]]:
+    """Apply a mixed workload; return the expected committed transactions' changes."""
+    expected: list[list[dict[str, Any]]] = []
+    with db.connect(autocommit=False) as conn:
+        # 1. small mixed transaction
+        conn.execute("INSERT INTO acct VALUES (1, 'ann', 10.50), (2, 'bob', NULL)")
+        conn.execute("UPDATE acct SET balance = 11 WHERE id = 1")
+        conn.execute("DELETE FROM acct WHERE id = 2")
+        conn.commit()
+        expected.append([
+            {"table": "public.acct", "op": "insert", "new": {"id": 1, "owner": "ann",
+                                                             "balance": "10.50"}, "old": None},
+            {"table": "public.acct", "op": "insert", "new": {"id": 2, "owner": "bob",
+                                                             "balance": None}, "old": None},
+            {"table": "public.acct", "op": "update", "new": {"id": 1, "owner": "ann",
+                                                             "balance": "11.00"}, "old": None},
+            {"table": "public.acct", "op": "delete", "new": None, "old": {"id": 2}},
+        ])
+        # 2. a large transaction that streams (publisher has logical_decoding_work_mem=64kB)
+        conn.execute("INSERT INTO note SELECT g, repeat('n', 50) || g FROM "
+                     "generate_series(1, 3000) g")
+        conn.commit()
+        expected.append([
+            {"table": "public.note", "op": "insert", "new": {"id": g, "body": "n" * 50 + str(g)},
+             "old": None} for g in range(1, 3001)
+        ])
+        # 3. a large transaction that aborts: nothing
+        conn.execute("INSERT INTO note SELECT g, 'gone' FROM generate_series(5001, 8000) g")
+        conn.rollback()
+        # 4. a large transaction with a rolled-back savepoint (subtransaction abort)
+        conn.execute("INSERT INTO note SELECT g, 'kept' FROM generate_series(10001, 11500) g")
+        conn.execute("SAVEPOINT sp")
+        conn.execute("INSERT INTO note SELECT g, 'dropped' FROM generate_series(20001, 22000) g")
+        conn.execute("ROLLBACK TO SAVEPOINT sp")
+        conn.execute("INSERT INTO acct VALUES (3, 'cid', 3)")
+        conn.commit()
+        expected.append(
+            [{"table": "public.note", "op": "insert", "new": {"id": g, "body": "kept"},
+              "old": None} for g in range(10001, 11501)]
+            + [{"table": "public.acct", "op": "insert",
+                "new": {"id": 3, "owner": "cid", "balance": "3.00"}, "old": None}]
+        )
+        # 5. a transactional logical message and a truncate
+        conn.execute("SELECT pg_logical_emit_message(true, 'app', 'in-tx')")
+        conn.execute("TRUNCATE note")
+        conn.commit()
+        expected.append([
+            {"table": None, "op": "message", "new": None, "old": None},
+            {"table": "public.note", "op": "truncate", "new": None, "old": None},
+        ])
+    return expected
+
+
+def interleaved_workload(db: Database) -> list[list[dict[str, Any]]]:
+    """A streamed transaction that commits after a small one that started later."""
+    big = db.connect(autocommit=False)
+    small = db.connect(autocommit=False)
+    try:
+        big.execute("INSERT INTO note SELECT g, 'big' FROM generate_series(30001, 33000) g")
+        small.execute("INSERT INTO acct VALUES (100, 'small', 1)")
+        small.commit()
+        big.execute("UPDATE acct SET owner = 'big' WHERE id = 100")
+        big.commit()
+    finally:
+        big.close()
+        small.close()
+    return [
+        [{"table": "public.acct", "op": "insert",
+          "new": {"id": 100, "owner": "small", "balance": "1.00"}, "old": None}],
+        [{"table": "public.note", "op": "insert", "new": {"id": g, "body": "big"}, "old": None}
+         for g in range(30001, 33001)]
+        + [{"table": "public.acct", "op": "update",
+            "new": {"id": 100, "owner": "big", "balance": "1.00"}, "old": None}],
+    ]
+
+
+def _simplify(item: Transaction | StandaloneMessage) -> list[dict[str, Any]]:
+    assert not isinstance(item, IdleProgress)
+    return [{k: r[k] for k in ("table", "op", "new", "old")} for r in item_records(item)]
+
+
+def consume_all(transport: Transport, expected_count: int, timeout: float = 60,
+                confirm: bool = True) -> tuple[list[list[dict[str, Any]]], SlotConsumer]:
+    consumer = SlotConsumer(transport, proto_version=2, memory_limit=128 * 1024)
+    got: list[list[dict[str, Any]]] = []
+    deadline = time.monotonic() + timeout
+    for item in consumer.items(deadline):
+        if isinstance(item, IdleProgress) and confirm:
+            consumer.confirm(item.lsn)
+        if isinstance(item, Transaction):
+            got.append(_simplify(item))
+            if confirm:
+                consumer.confirm(item.end_lsn)
+            if len(got) >= expected_count:
+                break
+    return got, consumer
+
+
+@pytest.mark.parametrize("kind", ["sql", "walsender"])
+def test_mixed_workload_equals_the_workload(source_db: Database, kind: str):
+    source_db.execute(SETUP)
+    _slot(source_db)
+    expected = run_workload(source_db) + interleaved_workload(source_db)
+    got, consumer = consume_all(_transport(kind, source_db), len(expected))
+    try:
+        assert len(got) == len(expected)
+        for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+            assert g == e, f"transaction {i} differs"
+        assert consumer.stats.spilled_transactions >= 1, "the big transactions should spill"
+    finally:
+        consumer.close()
+    # Confirmed: the slot moved to the last commit, so a new reader sees nothing old.
+    rest, again = consume_all(_transport(kind, source_db), 1, timeout=2)
+    again.close()
+    assert rest == []
+
+
+@pytest.mark.parametrize("kind", ["sql", "walsender"])
+def test_unconfirmed_changes_are_sent_again(source_db: Database, kind: str):
+    source_db.execute(SETUP)
+    _slot(source_db)
+    expected = run_workload(source_db)
+    got, consumer = consume_all(_transport(kind, source_db), len(expected), confirm=False)
+    consumer.close()
+    assert got == expected
+    slot = source_db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots")[0][0]
+    got2, consumer2 = consume_all(_transport(kind, source_db), len(expected))
+    consumer2.close()
+    assert got2 == expected
+    slot2 = source_db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots")[0][0]
+    assert Lsn.parse(str(slot2)) > Lsn.parse(str(slot))
+
+
+def test_resume_after_skips_applied_transactions(source_db: Database):
+    source_db.execute(SETUP)
+    _slot(source_db)
+    expected = run_workload(source_db)
+    consumer = SlotConsumer(_transport("sql", source_db), proto_version=2)
+    ends = []
+    for item in consumer.items(time.monotonic() + 30):
+        if isinstance(item, Transaction):
+            ends.append(item.end_lsn)
+            if len(ends) == len(expected):
+                break
+    consumer.close()
+    # The target recorded the second transaction; nothing is confirmed on the slot.
+    resumed = SlotConsumer(_transport("sql", source_db), proto_version=2, resume_after=ends[1])
+    rest = []
+    for item in resumed.items(time.monotonic() + 30):
+        if isinstance(item, Transaction):
+            rest.append(_simplify(item))
+            if len(rest) == len(expected) - 2:
+                break
+    resumed.close()
+    assert rest == expected[2:]
+    assert resumed.stats.skipped >= 2
+
+
+def test_walsender_reconnects_after_the_backend_dies(source_db: Database):
+    source_db.execute(SETUP)
+    _slot(source_db)
+    consumer = SlotConsumer(_transport("walsender", source_db), proto_version=2)
+    got: list[list[dict[str, Any]]] = []
+
+    def writer() -> None:
+        for i in range(20):
+            source_db.execute(f"INSERT INTO acct VALUES ({1000 + i}, 'w', {i})")
+            if i == 10:
+                source_db.execute("SELECT pg_terminate_backend(active_pid) "
+                                  "FROM pg_replication_slots WHERE slot_name = 's'")
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    for item in consumer.items(time.monotonic() + 60):
+        if isinstance(item, Transaction):
+            got.append(_simplify(item))
+            consumer.confirm(item.end_lsn)
+            if len(got) == 20:
+                break
+    thread.join()
+    consumer.close()
+    assert [t[0]["new"]["id"] for t in got] == list(range(1000, 1020))
+    assert consumer.stats.sessions >= 2
+
+
+def test_missing_slot_is_a_clear_error(source_db: Database):
+    source_db.execute(SETUP)
+    with pytest.raises(TransportError, match="does not exist"):
+        SqlTransport(source_db.dsn, "nope", PgoutputOptions(("pub",)))
+    consumer = SlotConsumer(
+        WalsenderTransport(source_db.dsn, "nope", PgoutputOptions(("pub",)), max_attempts=2),
+        proto_version=2,
+    )
+    with pytest.raises(TransportError, match="nope"):
+        list(consumer.items(time.monotonic() + 10))
+
+
+def test_idle_sql_consumer_moves_the_slot(source_db: Database):
+    """Unrelated WAL (another table, not published) must not pile up behind the slot."""
+    source_db.execute(SETUP + "; CREATE TABLE other(x int)")
+    _slot(source_db)
+    source_db.execute("INSERT INTO other SELECT generate_series(1, 50000)")
+    before = source_db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots")[0][0]
+    got, consumer = consume_all(_transport("sql", source_db), 10, timeout=1.5)
+    consumer.close()
+    assert all(tx == [] for tx in got), "only empty transactions (nothing published)"
+    after = source_db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots")[0][0]
+    assert Lsn.parse(str(after)) - Lsn.parse(str(before)) > 1_000_000
+
+
+@pytest.mark.parametrize("kind", ["sql", "walsender"])
+def test_killed_consumer_resumes_exactly_once(source_db: Database, tmp_path: Path, kind: str):
+    """kill -9 the consumer at random moments while a workload runs; every transaction
+    reaches the output exactly once, in order."""
+    source_db.execute(SETUP)
+    _slot(source_db)
+    out = tmp_path / "applied.jsonl"
+    n_tx = 150
+    stop = threading.Event()
+
+    def writer() -> None:
+        with source_db.connect() as conn:
+            for i in range(n_tx):
+                if i % 50 == 25:  # now and then a large, streamed transaction
+                    with conn.transaction():
+                        conn.execute("INSERT INTO note SELECT g, 'bulk' FROM "
+                                     "generate_series(%s, %s) g", (i * 10000, i * 10000 + 1999))
+                        conn.execute("INSERT INTO acct VALUES (%s, 'w', %s)", (i, i))
+                else:
+                    conn.execute("INSERT INTO acct VALUES (%s, 'w', %s)", (i, i))
+                time.sleep(0.01)
+        stop.set()
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "tests.integration.consumer_child", source_db.dsn, "s", "pub",
+            kind, str(out)]
+    thread = threading.Thread(target=writer)
+    thread.start()
+    kills = 0
+    import random
+
+    rng = random.Random(7)
+    while True:
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT)
+        time.sleep(rng.uniform(0.3, 1.2))
+        if stop.is_set() and _applied_ids(out).count >= n_tx:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        assert kills < 80, "consumer made no progress"
+    thread.join()
+    # A final clean run drains whatever is left.
+    final = subprocess.Popen(argv, env=env, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while _applied_ids(out).count < n_tx and time.monotonic() < deadline:
+        time.sleep(0.2)
+    final.send_signal(signal.SIGKILL)
+    final.wait()
+    applied = _applied_ids(out)
+    assert applied.ids == list(range(n_tx)), "each transaction exactly once, in commit order"
+    assert kills >= 3
+    slot = source_db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots")[0][0]
+    assert Lsn.parse(str(slot)) <= applied.last_end, "slot confirmed past the target"
+
+
+class _Applied:
+    def __init__(self, ids: list[int], last_end: Lsn) -> None:
+        self.ids = ids
+        self.count = len(ids)
+        self.last_end = last_end
+
+
+def _applied_ids(path: Path) -> _Applied:
+    ids: list[int] = []
+    last = Lsn(0)
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                tx = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            last = Lsn.parse(tx["end_lsn"])
+            ids += [c["new"]["id"] for c in tx["changes"] if c["table"] == "public.acct"]
+    return _Applied(ids, last)
+
+
+def test_tail_cli(source_db: Database):
+    source_db.execute(SETUP)
+    source_db.execute("INSERT INTO acct VALUES (1, 'ann', 1)")  # before the slot: not shown
+    cmd = [sys.executable, "-m", "pgsieve.cli", "tail", "--dsn", source_db.dsn, "--slot", "t1",
+           "--publication", "pub", "--create-slot", "--timeout", "2"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == ""
+    source_db.execute("INSERT INTO acct VALUES (2, 'bob', 2); UPDATE acct SET owner = 'ann2' "
+                      "WHERE id = 1; DELETE FROM acct WHERE id = 2")
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
+    lines = [json.loads(x) for x in out.splitlines()]
+    assert [(r["op"], r["table"]) for r in lines] == [
+        ("insert", "public.acct"), ("update", "public.acct"), ("delete", "public.acct")]
+    assert lines[0]["new"] == {"id": 2, "owner": "bob", "balance": "2.00"}
+    assert lines[2]["old"] == {"id": 2}
+    assert {"lsn", "xid", "commit_lsn", "table", "op", "new", "old"} <= set(lines[0])
+    assert Lsn.parse(lines[0]["commit_lsn"]) == Lsn.parse(lines[2]["commit_lsn"])
+    # Without --confirm the slot did not move: the same changes print again.
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
+    assert again == out
+    # With --confirm they are consumed.
+    subprocess.run([*cmd, "--confirm"], capture_output=True, text=True, timeout=60, check=True)
+    after = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
+    assert after == ""
+
+
+def test_tail_cli_bad_input(source_db: Database):
+    base = [sys.executable, "-m", "pgsieve.cli", "tail", "--slot", "x", "--publication", "p"]
+    r = subprocess.run([*base, "--dsn", source_db.dsn, "--from", "nonsense"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2 and "not an LSN" in r.stderr
+    r = subprocess.run([*base, "--dsn", source_db.dsn, "--timeout", "1"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1 and "does not exist" in r.stderr
+    r = subprocess.run([*base, "--dsn", "postgresql://u:sekret@127.0.0.1:1/x", "--timeout", "1"],
+                       capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 1 and "sekret" not in r.stderr + r.stdout
+
+
+def test_streaming_proves_memory_bound(source_db: Database):
+    """The spill path is exercised: the consumer's memory bound is far below the txn."""
+    source_db.execute(SETUP)
+    _slot(source_db)
+    with psycopg.connect(source_db.dsn) as conn:
+        conn.execute("INSERT INTO note SELECT g, repeat('z', 500) FROM "
+                     "generate_series(1, 20000) g")
+    consumer = SlotConsumer(_transport("sql", source_db, window=64 << 20), proto_version=2,
+                            memory_limit=1 << 20)
+    count = 0
+    for item in consumer.items(time.monotonic() + 60):
+        if isinstance(item, Transaction):
+            assert item.changes.spilled
+            count = sum(1 for _ in item.changes)
+            break
+    consumer.close()
+    assert count == 20000
