@@ -66,6 +66,13 @@ def _run(dsn: str, *statements: str) -> None:
             conn.execute(sql.encode())
 
 
+def flush_wal(dsn: str) -> None:
+    """Make all WAL written so far visible to decoding (it reads only flushed WAL): commit
+    a transaction that writes WAL, synchronously. (An xid alone is not enough: a commit
+    that wrote no WAL is never flushed synchronously.)"""
+    _run(dsn, "CREATE TEMP TABLE flush_barrier (x int)")
+
+
 def _txn(dsn: str, *statements: str) -> None:
     with _connect(dsn) as conn:  # one transaction, committed on exit
         for sql in statements:
@@ -207,7 +214,6 @@ def _stream_subxact_abort(dsn: str, drain: Drain) -> Notes:
 def _stream_abort(dsn: str, drain: Drain) -> Notes:
     with _connect(dsn) as conn:
         conn.execute(_big_insert(1, 1000).encode())
-        _run(dsn, "SELECT pg_current_xact_id()")  # flush the in-progress inserts' WAL
         drain()  # decoded while in progress: streamed (had it aborted, it would be skipped)
         conn.rollback()
     _run(dsn, "INSERT INTO s VALUES (0, 'after')")
@@ -297,6 +303,7 @@ def capture(dsn: str, scenario: Scenario) -> dict[str, Any]:
     rows: list[tuple[str, str, bytes]] = []
 
     def changes(function: str) -> None:
+        flush_wal(dsn)
         with _connect(dsn, autocommit=True) as conn:
             rows.extend(conn.execute(
                 f"SELECT lsn::text, xid::text, data FROM {function}(%s, NULL, NULL, {args})",

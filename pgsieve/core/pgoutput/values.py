@@ -14,7 +14,8 @@ Representations, chosen to be faithful rather than convenient:
   approximation (30-day months, 365-day years).
 * json/jsonb → the parsed JSON; bytea → ``bytes``; uuid → ``UUID``; text-like → ``str``.
 * arrays of these (text ``{...}`` with quoting and NULL, or the binary array format) →
-  nested lists.
+  nested lists (lower bounds other than 1 are dropped, as psycopg does; :func:`pg_text`
+  keeps them).
 
 Text-format parsing assumes the decoding session's ``DateStyle`` is ISO (the default) and
 ``IntervalStyle`` is ``postgres`` (the default) or ``iso_8601``. Unknown type OIDs in text
@@ -451,12 +452,24 @@ def pg_text(type_oid: int, kind: str, raw: RawValue) -> str | None:
         return raw.decode()
     if type_oid == JSONB:
         return _jsonb_text(raw)
-    if ARRAY_ELEMENT.get(type_oid) in (JSON, JSONB):  # keep JSON text, don't re-serialise
-        try:
-            return to_pg_text(_binary_array(raw, _JSON_AS_TEXT))
-        except (ValueError, IndexError, struct.error) as exc:
-            raise ValueConversionError(f"cannot convert binary json array: {exc}") from None
-    return to_pg_text(from_binary(type_oid, raw))
+    element = ARRAY_ELEMENT.get(type_oid)
+    if element is None:
+        return to_pg_text(from_binary(type_oid, raw))
+    try:  # arrays: keep JSON elements' text, and lower bounds other than 1
+        values = _binary_array(raw, _JSON_AS_TEXT) if element in (JSON, JSONB) else (
+            from_binary(type_oid, raw))
+        return _array_bounds(raw) + to_pg_text(values)
+    except (ValueError, IndexError, struct.error) as exc:
+        raise ValueConversionError(f"cannot convert binary array: {exc}") from None
+
+
+def _array_bounds(raw: bytes) -> str:
+    """``[l:u]...=`` decoration when some lower bound is not 1 (lists cannot carry it)."""
+    ndim = struct.unpack_from("!i", raw)[0]
+    dims = [struct.unpack_from("!ii", raw, 12 + 8 * i) for i in range(max(ndim, 0))]
+    if all(lower == 1 for _, lower in dims):
+        return ""
+    return "".join(f"[{lower}:{lower + size - 1}]" for size, lower in dims) + "="
 
 
 def _jsonb_text(raw: bytes) -> str:
