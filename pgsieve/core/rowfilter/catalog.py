@@ -202,7 +202,8 @@ class _Probe:
             with self.conn.transaction():
                 cur = self.conn.cursor(row_factory=tuple_row)
                 # binary=True forces the extended query protocol: one statement per call.
-                cur.execute(query, params, binary=True)
+                # prepare=False: leave no server-side prepared statements in the session.
+                cur.execute(query, params, prepare=False, binary=True)
                 return list(cur.fetchall()) if cur.description else []
         except psycopg.Error as exc:
             if _lost(self.conn, exc):
@@ -254,12 +255,7 @@ def _step_issue(step: _StepFailed, code: IssueCode, what: str) -> FilterIssue:
             "(the table may be locked or the server busy); try again",
         )
     if step.sqlstate == "42501":
-        return FilterIssue(
-            IssueCode.REJECTED_BY_POSTGRES
-            if code is IssueCode.REJECTED_BY_POSTGRES
-            else code,
-            f"{what}: insufficient privilege — {step.describe()}",
-        )
+        return FilterIssue(code, f"{what}: insufficient privilege — {step.describe()}")
     return FilterIssue(code, f"{what}: PostgreSQL says: {step.describe()}")
 
 

@@ -114,17 +114,17 @@ class ReplicaIdentity:
         return self.kind == "full" or bool(self.columns)
 
     def describe(self) -> str:
-        """Human text, e.g. ``REPLICA IDENTITY DEFAULT (primary key id)``."""
-        cols = ", ".join(self.columns)
+        """Human text, e.g. ``REPLICA IDENTITY DEFAULT: primary key (id)``."""
+        cols = ", ".join(quote_ident(c) for c in self.columns)
         if self.kind == "full":
-            return "REPLICA IDENTITY FULL (all columns)"
+            return "REPLICA IDENTITY FULL: all columns"
         if self.kind == "nothing":
-            return "REPLICA IDENTITY NOTHING (no columns)"
+            return "REPLICA IDENTITY NOTHING: no columns"
         if self.kind == "index":
-            return f"REPLICA IDENTITY USING INDEX {self.index_name or '?'} ({cols})"
+            return f"REPLICA IDENTITY USING INDEX {self.index_name or '?'}: ({cols})"
         if self.columns:
-            return f"REPLICA IDENTITY DEFAULT (primary key ({cols}))"
-        return "REPLICA IDENTITY DEFAULT, but the table has no primary key (no identity)"
+            return f"REPLICA IDENTITY DEFAULT: primary key ({cols})"
+        return "REPLICA IDENTITY DEFAULT, but the table has no primary key: no identity"
 
     def as_dict(self) -> dict[str, object]:
         """The ``replica_identity`` object of the filter-preview API."""
@@ -383,11 +383,19 @@ def _suggestion(table: TableFacts, needed: Sequence[str]) -> str:
         if ix.usable_as_identity and set(needed) <= set(ix.columns)
     ]
     cols = ", ".join(quote_ident(c) for c in needed)
-    parts = ["REPLICA IDENTITY FULL", f"an index on ({cols}) as REPLICA IDENTITY USING INDEX"]
-    text = "set " + ", or ".join(parts)
+    text = (
+        f"set REPLICA IDENTITY FULL, or an index on ({cols}) as REPLICA IDENTITY USING INDEX "
+        "(it must be unique, non-partial and on NOT NULL columns; adding the key columns "
+        "keeps it unique)"
+    )
     if covering:
-        text += f" (existing candidate: {', '.join(covering)})"
-    return text + ", or publish only insert (and truncate)"
+        text += f" — existing candidate: {', '.join(covering)}"
+    return text + "; or publish only insert (and truncate)"
+
+
+def _published_phrase(ops: Iterable[str]) -> str:
+    names = [o.upper() for o in ("update", "delete") if o in set(ops)]
+    return f"{' and '.join(names)} {'are' if len(names) > 1 else 'is'}"
 
 
 def replica_identity_issues(
@@ -410,7 +418,7 @@ def replica_identity_issues(
     if not used:
         return []
     issues: list[FilterIssue] = []
-    published = " and ".join(o.upper() for o in ("update", "delete") if o in ops)
+    published = _published_phrase(ops)
     for relation, identity, columns in _identity_targets(table, publish_via_partition_root):
         if identity.kind == "full":
             continue
@@ -422,7 +430,7 @@ def replica_identity_issues(
                 IssueCode.COLUMN_NOT_IN_REPLICA_IDENTITY,
                 f"column(s) {', '.join(quote_ident(c) for c in dict.fromkeys(missing))} "
                 f"used in the filter are not part of the replica identity of {relation} "
-                f"({identity.describe()}); when {published} is published a row filter may "
+                f"({identity.describe()}); when {published} published a row filter may "
                 f"only use replica-identity columns. To allow this filter, "
                 + _suggestion(table, used),
             )
@@ -621,14 +629,14 @@ def column_list_issues(
             )
         )
     if ops & {"update", "delete"}:
-        published = " and ".join(o.upper() for o in ("update", "delete") if o in ops)
+        published = _published_phrase(ops)
         for relation, identity, rel_columns in _identity_targets(table, publish_via_partition_root):
             if identity.kind == "full":
                 issues.append(
                     FilterIssue(
                         IssueCode.COLUMN_LIST_NOT_COVERING_REPLICA_IDENTITY,
                         f"{relation} has REPLICA IDENTITY FULL; PostgreSQL 15 does not allow a "
-                        f"column list for it when {published} is published (even one naming "
+                        f"column list for it when {published} published (even one naming "
                         "every column). Drop the column list, use a primary key or "
                         "REPLICA IDENTITY USING INDEX, or publish only insert",
                     )
@@ -641,7 +649,7 @@ def column_list_issues(
                         IssueCode.COLUMN_LIST_NOT_COVERING_REPLICA_IDENTITY,
                         f"the column list must include the replica identity column(s) "
                         f"{', '.join(quote_ident(c) for c in missing)} of {relation} "
-                        f"({identity.describe()}) when {published} is published",
+                        f"({identity.describe()}) when {published} published",
                     )
                 )
     return issues
