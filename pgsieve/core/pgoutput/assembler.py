@@ -293,12 +293,12 @@ def _size(message: ChangeMessage, raw: bytes | None) -> int:
     if raw is not None:
         return 2 * len(raw) + _OVERHEAD
     if isinstance(message, LogicalMessage):
-        return len(message.content) + len(message.prefix) + 300
+        return len(message.content) + len(message.prefix) + _OVERHEAD
     if isinstance(message, Truncate):
-        return 8 * len(message.relation_ids) + 300
+        return 8 * len(message.relation_ids) + _OVERHEAD
     tuples = (message.new, message.old) if isinstance(message, Update) else (
         (message.new,) if isinstance(message, Insert) else (message.old,))
-    return 300 + sum(48 * len(t.values) + sum(len(v) for v in t.values if type(v) is bytes)
+    return _OVERHEAD + sum(48 * len(t.values) + sum(len(v) for v in t.values if type(v) is bytes)
                      for t in tuples if t is not None)
 
 

@@ -162,6 +162,8 @@ def scan_tuple(data: bytes, pos: int, n: int) -> tuple[TupleData, int]:
             else:
                 raise ProtocolError(f"unknown TupleData column kind {kind:#04x} at offset {pos}")
     except IndexError:
+        if pos > n:  # the previous value ran past the end
+            raise _short("TupleData column value", start, pos - start, n) from None
         raise _short("TupleData column", pos, 1, n) from None
     except struct.error:
         raise _short("TupleData column length", pos + 1, 4, n) from None
