@@ -17,6 +17,7 @@ import pytest
 
 from pgsieve.core.lsn import Lsn
 from pgsieve.core.pgoutput import (
+    UNCHANGED,
     AssemblyError,
     Begin,
     BeginPrepare,
@@ -31,6 +32,7 @@ from pgsieve.core.pgoutput import (
     OriginInfo,
     Prepare,
     Relation,
+    RelationCache,
     RollbackPrepared,
     StandaloneMessage,
     StreamAbort,
@@ -42,8 +44,14 @@ from pgsieve.core.pgoutput import (
     TransactionAssembler,
     Truncate,
     TupleData,
+    TupleShapeError,
+    Type,
     UnknownRelationError,
     Update,
+    key_row,
+    python_row,
+    raw_row,
+    text_row,
 )
 from tests.unit.test_pgoutput_decoder import encode
 
@@ -324,3 +332,23 @@ def test_memory_stays_bounded_for_a_large_streamed_transaction(tmp_path: Path) -
     assert feed_peak < 6 * limit, feed_peak
     assert read_peak < 6 * limit, read_peak
     txn.close()
+
+
+def test_relation_cache_and_row_helpers() -> None:
+    cache = RelationCache()
+    with pytest.raises(UnknownRelationError, match="relation id 100 is unknown"):
+        cache.get(100)
+    cache.update(REL)
+    cache.update(Type(70000, "public", "mood"))
+    assert cache.get(100) is REL and 100 in cache and len(cache) == 1 and list(cache) == [REL]
+    assert cache.type_info(70000) == Type(70000, "public", "mood") and cache.type_info(1) is None
+    newer = Relation(100, "public", "t", "f", REL.columns)
+    cache.update(newer)
+    assert cache.get(100) is newer  # a new Relation message replaces the old definition
+    tup = TupleData("tu", (b"5", UNCHANGED))
+    assert raw_row(REL, tup) == {"id": b"5", "v": UNCHANGED}
+    assert python_row(REL, tup) == {"id": 5, "v": UNCHANGED}
+    assert text_row(REL, tup) == {"id": "5", "v": UNCHANGED}
+    assert key_row(REL, TupleData("tn", (b"5", None))) == {"id": b"5"}
+    with pytest.raises(TupleShapeError, match="1 values, the relation has 2 columns"):
+        raw_row(REL, TupleData("t", (b"5",)))

@@ -258,3 +258,22 @@ def test_to_pg_text_formats() -> None:
 def test_interval_to_timedelta_matches_psycopg_convention() -> None:
     assert Interval(14, 3, 5).to_timedelta() == timedelta(days=365 + 60 + 3, microseconds=5)
     assert Interval(-13, 0, 0).to_timedelta() == timedelta(days=-(365 + 30))
+
+
+def test_infinite_dates_and_timestamps_from_the_server(source_db: Database) -> None:
+    """psycopg refuses to load these; we must not crash on them, in either format."""
+    source_db.execute("CREATE TABLE v (id int PRIMARY KEY, d date, ts timestamp,"
+                      " tstz timestamptz, ds date[]); CREATE PUBLICATION p FOR TABLE v")
+    for slot in ("values_t", "values_b"):
+        source_db.execute(f"SELECT pg_create_logical_replication_slot('{slot}', 'pgoutput')")
+    with source_db.connect() as conn:
+        conn.execute("SET synchronous_commit = on")
+        conn.execute("INSERT INTO v VALUES (1, 'infinity', '-infinity', 'infinity',"
+                     " '{-infinity,2024-01-01}')")
+    for binary in (False, True):
+        relation, (insert,) = _capture(source_db, binary)
+        assert python_row(relation, insert.new) == {
+            "id": 1, "d": INFINITY, "ts": NEG_INFINITY, "tstz": INFINITY,
+            "ds": [NEG_INFINITY, date(2024, 1, 1)]}
+        text = text_row(relation, insert.new)
+        assert (text["d"], text["ts"], text["tstz"]) == ("infinity", "-infinity", "infinity")
