@@ -25,8 +25,8 @@ from pgsieve.core.pgoutput.assembler import (
     Item,
     StandaloneMessage,
     Transaction,
-    TransactionAssembler,
 )
+from pgsieve.core.pgoutput.splitter import TransactionSplitter
 from pgsieve.workers.transports import Transport
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,6 @@ ConsumerItem = Item | IdleProgress
 class ConsumerStats:
     sessions: int = 0
     messages: int = 0
-    bytes: int = 0
     transactions: int = 0
     skipped: int = 0
     spilled_transactions: int = 0
@@ -86,11 +85,13 @@ class SlotConsumer:
         and :class:`IdleProgress` when the stream is idle with nothing open."""
         for session in self.transport.sessions(deadline):
             self.stats.sessions += 1
-            assembler = TransactionAssembler(
+            # Rows stay raw bytes until the apply stage reads them (see TransactionSplitter).
+            assembler = TransactionSplitter(
                 memory_limit=self.memory_limit,
                 spill_dir=self.spill_dir,
                 proto_version=self.proto_version,
             )
+            messages = 0
             try:
                 for entry in session:
                     if entry is None:
@@ -99,22 +100,22 @@ class SlotConsumer:
                             yield progress
                         continue
                     lsn, data = entry
-                    self.stats.messages += 1
-                    self.stats.bytes += len(data)
-                    self.stats.last_received = lsn
+                    messages += 1
                     item = assembler.feed_bytes(data, lsn)
                     if item is None:
                         continue
+                    self.stats.last_received = Lsn(lsn)
                     if self._fresh(item):
                         yield item
                     elif isinstance(item, Transaction):
                         item.close()
             finally:
+                self.stats.messages += messages
                 self.stats.spilled_transactions += assembler.spilled_transactions
                 self.stats.pending_streams = assembler.pending_xids
                 assembler.close()
 
-    def _idle_progress(self, assembler: TransactionAssembler) -> IdleProgress | None:
+    def _idle_progress(self, assembler: TransactionSplitter) -> IdleProgress | None:
         position = self.transport.idle_position()
         if position is None or assembler.pending_xids:
             return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import select
+import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,17 +31,15 @@ import psycopg
 import psycopg2
 import psycopg2.extensions
 import psycopg2.extras
-from psycopg.adapt import Loader
-from psycopg.pq import Format
+from psycopg import pq, sql
 
 from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.lsn import Lsn
 
 log = logging.getLogger(__name__)
 
-PG_LSN_OID = 3220
-
-RawMessage = tuple[Lsn, bytes]
+RawMessage = tuple[int, bytes]
+"""(LSN as a plain int — cheaper than an Lsn per message on the hot path, bytes)."""
 IDLE = None
 """Sessions yield IDLE when nothing arrived for a while: a chance to report progress."""
 
@@ -106,13 +105,7 @@ class Transport(Protocol):
 # -- SQL interface -------------------------------------------------------------------------
 
 
-class _LsnBinaryLoader(Loader):
-    """pg_lsn arrives as a big-endian uint64 in binary format; keep it an int."""
-
-    format = Format.BINARY
-
-    def load(self, data: Any) -> int:
-        return int.from_bytes(bytes(data), "big")
+_ROW_HEAD = struct.Struct("!hiQi")  # COPY binary row: 2 fields, len(lsn)=8, lsn, len
 
 
 class SqlTransport:
@@ -125,20 +118,40 @@ class SqlTransport:
         options: PgoutputOptions,
         *,
         window_bytes: int = 256 << 20,
-        fetch_rows: int = 20_000,
         poll_interval: float = 0.2,
     ) -> None:
         self.slot = slot
         self.options = options
         self.window_bytes = window_bytes
-        self.fetch_rows = fetch_rows
         self.poll_interval = poll_interval
-        self._conn = psycopg.connect(dsn, autocommit=True, application_name="pgsieve-consumer")
-        self._conn.adapters.register_loader(PG_LSN_OID, _LsnBinaryLoader)
+        self._dsn = dsn
+        self._conn = self._open()
         self._window = window_bytes
         self._confirmed: Lsn | None = None
         self._idle: Lsn | None = None
+        self._peeking = False
+        self._pending_confirm: Lsn | None = None
         self._check_slot()
+
+    def _open(self) -> psycopg.Connection[tuple[Any, ...]]:
+        return psycopg.connect(self._dsn, autocommit=True, application_name="pgsieve-consumer")
+
+    def _reconnect(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self._conn.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self._conn = self._open()
+                # The old backend may still hold the slot for a moment after disconnect.
+                self._conn.execute(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (self.slot,)
+                )
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def _check_slot(self) -> None:
         row = self._conn.execute(
@@ -184,25 +197,70 @@ class SqlTransport:
                 self._window = self.window_bytes
 
     def _peek(self, upto: Lsn, stats: _WindowStats) -> Iterator[RawMessage]:
-        args = [self.slot, str(upto)]
+        """Read the window as ``COPY … (FORMAT binary)`` straight from libpq
+        (``PQgetCopyData``): one C call per row, no per-row Python machinery — about five
+        times faster than a cursor, which matters because the server's decode and ours
+        run one after the other on this path."""
         opts: list[str] = []
         for key, value in self.options.as_dict().items():
             opts += [key, value]
-        placeholders = ", ".join(["%s"] * len(opts))
-        query = (
-            "SELECT lsn, data FROM pg_logical_slot_peek_binary_changes("
-            f"%s, %s::pg_lsn, NULL, {placeholders})"
+        query = sql.SQL(
+            "COPY (SELECT lsn, data FROM pg_logical_slot_peek_binary_changes("
+            "{slot}, {upto}::pg_lsn, NULL{opts})) TO STDOUT (FORMAT binary)"
+        ).format(
+            slot=sql.Literal(self.slot),
+            upto=sql.Literal(str(upto)),
+            opts=sql.SQL("").join(sql.SQL(", ") + sql.Literal(o) for o in opts),
         )
-        with self._conn.transaction(), self._conn.cursor(
-            name="pgsieve_peek", binary=True
-        ) as cur:
-            cur.itersize = self.fetch_rows
-            cur.execute(query, [*args, *opts])
-            for lsn, data in cur:
-                stats.rows += 1
-                if data[:1] in (b"C", b"c"):  # Commit / Stream Commit
-                    stats.complete = True
-                yield Lsn(lsn), data
+        pgconn = self._conn.pgconn
+        self._peeking = True
+        finished = False
+        try:
+            pgconn.send_query(query.as_bytes(self._conn))
+            first = pgconn.get_result()
+            if first is None or first.status != pq.ExecStatus.COPY_OUT:
+                message = first.error_message.decode(errors="replace") if first else ""
+                while pgconn.get_result() is not None:
+                    pass
+                raise TransportError(f"cannot read slot '{self.slot}': {message.strip()}")
+            get = pgconn.get_copy_data
+            unpack = _ROW_HEAD.unpack_from
+            head = _ROW_HEAD.size
+            nbytes, first_row = get(0)
+            row: bytes | memoryview = first_row
+            if nbytes > 0:  # the first row carries the COPY header: skip it
+                raw = bytes(first_row)
+                row = raw[19 + int.from_bytes(raw[15:19], "big") :]
+                nbytes = len(row)
+            while nbytes >= 0:
+                if nbytes >= head:
+                    fields, _, lsn, size = unpack(row, 0)
+                    if fields != 2 or size < 1:
+                        raise TransportError("unexpected row in the COPY stream")
+                    data = bytes(row[head:head + size])
+                    stats.rows += 1
+                    if data[0] == 0x43 or data[0] == 0x63:  # Commit / Stream Commit
+                        stats.complete = True
+                    yield lsn, data
+                nbytes, row = get(0)
+            result = pgconn.get_result()
+            while pgconn.get_result() is not None:
+                pass
+            if result is not None and result.status != pq.ExecStatus.COMMAND_OK:
+                message = result.error_message.decode(errors="replace").strip()
+                raise TransportError(f"reading slot '{self.slot}' failed: {message}")
+            finished = True
+        finally:
+            if not finished:
+                # Abandoned mid-COPY (the caller stopped reading) or failed: the connection
+                # may still be streaming, so start a fresh one; the server ends the peek.
+                self._reconnect()
+            # The connection was busy with the COPY: confirmations made meanwhile wait
+            # until now (the slot is held by this backend until the peek ends anyway).
+            self._peeking = False
+            pending, self._pending_confirm = self._pending_confirm, None
+            if pending is not None:
+                self.confirm(pending)
 
     def idle_position(self) -> Lsn | None:
         idle, self._idle = self._idle, None
@@ -210,6 +268,10 @@ class SqlTransport:
 
     def confirm(self, lsn: Lsn) -> None:
         if self._confirmed is not None and lsn <= self._confirmed:
+            return
+        if self._peeking:
+            if self._pending_confirm is None or lsn > self._pending_confirm:
+                self._pending_confirm = lsn
             return
         self._conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)",
                            (self.slot, str(lsn)))
@@ -347,7 +409,7 @@ class _WalsenderSession:
                     if not ready:
                         yield IDLE
                     continue
-                yield Lsn(msg.data_start), msg.payload
+                yield msg.data_start, msg.payload
             except psycopg2.Error as exc:
                 log.warning("walsender stream broke: %s", scrub_secrets(str(exc).strip()))
                 self.failed = True
