@@ -47,14 +47,15 @@ def connect(
     unreachable_code: str = "source_unreachable",
     connect_timeout: int = 5,
     autocommit: bool = True,
+    row_factory: Any = dict_row,
     **kwargs: Any,
-) -> Iterator[psycopg.Connection[dict[str, Any]]]:
+) -> Iterator[psycopg.Connection[Any]]:
     """Open a connection or raise a 4xx error with ``unreachable_code``."""
     params = parse_dsn(dsn)
     defaults = {"connect_timeout": str(connect_timeout), "application_name": "pgsieve"}
     conninfo = make_conninfo(dsn, **{k: v for k, v in defaults.items() if k not in params})
     try:
-        conn = psycopg.connect(conninfo, autocommit=autocommit, row_factory=dict_row, **kwargs)
+        conn = psycopg.connect(conninfo, autocommit=autocommit, row_factory=row_factory, **kwargs)
     except psycopg.Error as exc:
         raise _connect_error(exc, unreachable_code) from None
     try:

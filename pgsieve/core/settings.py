@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     pg_bindir: str | None = Field(default=None, description="PostgreSQL server binaries.")
     connect_timeout: int = Field(default=5, ge=1, le=120, description="Seconds, for DSNs.")
     statement_timeout_ms: int = Field(default=15_000, ge=100)
+    preview_exact_row_limit: int = Field(
+        default=2_000_000, ge=0,
+        description="filter preview counts exactly up to this many (estimated) rows",
+    )
     log_level: str = "INFO"
 
     # -- derived values -----------------------------------------------------------------

@@ -1,0 +1,47 @@
+"""``POST /sources/{id}/filter-preview``: try a row filter on real data before it goes live."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+from psycopg.rows import tuple_row
+
+from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source
+from pgsieve.api.schemas.filters import FilterPreviewRequest, FilterPreviewResponse
+from pgsieve.core import pgserver
+from pgsieve.core.errors import Unreachable
+from pgsieve.core.rowfilter.catalog import SourceConnectionError
+from pgsieve.core.rowfilter.preview import preview_filter
+
+router = APIRouter(prefix="/sources/{source_id}", tags=["row filters"])
+
+
+@router.post("/filter-preview", response_model=FilterPreviewResponse)
+def filter_preview(
+    source_id: str,
+    body: FilterPreviewRequest,
+    session: SessionDep,
+    settings: SettingsDep,
+    box: SecretBoxDep,
+) -> dict[str, Any]:
+    """Validation verdict (with PostgreSQL's own dry run), replica identity, row counts
+    (true / NULL), sample rows; ``estimated`` when counted from a TABLESAMPLE. Read-only."""
+    source = load_source(session, source_id)
+    with pgserver.connect(
+        box.decrypt(source.dsn_encrypted),
+        connect_timeout=settings.connect_timeout,
+        row_factory=tuple_row,
+    ) as conn:
+        try:
+            preview = preview_filter(
+                conn,
+                body.table,
+                body.where,
+                body.publish,
+                sample_size=body.sample_size,
+                exact_row_limit=settings.preview_exact_row_limit,
+            )
+        except SourceConnectionError as exc:
+            raise Unreachable(f"lost the connection to the source: {exc}") from None
+    return preview.as_dict()
