@@ -296,13 +296,10 @@ def test_killed_consumer_resumes_exactly_once(source_db: Database, tmp_path: Pat
     import random
 
     rng = random.Random(7)
-    while True:
+    # Keep killing until the workload is over AND at least four crashes happened.
+    while not (stop.is_set() and kills >= 4):
         proc = subprocess.Popen(argv, env=env, cwd=ROOT)
         time.sleep(rng.uniform(0.3, 1.2))
-        if stop.is_set() and _applied_ids(out).count >= n_tx:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            break
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         kills += 1
@@ -317,7 +314,7 @@ def test_killed_consumer_resumes_exactly_once(source_db: Database, tmp_path: Pat
     final.wait()
     applied = _applied_ids(out)
     assert applied.ids == list(range(n_tx)), "each transaction exactly once, in commit order"
-    assert kills >= 3
+    assert kills >= 4
     slot = source_db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots")[0][0]
     assert Lsn.parse(str(slot)) <= applied.last_end, "slot confirmed past the target"
 
