@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
-from typing import Annotated
+from contextlib import contextmanager
+from typing import Annotated, Any
 
+import psycopg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from pgsieve.core import pgserver
 from pgsieve.core.credentials import SecretBox
 from pgsieve.core.errors import NotFound, PgsieveError
 from pgsieve.core.models import Source, Target
@@ -61,6 +64,17 @@ def load_source(session: Session, source_id: str) -> Source:
     if source is None:
         raise NotFound(f"no source with id '{source_id}'", code="source_not_found")
     return source
+
+
+@contextmanager
+def source_connection(
+    source: Source, settings: Settings, box: SecretBox, **kwargs: Any
+) -> Iterator[psycopg.Connection[Any]]:
+    """A short-lived connection to a registered source (4xx ``source_unreachable``)."""
+    with pgserver.connect(
+        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout, **kwargs
+    ) as conn:
+        yield conn
 
 
 def load_target(session: Session, target_id: str) -> Target:

@@ -8,9 +8,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from psycopg.rows import tuple_row
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source
+from pgsieve.api.deps import (
+    SecretBoxDep,
+    SessionDep,
+    SettingsDep,
+    load_source,
+    source_connection,
+)
 from pgsieve.api.schemas.filters import FilterPreviewRequest, FilterPreviewResponse
-from pgsieve.core import pgserver
 from pgsieve.core.errors import Unreachable
 from pgsieve.core.pubcatalog import read_publications, read_tables
 from pgsieve.core.rowfilter.catalog import SourceConnectionError
@@ -31,11 +36,7 @@ def filter_preview(
     """Validation verdict (with PostgreSQL's own dry run), replica identity, row counts
     (true / NULL), sample rows; ``estimated`` when counted from a TABLESAMPLE. Read-only."""
     source = load_source(session, source_id)
-    with pgserver.connect(
-        box.decrypt(source.dsn_encrypted),
-        connect_timeout=settings.connect_timeout,
-        row_factory=tuple_row,
-    ) as conn:
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         try:
             preview = preview_filter(
                 conn,
@@ -62,11 +63,7 @@ def source_effective_filters(
     and ``redundant_because``, for publications that exist on the source — usable before
     any subscription does."""
     source = load_source(session, source_id)
-    with pgserver.connect(
-        box.decrypt(source.dsn_encrypted),
-        connect_timeout=settings.connect_timeout,
-        row_factory=tuple_row,
-    ) as conn:
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         pubs = read_publications(conn, publications)
         tables = read_tables(conn)
     return {

@@ -8,7 +8,13 @@ from fastapi import APIRouter, Response, status
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source
+from pgsieve.api.deps import (
+    SecretBoxDep,
+    SessionDep,
+    SettingsDep,
+    load_source,
+    source_connection,
+)
 from pgsieve.api.schemas.slots import SlotCreate, SlotOut
 from pgsieve.core import pgserver
 from pgsieve.core.errors import NotFound
@@ -26,9 +32,7 @@ def list_slots(
     source_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> list[dict[str, Any]]:
     source = load_source(session, source_id)
-    with pgserver.connect(
-        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout
-    ) as conn:
+    with source_connection(source, settings, box) as conn:
         slots = pgserver.list_slots(conn)
     managed = _managed_names(session, source)
     return [{**s, "managed": s["name"] in managed} for s in slots]
@@ -39,9 +43,7 @@ def get_slot(
     source_id: str, name: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:
     source = load_source(session, source_id)
-    with pgserver.connect(
-        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout
-    ) as conn:
+    with source_connection(source, settings, box) as conn:
         slot = pgserver.get_slot(conn, name)
     if slot is None:
         raise NotFound(f"no replication slot named '{name}'", code="slot_not_found")
@@ -58,9 +60,7 @@ def create_slot(
 ) -> dict[str, Any]:
     source = load_source(session, source_id)
     pgserver.validate_slot_name(body.name)
-    with pgserver.connect(
-        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout
-    ) as conn:
+    with source_connection(source, settings, box) as conn:
         slot = pgserver.create_slot(conn, body.name, two_phase=body.two_phase)
         try:
             session.execute(delete(Slot).where(Slot.source_id == source.id,
@@ -80,9 +80,7 @@ def drop_slot(
     source_id: str, name: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> Response:
     source = load_source(session, source_id)
-    with pgserver.connect(
-        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout
-    ) as conn:
+    with source_connection(source, settings, box) as conn:
         pgserver.drop_slot(conn, name)
     session.execute(delete(Slot).where(Slot.source_id == source.id, Slot.name == name))
     session.commit()
