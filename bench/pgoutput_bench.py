@@ -1,24 +1,31 @@
 """pgoutput read path: server decode vs pg_recvlogical vs our decoder vs our consumer.
 
-Usage:  .venv/bin/python -m bench.pgoutput_bench [--changes 1000000] [--memory-gb 2]
+Usage:  .venv/bin/python -m bench.pgoutput_bench [--changes 1000000] [--rounds 3]
+                                                 [--memory-gb 2]
 
 One run, same slot contents for every reader (each reads its own slot, created at the same
 position before the workload): the server's SQL-interface decode (rows counted on the
 server), PostgreSQL's pg_recvlogical on the walsender to /dev/null, our decoder alone on
-the captured bytes, the TransactionAssembler, and our SlotConsumer end to end on each
-transport. ``--memory-gb`` then streams one transaction of that size through the consumer
-in a child process and reports its peak RSS.
+the captured bytes, the TransactionAssembler and TransactionSplitter, and our SlotConsumer
+end to end on each transport (the SQL one as configured by default — aggregated chunks,
+two backends — and with each of those turned off). Every reader runs ``--rounds`` times,
+round-robin, and the best time of each is reported: on a machine shared with other work
+the minimum is the figure least disturbed by it (all rounds are printed too).
+``--memory-gb`` then streams one transaction of that size through the consumer in a child
+process and reports its peak RSS.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psycopg
@@ -27,13 +34,13 @@ from pgsieve.core.lsn import Lsn
 from pgsieve.core.pgcluster import LocalCluster, free_port
 from pgsieve.core.pgoutput.assembler import Transaction, TransactionAssembler
 from pgsieve.core.pgoutput.decoder import Decoder
-from pgsieve.core.pgoutput.splitter import TransactionSplitter
+from pgsieve.core.pgoutput.splitter import RawChanges, TransactionSplitter
 from pgsieve.workers.consumer import IdleProgress, SlotConsumer
 from pgsieve.workers.transports import PgoutputOptions, SqlTransport, WalsenderTransport
 
 PROTO = 2
 OPTS = ("proto_version", str(PROTO), "publication_names", "pb")
-READERS = ("s_sql", "s_recv", "s_capture", "s_cons_sql", "s_cons_wal")
+READERS = ("s_sql", "s_capture", "s_cons", "s_cons_wal")  # + one pg_recvlogical slot a round
 
 
 def workload(conn: psycopg.Connection[tuple[object, ...]], changes: int) -> int:
@@ -68,107 +75,138 @@ def wait_flushed(conn: psycopg.Connection[tuple[object, ...]]) -> Lsn:
         time.sleep(0.05)
 
 
-def timed(label: str, results: dict[str, float]) -> _Timer:
-    return _Timer(label, results)
+def consume(dsn: str, kind: str, end: Lsn, n_changes: int) -> None:
+    """Read the slot through a SlotConsumer until the workload's last commit."""
+    options = PgoutputOptions(publication_names=("pb",), proto_version=PROTO)
+    transport = (WalsenderTransport(dsn, "s_cons_wal", options) if kind == "consumer_walsender"
+                 else SqlTransport(dsn, "s_cons", options, **CONSUMERS[kind]))
+    consumer = SlotConsumer(transport, proto_version=PROTO)
+    seen = 0
+    for got in consumer.items(time.monotonic() + 600):
+        if isinstance(got, IdleProgress):
+            if got.lsn >= end:
+                break
+            continue
+        if isinstance(got, Transaction):
+            seen += len(got.changes)
+            if got.end_lsn >= end:
+                break
+    consumer.close()
+    assert seen == n_changes, (kind, seen, n_changes)
 
 
-class _Timer:
-    def __init__(self, label: str, results: dict[str, float]) -> None:
-        self.label, self.results = label, results
-
-    def __enter__(self) -> _Timer:
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.results[self.label] = time.perf_counter() - self.t0
+CONSUMERS: dict[str, dict[str, int]] = {  # SqlTransport settings per consumer reader
+    "consumer_sql": {},  # the defaults: aggregated chunks, large windows on two backends
+    "consumer_sql_one": {"split_bytes": 0},
+    "consumer_sql_rows": {"aggregate_bytes": 0},
+}
 
 
-def run(changes: int, memory_gb: float) -> None:
+def packed_views(dsn: str, n_changes: int) -> float:
+    """Seconds to build what the apply stage's fast path reads (raw_messages, LSNs,
+    relations) for every transaction the default SQL consumer hands out: the per-row
+    work the consumer leaves undone."""
+    options = PgoutputOptions(publication_names=("pb",), proto_version=PROTO)
+    consumer = SlotConsumer(SqlTransport(dsn, "s_cons", options), proto_version=PROTO)
+    txns: list[Transaction] = []
+    for got in consumer.items(time.monotonic() + 600):
+        if isinstance(got, Transaction):
+            txns.append(got)
+            if sum(len(t.changes) for t in txns) >= n_changes:
+                break
+    consumer.close()
+    t0 = time.perf_counter()
+    for txn in txns:
+        changes = txn.changes
+        assert isinstance(changes, RawChanges)
+        _ = changes.raw_messages, changes._lsns, changes._rels
+    return time.perf_counter() - t0
+
+
+def run(changes: int, rounds: int, memory_gb: float) -> None:
     root = Path(tempfile.mkdtemp(prefix="pgsieve-bench-"))
     root.chmod(0o755)
     cluster = LocalCluster(root / "pg", free_port(),
                            settings={"fsync": "off", "synchronous_commit": "off",
                                      "max_wal_size": "4GB", "shared_buffers": "512MB"}).start()
     dsn = cluster.dsn()
-    secs: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+
+    def timed(label: str, fn: Callable[[], object]) -> object:
+        t0 = time.perf_counter()
+        out = fn()
+        times.setdefault(label, []).append(time.perf_counter() - t0)
+        return out
+
     try:
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute("CREATE TABLE bench (id bigint PRIMARY KEY, a int, b text, c numeric, "
                          "d timestamptz)")
             conn.execute("CREATE PUBLICATION pb FOR TABLE bench")
-            for slot in READERS:
+            for slot in (*READERS, *(f"s_recv_{r}" for r in range(rounds))):
                 conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
             t0 = time.perf_counter()
             total = workload(conn, changes)
             end = wait_flushed(conn)
             print(f"workload: {total:,} changes in {time.perf_counter() - t0:.1f}s, "
-                  f"WAL end {end}")
-
-            with timed("sql", secs):
-                rows = conn.execute(
-                    "SELECT count(*) FROM pg_logical_slot_peek_binary_changes("
-                    "'s_sql', NULL, NULL, %s, %s, %s, %s)", OPTS).fetchone()[0]  # type: ignore[index]
-            print(f"server SQL decode: {rows:,} messages")
-
-            with timed("capture", secs):
-                captured = [(Lsn(int(str(lsn).split("/")[0], 16) << 32
-                                 | int(str(lsn).split("/")[1], 16)), bytes(data))
-                            for lsn, data in conn.execute(
-                                "SELECT lsn, data FROM pg_logical_slot_peek_binary_changes("
-                                "'s_capture', NULL, NULL, %s, %s, %s, %s)", OPTS)]
+                  f"WAL end {end}", flush=True)
+            captured = [(Lsn(int(str(lsn).split("/")[0], 16) << 32
+                             | int(str(lsn).split("/")[1], 16)), bytes(data))
+                        for lsn, data in conn.execute(
+                            "SELECT lsn, data FROM pg_logical_slot_peek_binary_changes("
+                            "'s_capture', NULL, NULL, %s, %s, %s, %s)", OPTS)]
+        rows = len(captured)
         nbytes = sum(len(d) for _, d in captured)
-
+        datas = [d for _, d in captured]
+        n_changes = sum(d[0] in b"IUD" for d in datas)
         assert cluster.bindir is not None
-        recv = [str(cluster.bindir / "pg_recvlogical"), "-d", dsn, "--slot", "s_recv",
-                "--start", "--endpos", str(end), "-o", f"proto_version={PROTO}",
-                "-o", "publication_names=pb", "-f", "/dev/null", "--no-loop"]
-        with timed("recvlogical", secs):
-            subprocess.run(recv, check=True, capture_output=True)
+        recvlogical = str(cluster.bindir / "pg_recvlogical")
 
-        decoder = Decoder(PROTO, lazy=True)
-        with timed("decoder", secs):
-            for _, data in captured:
-                decoder.decode(data)
+        def server_decode() -> None:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                row = conn.execute("SELECT count(*) FROM pg_logical_slot_peek_binary_changes("
+                                   "'s_sql', NULL, NULL, %s, %s, %s, %s)", OPTS).fetchone()
+                assert row is not None
+                assert row[0] == rows
 
-        assembler = TransactionAssembler(proto_version=PROTO, lazy=True)
-        n_changes = 0
-        with timed("assembler", secs):
+        def decoder() -> None:
+            decode = Decoder(PROTO, lazy=True).decode
+            for data in datas:
+                decode(data)
+
+        def assembler() -> None:
+            full = TransactionAssembler(proto_version=PROTO, lazy=True)
+            n = 0
             for lsn, data in captured:
-                item = assembler.feed_bytes(data, lsn)
-                if item is not None and hasattr(item, "changes"):
-                    n_changes += len(item.changes)
+                item = full.feed_bytes(data, lsn)
+                if isinstance(item, Transaction):
+                    n += len(item.changes)
+            assert n == n_changes
 
-        splitter = TransactionSplitter(proto_version=PROTO)
-        n_split = 0
-        with timed("splitter", secs):
+        def splitter() -> None:
+            split = TransactionSplitter(proto_version=PROTO)
+            n = 0
             for lsn, data in captured:
-                split = splitter.feed_bytes(data, lsn.value)
-                if isinstance(split, Transaction):
-                    n_split += len(split.changes)
-        assert n_split == n_changes
+                item = split.feed_bytes(data, lsn.value)
+                if isinstance(item, Transaction):
+                    n += len(item.changes)
+            assert n == n_changes
 
-        for label, slot, kind in (("consumer_sql", "s_cons_sql", "sql"),
-                                  ("consumer_walsender", "s_cons_wal", "walsender")):
-            options = PgoutputOptions(publication_names=("pb",), proto_version=PROTO)
-            transport = (SqlTransport(dsn, slot, options, window_bytes=1 << 40)
-                         if kind == "sql" else WalsenderTransport(dsn, slot, options))
-            consumer = SlotConsumer(transport, proto_version=PROTO)
-            seen = 0
-            with timed(label, secs):
-                for got in consumer.items(time.monotonic() + 600):
-                    if isinstance(got, IdleProgress):
-                        if got.lsn >= end:
-                            break
-                        continue
-                    if isinstance(got, Transaction):
-                        seen += len(got.changes)
-                        if got.end_lsn >= end:
-                            break
-            consumer.close()
-            assert seen == n_changes, (label, seen, n_changes)
-
-        report(total, rows, nbytes, n_changes, secs)
+        for r in range(rounds):
+            print(f"round {r + 1}/{rounds}", flush=True)
+            timed("sql", server_decode)
+            timed("recvlogical", lambda r=r: subprocess.run(  # type: ignore[misc]
+                [recvlogical, "-d", dsn, "--slot", f"s_recv_{r}", "--start", "--endpos",
+                 str(end), "-o", f"proto_version={PROTO}", "-o", "publication_names=pb",
+                 "-f", "/dev/null", "--no-loop"], check=True, capture_output=True))
+            timed("decoder", decoder)
+            timed("assembler", assembler)
+            timed("splitter", splitter)
+            for kind in (*CONSUMERS, "consumer_walsender"):
+                timed(kind, lambda kind=kind: consume(  # type: ignore[misc]
+                    dsn, kind, end, n_changes))
+        views = packed_views(dsn, n_changes)
+        report(rows, nbytes, n_changes, times, views)
         if memory_gb > 0:
             memory_run(cluster, dsn, memory_gb)
     finally:
@@ -176,31 +214,40 @@ def run(changes: int, memory_gb: float) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def report(total: int, rows: int, nbytes: int, n_changes: int, secs: dict[str, float]) -> None:
-    def rate(n: int, key: str) -> float:
-        return n / secs[key]
-
-    sql = rate(n_changes, "sql")
-    print("\n| reader | seconds | changes/s | vs server SQL decode |")
-    print("|---|---:|---:|---:|")
+def report(rows: int, nbytes: int, n_changes: int, times: dict[str, list[float]],
+           views: float) -> None:
+    best = {k: min(v) for k, v in times.items()}
+    sql = n_changes / best["sql"]
+    print(f"\nload average while measuring: {os.getloadavg()[0]:.1f} (1 min), "
+          f"{os.getloadavg()[1]:.1f} (5 min); {os.cpu_count()} CPUs")
+    print("\n| reader | seconds (best) | all rounds | changes/s | vs server SQL decode |")
+    print("|---|---:|---|---:|---:|")
     lines = [
         ("server SQL decode (peek, counted on server)", "sql"),
         ("pg_recvlogical → /dev/null (walsender)", "recvlogical"),
-        ("pgsieve decoder alone", "decoder"),
-        ("pgsieve decoder + TransactionAssembler (full decode)", "assembler"),
-        ("pgsieve TransactionSplitter (rows left raw)", "splitter"),
-        ("pgsieve consumer, SQL transport", "consumer_sql"),
+        ("pgsieve decoder alone (Decoder.decode, lazy tuples)", "decoder"),
+        ("pgsieve decoder + TransactionAssembler", "assembler"),
+        ("pgsieve TransactionSplitter, message by message", "splitter"),
+        ("pgsieve consumer, SQL transport (default: aggregated, two backends)",
+         "consumer_sql"),
+        ("pgsieve consumer, SQL transport, aggregated, one backend", "consumer_sql_one"),
+        ("pgsieve consumer, SQL transport, row by row", "consumer_sql_rows"),
         ("pgsieve consumer, walsender transport", "consumer_walsender"),
     ]
     for name, key in lines:
-        r = rate(n_changes, key)
-        print(f"| {name} | {secs[key]:.2f} | {r:,.0f} | {r / sql:.2f}× |")
+        r = n_changes / best[key]
+        spread = " / ".join(f"{t:.2f}" for t in times[key])
+        print(f"| {name} | {best[key]:.2f} | {spread} | {r:,.0f} | {r / sql:.2f}× |")
     print(f"\nmessages: {rows:,} ({nbytes / 1e6:.0f} MB); changes: {n_changes:,}; "
-          f"decoder: {rows / secs['decoder']:,.0f} msgs/s, "
-          f"{nbytes / secs['decoder'] / 1e6:.0f} MB/s")
+          f"decoder: {rows / best['decoder']:,.0f} msgs/s, "
+          f"{nbytes / best['decoder'] / 1e6:.0f} MB/s")
     print(f"consumer walsender / pg_recvlogical: "
-          f"{secs['recvlogical'] / secs['consumer_walsender']:.2f}×; "
-          f"consumer SQL / server SQL decode: {secs['sql'] / secs['consumer_sql']:.2f}×")
+          f"{best['recvlogical'] / best['consumer_walsender']:.2f}×; "
+          f"consumer SQL / server SQL decode: {best['sql'] / best['consumer_sql']:.2f}×; "
+          f"decoder / server SQL decode: {best['sql'] / best['decoder']:.2f}×")
+    print(f"rows left packed by the SQL consumer, then listed for the apply stage "
+          f"(raw_messages, LSNs, relations): {views:.2f}s "
+          f"({n_changes / views:,.0f} changes/s)")
 
 
 MEMORY_CHILD = """
@@ -271,13 +318,14 @@ def memory_only(gb: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--changes", type=int, default=1_000_000)
+    parser.add_argument("--rounds", type=int, default=3, help="times each reader runs")
     parser.add_argument("--memory-gb", type=float, default=0.0)
     parser.add_argument("--memory-only", action="store_true", help="skip the throughput part")
     args = parser.parse_args()
     if args.memory_only:
         memory_only(args.memory_gb or 2.0)
     else:
-        run(args.changes, args.memory_gb)
+        run(args.changes, args.rounds, args.memory_gb)
     print(f"\nbench process peak RSS: "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MB")
 

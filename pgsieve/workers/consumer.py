@@ -26,6 +26,7 @@ from pgsieve.core.pgoutput.assembler import (
     StandaloneMessage,
     Transaction,
 )
+from pgsieve.core.pgoutput.batch import MessageBatch
 from pgsieve.core.pgoutput.splitter import TransactionSplitter
 from pgsieve.workers.transports import Transport
 
@@ -98,6 +99,15 @@ class SlotConsumer:
                         progress = self._idle_progress(assembler)
                         if progress is not None:
                             yield progress
+                        continue
+                    if isinstance(entry, MessageBatch):  # many messages at once (SQL transport)
+                        messages += entry.count
+                        for lsn, done in assembler.feed_batch(entry):
+                            self.stats.last_received = Lsn(lsn)
+                            if self._fresh(done):
+                                yield done
+                            elif isinstance(done, Transaction):
+                                done.close()
                         continue
                     lsn, data = entry
                     messages += 1

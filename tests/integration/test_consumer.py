@@ -22,6 +22,8 @@ import pytest
 
 from pgsieve.core.lsn import Lsn
 from pgsieve.core.pgoutput.assembler import StandaloneMessage, Transaction
+from pgsieve.core.pgoutput.batch import MessageBatch
+from pgsieve.core.pgoutput.splitter import RawChanges, TransactionSplitter
 from pgsieve.workers.consumer import IdleProgress, SlotConsumer
 from pgsieve.workers.tail import item_records
 from pgsieve.workers.transports import (
@@ -47,9 +49,19 @@ def _slot(db: Database, name: str = "s") -> None:
 
 
 def _transport(kind: str, db: Database, slot: str = "s", **kw: Any) -> Transport:
+    """``sql``: aggregated peeks (small chunks, so transactions get cut by chunk ends);
+    ``sql-split``: the same, each window decoded in two parts by two backends;
+    ``sql-rows``: the same windows read row by row; ``walsender``."""
     options = PgoutputOptions(publication_names=("pub",), proto_version=2, messages=True)
     if kind == "sql":
-        return SqlTransport(db.dsn, slot, options, window_bytes=kw.get("window", 1 << 20))
+        return SqlTransport(db.dsn, slot, options, window_bytes=kw.get("window", 1 << 20),
+                            chunk_messages=kw.get("chunk", 7), split_bytes=kw.get("split", 0))
+    if kind == "sql-split":  # every window decoded by two backends at once
+        return SqlTransport(db.dsn, slot, options, window_bytes=kw.get("window", 1 << 20),
+                            chunk_messages=kw.get("chunk", 7), split_bytes=1)
+    if kind == "sql-rows":
+        return SqlTransport(db.dsn, slot, options, window_bytes=kw.get("window", 1 << 20),
+                            aggregate_bytes=0)
     return WalsenderTransport(db.dsn, slot, options)
 
 
@@ -151,7 +163,7 @@ def consume_all(transport: Transport, expected_count: int, timeout: float = 60,
     return got, consumer
 
 
-@pytest.mark.parametrize("kind", ["sql", "walsender"])
+@pytest.mark.parametrize("kind", ["sql", "sql-split", "sql-rows", "walsender"])
 def test_mixed_workload_equals_the_workload(source_db: Database, kind: str):
     source_db.execute(SETUP)
     _slot(source_db)
@@ -170,7 +182,7 @@ def test_mixed_workload_equals_the_workload(source_db: Database, kind: str):
     assert rest == []
 
 
-@pytest.mark.parametrize("kind", ["sql", "walsender"])
+@pytest.mark.parametrize("kind", ["sql", "sql-split", "walsender"])
 def test_unconfirmed_changes_are_sent_again(source_db: Database, kind: str):
     source_db.execute(SETUP)
     _slot(source_db)
@@ -184,6 +196,93 @@ def test_unconfirmed_changes_are_sent_again(source_db: Database, kind: str):
     assert got2 == expected
     slot2 = source_db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots")[0][0]
     assert Lsn.parse(str(slot2)) > Lsn.parse(str(slot))
+
+
+def plain_workload(db: Database) -> int:
+    """Many small ordinary transactions, a schema change half-way (a new Relation
+    message), a transaction from a replication origin; returns the transaction count."""
+    count = 0
+    with db.connect(autocommit=True) as conn:
+        for i in range(40):
+            conn.execute(f"INSERT INTO acct VALUES ({200 + i}, 'p{i}', {i})")
+            count += 1
+        with conn.transaction():
+            conn.execute("UPDATE acct SET balance = balance + 1 WHERE id < 220")
+            conn.execute("DELETE FROM acct WHERE id >= 230")
+        count += 1
+        conn.execute("ALTER TABLE acct ADD COLUMN memo text DEFAULT 'm'")
+        for i in range(40, 60):
+            conn.execute(f"INSERT INTO acct VALUES ({200 + i}, 'q{i}', {i}, 'x{i}')")
+            conn.execute(f"UPDATE acct SET memo = 'y' WHERE id = {200 + i - 40}")
+            count += 2
+        conn.execute("SELECT pg_replication_origin_create('elsewhere')")
+        conn.execute("SELECT pg_replication_origin_session_setup('elsewhere')")
+        with conn.transaction():
+            conn.execute("SELECT pg_replication_origin_xact_setup('0/AB', now())")
+            conn.execute("INSERT INTO acct VALUES (299, 'origin', 0)")
+        count += 1
+        conn.execute("SELECT pg_replication_origin_session_reset()")
+        conn.execute("INSERT INTO note VALUES (40000, 'last')")
+        count += 1
+    return count
+
+
+def _records(transport: Transport, count: int) -> list[tuple[Any, ...]]:
+    consumer = SlotConsumer(transport, proto_version=2)
+    got: list[tuple[Any, ...]] = []
+    for item in consumer.items(time.monotonic() + 60):
+        if isinstance(item, Transaction):
+            got.append((item.xid, item.commit_lsn, item.end_lsn, item.commit_time,
+                        item.origin, list(item_records(item))))
+            if len(got) == count:
+                break
+    consumer.close()
+    return got
+
+
+def test_aggregated_peeks_equal_row_by_row_reads(source_db: Database):
+    """The SQL transport's aggregated chunks (cut every 1, 5 or 64 messages, so every
+    transaction boundary lands on a chunk end somewhere) yield exactly what row-by-row
+    peeks and the walsender yield: same transactions, origins, rows, LSNs."""
+    source_db.execute(SETUP)
+    _slot(source_db)
+    count = len(run_workload(source_db)) + plain_workload(source_db)
+    expected = _records(_transport("sql-rows", source_db), count)
+    assert len(expected) == count
+    assert _records(_transport("walsender", source_db), count) == expected
+    for chunk in (1, 5, 64):
+        assert _records(_transport("sql", source_db, chunk=chunk), count) == expected, chunk
+    for window in (1 << 30, 1 << 20, 1 << 16):  # split at many places
+        split = _transport("sql-split", source_db, window=window)
+        assert _records(split, count) == expected
+        assert isinstance(split, SqlTransport) and split._copy_name, "two backends were used"
+    slots = source_db.query("SELECT slot_name, confirmed_flush_lsn FROM pg_replication_slots")
+    assert len(slots) == 1, "the temporary copies are gone"
+    # ... and the aggregated path is the one taken: chunks arrive, and plain transactions
+    # come out packed (their rows not even cut apart yet).
+    transport = _transport("sql", source_db, chunk=64, window=1 << 30)  # one window
+    assert isinstance(transport, SqlTransport)
+    session = next(transport.sessions(time.monotonic() + 30))
+    entries = list(session)
+    transport.close()
+    assert entries and all(isinstance(e, MessageBatch) for e in entries)
+    splitter = TransactionSplitter(proto_version=2)
+    items = [i for batch in entries for _, i in splitter.feed_batch(batch)]  # type: ignore[arg-type]
+    packed = [i for i in items if isinstance(i, Transaction)
+              and isinstance(i.changes, RawChanges) and i.changes._batch is not None]
+    assert len(packed) > 50
+    # The walsender's backlog is handed over in batches too.
+    walsender = _transport("walsender", source_db)
+    seen = batches = 0
+    for entry in next(walsender.sessions(time.monotonic() + 30)):
+        if entry is None:
+            break
+        batches += isinstance(entry, MessageBatch)
+        seen += len(entry) if isinstance(entry, MessageBatch) else 1
+        if seen >= 500:
+            break
+    walsender.close()
+    assert batches >= 1
 
 
 def test_resume_after_skips_applied_transactions(source_db: Database):
@@ -397,3 +496,54 @@ def test_streaming_proves_memory_bound(source_db: Database):
             break
     consumer.close()
     assert count == 20000
+
+
+def test_idle_progress_never_passes_a_commit_not_yet_flushed(cluster_root: Path):
+    """With ``synchronous_commit = off`` a commit can be written but not yet flushed, and
+    logical decoding reads only flushed WAL. An idle position past the flush point would
+    be recorded and confirmed, and the transaction never sent. Every committed row must
+    arrive even when the consumer confirms each idle position it is given."""
+    from pgsieve.core.pgcluster import LocalCluster, free_port
+
+    cluster = LocalCluster(cluster_root / "unflushed", free_port(), settings={
+        "synchronous_commit": "off", "wal_writer_delay": "2000ms", "wal_buffers": "64kB",
+        "wal_writer_flush_after": "0"}).start()
+    stop = threading.Event()
+
+    def noise() -> None:  # keeps the write position ahead of the flush position
+        with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
+            while not stop.is_set():
+                conn.execute("INSERT INTO big SELECT g, repeat('x', 200) "
+                             "FROM generate_series(1, 20000) g")
+                conn.execute("TRUNCATE big")
+
+    try:
+        dsn = cluster.dsn()
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE TABLE big (id int, v text);"
+                         "CREATE PUBLICATION p FOR TABLE t")
+            conn.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+        writer = threading.Thread(target=noise)
+        writer.start()
+        time.sleep(1)
+        consumer = SlotConsumer(SqlTransport(dsn, "s", PgoutputOptions(("p",)),
+                                             poll_interval=0.05), proto_version=2)
+        missing = []
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for i in range(8):
+                conn.execute("INSERT INTO t VALUES (%s)", (i,))
+                delivered = False
+                for item in consumer.items(time.monotonic() + 6):
+                    if isinstance(item, IdleProgress):
+                        consumer.confirm(item.lsn)  # as the pipeline does
+                    elif isinstance(item, Transaction):
+                        consumer.confirm(item.end_lsn)
+                        delivered = True
+                        break
+                if not delivered:
+                    missing.append(i)
+        consumer.close()
+        assert missing == []
+    finally:
+        stop.set()
+        cluster.destroy()

@@ -10,8 +10,11 @@ here they only feed the truncation property tests.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import pickle
 import struct
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -304,6 +307,20 @@ def test_lazy_tuples_raise_protocol_error_on_first_access() -> None:
         decode_message(good[:-1])  # eager: at decode time
 
 
+@pytest.mark.parametrize("msg", [Insert(7, ROW), Update(7, None, None, ROW), Delete(7, KEY, "K"),
+                                 Delete(7, ROW, "O")], ids=lambda m: type(m).__name__)
+def test_row_messages_from_the_inline_path_are_ordinary_frozen_dataclasses(msg: Message) -> None:
+    got = Decoder(2, lazy=True).decode(encode(msg))
+    assert type(got) is type(msg)
+    assert got == msg
+    assert hash(got) == hash(msg)
+    assert dataclasses.fields(got) == dataclasses.fields(msg)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        got.relation_id = 8  # type: ignore[misc,union-attr]
+    assert pickle.loads(pickle.dumps(got)) == msg  # noqa: S301 - our own bytes
+    assert repr(got) == repr(msg)
+
+
 def test_tuple_data_validates_kinds() -> None:
     with pytest.raises(ValueError, match="kind"):
         TupleData("n", (b"x",))
@@ -314,11 +331,33 @@ def test_tuple_data_validates_kinds() -> None:
 
 
 # -- properties ---------------------------------------------------------------------------------
+def _decode_and_touch(decode: Callable[[], Message]) -> Message | ProtocolError:
+    try:
+        msg = decode()
+        for tup in (getattr(msg, "new", None), getattr(msg, "old", None)):
+            if isinstance(tup, TupleData):
+                _ = tup.values, tup.kinds
+    except ProtocolError as exc:
+        return exc
+    return msg
+
+
 def _decode_fully(data: bytes, version: int, in_stream: bool, lazy: bool) -> None:
-    msg = decode_message(data, version, in_stream, lazy=lazy)
-    for tup in (getattr(msg, "new", None), getattr(msg, "old", None)):
-        if isinstance(tup, TupleData):
-            _ = tup.values, tup.kinds
+    """Decode with :func:`decode_message` and with a stream :class:`Decoder` in the same
+    state (its hot path inlines the row messages): both must return equal messages or
+    both raise ProtocolError (re-raised here). Stream Start/Stop are left out of the
+    comparison, as only the Decoder checks the block structure."""
+    by_function = _decode_and_touch(lambda: decode_message(data, version, in_stream, lazy=lazy))
+    if not data or data[0] not in b"SE":
+        dec = Decoder(version, lazy=lazy)
+        dec.in_stream = in_stream
+        by_decoder = _decode_and_touch(lambda: dec.decode(data))
+        if isinstance(by_function, ProtocolError):
+            assert isinstance(by_decoder, ProtocolError), (data, by_decoder)
+        else:
+            assert by_decoder == by_function, data
+    if isinstance(by_function, ProtocolError):
+        raise by_function
 
 
 TYPE_BYTES = sorted(set(b"BMCORYIUDTSEcAbPKrp"))

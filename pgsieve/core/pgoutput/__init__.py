@@ -5,6 +5,9 @@
 * :mod:`.relations` — :class:`RelationCache` and row helpers (column name → value).
 * :mod:`.values` — raw text/binary values → Python values, or PostgreSQL text.
 * :mod:`.assembler` — :class:`TransactionAssembler` (messages → committed transactions).
+* :mod:`.splitter` — :class:`TransactionSplitter` (the hot path: plain transactions, rows
+  left raw).
+* :mod:`.batch` — :class:`MessageBatch` (many messages packed, as transports hand them over).
 """
 
 from pgsieve.core.pgoutput.assembler import (
@@ -18,6 +21,7 @@ from pgsieve.core.pgoutput.assembler import (
     Transaction,
     TransactionAssembler,
 )
+from pgsieve.core.pgoutput.batch import MessageBatch
 from pgsieve.core.pgoutput.decoder import Decoder, decode_message, pg_timestamp
 from pgsieve.core.pgoutput.messages import (
     UNCHANGED,
@@ -89,6 +93,7 @@ __all__ = [
     "Item",
     "LogicalMessage",
     "Message",
+    "MessageBatch",
     "Origin",
     "OriginInfo",
     "PgInfinity",

@@ -170,8 +170,8 @@ def scan_tuple(data: bytes, pos: int, n: int) -> tuple[TupleData, int]:
     if pos > n:
         raise _short("TupleData column value", start, pos - start, n)
     tup = _new(TupleData)
-    tup._values = tuple(values)
-    tup._kinds = None if binary is None else _kinds_with_binary(tup._values, binary)
+    tup._values = row = tuple(values)
+    tup._kinds = None if binary is None else _kinds_with_binary(row, binary)
     return tup, pos
 
 
@@ -184,25 +184,51 @@ def _kinds_with_binary(values: tuple[RawValue, ...], binary: list[int]) -> str:
 
 
 class _LazyTupleData(TupleData):
-    """A trailing TupleData left unparsed until first access (``lazy=True`` decoding)."""
+    """A trailing TupleData left unparsed until first access (``lazy=True`` decoding).
+
+    Built with only ``_buf`` and ``_start`` set; ``_values``/``_kinds`` stay unset (an
+    unset slot raises AttributeError) until :meth:`_materialize` fills them, so creating
+    one costs an allocation and two stores.
+    """
 
     __slots__ = ()
 
+    @property
+    def values(self) -> tuple[RawValue, ...]:
+        try:
+            return self._values
+        except AttributeError:
+            self._materialize()
+            return self._values
+
+    @property
+    def kinds(self) -> str:
+        try:
+            self._values  # noqa: B018 - probe: materialized yet?
+        except AttributeError:
+            self._materialize()
+        return TupleData.kinds.fget(self)  # type: ignore[attr-defined,no-any-return]
+
     def _materialize(self) -> None:
         buf = self._buf
-        assert buf is not None
         tup, end = scan_tuple(buf, self._start, len(buf))
         if end != len(buf):
             raise ProtocolError(f"{len(buf) - end} trailing byte(s) after TupleData "
                                 f"at offset {end}")
-        self._values, self._kinds, self._buf = tup._values, tup._kinds, None
+        self._values, self._kinds = tup._values, tup._kinds
+
+
+def _lazy_tuple(data: bytes, pos: int) -> TupleData:
+    tup = _new(_LazyTupleData)
+    tup._buf = data
+    tup._start = pos
+    return tup
 
 
 def _trailing_tuple(data: bytes, pos: int, n: int, lazy: bool) -> TupleData:
     """The tuple that ends the message: parsed now, or (lazy) on first access."""
     if lazy:
         lazy_tup = _new(_LazyTupleData)
-        lazy_tup._values = None
         lazy_tup._buf = data
         lazy_tup._start = pos
         return lazy_tup
@@ -210,6 +236,87 @@ def _trailing_tuple(data: bytes, pos: int, n: int, lazy: bool) -> TupleData:
     if end != n:
         raise ProtocolError(f"{n - end} trailing byte(s) after TupleData at offset {end}")
     return tup
+
+
+# Frozen dataclasses refuse attribute assignment; their slot descriptors do not. The row
+# messages built by the handlers use those (``object.__new__`` + one C call per field):
+# about half of what the generated ``__init__`` costs (it goes through
+# ``object.__setattr__`` by name for every field).
+def _slot_setter(cls: type, name: str) -> Callable[[object, object], None]:
+    setter: Callable[[object, object], None] = cls.__dict__[name].__set__
+    return setter
+
+
+_INSERT_RELID = _slot_setter(Insert, "relation_id")
+_INSERT_NEW = _slot_setter(Insert, "new")
+_INSERT_XID = _slot_setter(Insert, "xid")
+_UPDATE_RELID = _slot_setter(Update, "relation_id")
+_UPDATE_OLD = _slot_setter(Update, "old")
+_UPDATE_OLD_KIND = _slot_setter(Update, "old_kind")
+_UPDATE_NEW = _slot_setter(Update, "new")
+_UPDATE_XID = _slot_setter(Update, "xid")
+_DELETE_RELID = _slot_setter(Delete, "relation_id")
+_DELETE_OLD = _slot_setter(Delete, "old")
+_DELETE_OLD_KIND = _slot_setter(Delete, "old_kind")
+_DELETE_XID = _slot_setter(Delete, "xid")
+
+
+# Cheaper still, for Decoder.decode's inline hot path: a mutable twin of each row message
+# with the identical slot layout is filled with plain attribute stores (specialised by
+# the interpreter) and then retyped with ``__class__`` assignment, which CPython allows
+# between classes of the same layout. The result is an ordinary frozen Insert/Update/
+# Delete (its class, fields, equality and hash are the dataclass's). Twin slots are
+# copied from the dataclasses, so they stay in step with them.
+class _InsertTwin:
+    __slots__ = Insert.__slots__
+    relation_id: int
+    new: TupleData
+    xid: int | None
+
+
+class _UpdateTwin:
+    __slots__ = Update.__slots__
+    relation_id: int
+    old: TupleData | None
+    old_kind: str | None
+    new: TupleData
+    xid: int | None
+
+
+class _DeleteTwin:
+    __slots__ = Delete.__slots__
+    relation_id: int
+    old: TupleData
+    old_kind: str
+    xid: int | None
+
+
+def _make_insert(relid: int, new: TupleData, xid: int | None) -> Insert:
+    msg: Insert = _new(Insert)
+    _INSERT_RELID(msg, relid)
+    _INSERT_NEW(msg, new)
+    _INSERT_XID(msg, xid)
+    return msg
+
+
+def _make_update(relid: int, old: TupleData | None, old_kind: str | None, new: TupleData,
+                 xid: int | None) -> Update:
+    msg: Update = _new(Update)
+    _UPDATE_RELID(msg, relid)
+    _UPDATE_OLD(msg, old)
+    _UPDATE_OLD_KIND(msg, old_kind)
+    _UPDATE_NEW(msg, new)
+    _UPDATE_XID(msg, xid)
+    return msg
+
+
+def _make_delete(relid: int, old: TupleData, old_kind: str, xid: int | None) -> Delete:
+    msg: Delete = _new(Delete)
+    _DELETE_RELID(msg, relid)
+    _DELETE_OLD(msg, old)
+    _DELETE_OLD_KIND(msg, old_kind)
+    _DELETE_XID(msg, xid)
+    return msg
 
 
 _Handler = Callable[[bytes, int, bool, bool], Message]
@@ -299,7 +406,7 @@ def _insert(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
         raise _short("Insert header", pos, 5, n)
     if data[pos + 4] != _N:
         raise ProtocolError(f"expected 'N' at offset {pos + 4}, got {data[pos + 4]:#04x}")
-    return Insert(_U32(data, pos)[0], _trailing_tuple(data, pos + 5, n, lazy), xid)
+    return _make_insert(_U32(data, pos)[0], _trailing_tuple(data, pos + 5, n, lazy), xid)
 
 
 def _update(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
@@ -322,7 +429,7 @@ def _update(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
         action = data[pos]
     if action != _N:
         raise ProtocolError(f"expected 'K', 'O' or 'N' at offset {pos}, got {action:#04x}")
-    return Update(relid, old, old_kind, _trailing_tuple(data, pos + 1, n, lazy), xid)  # type: ignore[arg-type]
+    return _make_update(relid, old, old_kind, _trailing_tuple(data, pos + 1, n, lazy), xid)
 
 
 def _delete(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
@@ -333,7 +440,7 @@ def _delete(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
     if action != _K and action != _O:
         raise ProtocolError(f"expected 'K' or 'O' at offset {pos + 4}, got {action:#04x}")
     old = _trailing_tuple(data, pos + 5, n, lazy)
-    return Delete(_U32(data, pos)[0], old, "K" if action == _K else "O", xid)
+    return _make_delete(_U32(data, pos)[0], old, "K" if action == _K else "O", xid)
 
 
 def _truncate(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
@@ -489,35 +596,94 @@ def decode_message(
 
 class Decoder:
     """Decoder for one replication stream: knows the protocol version and tracks whether it
-    is inside a Stream Start .. Stream Stop block (where change messages carry an xid)."""
+    is inside a Stream Start .. Stream Stop block (where change messages carry an xid).
 
-    __slots__ = ("_table", "in_stream", "lazy", "proto_version")
+    :meth:`decode` is the consumer's per-row hot path, so with ``lazy=True`` the three row
+    messages of an ordinary transaction (Insert, Update without an old tuple, Delete) are
+    decoded inline there — no handler call, built through their mutable twins, the
+    trailing tuple left lazy — with exactly the checks of their handlers; everything else
+    (and any input those checks reject) goes through the handler table, which raises the
+    precise error. Stream Start/Stop messages move :attr:`in_stream`.
+    """
+
+    __slots__ = ("_in_stream", "_inline", "_table", "lazy", "proto_version")
 
     def __init__(self, proto_version: int = 4, *, lazy: bool = False) -> None:
         if proto_version not in _TABLES:
             raise ValueError(f"unsupported pgoutput protocol version {proto_version}")
         self.proto_version = proto_version
         self.lazy = lazy
-        self.in_stream = False
+        self._in_stream = False
+        self._inline = lazy  # lazy and not in a stream block: the inline row path applies
         self._table = _TABLES[proto_version]
 
     def decode(self, data: bytes | bytearray | memoryview) -> Message:
         if type(data) is not bytes:
             data = bytes(data)
-        handler = self._table.get(data[0]) if data else None
+        n = len(data)
+        if n > 5 and self._inline:
+            kind = data[0]
+            if kind == 0x49:  # Insert: 'I' relid 'N' tuple
+                if data[5] == 0x4E:
+                    tup = _new(_LazyTupleData)
+                    tup._buf = data
+                    tup._start = 6
+                    ins = _new(_InsertTwin)
+                    ins.relation_id = _U32(data, 1)[0]
+                    ins.new = tup
+                    ins.xid = None
+                    ins.__class__ = Insert  # type: ignore[assignment]
+                    return ins  # type: ignore[return-value]
+            elif kind == 0x55:  # Update without old tuple: 'U' relid 'N' tuple
+                if data[5] == 0x4E:
+                    tup = _new(_LazyTupleData)
+                    tup._buf = data
+                    tup._start = 6
+                    upd = _new(_UpdateTwin)
+                    upd.relation_id = _U32(data, 1)[0]
+                    upd.old = None
+                    upd.old_kind = None
+                    upd.new = tup
+                    upd.xid = None
+                    upd.__class__ = Update  # type: ignore[assignment]
+                    return upd  # type: ignore[return-value]
+            elif kind == 0x44:  # Delete: 'D' relid 'K'|'O' tuple
+                action = data[5]
+                if action == 0x4B or action == 0x4F:
+                    tup = _new(_LazyTupleData)
+                    tup._buf = data
+                    tup._start = 6
+                    dlt = _new(_DeleteTwin)
+                    dlt.relation_id = _U32(data, 1)[0]
+                    dlt.old = tup
+                    dlt.old_kind = "K" if action == 0x4B else "O"
+                    dlt.xid = None
+                    dlt.__class__ = Delete  # type: ignore[assignment]
+                    return dlt  # type: ignore[return-value]
+        handler = self._table.get(data[0]) if n else None
         if handler is None:
             raise _unknown(data, self.proto_version)
-        msg = handler(data, len(data), self.in_stream, self.lazy)
+        msg = handler(data, n, self._in_stream, self.lazy)
         kind = data[0]
         if kind == 0x53:  # Stream Start
-            if self.in_stream:
+            if self._in_stream:
                 raise ProtocolError("Stream Start (offset 0) inside an open stream block")
             self.in_stream = True
         elif kind == 0x45:  # Stream Stop
-            if not self.in_stream:
+            if not self._in_stream:
                 raise ProtocolError("Stream Stop (offset 0) outside a stream block")
             self.in_stream = False
         return msg
+
+    @property
+    def in_stream(self) -> bool:
+        """Inside a Stream Start .. Stream Stop block (change messages carry an xid)."""
+        return self._in_stream
+
+    @in_stream.setter
+    def in_stream(self, value: bool) -> None:
+        self._in_stream = value
+        self._inline = self.lazy and not value
 
     def reset(self) -> None:
         """Forget stream state, e.g. after reconnecting to the walsender."""

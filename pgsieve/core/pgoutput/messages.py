@@ -67,9 +67,11 @@ class TupleData:
 
     __slots__ = ("_buf", "_kinds", "_start", "_values")
 
-    _values: tuple[RawValue, ...] | None
+    # A lazy tuple (the decoder's subclass) leaves ``_values``/``_kinds`` unset until
+    # first access and keeps the message bytes in ``_buf`` and the offset in ``_start``.
+    _values: tuple[RawValue, ...]
     _kinds: str | None  # None: derive from the values ('t' for bytes)
-    _buf: bytes | None
+    _buf: bytes
     _start: int
 
     def __init__(self, kinds: str, values: Sequence[RawValue]) -> None:
@@ -80,26 +82,17 @@ class TupleData:
                 raise ValueError(f"column kind {kind!r} does not fit value {value!r}")
         self._values = tuple(values)
         self._kinds = kinds
-        self._buf = None
-        self._start = 0
 
     @property
     def values(self) -> tuple[RawValue, ...]:
-        if self._values is None:
-            self._materialize()
-        return self._values  # type: ignore[return-value]
+        return self._values
 
     @property
     def kinds(self) -> str:
-        if self._values is None:
-            self._materialize()
-        if self._kinds is None:
-            self._kinds = "".join([_KIND_OF[type(v)] for v in self._values])  # type: ignore[union-attr]
-        return self._kinds
-
-    def _materialize(self) -> None:
-        """Lazy tuples (a decoder subclass) fill ``_values``/``_kinds`` here."""
-        raise ProtocolError("TupleData has no values")  # pragma: no cover - eager always set
+        kinds = self._kinds
+        if kinds is None:
+            kinds = self._kinds = "".join([_KIND_OF[type(v)] for v in self.values])
+        return kinds
 
     def __len__(self) -> int:
         return len(self.values)

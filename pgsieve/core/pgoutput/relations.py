@@ -11,7 +11,7 @@ The helpers here pair a TupleData with its Relation's columns, so later stages w
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from pgsieve.core.pgoutput.messages import UNCHANGED, RawValue, Relation, TupleData, Type
@@ -34,7 +34,12 @@ class TupleShapeError(ValueError):
 
 
 class RelationCache:
-    """Latest Relation and Type message per OID; updated as messages arrive."""
+    """Latest Relation and Type message per OID; updated as messages arrive.
+
+    Copy-on-write: an update replaces the relation map instead of changing it, so
+    :meth:`snapshot` is free and stays valid — a transaction whose rows are decoded later
+    keeps the relations that were in effect when it was read.
+    """
 
     __slots__ = ("_relations", "_types")
 
@@ -44,9 +49,15 @@ class RelationCache:
 
     def update(self, message: Relation | Type) -> None:
         if isinstance(message, Relation):
-            self._relations[message.relation_id] = message
+            relations = dict(self._relations)
+            relations[message.relation_id] = message
+            self._relations = relations
         else:
             self._types[message.type_oid] = message
+
+    def snapshot(self) -> Mapping[int, Relation]:
+        """The relations in effect now, unaffected by later updates (never copy it)."""
+        return self._relations
 
     def get(self, relation_id: int) -> Relation:
         try:
