@@ -1,14 +1,19 @@
 """Publications as they are in a source's catalog, in the row-filter model's terms.
 
-Used for effective filters over existing publications (and, later, drift detection):
+Used for effective filters over existing publications and for drift detection:
 ``pg_publication``, ``pg_publication_rel`` (``prqual`` row filters, ``prattrs`` column
 lists) and ``pg_publication_namespace`` (FOR TABLES IN SCHEMA), plus every user table with
-its partition parent so the model can follow ``publish_via_partition_root``.
+its partition parent so the model can follow ``publish_via_partition_root``, and
+``pg_publication_tables`` (what PostgreSQL actually publishes: ``rowfilter``, ``attnames``).
+
+Connections are expected to return tuples (``row_factory=tuple_row``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -18,7 +23,8 @@ from pgsieve.core.rowfilter.effective import Publication, PublishedTable, TableI
 from pgsieve.core.rowfilter.parse import quote_qualified
 
 _PUBLICATIONS = """
-SELECT pubname, puballtables, pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot
+SELECT pubname, puballtables, pubinsert, pubupdate, pubdelete, pubtruncate, pubviaroot,
+       oid::int8, pg_get_userbyid(pubowner)::text
 FROM pg_publication WHERE pubname = ANY(%s)
 """
 _RELATIONS = """
@@ -62,37 +68,112 @@ def read_publications(
 ) -> list[Publication]:
     """The named publications, in the order given; unknown names -> 404."""
     wanted = list(dict.fromkeys(names))
-    rows = {r[0]: r for r in conn.execute(_PUBLICATIONS, (wanted,)).fetchall()}
-    missing = [n for n in wanted if n not in rows]
+    found = read_live_publications(conn, wanted, with_published=False)
+    missing = [n for n in wanted if n not in found]
     if missing:
         raise NotFound(
             f"no publication named {', '.join(repr(m) for m in missing)} on the source",
             code="publication_not_found",
         )
-    tables: dict[str, list[PublishedTable]] = {n: [] for n in wanted}
-    for pub, schema, name, qual, cols in conn.execute(_RELATIONS, (wanted,)).fetchall():
+    return [found[n].definition for n in wanted]
+
+
+@dataclass(frozen=True)
+class PublishedRelation:
+    """One row of ``pg_publication_tables``: a relation PostgreSQL really publishes."""
+
+    table: str
+    rowfilter: str | None
+    attnames: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LivePublication:
+    """A publication as the catalog has it right now.
+
+    ``definition`` is what was declared (``pg_publication_rel`` members with their
+    ``prqual``/``prattrs``, schemas, options); ``published`` is what PostgreSQL derives
+    from it (``pg_publication_tables``: partitions expanded, filters that apply).
+    """
+
+    definition: Publication
+    oid: int
+    owner: str
+    published: tuple[PublishedRelation, ...] = ()
+
+
+_PUBLISHED = """
+SELECT pubname, schemaname, tablename, rowfilter, attnames::text[]
+FROM pg_publication_tables WHERE pubname = ANY(%s)
+ORDER BY pubname, schemaname, tablename
+"""
+
+
+def read_live_publications(
+    conn: psycopg.Connection[Any], names: Sequence[str], *, with_published: bool = True
+) -> dict[str, LivePublication]:
+    """The named publications that exist (absent names are simply not in the result)."""
+    wanted = list(dict.fromkeys(names))
+    rows = {r[0]: r for r in conn.execute(_PUBLICATIONS, (wanted,)).fetchall()}
+    found = [n for n in wanted if n in rows]
+    tables: dict[str, list[PublishedTable]] = {n: [] for n in found}
+    for pub, schema, name, qual, cols in conn.execute(_RELATIONS, (found,)).fetchall():
         tables[pub].append(
             PublishedTable(quote_qualified(schema, name), qual, tuple(cols) if cols else None)
         )
-    schemas: dict[str, list[str]] = {n: [] for n in wanted}
-    for pub, schema in conn.execute(_SCHEMAS, (wanted,)).fetchall():
+    schemas: dict[str, list[str]] = {n: [] for n in found}
+    for pub, schema in conn.execute(_SCHEMAS, (found,)).fetchall():
         schemas[pub].append(schema)
-    out = []
-    for name in wanted:
-        _, all_tables, ins, upd, dele, trunc, via_root = rows[name]
+    published: dict[str, list[PublishedRelation]] = {n: [] for n in found}
+    if with_published and found:
+        for pub, schema, name, rowfilter, attnames in conn.execute(
+            _PUBLISHED, (found,)
+        ).fetchall():
+            published[pub].append(
+                PublishedRelation(quote_qualified(schema, name), rowfilter,
+                                  tuple(attnames or ()))
+            )
+    out: dict[str, LivePublication] = {}
+    for name in found:
+        _, all_tables, ins, upd, dele, trunc, via_root, oid, owner = rows[name]
         ops = {op for op, on in (("insert", ins), ("update", upd), ("delete", dele),
                                  ("truncate", trunc)) if on}
-        out.append(
-            Publication(
-                name=name,
-                tables=tuple(tables[name]),
-                schemas=tuple(sorted(schemas[name])),
-                all_tables=bool(all_tables),
-                publish=frozenset(ops),
-                publish_via_partition_root=bool(via_root),
-            )
+        definition = Publication(
+            name=name,
+            tables=tuple(tables[name]),
+            schemas=tuple(sorted(schemas[name])),
+            all_tables=bool(all_tables),
+            publish=frozenset(ops),
+            publish_via_partition_root=bool(via_root),
         )
+        out[name] = LivePublication(definition, int(oid), str(owner),
+                                    tuple(published[name]))
     return out
+
+
+def publication_names(conn: psycopg.Connection[Any]) -> list[str]:
+    """Every publication of the connected database, by name."""
+    return [str(r[0]) for r in conn.execute(
+        "SELECT pubname::text FROM pg_publication ORDER BY pubname").fetchall()]
+
+
+def existing_schemas(conn: psycopg.Connection[Any], names: Sequence[str]) -> set[str]:
+    """Which of ``names`` are schemas of the connected database."""
+    rows = conn.execute(
+        "SELECT nspname::text FROM pg_namespace WHERE nspname = ANY(%s)", (list(names),)
+    ).fetchall()
+    return {str(r[0]) for r in rows}
+
+
+@contextmanager
+def catalog_snapshot(conn: psycopg.Connection[Any]) -> Iterator[psycopg.Connection[Any]]:
+    """A read-only REPEATABLE READ transaction: several catalog reads, one consistent view.
+
+    Used only on autocommit connections outside any transaction (API request connections).
+    """
+    with conn.transaction(force_rollback=True):
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        yield conn
 
 
 def read_tables(conn: psycopg.Connection[Any]) -> list[TableInfo]:

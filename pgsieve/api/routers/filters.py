@@ -1,12 +1,17 @@
-"""Row filters on a source: try one on real data (``filter-preview``) and see what several
-publications combined replicate per table (``effective-filters``)."""
+"""Row filters on a source: try one on real data (``filter-preview``, optionally on a
+subscription's recent UPDATEs) and see what several publications combined replicate per
+table (``effective-filters``, for a source and a list of publications, or for a
+subscription)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
+import psycopg
 from fastapi import APIRouter, Query
 from psycopg.rows import tuple_row
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from pgsieve.api.deps import (
     SecretBoxDep,
@@ -16,16 +21,84 @@ from pgsieve.api.deps import (
     source_connection,
 )
 from pgsieve.api.schemas.filters import FilterPreviewRequest, FilterPreviewResponse
-from pgsieve.core.errors import Unreachable
-from pgsieve.core.pubcatalog import read_publications, read_tables
-from pgsieve.core.rowfilter.catalog import SourceConnectionError
+from pgsieve.core.errors import NotFound, Unprocessable, Unreachable
+from pgsieve.core.models import Subscription, UpdateImage
+from pgsieve.core.pubcatalog import (
+    catalog_snapshot,
+    read_live_publications,
+    read_publications,
+    read_tables,
+)
+from pgsieve.core.rowfilter.catalog import SourceConnectionError, read_table_facts
 from pgsieve.core.rowfilter.effective import effective_filters
-from pgsieve.core.rowfilter.preview import preview_filter
+from pgsieve.core.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
+from pgsieve.core.rowfilter.preview import FilterPreview, preview_filter
+from pgsieve.core.rowfilter.rules import normalize_publish
+from pgsieve.core.rowfilter.updates import RowImages, evaluate_updates
 
-router = APIRouter(prefix="/sources/{source_id}", tags=["row filters"])
+router = APIRouter(tags=["row filters"])
+
+UPDATE_PREVIEW_TIMEOUT_MS = 5000
 
 
-@router.post("/filter-preview", response_model=FilterPreviewResponse)
+def _subscription(session: Session, subscription_id: str) -> Subscription:
+    sub = session.get(Subscription, subscription_id)
+    if sub is None:
+        raise NotFound(f"no subscription with id '{subscription_id}'",
+                       code="subscription_not_found")
+    return sub
+
+
+def _recent_images(session: Session, sub: Subscription, table: str,
+                   window: int) -> list[RowImages]:
+    schema, name = parse_table_name(table)
+    # the consumer records "schema.name" as PostgreSQL names it (unquoted)
+    names = {f"{schema}.{name}", quote_qualified(schema, name)}
+    rows = session.scalars(
+        select(UpdateImage)
+        .where(UpdateImage.subscription_id == sub.id, UpdateImage.table_name.in_(names))
+        .order_by(UpdateImage.lsn.desc(), UpdateImage.id.desc())
+        .limit(window)
+    ).all()
+    return [RowImages(r.lsn, r.old_kind, r.old, r.new) for r in reversed(rows)]
+
+
+def _update_transformations(
+    conn: psycopg.Connection[Any],
+    session: Session,
+    sub: Subscription,
+    body: FilterPreviewRequest,
+    preview: FilterPreview,
+) -> dict[str, Any] | None:
+    validation = preview.validation
+    if not validation.valid or validation.parsed is None or validation.table is None:
+        return None
+    ops, _ = normalize_publish(body.publish)
+    images = _recent_images(session, sub, body.table, body.update_window)
+    out: dict[str, Any] = {"subscription_id": sub.id, "table": validation.table,
+                           "update_published": "update" in ops, "images": len(images)}
+    if "update" not in ops:
+        return {**out, "counts": {}, "examples": {},
+                "notes": ["UPDATE is not in publish: no UPDATE of this table would be sent"]}
+    facts = read_table_facts(conn, body.table)
+    json_columns = frozenset(
+        c.name for c in (facts.columns if facts else ()) if c.type_name in ("json", "jsonb"))
+    try:
+        result = evaluate_updates(conn, body.table, validation.parsed, images,
+                                  examples=body.examples, json_columns=json_columns,
+                                  statement_timeout_ms=UPDATE_PREVIEW_TIMEOUT_MS)
+    except psycopg.errors.QueryCanceled:
+        raise Unprocessable(
+            "evaluating the filter on the recorded UPDATEs took longer than "
+            f"{UPDATE_PREVIEW_TIMEOUT_MS} ms; use a smaller update_window",
+            code="validation_timeout") from None
+    notes = list(result.notes)
+    if not images:
+        notes.append("no UPDATE of this table has been recorded for the subscription yet")
+    return {**out, **result.as_dict(), "notes": notes}
+
+
+@router.post("/sources/{source_id}/filter-preview", response_model=FilterPreviewResponse)
 def filter_preview(
     source_id: str,
     body: FilterPreviewRequest,
@@ -34,8 +107,17 @@ def filter_preview(
     box: SecretBoxDep,
 ) -> dict[str, Any]:
     """Validation verdict (with PostgreSQL's own dry run), replica identity, row counts
-    (true / NULL), sample rows; ``estimated`` when counted from a TABLESAMPLE. Read-only."""
+    (true / NULL), sample rows; ``estimated`` when counted from a TABLESAMPLE. With
+    ``subscription_id``: ``update_transformations``, Table 31.1 over the subscription's
+    recent UPDATEs of the table, evaluated by PostgreSQL. Read-only."""
     source = load_source(session, source_id)
+    sub: Subscription | None = None
+    if body.subscription_id is not None:
+        sub = _subscription(session, body.subscription_id)
+        if sub.source_id != source.id:
+            raise Unprocessable(
+                f"subscription '{sub.name}' reads another source", field="subscription_id",
+                code="subscription_source_mismatch")
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         try:
             preview = preview_filter(
@@ -46,12 +128,28 @@ def filter_preview(
                 sample_size=body.sample_size,
                 exact_row_limit=settings.preview_exact_row_limit,
             )
+            updates = (_update_transformations(conn, session, sub, body, preview)
+                       if sub is not None else None)
         except SourceConnectionError as exc:
             raise Unreachable(f"lost the connection to the source: {exc}") from None
-    return preview.as_dict()
+        except TableNameError as exc:  # pragma: no cover - the verdict already refused it
+            raise Unprocessable(str(exc), code="invalid_table_name") from None
+    return {**preview.as_dict(), "update_transformations": updates}
 
 
-@router.get("/effective-filters")
+def _effective(conn: psycopg.Connection[Any], names: list[str]) -> dict[str, Any]:
+    with catalog_snapshot(conn):
+        live = read_live_publications(conn, names, with_published=False)
+        tables = read_tables(conn)
+    pubs = [live[n].definition for n in names if n in live]
+    return {
+        "publications": [p.name for p in pubs],
+        "missing_publications": [n for n in names if n not in live],
+        "tables": [f.as_dict() for f in effective_filters(pubs, tables)],
+    }
+
+
+@router.get("/sources/{source_id}/effective-filters")
 def source_effective_filters(
     source_id: str,
     session: SessionDep,
@@ -70,3 +168,20 @@ def source_effective_filters(
         "publications": [p.name for p in pubs],
         "tables": [f.as_dict() for f in effective_filters(pubs, tables)],
     }
+
+
+@router.get("/subscriptions/{subscription_id}/effective-filters")
+def subscription_effective_filters(
+    subscription_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+) -> dict[str, Any]:
+    """What the subscription's publications, as the source catalog has them now,
+    replicate per table: ``{tables: [{table, filter, filters (per operation), columns,
+    publications, redundant_because, published_as, initial_sync_filter, issues}]}``.
+    Publications the subscription names that no longer exist are listed in
+    ``missing_publications`` (PostgreSQL's walsender would fail on them)."""
+    sub = _subscription(session, subscription_id)
+    source = load_source(session, sub.source_id)
+    names = [str(n) for n in dict.fromkeys(sub.publications or [])]
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+        body = _effective(conn, names)
+    return {"subscription_id": sub.id, "source_id": source.id, **body}

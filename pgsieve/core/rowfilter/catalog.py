@@ -677,7 +677,14 @@ def _dry_run_publication(
     publish: frozenset[str],
     via_root: bool,
 ) -> tuple[_StepFailed | None, _StepFailed | None]:
-    """CREATE PUBLICATION (rolled back), then the identity probe; returns both failures."""
+    """CREATE PUBLICATION (rolled back), then the identity probe; returns both failures.
+
+    An identity failure that is there before the dry-run publication exists (another
+    publication already breaks UPDATE/DELETE on the table) is not the candidate's fault
+    and is not returned; the static rules judge the candidate itself.
+    """
+    checks_identity = bool(publish & {"update", "delete"})
+    baseline = _identity_probe(probe, table, publish) if checks_identity else None
     name = f"pgsieve_dryrun_{uuid.uuid4().hex[:16]}"
     query = sql.SQL("CREATE PUBLICATION {} FOR TABLE {} {}").format(
         sql.Identifier(name), member, _with_options(publish, via_root)
@@ -686,8 +693,11 @@ def _dry_run_publication(
         probe.run_checked(query, ast.CreatePublicationStmt)
     except _StepFailed as step:
         return step, None
-    if publish & {"update", "delete"}:
-        return None, _identity_probe(probe, table, publish)
+    if checks_identity:
+        after = _identity_probe(probe, table, publish)
+        if after is not None and baseline is not None and after.sqlstate == baseline.sqlstate:
+            return None, None
+        return None, after
     return None, None
 
 

@@ -1,0 +1,494 @@
+"""``/sources/{id}/publications``: publications with row filters, desired state vs catalog.
+
+The desired state lives in the metadata store and is applied to the source in one
+transaction (:mod:`pgsieve.core.publications`); the metadata write happens inside that
+transaction, so neither side keeps a change the other refused. Responses carry the live
+catalog state and the drift between the two.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import psycopg
+from fastapi import APIRouter, Query, Response, status
+from psycopg.rows import tuple_row
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source, source_connection
+from pgsieve.api.schemas.publications import (
+    PublicationCreate,
+    PublicationImport,
+    PublicationOut,
+    PublicationPatch,
+    PublicationTableIn,
+)
+from pgsieve.core.errors import Conflict, NotFound
+from pgsieve.core.models import Publication as PublicationRow
+from pgsieve.core.models import PublicationTable, Source, Subscription
+from pgsieve.core.pubcatalog import (
+    LivePublication,
+    catalog_snapshot,
+    publication_names,
+    read_live_publications,
+)
+from pgsieve.core.publications import (
+    ApplyResult,
+    PublicationCode,
+    PublicationInvalid,
+    PublicationIssue,
+    TableSpec,
+    apply_publication,
+    canonical_publish,
+    drift,
+    drop_publication,
+    normalize_definition,
+    restore,
+    validate_definition,
+)
+from pgsieve.core.rowfilter.effective import Publication, PublishedTable
+from pgsieve.core.rowfilter.parse import (
+    IssueCode,
+    TableNameError,
+    parse_table_name,
+    quote_qualified,
+)
+
+router = APIRouter(prefix="/sources/{source_id}/publications", tags=["publications"])
+
+DryRun = Annotated[
+    bool,
+    Query(description="validate and apply in a transaction that is rolled back; "
+                      "nothing changes"),
+]
+
+
+# --------------------------------------------------------------------------------------
+# conversions
+
+
+def _desired(row: PublicationRow) -> Publication:
+    return Publication(
+        name=row.name,
+        tables=tuple(
+            PublishedTable(t.table_name, t.where,
+                           None if t.columns is None else tuple(t.columns))
+            for t in row.tables
+        ),
+        schemas=tuple(row.schemas or ()),
+        all_tables=row.all_tables,
+        publish=frozenset(row.publish or ()),
+        publish_via_partition_root=row.publish_via_partition_root,
+    )
+
+
+def _store(row: PublicationRow, pub: Publication) -> None:
+    row.all_tables = pub.all_tables
+    row.schemas = list(pub.schemas)
+    row.publish = list(canonical_publish(pub.publish))
+    row.publish_via_partition_root = pub.publish_via_partition_root
+    row.managed = True
+    # Update members in place: the unit of work inserts before it deletes, so replacing a
+    # member by a new row with the same name would trip the unique constraint.
+    existing = {t.table_name: t for t in row.tables}
+    members: list[PublicationTable] = []
+    for member in pub.tables:
+        item = existing.get(member.table) or PublicationTable(table_name=member.table)
+        item.where = member.where
+        item.columns = None if member.columns is None else list(member.columns)
+        members.append(item)
+    row.tables = members
+
+
+def _definition_out(pub: Publication) -> dict[str, Any]:
+    return {
+        "tables": [{"table": t.table, "where": t.where,
+                    "columns": None if t.columns is None else list(t.columns)}
+                   for t in pub.tables],
+        "schemas": list(pub.schemas),
+        "all_tables": pub.all_tables,
+        "publish": list(canonical_publish(pub.publish)),
+        "publish_via_partition_root": pub.publish_via_partition_root,
+    }
+
+
+def _live_out(live: LivePublication | None) -> dict[str, Any] | None:
+    if live is None:
+        return None
+    return {
+        "oid": live.oid,
+        "owner": live.owner,
+        **_definition_out(live.definition),
+        "published_tables": [
+            {"table": r.table, "rowfilter": r.rowfilter, "attnames": list(r.attnames)}
+            for r in live.published
+        ],
+    }
+
+
+def _out(
+    name: str,
+    desired: Publication | None,
+    live: LivePublication | None,
+    warnings: list[PublicationIssue] | None = None,
+    *,
+    dry_run: bool = False,
+) -> dict[str, Any]:
+    managed = desired is not None
+    shown = desired if desired is not None else live.definition if live else None
+    assert shown is not None
+    differences = drift(desired, live) if desired is not None else []
+    return {
+        "name": name,
+        "managed": managed,
+        **_definition_out(shown),
+        "live": _live_out(live),
+        "drift": [d.as_dict() for d in differences],
+        "in_sync": not differences,
+        "warnings": [w.as_dict() for w in warnings or []],
+        "dry_run": dry_run,
+    }
+
+
+def _specs(tables: list[PublicationTableIn]) -> list[TableSpec]:
+    return [TableSpec(t.table, t.where, None if t.columns is None else tuple(t.columns))
+            for t in tables]
+
+
+# --------------------------------------------------------------------------------------
+# metadata helpers
+
+
+def _row(session: Session, source: Source, name: str) -> PublicationRow | None:
+    return session.scalar(select(PublicationRow).where(
+        PublicationRow.source_id == source.id, PublicationRow.name == name))
+
+
+def _users(session: Session, source: Source, name: str) -> list[str]:
+    subs = session.scalars(select(Subscription).where(Subscription.source_id == source.id))
+    return sorted(s.name for s in subs if name in (s.publications or []))
+
+
+def _save(
+    session: Session,
+    conn: psycopg.Connection[Any],
+    source: Source,
+    pub: Publication,
+    row: PublicationRow | None,
+    *,
+    dry_run: bool,
+) -> tuple[Publication, LivePublication, list[PublicationIssue]]:
+    """Validate, apply in one source transaction, write the metadata inside it, commit
+    both; on any failure neither keeps the change."""
+    pub, errors, warnings = validate_definition(conn, pub)
+    if errors and all(e.code == IssueCode.VALIDATION_TIMEOUT for e in errors):
+        raise Conflict(f"{errors[0].message} (validating {errors[0].table})",
+                       code=PublicationCode.BUSY)
+    if errors:
+        raise PublicationInvalid(errors, warnings)
+
+    def write_metadata(result: ApplyResult) -> None:
+        if dry_run:
+            return
+        target = row if row is not None else PublicationRow(source_id=source.id, name=pub.name)
+        _store(target, result.after.definition)
+        session.add(target)
+        try:
+            session.flush()
+        except IntegrityError:
+            session.rollback()
+            raise Conflict(f"a publication named '{pub.name}' already exists",
+                           code=PublicationCode.EXISTS) from None
+
+    try:
+        result = apply_publication(conn, pub, create=row is None, commit=not dry_run,
+                                   on_applied=write_metadata)
+        warnings = warnings + [w for w in result.warnings if w not in warnings]
+        if not dry_run:
+            try:
+                session.commit()
+            except BaseException:
+                session.rollback()
+                # The source committed, the metadata did not: put the catalog back.
+                restore(conn, pub.name, result.before)
+                raise
+    except BaseException:
+        session.rollback()
+        raise
+    return result.after.definition, result.after, warnings
+
+
+def _load_managed(session: Session, source: Source, name: str,
+                  conn: psycopg.Connection[Any]) -> PublicationRow:
+    row = _row(session, source, name)
+    if row is not None:
+        return row
+    with catalog_snapshot(conn):
+        exists = name in read_live_publications(conn, [name], with_published=False)
+    if exists:
+        raise Conflict(
+            f"publication '{name}' exists on the source but pgsieve does not manage it; "
+            "import it first (POST …/publications/import)",
+            code=PublicationCode.NOT_MANAGED)
+    raise NotFound(f"no publication named '{name}'", code=PublicationCode.NOT_FOUND)
+
+
+# --------------------------------------------------------------------------------------
+# endpoints
+
+
+@router.get("", response_model=list[PublicationOut])
+def list_publications(
+    source_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+) -> list[dict[str, Any]]:
+    """Managed publications (desired state, live state, drift) and, with
+    ``managed: false``, the source's other publications (importable)."""
+    source = load_source(session, source_id)
+    rows = {r.name: r for r in session.scalars(
+        select(PublicationRow).where(PublicationRow.source_id == source.id))}
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn, \
+            catalog_snapshot(conn):
+        live = read_live_publications(conn, sorted(set(publication_names(conn)) | set(rows)))
+    names = sorted(set(rows) | set(live))
+    return [_out(n, _desired(rows[n]) if n in rows else None, live.get(n)) for n in names]
+
+
+@router.get("/{name}", response_model=PublicationOut)
+def get_publication(
+    source_id: str, name: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+) -> dict[str, Any]:
+    source = load_source(session, source_id)
+    row = _row(session, source, name)
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn, \
+            catalog_snapshot(conn):
+        live = read_live_publications(conn, [name]).get(name)
+    if row is None and live is None:
+        raise NotFound(f"no publication named '{name}'", code=PublicationCode.NOT_FOUND)
+    return _out(name, _desired(row) if row is not None else None, live)
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=PublicationOut)
+def create_publication(
+    source_id: str,
+    body: PublicationCreate,
+    response: Response,
+    session: SessionDep,
+    settings: SettingsDep,
+    box: SecretBoxDep,
+    dry_run: DryRun = False,
+) -> dict[str, Any]:
+    """Create a publication (FOR TABLE with per-table ``where``/``columns``, FOR TABLES IN
+    SCHEMA, or FOR ALL TABLES) after validating every member."""
+    source = load_source(session, source_id)
+    if _row(session, source, body.name) is not None:
+        raise Conflict(f"a publication named '{body.name}' already exists",
+                       code=PublicationCode.EXISTS)
+    pub = normalize_definition(body.name, _specs(body.tables), body.schemas, body.all_tables,
+                               body.publish, body.publish_via_partition_root)
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+        desired, live, warnings = _save(session, conn, source, pub, None, dry_run=dry_run)
+    if dry_run:
+        response.status_code = status.HTTP_200_OK
+    return _out(body.name, desired, live, warnings, dry_run=dry_run)
+
+
+def _patched(row: PublicationRow, body: PublicationPatch) -> Publication:
+    """The desired definition after applying the PATCH body (see PublicationPatch)."""
+    current = _desired(row)
+    errors: list[PublicationIssue] = []
+    edits = bool(body.add_tables or body.alter_tables or body.drop_tables)
+    if body.tables is not None and edits:
+        errors.append(PublicationIssue(
+            PublicationCode.CONFLICTING_PATCH,
+            "give either tables (the whole new list) or add_tables/alter_tables/drop_tables "
+            "(edits), not both", field="tables"))
+        raise PublicationInvalid(errors)
+    if body.tables is not None:
+        specs = _specs(body.tables)
+    else:
+        members: dict[tuple[str, str], TableSpec] = {
+            parse_table_name(t.table): TableSpec(t.table, t.where, t.columns)
+            for t in current.tables
+        }
+        touched: dict[tuple[str, str], str] = {}
+
+        def key_of(text: str, where_field: str) -> tuple[str, str] | None:
+            try:
+                key = parse_table_name(text)
+            except TableNameError as exc:
+                errors.append(PublicationIssue(PublicationCode.INVALID_TABLE_NAME, str(exc),
+                                               text, where_field))
+                return None
+            if key in touched:
+                errors.append(PublicationIssue(
+                    PublicationCode.CONFLICTING_PATCH,
+                    f"{quote_qualified(*key)} appears in both {touched[key]} and {where_field}",
+                    quote_qualified(*key), where_field))
+                return None
+            touched[key] = where_field.split("[")[0]
+            return key
+
+        for i, text in enumerate(body.drop_tables):
+            key = key_of(text, f"drop_tables[{i}]")
+            if key is not None and members.pop(key, None) is None:
+                errors.append(_not_member(key, f"drop_tables[{i}]"))
+        for i, alter in enumerate(body.alter_tables):
+            key = key_of(alter.table, f"alter_tables[{i}]")
+            if key is None:
+                continue
+            if key not in members:
+                errors.append(_not_member(key, f"alter_tables[{i}]"))
+                continue
+            old = members[key]
+            given = alter.model_fields_set
+            members[key] = TableSpec(
+                old.table,
+                alter.where if "where" in given else old.where,
+                (None if alter.columns is None else tuple(alter.columns))
+                if "columns" in given else old.columns,
+            )
+        for i, add in enumerate(body.add_tables):
+            key = key_of(add.table, f"add_tables[{i}]")
+            if key is None:
+                continue
+            if key in members:
+                errors.append(PublicationIssue(
+                    PublicationCode.TABLE_ALREADY_IN_PUBLICATION,
+                    f"{quote_qualified(*key)} is already in the publication; change it with "
+                    "alter_tables", quote_qualified(*key), f"add_tables[{i}]"))
+                continue
+            members[key] = TableSpec(add.table, add.where,
+                                     None if add.columns is None else tuple(add.columns))
+        if errors:
+            raise PublicationInvalid(errors)
+        specs = list(members.values())
+    return normalize_definition(
+        row.name,
+        specs,
+        body.schemas if body.schemas is not None else list(current.schemas),
+        body.all_tables if body.all_tables is not None else current.all_tables,
+        body.publish if body.publish is not None else current.publish,
+        body.publish_via_partition_root if body.publish_via_partition_root is not None
+        else current.publish_via_partition_root,
+    )
+
+
+def _not_member(key: tuple[str, str], where_field: str) -> PublicationIssue:
+    return PublicationIssue(PublicationCode.TABLE_NOT_IN_PUBLICATION,
+                            f"{quote_qualified(*key)} is not in the publication",
+                            quote_qualified(*key), where_field)
+
+
+@router.patch("/{name}", response_model=PublicationOut)
+def patch_publication(
+    source_id: str,
+    name: str,
+    body: PublicationPatch,
+    session: SessionDep,
+    settings: SettingsDep,
+    box: SecretBoxDep,
+    dry_run: DryRun = False,
+) -> dict[str, Any]:
+    """Change tables (replace the list, or add/alter/drop members), filters, column lists,
+    schemas, publish operations, publish_via_partition_root. A publication missing from the
+    source (dropped by hand) is re-created."""
+    source = load_source(session, source_id)
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+        row = _load_managed(session, source, name, conn)
+        pub = _patched(row, body)
+        desired, live, warnings = _save(session, conn, source, pub, row, dry_run=dry_run)
+    return _out(name, desired, live, warnings, dry_run=dry_run)
+
+
+@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_publication(
+    source_id: str,
+    name: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    box: SecretBoxDep,
+    keep_in_source: Annotated[
+        bool, Query(description="stop managing it but leave it on the source")
+    ] = False,
+) -> Response:
+    """Drop the publication on the source and forget its desired state (one transaction);
+    refused with 409 ``publication_in_use`` while a subscription names it."""
+    source = load_source(session, source_id)
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+        row = _load_managed(session, source, name, conn)
+        users = _users(session, source, name)
+        if users:
+            raise Conflict(
+                f"publication '{name}' is used by subscription(s) {', '.join(users)}; "
+                "remove it from them first",
+                code=PublicationCode.IN_USE, subscriptions=users)
+        if keep_in_source:
+            session.delete(row)
+            session.commit()
+            return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+        def forget(_: LivePublication | None) -> None:
+            session.delete(row)
+            session.flush()
+
+        try:
+            before = drop_publication(conn, name, on_dropped=forget)
+            try:
+                session.commit()
+            except BaseException:
+                session.rollback()
+                restore(conn, name, before)
+                raise
+        except BaseException:
+            session.rollback()
+            raise
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.post("/import", status_code=status.HTTP_201_CREATED,
+             response_model=list[PublicationOut])
+def import_publications(
+    source_id: str,
+    body: PublicationImport,
+    session: SessionDep,
+    settings: SettingsDep,
+    box: SecretBoxDep,
+) -> list[dict[str, Any]]:
+    """Adopt publications pgsieve did not create: their catalog definition becomes the
+    desired state (nothing changes on the source). Rules pgsieve would have refused are
+    listed as ``warnings``."""
+    source = load_source(session, source_id)
+    managed = set(session.scalars(select(PublicationRow.name).where(
+        PublicationRow.source_id == source.id)))
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+        with catalog_snapshot(conn):
+            existing = publication_names(conn)
+            names = (list(dict.fromkeys(body.names)) if body.names is not None
+                     else [n for n in existing if n not in managed])
+            missing = [n for n in names if n not in existing]
+            if missing:
+                raise NotFound(
+                    f"no publication named {', '.join(repr(m) for m in missing)} on the source",
+                    code=PublicationCode.NOT_FOUND)
+            already = [n for n in names if n in managed]
+            if already:
+                raise Conflict(f"already managed by pgsieve: {', '.join(already)}",
+                               code=PublicationCode.ALREADY_MANAGED)
+            live = read_live_publications(conn, names)
+        notes: dict[str, list[PublicationIssue]] = {}
+        for name in names:
+            _, errors, warnings = validate_definition(conn, live[name].definition)
+            notes[name] = errors + warnings
+    try:
+        for name in names:
+            row = PublicationRow(source_id=source.id, name=name)
+            _store(row, live[name].definition)
+            session.add(row)
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        raise Conflict("another request imported these publications at the same time",
+                       code=PublicationCode.ALREADY_MANAGED) from None
+    return [_out(n, live[n].definition, live[n], notes[n]) for n in names]

@@ -1,0 +1,131 @@
+"""Publications: desired state in, desired + live catalog state + drift out."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, StringConstraints
+
+from pgsieve.api.schemas.common import StrictModel
+
+Operation = Literal["insert", "update", "delete", "truncate"]
+ALL_OPERATIONS: list[Operation] = ["insert", "update", "delete", "truncate"]
+
+PublicationName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"),
+]
+TableName = Annotated[str, StringConstraints(min_length=1, max_length=300)]
+ColumnName = Annotated[str, StringConstraints(min_length=1, max_length=63)]
+SchemaName = Annotated[str, StringConstraints(min_length=1, max_length=63)]
+WhereText = Annotated[str, StringConstraints(max_length=65536)]
+
+
+class PublicationTableIn(StrictModel):
+    table: TableName = Field(description='"schema.name" (PostgreSQL identifier syntax)')
+    where: WhereText | None = Field(default=None, description="row filter; null: all rows")
+    columns: list[ColumnName] | None = Field(
+        default=None, max_length=1600, description="column list; null: all columns"
+    )
+
+
+class PublicationTableAlter(StrictModel):
+    """Change a member: only the fields present change (``where: null`` removes the
+    filter, ``columns: null`` publishes all columns again)."""
+
+    table: TableName
+    where: WhereText | None = None
+    columns: list[ColumnName] | None = Field(default=None, max_length=1600)
+
+
+class PublicationCreate(StrictModel):
+    name: PublicationName
+    tables: list[PublicationTableIn] = Field(default_factory=list, max_length=10000)
+    schemas: list[SchemaName] = Field(default_factory=list, max_length=1000)
+    all_tables: bool = False
+    publish: list[Operation] = Field(default_factory=lambda: list(ALL_OPERATIONS))
+    publish_via_partition_root: bool = False
+
+
+class PublicationPatch(StrictModel):
+    """Every field is optional; absent fields keep their desired value.
+
+    ``tables`` replaces the whole FOR TABLE list; ``add_tables`` / ``alter_tables`` /
+    ``drop_tables`` edit it member by member instead (not together with ``tables``).
+    """
+
+    tables: list[PublicationTableIn] | None = Field(default=None, max_length=10000)
+    add_tables: list[PublicationTableIn] = Field(default_factory=list, max_length=10000)
+    alter_tables: list[PublicationTableAlter] = Field(default_factory=list, max_length=10000)
+    drop_tables: list[TableName] = Field(default_factory=list, max_length=10000)
+    schemas: list[SchemaName] | None = Field(default=None, max_length=1000)
+    all_tables: bool | None = None
+    publish: list[Operation] | None = None
+    publish_via_partition_root: bool | None = None
+
+
+class PublicationImport(StrictModel):
+    names: list[PublicationName] | None = Field(
+        default=None, min_length=1, max_length=1000,
+        description="publications to import; omit to import every unmanaged one",
+    )
+
+
+class PublicationTableOut(BaseModel):
+    table: str
+    where: str | None
+    columns: list[str] | None
+
+
+class PublishedRelationOut(BaseModel):
+    """A row of ``pg_publication_tables``."""
+
+    table: str
+    rowfilter: str | None
+    attnames: list[str]
+
+
+class LiveStateOut(BaseModel):
+    """The publication as the source catalog has it now."""
+
+    oid: int
+    owner: str
+    tables: list[PublicationTableOut]
+    schemas: list[str]
+    all_tables: bool
+    publish: list[str]
+    publish_via_partition_root: bool
+    published_tables: list[PublishedRelationOut] = Field(
+        description="pg_publication_tables: relations published, filter and columns used"
+    )
+
+
+class DriftOut(BaseModel):
+    kind: str
+    message: str
+    table: str | None
+    desired: Any
+    live: Any
+
+
+class IssueOut(BaseModel):
+    code: str
+    message: str
+    table: str | None = None
+    field: str | None = None
+    position: int | None = None
+
+
+class PublicationOut(BaseModel):
+    name: str
+    managed: bool = Field(description="pgsieve keeps its desired state (created or imported)")
+    tables: list[PublicationTableOut]
+    schemas: list[str]
+    all_tables: bool
+    publish: list[str]
+    publish_via_partition_root: bool
+    live: LiveStateOut | None = Field(description="null when it does not exist on the source")
+    drift: list[DriftOut] = Field(description="how the catalog differs from the desired state")
+    in_sync: bool
+    warnings: list[IssueOut] = Field(default_factory=list)
+    dry_run: bool = False
