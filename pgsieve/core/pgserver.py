@@ -7,9 +7,11 @@ error message. Connections are short-lived: these are control-plane calls.
 from __future__ import annotations
 
 import re
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -19,6 +21,8 @@ from psycopg.rows import dict_row
 from pgsieve.core.credentials import parse_dsn, scrub_secrets
 from pgsieve.core.errors import Conflict, NotFound, PgsieveError, Unprocessable, Unreachable
 from pgsieve.core.lsn import format_lsn
+from pgsieve.core.pgoutput.decoder import decode_message
+from pgsieve.core.pgoutput.messages import Begin
 
 MIN_SERVER_VERSION_NUM = 150000
 SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
@@ -194,3 +198,96 @@ def drop_slot(conn: psycopg.Connection[dict[str, Any]], name: str) -> None:
         raise Conflict(f"replication slot '{name}' became active", code="slot_active") from None
     except psycopg.errors.UndefinedObject:
         raise NotFound(f"no replication slot named '{name}'", code="slot_not_found") from None
+
+
+# -- WAL position, slot health inputs, pending commits --------------------------------
+
+
+def current_wal_lsn(conn: psycopg.Connection[Any]) -> int:
+    """The source's WAL write position (replay position on a standby), as an int."""
+    row = conn.execute(
+        "SELECT pg_wal_lsn_diff(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()"
+        " ELSE pg_current_wal_lsn() END, '0/0')::bigint AS lsn"
+    ).fetchone()
+    assert row is not None
+    value = row["lsn"] if isinstance(row, dict) else row[0]
+    return int(value)
+
+
+def max_slot_wal_keep_bytes(conn: psycopg.Connection[Any]) -> int | None:
+    """``max_slot_wal_keep_size`` in bytes; None when unlimited (-1, the default)."""
+    row = conn.execute(
+        "SELECT setting::bigint AS setting, unit FROM pg_settings"
+        " WHERE name = 'max_slot_wal_keep_size'"
+    ).fetchone()
+    if row is None:  # pragma: no cover - every supported server has it
+        return None
+    setting, unit = (row["setting"], row["unit"]) if isinstance(row, dict) else row
+    if int(setting) < 0:
+        return None
+    factor = {"kB": 1024, "MB": 1024**2, "GB": 1024**3}.get(unit or "MB", 1024**2)
+    return int(setting) * factor
+
+
+def _publication_list(names: list[str]) -> str:
+    """``publication_names`` is parsed as identifiers (SplitIdentifierString): quote each."""
+    return ",".join('"' + n.replace('"', '""') + '"' for n in names)
+
+
+_BEGIN = 0x42  # 'B'
+
+
+def oldest_pending_commit(
+    conn: psycopg.Connection[Any],
+    slot: str,
+    publications: list[str],
+    *,
+    applied_lsn: int | None,
+    timeout_ms: int = 5000,
+    max_rows: int = 65536,
+) -> datetime | None:
+    """Commit time of the oldest committed transaction the slot would still send for
+    ``publications`` (and not yet applied: commit LSN >= ``applied_lsn``); None when the
+    slot has nothing left to send.
+
+    Read-only and out of the consumer's way: the slot is copied into a temporary slot of
+    this session and the *copy* is peeked (``pg_logical_slot_peek_binary_changes``), so
+    neither the slot's position nor its ``active`` state changes. Only the Begin
+    messages leave the server; the search stops at the first transaction that counts.
+    Raises ``psycopg.Error`` when the slot cannot be copied or decoded (caller decides).
+    """
+    if not publications:
+        return None
+    probe = f"pgsieve_peek_{secrets.token_hex(6)}"
+    pubs = _publication_list(publications)
+    with conn.transaction():
+        # On an error the server drops the temporary copy itself (and at session end).
+        conn.execute(f"SET LOCAL statement_timeout = {int(timeout_ms)}")
+        conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s, true)", (slot, probe))
+        limit, found = 1, None
+        while True:
+            row = conn.execute(
+                "SELECT count(*) AS n,"
+                "       array_agg(data) FILTER (WHERE get_byte(data, 0) = %s) AS begins"
+                " FROM pg_logical_slot_peek_binary_changes("
+                "   %s, NULL, %s, 'proto_version', '1', 'publication_names', %s)",
+                (_BEGIN, probe, limit, pubs),
+            ).fetchone()
+            assert row is not None
+            count, begins = (row["n"], row["begins"]) if isinstance(row, dict) else row
+            pending = []
+            for data in begins or ():
+                message = decode_message(bytes(data), 1)
+                assert isinstance(message, Begin)
+                if applied_lsn is None or message.final_lsn.value >= applied_lsn:
+                    pending.append(message)
+            if pending:
+                found = min(pending, key=lambda m: m.final_lsn).commit_time
+                break
+            # Nothing unapplied so far (the slot was not confirmed that far): look further,
+            # unless decoding reached the end of the WAL (fewer rows than asked for).
+            if count < limit or limit >= max_rows:
+                break
+            limit = min(limit * 16, max_rows)
+        conn.execute("SELECT pg_drop_replication_slot(%s)", (probe,))
+    return found

@@ -19,9 +19,13 @@ from celery import Celery
 from pgsieve.core.settings import Settings, get_settings
 
 HEARTBEAT_EVERY = timedelta(seconds=10)
+SAMPLE_PROGRESS_EVERY = timedelta(seconds=10)
+SYNC_SLOT_CLEANUP_EVERY = timedelta(seconds=60)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
+    # beat keeps its schedule file there; with a Redis broker nothing else creates it.
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
     conf: dict[str, Any] = {
         "broker_url": settings.effective_broker_url,
         "task_acks_late": True,
@@ -30,6 +34,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_serializer": "json",
         "accept_content": ["json"],
         "task_ignore_result": True,
+        "task_default_queue": settings.celery_queue,
         "broker_connection_retry_on_startup": True,
         "worker_hijack_root_logger": False,
         "beat_schedule_filename": str(settings.state_dir / "celerybeat-schedule"),
@@ -37,6 +42,25 @@ def celery_config(settings: Settings) -> dict[str, Any]:
             "worker-heartbeat": {
                 "task": "pgsieve.worker_heartbeat",
                 "schedule": HEARTBEAT_EVERY.total_seconds(),
+            },
+            "restart-pipelines": {
+                "task": "pgsieve.restart_pipelines",
+                "schedule": settings.restart_pipelines_seconds,
+            },
+            "sync-watchdog": {
+                "task": "pgsieve.sync_watchdog",
+                "schedule": settings.restart_pipelines_seconds,
+                "options": {"expires": settings.restart_pipelines_seconds * 3},
+            },
+            "sync-slot-cleanup": {
+                "task": "pgsieve.sync_slot_cleanup",
+                "schedule": SYNC_SLOT_CLEANUP_EVERY.total_seconds(),
+                "options": {"expires": SYNC_SLOT_CLEANUP_EVERY.total_seconds() * 2},
+            },
+            "sample-progress": {
+                "task": "pgsieve.sample_progress",
+                "schedule": SAMPLE_PROGRESS_EVERY.total_seconds(),
+                "options": {"expires": SAMPLE_PROGRESS_EVERY.total_seconds() * 3},
             },
         },
         "timezone": "UTC",
@@ -60,7 +84,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 def make_celery(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
-    app = Celery("pgsieve", include=["pgsieve.workers.tasks"])
+    app = Celery("pgsieve", include=["pgsieve.workers.tasks", "pgsieve.workers.monitor_tasks",
+                                       "pgsieve.workers.sync_tasks"])
     app.conf.update(celery_config(settings))
     app.conf.pgsieve_settings = settings
     return app

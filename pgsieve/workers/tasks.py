@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from typing import Any
 
 from celery import Task
+from celery.signals import worker_ready
 from sqlalchemy.orm import Session
 
 from pgsieve.core.db import session_scope
 from pgsieve.core.models import WorkerHeartbeat, utcnow
 from pgsieve.core.settings import Settings
 from pgsieve.workers.celery_app import celery_app
+
+log = logging.getLogger(__name__)
 
 
 def _settings(task: Task[Any, Any]) -> Settings:
@@ -36,3 +40,53 @@ def worker_heartbeat(self: Task[Any, Any]) -> str:
     with session_scope(_settings(self).effective_database_url) as session:
         record_heartbeat(session, worker, {"pid": os.getpid()})
     return worker
+
+
+@celery_app.task(name="pgsieve.consume_cycle", bind=True, acks_late=True)
+def consume_cycle(self: Task[Any, Any], subscription_id: str) -> str:
+    """Stream and apply one subscription for a bounded time, then re-enqueue (see
+    :mod:`pgsieve.workers.pipeline`). Safe to deliver twice: the consumer lock admits one."""
+    from pgsieve.spark.session import get_spark
+    from pgsieve.workers import dispatch
+    from pgsieve.workers.pipeline import ConsumeCycle
+
+    settings = _settings(self)
+    outcome = ConsumeCycle(settings, subscription_id, spark=lambda: get_spark(settings),
+                           cycle_seconds=settings.consume_cycle_seconds).run()
+    if outcome.requeue:
+        dispatch.consume_cycle(settings, subscription_id, countdown=outcome.delay)
+    return f"{outcome.outcome}: {outcome.batches} batches, {outcome.changes} changes"
+
+
+@celery_app.task(name="pgsieve.restart_pipelines", bind=True)
+def restart_pipelines(self: Task[Any, Any]) -> list[str]:
+    """Beat: re-enqueue pipelines whose consumer died (no live lock)."""
+    from pgsieve.workers import dispatch
+    from pgsieve.workers.pipeline import restart_dead_pipelines
+
+    settings = _settings(self)
+    dead = restart_dead_pipelines(settings)
+    for subscription_id in dead:
+        dispatch.consume_cycle(settings, subscription_id)
+    return dead
+
+
+@worker_ready.connect
+def warm_up_spark(sender: Any = None, **_: Any) -> None:
+    """Start this worker's SparkSession in the background as soon as the worker is up, so
+    the first batch big enough for Spark finds a warm JVM (small batches never wait)."""
+    import threading
+
+    settings: Settings = celery_app.conf.pgsieve_settings
+    if not settings.spark_warmup:
+        return
+
+    def start() -> None:
+        from pgsieve.spark.session import get_spark
+
+        try:
+            get_spark(settings)
+        except Exception as exc:  # reported again, with context, when a job needs it
+            log.warning("Spark warm-up failed: %s", exc)
+
+    threading.Thread(target=start, name="spark-warmup", daemon=True).start()

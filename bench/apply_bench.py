@@ -1,0 +1,406 @@
+"""Backlog catch-up: pgsieve's apply engine vs native logical replication, same machine.
+
+Usage:  .venv/bin/python -m bench.apply_bench [--changes 1000000] [--workloads mixed,hot]
+                                             [--distributed auto|on|off] [--max-changes N]
+
+For each workload, in one run: a publisher and a subscriber cluster; a publication with a
+row filter (~50 % of the rows match); a native subscription created *disabled* (its slot
+retains the backlog) and pgsieve's own slot, both before the workload; then the workload
+(the backlog); then
+
+* native: ``ALTER SUBSCRIPTION … ENABLE`` and the time until the publisher sees the
+  subscriber's replay position reach the end of the backlog;
+* pgsieve: SlotConsumer (SQL transport, as the pipeline reads a backlog) → MicroBatcher
+  with the pipeline's default bounds → ``apply_batch`` → confirm, until the end.
+
+Both targets are databases of the same subscriber cluster and are compared afterwards
+(row count and an md5 of the sorted rows must agree). Throughput is counted two ways:
+source changes (the workload's row changes) and replicated changes (those passing the
+filter), each divided by the same wall-clock time.
+
+Workloads (``--txn-rows`` rows per source transaction, default 10): ``mixed`` — 50 %
+inserts, 30 % updates, 20 % deletes on a 5-column table, filter ``id % 2 = 0``; ``hot`` —
+updates cycling over 1,000 hot keys (500 of them pass the filter): batching compacts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from pgsieve.core.apply.batch import ApplyBatch, ApplyResult, TableRoute
+from pgsieve.core.apply.batcher import BatchLimits, MicroBatcher
+from pgsieve.core.lsn import Lsn
+from pgsieve.core.pgcluster import LocalCluster, free_port
+from pgsieve.core.pgoutput.assembler import Transaction
+from pgsieve.core.settings import Settings
+from pgsieve.spark.apply import BackgroundApplier, apply_batch
+from pgsieve.workers.consumer import IdleProgress, SlotConsumer
+from pgsieve.workers.target import TargetWriter
+from pgsieve.workers.transports import PgoutputOptions, SqlTransport
+
+PROTO = 2
+SETTINGS = {"max_wal_size": "8GB", "shared_buffers": "512MB",
+            "max_replication_slots": "20", "max_wal_senders": "20"}
+"""PostgreSQL's defaults (durable: fsync on) but for WAL and buffer room, on both clusters;
+native subscriptions apply with their default synchronous_commit = off."""
+
+TABLE = ("CREATE TABLE bench (id bigint PRIMARY KEY, a int, b text, c numeric, "
+         "d timestamptz)")
+HOT = "CREATE TABLE hot (id int PRIMARY KEY, v bigint, note text)"
+
+
+def wait_flushed(conn: psycopg.Connection[Any]) -> Lsn:
+    row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+    assert row is not None
+    target = Lsn.parse(row[0])
+    while True:
+        flushed = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
+        assert flushed is not None
+        if Lsn.parse(flushed[0]) >= target:
+            return target
+        time.sleep(0.02)
+
+
+MIXED_PROC = """
+CREATE PROCEDURE mixed_load(n_ins bigint, n_upd bigint, n_del bigint, step int)
+LANGUAGE plpgsql AS $$
+DECLARE lo bigint;
+BEGIN
+  lo := 1;
+  WHILE lo <= n_ins LOOP
+    INSERT INTO bench SELECT g, g % 1000, 'text value ' || g, g * 1.5, now()
+      FROM generate_series(lo, least(lo + step - 1, n_ins)) g;
+    COMMIT;
+    lo := lo + step;
+  END LOOP;
+  lo := 1;
+  WHILE lo <= n_upd LOOP
+    UPDATE bench SET a = a + 1, c = c + 1 WHERE id BETWEEN lo AND least(lo + step - 1, n_upd);
+    COMMIT;
+    lo := lo + step;
+  END LOOP;
+  lo := n_ins - n_del + 1;
+  WHILE lo <= n_ins LOOP
+    DELETE FROM bench WHERE id BETWEEN lo AND least(lo + step - 1, n_ins);
+    COMMIT;
+    lo := lo + step;
+  END LOOP;
+END $$;
+"""
+
+HOT_PROC = """
+CREATE PROCEDURE hot_load(n bigint, keys int, step int)
+LANGUAGE plpgsql AS $$
+DECLARE done bigint := 0; lo int := 1;
+BEGIN
+  WHILE done < n LOOP
+    UPDATE hot SET v = v + 1 WHERE id BETWEEN lo AND lo + step - 1;
+    COMMIT;
+    done := done + step;
+    lo := lo + step;
+    IF lo > keys THEN lo := 1; END IF;
+  END LOOP;
+END $$;
+"""
+
+
+def mixed(conn: psycopg.Connection[Any], changes: int, txn_rows: int) -> int:
+    """50 % inserts, 30 % updates, 20 % deletes, ``txn_rows`` rows per transaction."""
+    n_ins, n_upd = changes // 2, changes * 3 // 10
+    n_del = changes - n_ins - n_upd
+    conn.execute(MIXED_PROC.encode())
+    conn.execute("SET synchronous_commit = off")  # generating the backlog is not measured
+    conn.execute("CALL mixed_load(%s, %s, %s, %s)", (n_ins, n_upd, n_del, txn_rows))
+    return n_ins + n_upd + n_del
+
+
+def hot(conn: psycopg.Connection[Any], changes: int, txn_rows: int, keys: int = 1000) -> int:
+    """Updates cycling over ``keys`` hot rows, ``txn_rows`` rows per transaction."""
+    conn.execute(HOT_PROC.encode())
+    conn.execute("SET synchronous_commit = off")
+    step = min(txn_rows, keys)
+    conn.execute("CALL hot_load(%s, %s, %s)", (changes, keys, step))
+    return -(-changes // step) * step
+
+
+@dataclass
+class Workload:
+    name: str
+    table: str
+    ddl: str
+    filter: str
+    prepare: str
+    run: Any
+    compare_sql: str
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+WORKLOADS = {
+    "mixed": Workload("mixed", "public.bench", TABLE, "id % 2 = 0", "", mixed,
+                      "SELECT count(*), md5(string_agg(b::text || a || c, ',' ORDER BY id)) "
+                      "FROM bench"),
+    "hot": Workload("hot", "public.hot", HOT, "id % 2 = 0",
+                    "INSERT INTO hot SELECT g, 0, repeat('x', 40) FROM generate_series(1, 1000) g",
+                    hot, "SELECT count(*), md5(string_agg(id || ':' || v, ',' ORDER BY id)) "
+                    "FROM hot"),
+}
+
+
+def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: int,
+                 txn_rows: int, limits: BatchLimits, distributed: bool | None,
+                 spark: Any) -> None:
+    db = f"src_{wl.name}"
+    pub.psql(f"CREATE DATABASE {db}")
+    for name in (f"nat_{wl.name}", f"pgs_{wl.name}", f"pip_{wl.name}"):
+        sub.psql(f"CREATE DATABASE {name}")
+    src_dsn, nat_dsn = pub.dsn(db), sub.dsn(f"nat_{wl.name}")
+    pgs_dsn, pip_dsn = sub.dsn(f"pgs_{wl.name}"), sub.dsn(f"pip_{wl.name}")
+    with psycopg.connect(src_dsn, autocommit=True) as conn:
+        conn.execute(wl.ddl.encode())
+        if wl.prepare:
+            conn.execute(wl.prepare.encode())
+        conn.execute(f"CREATE PUBLICATION pb FOR TABLE {wl.table} WHERE ({wl.filter})".encode())
+    for dsn in (nat_dsn, pgs_dsn, pip_dsn):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(wl.ddl.encode())
+            if wl.prepare:  # the initial rows that pass the filter, as an initial sync would
+                conn.execute(wl.prepare.encode())
+                conn.execute(f"DELETE FROM {wl.table} WHERE NOT ({wl.filter})".encode())
+    with psycopg.connect(nat_dsn, autocommit=True) as conn:
+        conn.execute(f"CREATE SUBSCRIPTION nat_{wl.name} CONNECTION '{src_dsn}' "
+                     "PUBLICATION pb WITH (copy_data = false, enabled = false)".encode())
+    with psycopg.connect(src_dsn, autocommit=True) as conn:
+        for slot in (f"pgs_{wl.name}", f"pip_{wl.name}"):
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
+        t0 = time.perf_counter()
+        total = wl.run(conn, changes, txn_rows)
+        end = wait_flushed(conn)
+        print(f"[{wl.name}] backlog: {total:,} source changes ({txn_rows} rows per "
+              f"transaction) in "
+              f"{time.perf_counter() - t0:.1f}s, WAL end {end}", flush=True)
+
+    # -- native -------------------------------------------------------------------------
+    with psycopg.connect(nat_dsn, autocommit=True) as nat, \
+            psycopg.connect(src_dsn, autocommit=True) as src:
+        t0 = time.perf_counter()
+        nat.execute(f"ALTER SUBSCRIPTION nat_{wl.name} ENABLE".encode())
+        while True:
+            row = src.execute("SELECT replay_lsn::text FROM pg_stat_replication "
+                              "WHERE application_name = %s", (f"nat_{wl.name}",)).fetchone()
+            if row and row[0] and Lsn.parse(row[0]) >= end:
+                break
+            time.sleep(0.02)
+        native_s = time.perf_counter() - t0
+        nat.execute(f"ALTER SUBSCRIPTION nat_{wl.name} DISABLE".encode())
+        native_rows = nat.execute(wl.compare_sql.encode()).fetchone()
+    print(f"[{wl.name}] native: {native_s:.2f}s", flush=True)
+
+    # -- pgsieve, as the consume cycle does it, and pipelined ---------------------------
+    stats = {}
+    for mode, dsn, slot in (("sequential", pgs_dsn, f"pgs_{wl.name}"),
+                            ("pipelined", pip_dsn, f"pip_{wl.name}")):
+        stats[mode] = consume(mode, wl, src_dsn, dsn, slot, end, limits, distributed, spark)
+
+    # -- same result? ---------------------------------------------------------------------
+    with psycopg.connect(nat_dsn) as a, psycopg.connect(pgs_dsn) as b, \
+            psycopg.connect(pip_dsn) as c:
+        ra = a.execute(wl.compare_sql.encode()).fetchone()
+        rb = b.execute(wl.compare_sql.encode()).fetchone()
+        rc = c.execute(wl.compare_sql.encode()).fetchone()
+    assert ra == rb == rc, f"{wl.name}: native {ra} != pgsieve {rb} / {rc}"
+    assert native_rows == ra, f"{wl.name}: native was not complete when timed"
+    wl.result = {"source_changes": total, "native_s": native_s, "rows": ra[0] if ra else 0,
+                 **{f"{mode}_{k}": v for mode, st in stats.items() for k, v in st.items()}}
+
+
+def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn,
+            limits: BatchLimits, distributed: bool | None, spark: Any) -> dict[str, Any]:
+    """Drain the slot into ``dsn``: SlotConsumer → MicroBatcher → apply_batch → confirm,
+    sequentially (as the consume cycle) or with :class:`BackgroundApplier`."""
+    options = PgoutputOptions(("pb",), proto_version=PROTO)
+    writer = TargetWriter(dsn, "bench", source_dsn=src_dsn)
+    writer.ensure_schema()
+    routes = {wl.table: TableRoute(wl.table, wl.table)}
+    batcher = MicroBatcher(limits)
+    replicated = batches = 0
+    stage_times: dict[str, float] = {}
+    held: list[list[Transaction]] = []
+    t0 = time.perf_counter()
+    consumer = SlotConsumer(SqlTransport(src_dsn, slot, options), proto_version=PROTO)
+    background = BackgroundApplier(spark, writer, distributed=distributed)
+
+    def applied(results: list[ApplyResult]) -> None:
+        nonlocal replicated, batches
+        for result in results:
+            consumer.confirm(result.end_lsn)
+            replicated += result.changes
+            batches += 1
+            for k, v in result.timings.items():
+                stage_times[k] = stage_times.get(k, 0.0) + v
+            for txn in held.pop(0):
+                txn.close()
+
+    def flush() -> None:
+        txns = batcher.take()
+        if not txns:
+            return
+        held.append(txns)
+        batch = ApplyBatch("bench", txns, routes)
+        if mode == "sequential":
+            applied([apply_batch(spark, batch, writer, distributed=distributed)])
+        else:
+            applied(background.submit(batch))
+
+    done = False
+    for item in consumer.items(time.monotonic() + 3600):
+        now = time.monotonic()
+        if isinstance(item, Transaction):
+            batcher.add(item, now)
+            done = item.end_lsn >= end
+        elif isinstance(item, IdleProgress):
+            done = done or item.lsn >= end
+        if mode == "pipelined":
+            applied(background.ready())
+        if batcher.due(now) or (done and len(batcher)):
+            flush()
+        if done:
+            break
+    flush()
+    applied(background.wait())
+    seconds = time.perf_counter() - t0
+    background.close()
+    consumer.close()
+    writer.close()
+    print(f"[{wl.name}] pgsieve {mode}: {seconds:.2f}s in {batches} batches; apply stages "
+          + ", ".join(f"{k} {v:.2f}s" for k, v in stage_times.items()), flush=True)
+    return {"s": seconds, "replicated": replicated, "batches": batches}
+
+
+def report(workloads: list[Workload]) -> None:
+    print("\n| workload | source changes | replicated | native | pgsieve (as the consume cycle) "
+          "| pgsieve (pipelined) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for wl in workloads:
+        r = wl.result
+        rep = r["sequential_replicated"]
+        nat = rep / r["native_s"]
+        seq = rep / r["sequential_s"]
+        pip = r["pipelined_replicated"] / r["pipelined_s"]
+        print(f"| {wl.name} | {r['source_changes']:,} | {rep:,} | {r['native_s']:.2f} s, "
+              f"{nat:,.0f}/s | {r['sequential_s']:.2f} s, {seq:,.0f}/s, **{seq / nat:.2f}×** | "
+              f"{r['pipelined_s']:.2f} s, {pip:,.0f}/s, **{pip / nat:.2f}×** |")
+    print("\n(changes/s count replicated changes — those passing the filter — over the same "
+          "wall-clock time for each.)")
+
+
+def compare_paths(spark: Any, sizes: list[int]) -> None:
+    """Driver path vs Spark path for single batches of ``sizes`` changes (warm session):
+    where the threshold ``PGSIEVE_SPARK_APPLY_MIN_CHANGES`` should be."""
+    root = Path(tempfile.mkdtemp(prefix="pgsieve-applypaths-"))
+    root.chmod(0o755)
+    pg = LocalCluster(root / "pg", free_port(), settings=SETTINGS).start()
+    try:
+        src = pg.dsn()
+        with psycopg.connect(src, autocommit=True) as conn:
+            conn.execute(TABLE)
+            conn.execute("CREATE PUBLICATION pb FOR TABLE bench WHERE (id % 2 = 0)")
+            conn.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+            mixed(conn, 2 * max(sizes), 100)
+            end = wait_flushed(conn)
+        consumer = SlotConsumer(SqlTransport(src, "s", PgoutputOptions(("pb",))),
+                                proto_version=PROTO)
+        txns: list[Transaction] = []
+        for item in consumer.items(time.monotonic() + 600):
+            if isinstance(item, Transaction):
+                txns.append(item)
+                if item.end_lsn >= end:
+                    break
+            elif isinstance(item, IdleProgress) and item.lsn >= end:
+                break
+        consumer.close()
+        routes = {"public.bench": TableRoute("public.bench", "public.bench")}
+        print("\n| batch (changes) | driver path s | Spark path s |")
+        print("|---:|---:|---:|")
+        for size in sizes:
+            chosen: list[Transaction] = []
+            for txn in txns:
+                if sum(len(t.changes) for t in chosen) >= size:
+                    break
+                chosen.append(txn)
+            n = sum(len(t.changes) for t in chosen)
+            secs = []
+            for distributed in (False, True):
+                db = f"p{size}_{int(distributed)}"
+                pg.psql(f"CREATE DATABASE {db}")
+                with psycopg.connect(pg.dsn(db), autocommit=True) as conn:
+                    conn.execute(TABLE)
+                writer = TargetWriter(pg.dsn(db), "paths", source_dsn=src)
+                writer.ensure_schema()
+                t0 = time.perf_counter()
+                apply_batch(spark, ApplyBatch("paths", chosen, routes), writer,
+                            distributed=distributed)
+                secs.append(time.perf_counter() - t0)
+                writer.close()
+            print(f"| {n:,} | {secs[0]:.2f} | {secs[1]:.2f} |", flush=True)
+    finally:
+        pg.destroy()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    import signal
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--changes", type=int, default=1_000_000)
+    parser.add_argument("--txn-rows", type=int, default=10,
+                        help="rows changed per source transaction (native pays per commit)")
+    parser.add_argument("--workloads", default="mixed,hot")
+    parser.add_argument("--distributed", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--max-changes", type=int, default=BatchLimits().max_changes)
+    parser.add_argument("--spark-master", default="local[*]")
+    parser.add_argument("--compare-paths", default="",
+                        help="instead: driver vs Spark path for batches of these sizes, "
+                        "e.g. 1000,20000,200000")
+    args = parser.parse_args()
+    distributed = {"auto": None, "on": True, "off": False}[args.distributed]
+    spark = None
+    if distributed is not False:
+        from pgsieve.spark.session import get_spark
+
+        spark = get_spark(Settings(spark_master=args.spark_master))
+        t0 = time.perf_counter()
+        spark.range(0, 1000, 1, 4).mapInArrow(lambda it: it, "id long").count()  # warm
+        print(f"SparkSession warm in {time.perf_counter() - t0:.1f}s", flush=True)
+    if args.compare_paths:
+        compare_paths(spark, [int(x) for x in args.compare_paths.split(",")])
+        return
+    root = Path(tempfile.mkdtemp(prefix="pgsieve-applybench-"))
+    root.chmod(0o755)
+    pub = LocalCluster(root / "pub", free_port(), settings=SETTINGS).start()
+    sub = LocalCluster(root / "sub", free_port(), settings=SETTINGS).start()
+    limits = BatchLimits(max_changes=args.max_changes)
+    done: list[Workload] = []
+    try:
+        for name in args.workloads.split(","):
+            wl = WORKLOADS[name]
+            run_workload(pub, sub, wl, args.changes, args.txn_rows, limits, distributed, spark)
+            done.append(wl)
+        report(done)
+    finally:
+        pub.destroy()
+        sub.destroy()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,366 @@
+"""``/subscriptions``: replication pipelines (source + publications + slot + target).
+
+Creating one validates everything before anything is written: the source and target
+exist and answer, the publications exist in the source catalog (managed by pgsieve or
+not), their combination is one PostgreSQL accepts, the target has every table with
+compatible columns, and the slot can be created or adopted. Only then are the metadata
+rows written and the slot created; if the metadata commit fails, the slot is dropped
+again. Work (the initial sync job, or the first consume cycle) is enqueued only after
+the commit.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from datetime import timedelta
+from typing import Any
+
+from fastapi import APIRouter, Query, Response, status
+from psycopg.rows import tuple_row
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from pgsieve.api.deps import (
+    SecretBoxDep,
+    SessionDep,
+    SettingsDep,
+    load_source,
+    load_target,
+    source_connection,
+)
+from pgsieve.api.schemas.subscriptions import (
+    SkipRequest,
+    SubscriptionCreate,
+    SubscriptionOut,
+)
+from pgsieve.core import pgserver
+from pgsieve.core.credentials import scrub_secrets
+from pgsieve.core.errors import Conflict, NotFound, Unprocessable
+from pgsieve.core.lsn import InvalidLsn, Lsn, format_lsn
+from pgsieve.core.models import ConsumerLock, Job, Subscription, SubscriptionTable, utcnow
+from pgsieve.core.pubcatalog import read_publications, read_tables
+from pgsieve.core.rowfilter.effective import effective_filters
+from pgsieve.core.settings import Settings
+from pgsieve.workers import dispatch
+from pgsieve.workers.locks import LEASE as DEFAULT_LEASE
+
+router = APIRouter(prefix="/subscriptions", tags=["subscriptions"])
+log = logging.getLogger(__name__)
+
+STOP_WAIT_SECONDS = 20.0
+
+
+def load_subscription(session: Session, subscription_id: str) -> Subscription:
+    sub = session.get(Subscription, subscription_id)
+    if sub is None:
+        raise NotFound(f"no subscription with id '{subscription_id}'",
+                       code="subscription_not_found")
+    return sub
+
+
+def _live_lock(session: Session, sub: Subscription,
+               lease: timedelta = DEFAULT_LEASE) -> ConsumerLock | None:
+    lock = session.get(ConsumerLock, sub.id)
+    if lock is None or utcnow() - lock.heartbeat_at > lease:
+        return None
+    return lock
+
+
+def subscription_out(session: Session, sub: Subscription) -> dict[str, Any]:
+    lock = _live_lock(session, sub)
+    conflict = sub.stats.get("last_conflict") if sub.state == "error" else None
+    return {
+        "id": sub.id,
+        "name": sub.name,
+        "state": sub.state,
+        "error": sub.error,
+        "source_id": sub.source_id,
+        "target_id": sub.target_id,
+        "publications": list(sub.publications),
+        "slot_name": sub.slot_name,
+        "slot_owned": sub.slot_owned,
+        "copy_data": sub.copy_data,
+        "enabled": sub.enabled,
+        "options": dict(sub.options),
+        "consistent_lsn": format_lsn(sub.consistent_lsn),
+        "received_lsn": format_lsn(sub.received_lsn),
+        "applied_lsn": format_lsn(sub.applied_lsn),
+        "last_commit_ts": sub.last_commit_ts,
+        "skip_lsn": format_lsn(sub.skip_lsn),
+        "consumer": None if lock is None else {
+            "owner": lock.owner, "heartbeat_at": lock.heartbeat_at.isoformat(),
+            "acquired_at": lock.acquired_at.isoformat(),
+        },
+        "conflict": conflict,
+        "tables": [
+            {
+                "table": t.table_name,
+                "sync_state": t.sync_state,
+                "sync_lsn": format_lsn(t.sync_lsn),
+                "rows_copied": t.rows_copied,
+                "rows_total": t.rows_total,
+                "inserts": t.inserts,
+                "updates": t.updates,
+                "deletes": t.deletes,
+                "truncates": t.truncates,
+                "conflicts": t.conflicts,
+                "error": t.error,
+            }
+            for t in sub.tables
+        ],
+        "created_at": sub.created_at,
+        "updated_at": sub.updated_at,
+    }
+
+
+def default_slot_name(subscription_name: str) -> str:
+    """``pgsieve_<name>`` folded into the slot alphabet ([a-z0-9_], 63 characters)."""
+    folded = re.sub(r"[^a-z0-9_]", "_", subscription_name.lower())
+    return f"pgsieve_{folded}"[:63]
+
+
+def _published_relations(conn: Any, publications: list[str]) -> list[str]:
+    """The relations the stream will name (``published_as``), after PostgreSQL's rules;
+    a combination PostgreSQL refuses (conflicting column lists, ...) is a 422."""
+    pubs = read_publications(conn, publications)
+    filters = effective_filters(pubs, read_tables(conn))
+    for f in filters:
+        for issue in f.issues:
+            if str(issue.code) in {"conflicting_column_lists", "initial_sync_overlap",
+                                   "invalid_row_filter"}:
+                raise Unprocessable(f"{f.table}: {issue.message}", code=str(issue.code))
+    return sorted({f.published_as for f in filters})
+
+
+def _check_target(settings: Settings, source_conn: Any, target_dsn: str,
+                  relations: list[str]) -> None:
+    """Every relation must exist in the target with compatible columns."""
+    from pgsieve.workers.target import check_target_tables
+
+    check_target_tables(source_conn, target_dsn, relations,
+                        connect_timeout=settings.connect_timeout)
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=SubscriptionOut)
+def create_subscription(
+    body: SubscriptionCreate, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+) -> dict[str, Any]:
+    if session.scalar(select(Subscription.id).where(Subscription.name == body.name)):
+        raise Conflict(f"a subscription named '{body.name}' already exists",
+                       code="duplicate_name")
+    source = load_source(session, body.source_id)
+    target = load_target(session, body.target_id)
+    slot_name = body.slot_name or default_slot_name(body.name)
+    pgserver.validate_slot_name(slot_name)
+    taken = session.scalar(select(Subscription.name).where(
+        Subscription.source_id == source.id, Subscription.slot_name == slot_name))
+    if taken:
+        raise Conflict(f"slot '{slot_name}' already belongs to subscription '{taken}'",
+                       code="slot_in_use")
+    publications = list(dict.fromkeys(body.publications))
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+        relations = _published_relations(conn, publications)
+        _check_target(settings, conn, box.decrypt(target.dsn_encrypted), relations)
+    with source_connection(source, settings, box) as conn:
+        existing = pgserver.get_slot(conn, slot_name)
+        if existing is not None:
+            if existing["plugin"] != "pgoutput":
+                raise Unprocessable(
+                    f"slot '{slot_name}' uses the plugin {existing['plugin']}, not pgoutput",
+                    code="slot_plugin_mismatch")
+            if existing["active"]:
+                raise Conflict(f"slot '{slot_name}' is in use by process "
+                               f"{existing['active_pid']}", code="slot_active")
+
+        sub = Subscription(
+            name=body.name,
+            source_id=source.id,
+            target_id=target.id,
+            publications=publications,
+            slot_name=slot_name,
+            slot_owned=existing is None,
+            copy_data=body.copy_data,
+            enabled=body.enabled,
+            options=body.options.model_dump(),
+            state="initializing" if body.copy_data else (
+                "streaming" if body.enabled else "paused"),
+            stats={},
+        )
+        if existing is not None:
+            sub.consistent_lsn = int(Lsn.parse(existing["confirmed_flush_lsn"]))
+        sub.tables = [
+            SubscriptionTable(table_name=rel,
+                              sync_state="init" if body.copy_data else "ready")
+            for rel in relations
+        ]
+        session.add(sub)
+        job: Job | None = None
+        created_slot = False
+        try:
+            session.flush()
+            if body.copy_data:
+                job = Job(kind="initial_sync", subscription_id=sub.id, state="queued",
+                          details={"tables": relations})
+                session.add(job)
+                session.flush()
+            if existing is None and not body.copy_data:
+                # With copy_data the initial sync creates the slot, exporting the snapshot
+                # its copy reads; without it, streaming starts at the slot's creation.
+                slot = pgserver.create_slot(conn, slot_name)
+                created_slot = True
+                sub.consistent_lsn = int(Lsn.parse(slot["confirmed_flush_lsn"]))
+            session.commit()
+        except BaseException as exc:
+            session.rollback()
+            if created_slot:
+                pgserver.drop_slot(conn, slot_name)
+            if isinstance(exc, IntegrityError):
+                raise Conflict(f"a subscription named '{body.name}' already exists",
+                               code="duplicate_name") from None
+            raise
+    if job is not None:
+        dispatch.initial_sync(settings, job.id)
+    elif sub.enabled:
+        dispatch.consume_cycle(settings, sub.id)
+    session.refresh(sub)
+    return subscription_out(session, sub)
+
+
+@router.get("", response_model=list[SubscriptionOut])
+def list_subscriptions(session: SessionDep) -> list[dict[str, Any]]:
+    subs = session.scalars(select(Subscription).order_by(Subscription.created_at))
+    return [subscription_out(session, s) for s in subs]
+
+
+@router.get("/{subscription_id}", response_model=SubscriptionOut)
+def get_subscription(subscription_id: str, session: SessionDep) -> dict[str, Any]:
+    return subscription_out(session, load_subscription(session, subscription_id))
+
+
+def _resume_state(sub: Subscription) -> str:
+    if any(t.sync_state in ("init", "copy") for t in sub.tables) and sub.state in (
+        "initializing", "syncing"
+    ):
+        return sub.state
+    return "streaming"
+
+
+@router.post("/{subscription_id}/enable", response_model=SubscriptionOut)
+def enable_subscription(
+    subscription_id: str, session: SessionDep, settings: SettingsDep
+) -> dict[str, Any]:
+    """Start (or restart after an error) the pipeline."""
+    sub = load_subscription(session, subscription_id)
+    sub.enabled = True
+    if sub.state in ("paused", "error"):
+        sub.state = _resume_state(sub)
+        sub.error = None
+    session.commit()
+    if sub.state == "streaming":
+        dispatch.consume_cycle(settings, sub.id)
+    return subscription_out(session, sub)
+
+
+@router.post("/{subscription_id}/disable", response_model=SubscriptionOut)
+def disable_subscription(subscription_id: str, session: SessionDep) -> dict[str, Any]:
+    """Stop consuming; the running cycle notices within a second or two and lets go."""
+    sub = load_subscription(session, subscription_id)
+    sub.enabled = False
+    if sub.state == "streaming":
+        sub.state = "paused"
+    session.commit()
+    return subscription_out(session, sub)
+
+
+@router.post("/{subscription_id}/skip", response_model=SubscriptionOut)
+def skip_transaction(
+    subscription_id: str, body: SkipRequest, session: SessionDep, settings: SettingsDep
+) -> dict[str, Any]:
+    """Skip one transaction (by its commit LSN), like ``ALTER SUBSCRIPTION … SKIP``: for
+    getting past a poisoned transaction. An errored pipeline resumes at once."""
+    sub = load_subscription(session, subscription_id)
+    try:
+        lsn = Lsn.parse(body.lsn)
+    except InvalidLsn:
+        raise Unprocessable("lsn must be an LSN in PostgreSQL's X/XXXXXXXX form",
+                            code="invalid_lsn") from None
+    if sub.applied_lsn is not None and lsn.value < sub.applied_lsn:
+        raise Unprocessable(
+            f"the transaction committed at {lsn} is already applied "
+            f"(applied up to {format_lsn(sub.applied_lsn)})", code="skip_lsn_already_applied")
+    sub.skip_lsn = lsn.value
+    if sub.state == "error" and sub.enabled:
+        sub.state = _resume_state(sub)
+        sub.error = None
+    session.commit()
+    if sub.state == "streaming" and sub.enabled:
+        dispatch.consume_cycle(settings, sub.id)
+    return subscription_out(session, sub)
+
+
+def _wait_for_consumer_to_stop(session: Session, sub: Subscription, settings: Settings) -> None:
+    lease = timedelta(seconds=settings.consumer_lease_seconds)
+    deadline = time.monotonic() + STOP_WAIT_SECONDS
+    while _live_lock(session, sub, lease) is not None:
+        if time.monotonic() > deadline:
+            raise Conflict("the subscription's consumer did not stop in time; retry",
+                           code="subscription_busy")
+        time.sleep(0.25)
+        session.expire_all()
+
+
+def _forget_target_record(
+    settings: Settings, box: SecretBoxDep, session: Session, sub: Subscription
+) -> None:
+    """Drop the subscription's applied-LSN row in the target (best effort: an unreachable
+    target keeps a harmless row naming a subscription that no longer exists)."""
+    from pgsieve.workers.target import TargetWriter
+
+    target = load_target(session, sub.target_id)
+    try:
+        writer = TargetWriter(box.decrypt(target.dsn_encrypted), sub.id,
+                              connect_timeout=settings.connect_timeout)
+    except Exception as exc:
+        log.warning("subscription %s: cannot reach the target to forget its record: %s",
+                    sub.name, scrub_secrets(str(exc)))
+        return
+    try:
+        writer.forget(sub.id)
+    finally:
+        writer.close()
+
+
+@router.delete("/{subscription_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_subscription(
+    subscription_id: str,
+    session: SessionDep,
+    settings: SettingsDep,
+    box: SecretBoxDep,
+    keep_slot: bool = Query(default=False, description="leave the replication slot"),
+) -> Response:
+    """Stop the consumer, drop the slot (unless kept or adopted) and the sync slots, forget
+    the target's applied-LSN record, then the metadata."""
+    sub = load_subscription(session, subscription_id)
+    was_enabled = sub.enabled
+    sub.enabled = False
+    session.commit()
+    try:
+        _wait_for_consumer_to_stop(session, sub, settings)
+        source = load_source(session, sub.source_id)
+        with source_connection(source, settings, box) as conn:
+            for table in sub.tables:
+                if table.sync_slot and pgserver.get_slot(conn, table.sync_slot):
+                    pgserver.drop_slot(conn, table.sync_slot)
+            if sub.slot_owned and not keep_slot and pgserver.get_slot(conn, sub.slot_name):
+                pgserver.drop_slot(conn, sub.slot_name)
+    except BaseException:
+        sub.enabled = was_enabled
+        session.commit()
+        raise
+    _forget_target_record(settings, box, session, sub)
+    session.delete(sub)
+    session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,76 @@
+"""Sync requests and jobs (asynchronous operations with progress and a result)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pgsieve.api.schemas.common import StrictModel
+
+
+class SyncRequest(StrictModel):
+    tables: list[str] | None = Field(
+        default=None, min_length=1, max_length=1000,
+        description="tables of the subscription to copy again (schema.name); all if omitted",
+    )
+    verify: bool = Field(
+        default=False,
+        description="after each table's copy, compare row counts and an order-independent "
+        "checksum of the filtered source (at the copy's snapshot) with the target",
+    )
+    defer_indexes: bool = Field(
+        default=True,
+        description="drop the target table's indexes for the copy and rebuild them after "
+        "(tables no foreign key references); faster than maintaining them row by row",
+    )
+
+
+    partition_mb: int = Field(
+        default=256, ge=1, le=65536,
+        description="size of the ctid block ranges Spark copies in parallel (and the unit "
+        "a resumed job does not redo)",
+    )
+
+
+class SyncAccepted(BaseModel):
+    job_id: str
+
+
+class JobProgress(BaseModel):
+    done: int
+    total: int | None = Field(description="estimated until every table finished its copy")
+    unit: Literal["rows"] = "rows"
+
+
+class JobTable(BaseModel):
+    table: str
+    state: str = Field(description="the table's sync state: init, copy, catchup, ready")
+    rows_done: int
+    rows_total: int | None = Field(
+        description="estimated (pg_class.reltuples times the filter's selectivity) until "
+        "the copy finished, then exact")
+    partitions_done: int
+    partitions_total: int | None
+    error: str | None = None
+
+
+class JobOut(BaseModel):
+    id: str
+    kind: str
+    subscription_id: str | None
+    state: Literal["queued", "running", "done", "failed", "cancelled"]
+    progress: JobProgress
+    error: str | None
+    error_code: str | None = None
+    tables: list[JobTable]
+    verify: dict[str, Any] | None = Field(
+        default=None,
+        description="when asked: {ok, tables: [{table, source_rows, target_rows, "
+        "source_checksum, target_checksum, match}], differences: [...]}")
+    attempts: int = 0
+    last_error: str | None = None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None

@@ -1,0 +1,93 @@
+"""Subscriptions: source + publications + slot + target + options."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from pgsieve.api.schemas.common import Name, StrictModel
+
+PublicationName = Field(min_length=1, max_length=63)
+
+
+class SubscriptionOptions(StrictModel):
+    """Per-subscription settings (all optional; the defaults suit most pipelines)."""
+
+    on_conflict: Literal["error", "skip", "upsert"] = Field(
+        default="error",
+        description="a target row missing for UPDATE/DELETE or present for INSERT: "
+        "error (pause the pipeline), skip the change, or upsert",
+    )
+    batch_max_changes: int = Field(default=200_000, ge=1, le=10_000_000)
+    batch_max_bytes: int = Field(default=128 << 20, ge=1 << 10, le=4 << 30)
+    batch_max_wait_ms: int = Field(default=500, ge=0, le=600_000)
+    transport: Literal["sql", "walsender"] = Field(
+        default="sql",
+        description="how the slot is read: the SQL interface (never moves the slot by "
+        "itself; fastest on backlogs) or the walsender protocol (push)",
+    )
+    binary: bool = Field(default=False, description="pgoutput binary mode")
+    streaming: bool = Field(default=True, description="receive large transactions early")
+
+
+class SubscriptionCreate(StrictModel):
+    name: Name
+    source_id: str = Field(min_length=1, max_length=64)
+    target_id: str = Field(min_length=1, max_length=64)
+    publications: list[str] = Field(min_length=1, max_length=64)
+    slot_name: str | None = Field(default=None, max_length=200)
+    copy_data: bool = True
+    enabled: bool = True
+    options: SubscriptionOptions = Field(default_factory=SubscriptionOptions)
+
+
+class SkipRequest(StrictModel):
+    lsn: str = Field(
+        min_length=3, max_length=17,
+        description="commit LSN of the transaction to skip (as the error names it)",
+    )
+
+
+class SubscriptionTableOut(BaseModel):
+    table: str
+    sync_state: str
+    sync_lsn: str | None
+    rows_copied: int
+    rows_total: int | None
+    inserts: int
+    updates: int
+    deletes: int
+    truncates: int
+    conflicts: int
+    error: str | None
+
+
+class SubscriptionOut(BaseModel):
+    id: str
+    name: str
+    state: Literal["initializing", "syncing", "streaming", "paused", "error"]
+    error: str | None
+    source_id: str
+    target_id: str
+    publications: list[str]
+    slot_name: str
+    slot_owned: bool
+    copy_data: bool
+    enabled: bool
+    options: dict[str, Any]
+    consistent_lsn: str | None
+    received_lsn: str | None
+    applied_lsn: str | None
+    last_commit_ts: datetime | None
+    skip_lsn: str | None
+    consumer: dict[str, Any] | None = Field(
+        description="the live consumer (owner, heartbeat), None when none runs"
+    )
+    conflict: dict[str, Any] | None = Field(
+        description="the conflict that stopped the pipeline: table, kind, key, commit_lsn"
+    )
+    tables: list[SubscriptionTableOut]
+    created_at: datetime
+    updated_at: datetime

@@ -1,0 +1,218 @@
+"""The apply job: a batch of whole transactions → its net effect in ONE target transaction.
+
+``apply_batch(spark, batch, writer)`` is a function of the SparkSession and its inputs:
+
+1. **plan** — one pass over the batch in commit order (:mod:`pgsieve.core.apply.plan`):
+   routes, skip_lsn, counts, UPDATE images, the net effect per target table and key;
+2. **fetch** — unchanged-TOAST values the stream did not carry (an UPDATE a row filter
+   turned into an INSERT) are read from the source by key, or the table stops;
+3. **stage** — each table's net effect is COPYed into an UNLOGGED staging table;
+4. **merge** — one target transaction merges every staging table (:mod:`.merge`), falls
+   back to change-by-change where set-based semantics could differ, and records the
+   batch's end LSN.
+
+Batches are planned and staged in the driver unless they hold at least
+``PGSIEVE_SPARK_APPLY_MIN_CHANGES`` changes; then Spark tasks plan and stage them
+(:mod:`.distributed`), each COPYing its share in parallel. On a 2-core worker host the
+driver wins at every size (a warm Spark job costs ~0.3 s, and the tasks compete with both
+PostgreSQL servers for the same cores), so the default is never — measured, see
+docs/ARCHITECTURE.md. With executors on other machines the tasks add real cores.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pgsieve.core.apply.batch import ApplyBatch, ApplyResult, TableStopped
+from pgsieve.core.apply.columns import TargetTable
+from pgsieve.core.apply.copytext import finish
+from pgsieve.core.apply.net_effect import MASK, ROW, SOURCE, UMASK, mask_positions
+from pgsieve.core.apply.plan import BatchPlan, RelationMap, build_plan
+from pgsieve.core.apply.staging import StageEncoder
+from pgsieve.core.lsn import Lsn
+from pgsieve.spark.merge import StagedTable, merge
+from pgsieve.spark.sequential import fetch_unchanged
+from pgsieve.workers.target import TableMissing, TargetWriter
+
+log = logging.getLogger(__name__)
+
+def distribute_min_changes() -> int | None:
+    """Batches with at least this many changes run their plan and staging as Spark tasks
+    (``PGSIEVE_SPARK_APPLY_MIN_CHANGES``; 0, the default: never). See docs/ARCHITECTURE.md
+    ("Where Spark earns its place") for the measurement behind the default."""
+    from pgsieve.core.settings import get_settings
+
+    value = get_settings().spark_apply_min_changes
+    return value or None
+
+
+def resolver(writer: TargetWriter, batch: ApplyBatch) -> Callable[[str], TargetTable]:
+    by_target = {r.target_table: r.source_table for r in batch.routes.values()}
+
+    def resolve(name: str) -> TargetTable:
+        try:
+            return writer.table(name)
+        except TableMissing:
+            raise TableStopped(by_target.get(name, name), batch.commit_lsn,
+                               f"the target table {name} does not exist") from None
+
+    return resolve
+
+
+def fetch_pending(writer: TargetWriter, plan: BatchPlan) -> int:
+    """Fill the ``'u'`` columns of inserted rows from the source (see module doc)."""
+    fetched = 0
+    for tp in plan.tables.values():
+        if tp.reason() is not None:
+            continue
+        pending = list(tp.effect.pending_fetches())
+        if not pending:
+            continue
+        kp = tp.key_positions or ()
+        key_names = [tp.target.columns[p].name for p in kp]
+        groups: dict[tuple[int, int], list[tuple[Any, list[Any]]]] = {}
+        for key, e in pending:
+            groups.setdefault((id(e[SOURCE]), e[UMASK]), []).append((key, e))
+        for items in groups.values():
+            rm: RelationMap = items[0][1][SOURCE]
+            umask = items[0][1][UMASK]
+            cols = list(mask_positions(umask))
+            keys = [k if isinstance(k, tuple) else (k,) for k, _ in items]
+            found = fetch_unchanged(
+                writer, (rm.relation.namespace, rm.relation.name), rm.source_table,
+                key_names, keys, [tp.target.columns[j].name for j in cols],
+                Lsn(items[0][1][2]))
+            for kt, (_, e) in zip(keys, items, strict=True):
+                row = list(e[ROW])
+                for j, v in zip(cols, found[kt], strict=True):
+                    row[j] = v
+                e[ROW] = row
+                e[MASK] |= umask
+                e[UMASK] = 0
+                fetched += 1
+    return fetched
+
+
+def stage_in_driver(writer: TargetWriter, plan: BatchPlan) -> dict[str, StagedTable]:
+    """COPY each table's net effect into its staging table from this process."""
+    staged: dict[str, StagedTable] = {}
+    for name, tp in plan.tables.items():
+        if tp.reason() is not None or not len(tp.effect):
+            continue
+        kp = tp.key_positions if tp.mode == "key" else ()
+        stage = writer.staging_table(tp.target, kp or ())
+        encoder = StageEncoder(tp.target.width, kp)
+        payload = finish(encoder.encode(tp.effect))
+        writer.copy_in(stage, writer.staging_columns(tp.target, kp or ()), payload)
+        staged[name] = StagedTable(stage, encoder.summary)
+    return staged
+
+
+def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
+                distributed: bool | None = None) -> ApplyResult:
+    """Apply ``batch`` to the target in one transaction (see the module doc).
+
+    Raises :class:`~pgsieve.core.apply.batch.ApplyConflict` (policy ``error``),
+    :class:`~pgsieve.core.apply.batch.TableStopped` or
+    :class:`~pgsieve.core.apply.batch.ApplyFenced`; nothing is committed then.
+    ``distributed`` forces (True) or forbids (False) the Spark path; None chooses by size.
+    """
+    timings: dict[str, float] = {}
+    started = t = time.perf_counter()
+    writer.invalidate()
+    expected = writer.applied_lsn()
+    if distributed is None:
+        threshold = distribute_min_changes()
+        distributed = spark is not None and threshold is not None and (
+            batch.change_count >= threshold)
+    if distributed:
+        from pgsieve.spark.distributed import plan_and_stage
+
+        plan, staged, fetched = plan_and_stage(spark, batch, writer, expected, timings)
+        t = time.perf_counter()
+    else:
+        plan = build_plan(batch, resolver(writer, batch), expected)
+        timings["plan"] = (now := time.perf_counter()) - t
+        t = now
+        fetched = fetch_pending(writer, plan)
+        if fetched:
+            timings["fetch"] = (now := time.perf_counter()) - t
+            t = now
+        staged = stage_in_driver(writer, plan)
+        timings["stage"] = (now := time.perf_counter()) - t
+        t = now
+    outcome = merge(writer, batch, plan, staged, plan.counts, expected)
+    timings["merge"] = time.perf_counter() - t
+    timings["total"] = time.perf_counter() - started
+    return ApplyResult(
+        end_lsn=batch.end_lsn,
+        commit_lsn=batch.commit_lsn,
+        commit_time=batch.commit_time,
+        transactions=plan.transactions,
+        changes=plan.changes,
+        rows_written=outcome.rows_written,
+        counts=plan.counts,
+        skipped_transaction=plan.skipped_transaction,
+        update_images=plan.images,
+        timings=timings,
+        already_applied=plan.already_applied,
+        sequential_tables={**{n: tp.sequential for n, tp in plan.tables.items()
+                              if tp.sequential},
+                           **outcome.sequential},
+        fetched_rows=fetched,
+        distributed=distributed,
+    )
+
+
+class BackgroundApplier:
+    """Applies batches in one worker thread, in order, while the caller reads the next.
+
+    Why: reading a backlog is mostly the source server decoding, and a batch's staging and
+    merge are mostly the target server working; in one thread each waits for the other.
+    With one batch applying in the background the consume loop keeps reading; batch N+1
+    starts only after batch N committed, so the order and the applied-LSN record stay as
+    with :func:`apply_batch`. The caller confirms a result's ``end_lsn`` to the slot only
+    once it came back (committed), exactly as before, and leaves ``writer`` alone while a
+    batch is in flight (its connection is the batch's transaction).
+    """
+
+    def __init__(self, spark: Any, writer: TargetWriter, *,
+                 distributed: bool | None = None) -> None:
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        self._spark = spark
+        self._writer = writer
+        self._distributed = distributed
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgsieve-apply")
+        self._pending: Future[ApplyResult] | None = None
+        self._batch: ApplyBatch | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None and not self._pending.done()
+
+    def wait(self) -> list[ApplyResult]:
+        """Finish the batch in flight; its result (committed), or nothing. Re-raises what
+        applying it raised (ApplyConflict, TableStopped, …)."""
+        pending, self._pending = self._pending, None
+        return [] if pending is None else [pending.result()]
+
+    def ready(self) -> list[ApplyResult]:
+        """The batch in flight's result if it finished, without waiting."""
+        if self._pending is not None and self._pending.done():
+            return self.wait()
+        return []
+
+    def submit(self, batch: ApplyBatch) -> list[ApplyResult]:
+        """Start applying ``batch`` once the batch in flight committed; returns that
+        batch's result (to confirm) — or raises its error, and ``batch`` is not started."""
+        done = self.wait()
+        self._pending = self._pool.submit(apply_batch, self._spark, batch, self._writer,
+                                          distributed=self._distributed)
+        return done
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,396 @@
+"""The apply job's plan and staging as Spark tasks, for big batches.
+
+The driver walks the batch once, lightly: it routes each change, counts it, and reads
+only its key to pick a partition (a hash of the key; a table with an UPDATE that changes
+a key goes to one partition whole, because a moved row links two keys). Each partition's
+share — raw pgoutput bytes, in commit order — becomes one row of a DataFrame with one row
+per partition; ``mapInArrow`` runs :func:`stage_partition` on each: the same pure net
+effect as the driver path (:mod:`pgsieve.core.apply.plan`), then a COPY of its rows into
+the shared staging tables over its own target connection. Keys never span partitions, so
+the staged rows are exactly what the driver path would stage. The merge is the driver's,
+as for small batches.
+
+The threshold between the two paths is in :mod:`.apply`.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import pyarrow as pa  # type: ignore[import-untyped]
+
+from pgsieve.core.apply.batch import ApplyBatch, TableRoute
+from pgsieve.core.apply.columns import TargetTable
+from pgsieve.core.apply.copytext import finish
+from pgsieve.core.apply.plan import (
+    BatchPlan,
+    RawView,
+    RelationMap,
+    TablePlan,
+    _Builder,
+    raw_view,
+)
+from pgsieve.core.apply.staging import StageEncoder, StageSummary
+from pgsieve.core.lsn import Lsn
+from pgsieve.core.pgoutput.assembler import Change
+from pgsieve.core.pgoutput.decoder import Decoder
+from pgsieve.core.pgoutput.messages import Delete, Insert, Relation, Truncate, Update
+from pgsieve.spark.merge import StagedTable
+
+_I, _U, _D, _T, _K = 0x49, 0x55, 0x44, 0x54, 0x4B
+_U32 = struct.Struct("!I").unpack_from
+
+
+@dataclass
+class _TableItems:
+    """One target table's changes in one partition, in commit order."""
+
+    ti: list[int] = field(default_factory=list)
+    ci: list[int] = field(default_factory=list)
+    lsn: list[int] = field(default_factory=list)
+    commit: list[int] = field(default_factory=list)
+    rel: list[int] = field(default_factory=list)
+    payload: list[Any] = field(default_factory=list)
+    """Raw pgoutput bytes, or a decoded message (streamed/spilled transactions)."""
+
+    def append(self, ti: int, ci: int, lsn: int, commit: int, rel: int, payload: Any) -> None:
+        self.ti.append(ti)
+        self.ci.append(ci)
+        self.lsn.append(lsn)
+        self.commit.append(commit)
+        self.rel.append(rel)
+        self.payload.append(payload)
+
+    def _columns(self) -> list[list[Any]]:
+        return [self.ti, self.ci, self.lsn, self.commit, self.rel, self.payload]
+
+    def extend_sorted(self, other: _TableItems) -> None:
+        rows = sorted(zip(*[a + b for a, b in zip(self._columns(), other._columns(),
+                                                   strict=True)], strict=True),
+                      key=lambda r: (r[0], r[1]))
+        columns = [list(c) for c in zip(*rows, strict=True)] if rows else [[]] * 6
+        self.ti, self.ci, self.lsn, self.commit, self.rel, self.payload = (
+            list(c) for c in columns)
+
+    def clear(self) -> None:
+        self.ti, self.ci, self.lsn, self.commit, self.rel, self.payload = [], [], [], [], [], []
+
+
+class _Splitter(_Builder):
+    """The driver's light walk: routes, counts, images, truncates — and, instead of net
+    effects, each change appended to its partition."""
+
+    def __init__(self, batch: ApplyBatch, resolve: Any, applied_lsn: Lsn | None,
+                 partitions: int) -> None:
+        super().__init__(batch, resolve, applied_lsn)
+        self.partitions = partitions
+        self.parts: list[dict[str, _TableItems]] = [{} for _ in range(partitions)]
+        self.whole: dict[str, int] = {}
+        """Tables sent to one partition whole (key changes, no key)."""
+        self.relations: list[Relation] = []
+        self.rel_index: dict[int, int] = {}
+
+    def _rel_idx(self, rel: Relation) -> int:
+        idx = self.rel_index.get(id(rel))
+        if idx is None:
+            idx = self.rel_index[id(rel)] = len(self.relations)
+            self.relations.append(rel)
+        return idx
+
+    def _make_whole(self, name: str) -> int:
+        part = self.whole.get(name)
+        if part is not None:
+            return part
+        part = self.whole[name] = hash(name) % self.partitions
+        into = self.parts[part].setdefault(name, _TableItems())
+        for p, tables in enumerate(self.parts):
+            if p != part and name in tables:
+                into.extend_sorted(tables.pop(name))
+        return part
+
+    def _ship(self, rm: RelationMap, key: Any, ti: int, ci: int, lsn: int, commit: Lsn,
+              rel: Relation, payload: Any) -> None:
+        name = rm.target.qualified_name
+        part = self.whole.get(name)
+        if part is None:
+            part = hash(key) % self.partitions
+        items = self.parts[part].get(name)
+        if items is None:
+            items = self.parts[part][name] = _TableItems()
+        items.append(ti, ci, lsn, commit.value, self._rel_idx(rel), payload)
+
+    def truncate(self, msg: Truncate, rels: Any, pos: tuple[int, int],
+                 commit_lsn: Lsn) -> None:
+        super().truncate(msg, rels, pos, commit_lsn)
+        for rel in rels:
+            rm = self.relation_map(rel)
+            if rm is not None and rm.route.applies(commit_lsn):
+                for tables in self.parts:  # everything before the TRUNCATE is moot
+                    items = tables.get(rm.target.qualified_name)
+                    if items is not None:
+                        items.clear()
+
+    def raw_changes(self, raw: RawView, ti: int, commit_lsn: Lsn) -> None:
+        raws, buf, offsets, first, stop, rel_list, rel_map, lsns, proto = raw
+        for i in range(first, stop):
+            ci = i - first
+            data = raws[i] if raws is not None else buf[offsets[i]:offsets[i + 1]]
+            kind = data[0]
+            if kind not in (_I, _U, _D):
+                if kind == _T:
+                    msg = Decoder(proto, lazy=True).decode(data)
+                    rels = rel_list[ci] if rel_list is not None else tuple(
+                        cast(Mapping[int, Relation], rel_map)[r]
+                        for r in cast(Truncate, msg).relation_ids)
+                    self.change(Change(Lsn(lsns[i]), cast(Truncate, msg), rels), ti, ci,
+                                commit_lsn)
+                continue
+            if rel_list is not None:
+                rel = rel_list[ci][0]
+            else:
+                rel = cast(Mapping[int, Relation], rel_map)[_U32(data, 1)[0]]
+            routed = self._route(rel, ti, ci, commit_lsn)
+            if routed is None:
+                continue
+            rm, _tp = routed
+            counts = self.counts_for(rm.source_table)
+            name = rm.target.qualified_name
+            key: Any = None
+            if kind == _I:
+                counts.inserts += 1
+                key = _raw_key(data, 6, rm)
+            elif kind == _U:
+                counts.updates += 1
+                self._image(rm, (lsns[i], data))
+                if data[5] == _K or rm.mode != "key":
+                    self._make_whole(name)
+                else:
+                    key = _raw_key(data, 6, rm)
+            else:
+                counts.deletes += 1
+                key = _raw_key(data, 6, rm)
+            if key is None:
+                self._make_whole(name)
+            self._ship(rm, key, ti, ci, lsns[i], commit_lsn, rel, data)
+
+    def change(self, ch: Change, ti: int, ci: int, commit_lsn: Lsn) -> None:
+        msg = ch.message
+        if isinstance(msg, Truncate):
+            self.truncate(msg, ch.relations, (ti, ci), commit_lsn)
+            return
+        if not isinstance(msg, Insert | Update | Delete):
+            return
+        routed = self._route(ch.relations[0], ti, ci, commit_lsn)
+        if routed is None:
+            return
+        rm, _tp = routed
+        counts = self.counts_for(rm.source_table)
+        name = rm.target.qualified_name
+        key: Any = None
+        if isinstance(msg, Insert):
+            counts.inserts += 1
+            if rm.mode == "key":
+                key = _safe_key(rm, msg.new.values)
+        elif isinstance(msg, Update):
+            counts.updates += 1
+            self._image(rm, ch)
+            if msg.old is None and rm.mode == "key":
+                key = _safe_key(rm, msg.new.values)
+        else:
+            counts.deletes += 1
+            if rm.mode == "key":
+                key = _safe_key(rm, msg.old.values)
+        if key is None:
+            self._make_whole(name)
+        self._ship(rm, key, ti, ci, ch.lsn.value, commit_lsn, ch.relations[0], msg)
+
+
+def _safe_key(rm: RelationMap, values: Any) -> Any:
+    key = rm.key_of(values)
+    parts = key if isinstance(key, tuple) else (key,)
+    return None if any(type(v) is not bytes for v in parts) else key
+
+
+def _raw_key(data: bytes, pos: int, rm: RelationMap) -> Any:
+    """The key of the tuple at ``pos`` (text or binary bytes), or None when it cannot be
+    read cheaply (unchanged TOAST, NULL, no key): the table then goes to one partition."""
+    if rm.mode != "key":
+        return None
+    need = rm.key_rel
+    last = max(need)
+    try:
+        pos += 2
+        values: list[bytes] = []
+        for _ in range(last + 1):
+            kind = data[pos]
+            if kind == 0x74 or kind == 0x62:
+                n = int.from_bytes(data[pos + 1:pos + 5], "big")
+                values.append(data[pos + 5:pos + 5 + n])
+                pos += 5 + n
+            elif kind == 0x6E:
+                values.append(b"")
+                pos += 1
+            else:
+                return None
+    except IndexError:
+        return None
+    if len(need) == 1:
+        return values[need[0]]
+    return tuple(values[i] for i in need)
+
+
+# -- the Spark task ------------------------------------------------------------------------
+
+
+def stage_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """mapInArrow: plan and stage one partition's share; yields a JSON summary per table."""
+    from pgsieve.spark.apply import fetch_pending
+    from pgsieve.workers.target import TargetWriter
+
+    for rb in batches:
+        for payload in rb.column("payload").to_pylist():
+            job = pickle.loads(payload)  # noqa: S301 - written by our own driver
+            started = time.perf_counter()
+            routes: dict[str, TableRoute] = job["routes"]
+            targets: dict[str, TargetTable] = job["targets"]
+            relations: list[Relation] = job["relations"]
+            batch = ApplyBatch(job["subscription_id"], [], routes)
+            builder = _Builder(batch, targets.__getitem__, None)
+            proto = job["proto"]
+            for name, items in job["tables"].items():
+                del name
+                _feed(builder, items, relations, proto)
+            plan = builder.build()
+            writer = TargetWriter(job["target_dsn"], job["subscription_id"],
+                                  source_dsn=job["source_dsn"])
+            out: dict[str, Any] = {}
+            try:
+                fetched = fetch_pending(writer, plan)
+                for name, tp in plan.tables.items():
+                    out[name] = _stage_table(writer, tp, job["staging"].get(name))
+                writer.conn.commit()
+            finally:
+                writer.close()
+            yield pa.RecordBatch.from_pydict({"result": [json.dumps({
+                "tables": out, "fetched": fetched,
+                "seconds": time.perf_counter() - started})]})
+
+
+def _feed(builder: _Builder, items: _TableItems, relations: list[Relation], proto: int) -> None:
+    """Replay one table's items through the builder, transaction by transaction."""
+    rels = [(r,) for r in relations]
+    n = len(items.ti)
+    i = 0
+    while i < n:
+        ti = items.ti[i]
+        commit_lsn = Lsn(items.commit[i])
+        raws: list[bytes] = []
+        rel_list: list[tuple[Relation, ...]] = []
+        lsns: list[int] = []
+        while i < n and items.ti[i] == ti:
+            payload = items.payload[i]
+            if isinstance(payload, bytes):
+                raws.append(payload)
+                rel_list.append(rels[items.rel[i]])
+                lsns.append(items.lsn[i])
+            else:
+                if raws:
+                    builder.raw_changes(RawView.of_lists(raws, rel_list, lsns, proto), ti,
+                                        commit_lsn)
+                    raws, rel_list, lsns = [], [], []
+                builder.change(Change(Lsn(items.lsn[i]), payload, rels[items.rel[i]]), ti,
+                               items.ci[i], commit_lsn)
+            i += 1
+        if raws:
+            builder.raw_changes(RawView.of_lists(raws, rel_list, lsns, proto), ti, commit_lsn)
+
+
+def _stage_table(writer: Any, tp: TablePlan, staging: str | None) -> dict[str, Any]:
+    reason = tp.reason()
+    if reason is not None or staging is None:
+        return {"sequential": reason or "not staged", "summary": StageSummary().to_dict()}
+    kp = tp.key_positions if tp.mode == "key" else ()
+    encoder = StageEncoder(tp.target.width, kp)
+    lines = encoder.encode(tp.effect)
+    if lines:
+        writer.copy_in(staging, writer.staging_columns(tp.target, kp or ()), finish(lines))
+    return {"sequential": None, "summary": encoder.summary.to_dict()}
+
+
+# -- the driver -------------------------------------------------------------------------------
+
+
+def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | None,
+                   timings: dict[str, float]) -> tuple[BatchPlan, dict[str, StagedTable], int]:
+    from pgsieve.spark.apply import resolver
+
+    t = time.perf_counter()
+    partitions = max(2, int(spark.sparkContext.defaultParallelism))
+    splitter = _Splitter(batch, resolver(writer, batch), expected, partitions)
+    plan = splitter.build()
+    timings["split"] = (now := time.perf_counter()) - t
+    t = now
+    staging: dict[str, str] = {}
+    for name, tp in plan.tables.items():
+        if tp.reason() is None:
+            kp = tp.key_positions if tp.mode == "key" else ()
+            staging[name] = writer.staging_table(tp.target, kp or ())
+    common = {
+        "subscription_id": batch.subscription_id,
+        "routes": dict(batch.routes),
+        "targets": {name: tp.target for name, tp in plan.tables.items()},
+        "relations": splitter.relations,
+        "proto": _proto(batch),
+        "staging": staging,
+        "target_dsn": writer.dsn,
+        "source_dsn": writer.source_dsn,
+    }
+    payloads = []
+    for tables in splitter.parts:
+        shipped = {}
+        for name, items in tables.items():
+            if name in staging and items.ti:
+                shipped[name] = items
+        if shipped:
+            payloads.append(pickle.dumps({**common, "tables": shipped}, protocol=5))
+    timings["ship"] = (now := time.perf_counter()) - t
+    t = now
+    summaries: dict[str, StageSummary] = {}
+    fetched = 0
+    if payloads:
+        table = pa.Table.from_batches([
+            pa.RecordBatch.from_pydict({"payload": [p]}, schema=pa.schema([("payload",
+                                                                               pa.binary())]))
+            for p in payloads])
+        df = spark.createDataFrame(table)
+        rows = df.mapInArrow(stage_partition, "result string").collect()
+        for row in rows:
+            result = json.loads(row["result"])
+            fetched += int(result["fetched"])
+            for name, info in result["tables"].items():
+                tp = plan.tables[name]
+                if info["sequential"] and tp.sequential is None:
+                    tp.sequential = info["sequential"]
+                summary = summaries.setdefault(name, StageSummary())
+                summary.merge(StageSummary.from_dict(info["summary"]))
+    timings["spark"] = time.perf_counter() - t
+    staged = {name: StagedTable(staging[name], summary)
+              for name, summary in summaries.items() if name in staging}
+    return plan, staged, fetched
+
+
+def _proto(batch: ApplyBatch) -> int:
+    for txn in batch.transactions:
+        raw = raw_view(txn.changes)
+        if raw is not None:
+            return raw.proto
+    return 4
+
+
+__all__ = ["plan_and_stage", "stage_partition"]

@@ -1,0 +1,124 @@
+"""One warm SparkSession per worker process.
+
+A cold SparkSession costs seconds (a JVM starts); a warm one runs a tiny job in ~0.3 s. So
+a worker process creates its session once, on first use, and every batch reuses it —
+never a JVM per batch. Creation is guarded by a lock: the consume cycle and the initial
+sync may ask from different threads at once.
+
+Where Spark runs is configuration only:
+
+* ``PGSIEVE_SPARK_MASTER`` — ``local[*]`` (default: in-process, one task per core),
+  ``local[N]``, ``spark://host:7077`` (standalone), ``k8s://https://…`` (Kubernetes),
+  ``yarn``, or ``sc://host:15002`` for Spark Connect (then the session is a Connect client
+  and the local JVM settings below do not apply).
+* ``PGSIEVE_SPARK_CONF`` — JSON object of extra Spark properties, applied last (e.g.
+  ``{"spark.executor.memory": "4g", "spark.executor.instances": "4"}``).
+
+Executors must be able to import ``pgsieve`` (the same image or virtualenv as the
+worker, as ``docker-compose.yml`` does) and to reach the target database: apply tasks
+COPY their share of a batch into staging tables themselves.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+from pyspark.sql import SparkSession
+
+from pgsieve.core.settings import Settings
+
+log = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_session: SparkSession | None = None
+_key: tuple[str, tuple[tuple[str, str], ...]] | None = None
+
+LOCAL_DEFAULTS: dict[str, str] = {
+    "spark.app.name": "pgsieve",
+    # Arrow moves rows between the JVM and Python workers (mapInArrow, toArrow).
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+    # Python workers stay alive between tasks: no interpreter start per task.
+    "spark.python.worker.reuse": "true",
+    # Batches are small next to what Spark is built for: few partitions, no UI.
+    "spark.sql.shuffle.partitions": "4",
+    "spark.default.parallelism": "4",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.adaptive.enabled": "true",
+    "spark.driver.memory": "1g",
+    "spark.driver.host": "127.0.0.1",
+    "spark.driver.bindAddress": "127.0.0.1",
+    # The workers run the same interpreter (and so the same pgsieve) as the driver.
+    "spark.pyspark.python": sys.executable,
+    "spark.pyspark.driver.python": sys.executable,
+    "spark.executorEnv.PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+}
+"""Local mode: sane for a 2-core worker host. Cluster masters get only the properties
+from ``PGSIEVE_SPARK_CONF`` plus the app name and Arrow settings."""
+
+_ALWAYS = ("spark.app.name", "spark.sql.execution.arrow.pyspark.enabled",
+           "spark.python.worker.reuse", "spark.ui.showConsoleProgress")
+
+
+def spark_properties(settings: Settings) -> dict[str, str]:
+    """The Spark properties a session is built with, for ``settings``."""
+    master = settings.spark_master
+    if master.startswith("local"):
+        props = dict(LOCAL_DEFAULTS)
+    else:
+        props = {k: LOCAL_DEFAULTS[k] for k in _ALWAYS}
+    props.update({str(k): str(v) for k, v in (settings.spark_conf or {}).items()})
+    return props
+
+
+def get_spark(settings: Settings) -> SparkSession:
+    """The process's SparkSession for ``settings`` (created on first call; later calls
+    return the same one; a stopped session is replaced)."""
+    global _session, _key
+    props = spark_properties(settings)
+    key = (settings.spark_master, tuple(sorted(props.items())))
+    with _lock:
+        if _session is not None and _alive(_session):
+            if key != _key:
+                log.warning("SparkSession already running with other settings; reusing it")
+            return _session
+        builder: Any = SparkSession.builder
+        if settings.spark_master.startswith("sc://"):
+            builder = builder.remote(settings.spark_master)
+        else:
+            builder = builder.master(settings.spark_master)
+        for name, value in props.items():
+            builder = builder.config(name, value)
+        session: SparkSession = builder.getOrCreate()
+        if not settings.spark_master.startswith("sc://"):
+            session.sparkContext.setLogLevel("WARN")
+        _session, _key = session, key
+        log.info("SparkSession started (master %s)", settings.spark_master)
+        return session
+
+
+def _alive(session: SparkSession) -> bool:
+    try:
+        jsc = getattr(session.sparkContext, "_jsc", None)
+        return jsc is not None and not jsc.sc().isStopped()
+    except Exception:  # a Connect session, or a dead JVM
+        return getattr(session, "is_stopped", False) is False
+
+
+def stop_spark() -> None:
+    """Stop the process's session (tests, shutdown)."""
+    global _session, _key
+    with _lock:
+        if _session is not None:
+            try:
+                _session.stop()
+            finally:
+                _session, _key = None, None
+
+
+atexit.register(stop_spark)

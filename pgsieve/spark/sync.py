@@ -1,0 +1,433 @@
+"""The initial-sync copy as a Spark job: partitions of filtered tables, source → target.
+
+A function of (SparkSession, :class:`CopyRequest`) → [:class:`PartitionResult`]. Each
+Spark task copies one partition — a ctid block range of one source relation — inside a
+REPEATABLE READ transaction that imported the slot's exported snapshot, with the table's
+effective row filter and column list applied by the source, straight into the target with
+``COPY … FROM STDIN`` (binary when every column has the same built-in type on both
+sides, else text). The rows never enter the JVM or Python objects: the task moves COPY
+bytes from one libpq connection to the other in 1 MB chunks, so the copy runs at the
+speed of the two servers and Spark contributes the parallelism, placement and retries.
+
+Exactly once per partition: the task's target transaction first inserts a marker row
+(``pgsieve.sync_copied``: subscription, table, snapshot attempt, partition) and commits
+it together with the rows. A second attempt at the same partition — a Spark retry, a
+redelivered Celery task, a resumed job — finds the marker (or waits on its unique key
+while the first attempt commits) and copies nothing. The driver polls the markers to
+report progress while the job runs, and a resumed job reads them to know what is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
+
+import psycopg
+from psycopg import pq, sql
+
+MARKER_SCHEMA = "pgsieve"
+MARKER_TABLE = "sync_copied"
+CHUNK_BYTES = 1 << 20
+
+_MARKER_DDL = f"""
+CREATE TABLE IF NOT EXISTS {MARKER_SCHEMA}.{MARKER_TABLE} (
+    subscription_id text NOT NULL,
+    table_name text NOT NULL,
+    attempt text NOT NULL,
+    partition_no integer NOT NULL,
+    rows bigint NOT NULL,
+    copied_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (subscription_id, table_name, attempt, partition_no)
+)
+"""
+
+
+@dataclass(frozen=True)
+class TableCopy:
+    """How one subscription table is read and written."""
+
+    table: str
+    """The subscription's table (``schema.name``, identifier syntax), also the target's."""
+    columns: tuple[str, ...]
+    """Columns read from the source and written to the target, by name."""
+    row_filter: str | None
+    """The effective initial-sync filter (ORed across publications), None for all rows."""
+    binary: bool
+    """COPY binary: every column has the same built-in type in source and target."""
+
+
+@dataclass(frozen=True)
+class CopyPartition:
+    """A ctid block range ``[first_block, end_block)`` of one source relation (the table
+    itself, or one leaf of a partitioned table published via its root)."""
+
+    table: str
+    relation: str
+    partition_no: int
+    first_block: int = 0
+    end_block: int | None = None
+    """None: to the end of the relation, whatever its size when the task runs."""
+
+
+@dataclass(frozen=True)
+class CopyRequest:
+    source_dsn: str
+    target_dsn: str
+    snapshot: str
+    """The exported snapshot every partition imports."""
+    attempt: str
+    """Names the snapshot in the markers (``slot@consistent_lsn``)."""
+    subscription_id: str
+    tables: Mapping[str, TableCopy]
+    partitions: Sequence[CopyPartition] = ()
+    connect_timeout: int = 10
+    replica_role: bool = True
+    """Write as ``session_replication_role = replica`` when allowed (what native
+    tablesync does: no ordinary triggers, no foreign-key checks between partitions)."""
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    table: str
+    partition_no: int
+    rows: int
+    seconds: float
+    already_copied: bool = False
+
+
+@dataclass
+class CopyFailed(Exception):
+    """A partition failed; ``message`` is PostgreSQL's (or the task's) own words."""
+
+    message: str
+    copied: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# -- SQL ----------------------------------------------------------------------------------
+
+
+def partition_query(table: TableCopy, part: CopyPartition) -> sql.Composed:
+    """``COPY (SELECT cols FROM ONLY rel WHERE ctid range AND filter) TO STDOUT``."""
+    conditions: list[sql.Composable] = []
+    if part.first_block > 0:
+        conditions.append(sql.SQL("ctid >= {}::tid").format(sql.Literal(f"({part.first_block},0)")))
+    if part.end_block is not None:
+        conditions.append(sql.SQL("ctid < {}::tid").format(sql.Literal(f"({part.end_block},0)")))
+    if table.row_filter is not None:
+        conditions.append(sql.SQL("({})").format(sql.SQL(table.row_filter)))
+    where = sql.SQL(" WHERE ") + sql.SQL(" AND ").join(conditions) if conditions else sql.SQL("")
+    return sql.SQL("COPY (SELECT {cols} FROM ONLY {rel}{where}) TO STDOUT{fmt}").format(
+        cols=sql.SQL(", ").join(sql.Identifier(c) for c in table.columns),
+        rel=sql.SQL(part.relation),
+        where=where,
+        fmt=sql.SQL(" (FORMAT binary)" if table.binary else ""),
+    )
+
+
+def copy_in_statement(table: TableCopy) -> sql.Composed:
+    return sql.SQL("COPY {tbl} ({cols}) FROM STDIN{fmt}").format(
+        tbl=sql.SQL(table.table),
+        cols=sql.SQL(", ").join(sql.Identifier(c) for c in table.columns),
+        fmt=sql.SQL(" (FORMAT binary)" if table.binary else ""),
+    )
+
+
+def ensure_marker_table(conn: psycopg.Connection[Any]) -> None:
+    for _ in range(3):  # CREATE … IF NOT EXISTS races with itself: retry
+        try:
+            with conn.transaction():
+                conn.execute(f"CREATE SCHEMA IF NOT EXISTS {MARKER_SCHEMA}")
+                conn.execute(_MARKER_DDL)
+            return
+        except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateObject):
+            time.sleep(0.1)
+
+
+def copied_partitions(
+    conn: psycopg.Connection[Any], subscription_id: str, attempt: str
+) -> dict[tuple[str, int], int]:
+    """``{(table, partition_no): rows}`` committed at the target under ``attempt``."""
+    rows = conn.execute(
+        f"SELECT table_name, partition_no, rows FROM {MARKER_SCHEMA}.{MARKER_TABLE} "
+        "WHERE subscription_id = %s AND attempt = %s",
+        (subscription_id, attempt),
+    ).fetchall()
+    return {(str(r[0]), int(r[1])): int(r[2]) for r in rows}
+
+
+def forget_markers(conn: psycopg.Connection[Any], subscription_id: str, table: str) -> None:
+    """Drop a table's markers (its copy restarts from nothing, or it is finished)."""
+    with contextlib.suppress(psycopg.errors.UndefinedTable):
+        conn.execute(
+            f"DELETE FROM {MARKER_SCHEMA}.{MARKER_TABLE} "
+            "WHERE subscription_id = %s AND table_name = %s",
+            (subscription_id, table),
+        )
+
+
+# -- one partition (runs in a Spark task) --------------------------------------------------
+
+
+def _connect(dsn: str, timeout: int) -> psycopg.Connection[Any]:
+    return psycopg.connect(dsn, autocommit=True, connect_timeout=timeout,
+                           application_name="pgsieve-sync")
+
+
+def copy_partition(request: CopyRequest, part: CopyPartition) -> PartitionResult:
+    """Copy one partition in one target transaction (rows + marker), or nothing if its
+    marker says another attempt already did."""
+    started = time.monotonic()
+    table = request.tables[part.table]
+    key = (request.subscription_id, part.table, request.attempt, part.partition_no)
+    with _connect(request.target_dsn, request.connect_timeout) as tgt, \
+            _connect(request.source_dsn, request.connect_timeout) as src:
+        tgt.execute("SET statement_timeout = 0")
+        if request.replica_role:
+            # Superusers only (PostgreSQL 15); without it, triggers and FKs stay on.
+            with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
+                tgt.execute("SET session_replication_role = replica")
+        tgt.execute("BEGIN")
+        try:
+            tgt.execute(
+                f"INSERT INTO {MARKER_SCHEMA}.{MARKER_TABLE} "
+                "(subscription_id, table_name, attempt, partition_no, rows) "
+                "VALUES (%s, %s, %s, %s, -1)",
+                key,
+            )
+        except psycopg.errors.UniqueViolation:
+            tgt.execute("ROLLBACK")
+            row = tgt.execute(
+                f"SELECT rows FROM {MARKER_SCHEMA}.{MARKER_TABLE} WHERE subscription_id = %s "
+                "AND table_name = %s AND attempt = %s AND partition_no = %s",
+                key,
+            ).fetchone()
+            return PartitionResult(part.table, part.partition_no, int(row[0]) if row else 0,
+                                   time.monotonic() - started, already_copied=True)
+        src.execute("SET statement_timeout = 0")
+        src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(request.snapshot)))
+        rows = _pipe(src, tgt, partition_query(table, part), copy_in_statement(table))
+        tgt.execute(
+            f"UPDATE {MARKER_SCHEMA}.{MARKER_TABLE} SET rows = %s, copied_at = now() "
+            "WHERE subscription_id = %s AND table_name = %s AND attempt = %s "
+            "AND partition_no = %s",
+            (rows, *key),
+        )
+        tgt.execute("COMMIT")
+        src.execute("COMMIT")
+    return PartitionResult(part.table, part.partition_no, rows, time.monotonic() - started)
+
+
+def _pipe(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
+          copy_out: sql.Composed, copy_in: sql.Composed) -> int:
+    """Stream COPY OUT of ``src`` into COPY IN of ``tgt``; the rows the target took.
+
+    libpq hands out COPY data one row per call; the loop only joins them into 1 MB
+    chunks, so Python costs one C call per row and one send per megabyte."""
+    s, t = src.pgconn, tgt.pgconn
+    s.send_query(copy_out.as_bytes(src))
+    first = s.get_result()
+    if first is None or first.status != pq.ExecStatus.COPY_OUT:
+        _drain(s)
+        raise psycopg.DatabaseError(_message(first, "the source refused the COPY"))
+    t.send_query(copy_in.as_bytes(tgt))
+    started = t.get_result()
+    if started is None or started.status != pq.ExecStatus.COPY_IN:
+        _abandon_copy_out(src)
+        _drain(t)
+        raise psycopg.DatabaseError(_message(started, "the target refused the COPY"))
+    get = s.get_copy_data
+    put = partial(_send, t)
+    buffer = bytearray()
+    try:
+        while True:
+            nbytes, data = get(0)
+            if nbytes < 0:
+                break
+            buffer += data
+            if len(buffer) >= CHUNK_BYTES:
+                put(buffer)
+                buffer = bytearray()
+    except psycopg.Error as exc:
+        t.put_copy_end(b"source failed")
+        _drain(t)
+        raise psycopg.DatabaseError(f"reading the source failed: {exc}") from None
+    out = s.get_result()
+    _drain(s)
+    if out is None or out.status != pq.ExecStatus.COMMAND_OK:
+        t.put_copy_end(b"source failed")
+        _drain(t)
+        raise psycopg.DatabaseError(_message(out, "reading the source failed"))
+    if buffer:
+        put(buffer)
+    t.put_copy_end()
+    done = t.get_result()
+    _drain(t)
+    if done is None or done.status != pq.ExecStatus.COMMAND_OK:
+        raise psycopg.DatabaseError(_message(done, "writing the target failed"))
+    return int(done.command_tuples or 0)
+
+
+def _send(conn: pq.abc.PGconn, data: bytes | bytearray) -> None:
+    """Queue ``data`` on a non-blocking libpq connection and wait until it is sent: libpq
+    would otherwise grow its buffer without bound while the target is slower than the
+    source (back-pressure: the source is read only as fast as the target takes it)."""
+    if conn.put_copy_data(data) != 1:
+        raise psycopg.OperationalError(conn.get_error_message() or "cannot send COPY data")
+    while conn.flush() == 1:
+        select.select([], [conn.socket], [], 10.0)
+
+
+def _message(result: pq.abc.PGresult | None, fallback: str) -> str:
+    if result is None:
+        return fallback
+    text = result.error_message.decode(errors="replace").strip()
+    return text or fallback
+
+
+def _drain(conn: pq.abc.PGconn) -> None:
+    while conn.get_result() is not None:
+        pass
+
+
+def _abandon_copy_out(conn: psycopg.Connection[Any]) -> None:
+    """Stop a COPY OUT we will not read: cancel it and discard what is in flight."""
+    with contextlib.suppress(Exception):
+        conn.cancel_safe()
+    with contextlib.suppress(Exception):
+        while conn.pgconn.get_copy_data(0)[0] >= 0:
+            pass
+    with contextlib.suppress(Exception):
+        _drain(conn.pgconn)
+
+
+# -- the job (driver) ------------------------------------------------------------------------
+
+
+def _ready(_: object) -> bool:
+    return copy_partition is not None  # importing this module is the point
+
+
+def task_slots(spark: Any) -> int:
+    """How many tasks run at once: the cores of ``local[N]``/``local[*]``, else the
+    cluster's default parallelism (what the copy should cut a big table into)."""
+    sc = spark.sparkContext
+    master = str(sc.master)
+    found = re.match(r"local\[(\d+|\*)", master)
+    if found:
+        cores = os.cpu_count() or 1
+        return cores if found.group(1) == "*" else max(1, int(found.group(1)))
+    if master == "local":
+        return 1
+    return max(1, int(sc.defaultParallelism))
+
+
+_warmed: set[str] = set()
+
+
+def warm_up(spark: Any) -> None:
+    """Start the Python workers and import this module in them (psycopg, libpq), so the
+    first copy of a freshly started worker does not pay for it in its partitions. Once
+    per SparkContext: a warm worker's later syncs skip it (the workers are reused)."""
+    sc = spark.sparkContext
+    key = str(sc.applicationId)
+    if key in _warmed:
+        return
+    slots = int(sc.defaultParallelism)
+    sc.parallelize(range(slots), slots).map(_ready).collect()
+    _warmed.add(key)
+
+
+
+def copy_partitions(
+    spark: Any,
+    request: CopyRequest,
+    *,
+    on_progress: Callable[[dict[tuple[str, int], int]], None] | None = None,
+    poll_seconds: float = 1.0,
+    job_group: str | None = None,
+) -> list[PartitionResult]:
+    """Copy ``request.partitions`` in parallel Spark tasks; calls ``on_progress`` with
+    every partition committed so far (from the target's markers) while the job runs.
+    Raises :class:`CopyFailed` with the first failure's message (finished partitions
+    stay committed and are skipped when the same request runs again)."""
+    if not request.partitions:
+        return []
+    with _connect(request.target_dsn, request.connect_timeout) as conn:
+        ensure_marker_table(conn)
+    sc = spark.sparkContext
+    task = partial(copy_partition, replace(request, partitions=()))
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            if job_group:
+                sc.setJobGroup(job_group, f"pgsieve sync {request.subscription_id}", True)
+            rdd = sc.parallelize(list(request.partitions), len(request.partitions))
+            outcome["results"] = rdd.map(task).collect()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=run, name="pgsieve-sync-copy", daemon=True)
+    runner.start()
+    with _progress_reader(request) as read:
+        while runner.is_alive():
+            runner.join(poll_seconds)
+            if on_progress is not None and runner.is_alive():
+                copied = read()
+                if copied is not None:
+                    on_progress(copied)
+        copied = read() or {}
+    if on_progress is not None:
+        on_progress(copied)
+    if "error" in outcome:
+        raise CopyFailed(spark_error_message(outcome["error"]), copied)
+    results: list[PartitionResult] = outcome["results"]
+    return results
+
+
+@contextlib.contextmanager
+def _progress_reader(
+    request: CopyRequest,
+) -> Iterator[Callable[[], dict[tuple[str, int], int] | None]]:
+    state: dict[str, psycopg.Connection[Any] | None] = {"conn": None}
+
+    def read() -> dict[tuple[str, int], int] | None:
+        try:
+            conn = state["conn"]
+            if conn is None or conn.closed:
+                conn = state["conn"] = _connect(request.target_dsn, request.connect_timeout)
+            return copied_partitions(conn, request.subscription_id, request.attempt)
+        except psycopg.Error:
+            state["conn"] = None
+            return None
+
+    try:
+        yield read
+    finally:
+        if state["conn"] is not None:
+            state["conn"].close()
+
+
+_PY_ERROR = re.compile(r"^(?:psycopg\.[\w.]+|[\w.]*Error|[\w.]*Exception): (.+)$", re.M)
+
+
+def spark_error_message(exc: BaseException) -> str:
+    """The task's own error out of Spark's wrapping (Java and Python stack traces)."""
+    from pgsieve.core.credentials import scrub_secrets
+
+    text = str(exc)
+    matches = _PY_ERROR.findall(text)
+    message = matches[-1] if matches else (text.strip().splitlines() or [repr(exc)])[-1]
+    return scrub_secrets(message.strip())[:2000]

@@ -1,0 +1,35 @@
+"""Beat task: sample every subscription's progress and every source's WAL and slots.
+
+The samples are the lag history (``/subscriptions/{id}/progress/history``, the dashboard's
+chart), the WAL rate slot health projects invalidation from, and what ``/metrics`` reads.
+Every 10 s; samples older than 24 h are pruned in the same run.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from celery import Task
+
+from pgsieve.core.credentials import SecretBox
+from pgsieve.core.db import session_scope
+from pgsieve.core.observe import sample_all
+from pgsieve.core.settings import Settings
+from pgsieve.workers.celery_app import celery_app
+
+
+def run_sampler(settings: Settings) -> dict[str, int]:
+    """One sampling round (also callable without Celery: tests, the CLI)."""
+    box = SecretBox(settings.effective_secret_key())
+    with session_scope(settings.effective_database_url) as session:
+        return sample_all(session, box, connect_timeout=settings.connect_timeout,
+                          lease=timedelta(seconds=settings.consumer_lease_seconds))
+
+
+@celery_app.task(name="pgsieve.sample_progress", bind=True, acks_late=True,
+                 expires=30)
+def sample_progress(self: Task[Any, Any]) -> dict[str, int]:
+    """Idempotent: a duplicate delivery right after a round writes nothing new."""
+    settings: Settings = self.app.conf.pgsieve_settings
+    return run_sampler(settings)

@@ -1,0 +1,620 @@
+"""One consume cycle of a subscription: stream, batch, apply, confirm — for a bounded time.
+
+Why bounded: a Celery task that never ends would be redelivered to a second worker by the
+broker's visibility timeout, and a worker could never be drained. So a cycle owns the
+subscription's consumer lock (:mod:`.locks`), streams for ``cycle_seconds``, applies
+what it read, lets go of the lock and re-enqueues itself; beat restarts pipelines whose
+cycle died (:func:`restart_dead_pipelines`).
+
+Exactly once: the cycle resumes after the end LSN the *target* recorded with the last
+applied batch (not the slot's position, which may lag after a crash), skips what the
+slot re-sends (``SlotConsumer``), and confirms a batch to the slot only after its target
+transaction committed. Killing the process at any point therefore loses nothing and
+applies nothing twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+import psycopg
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from pgsieve.core.apply.batch import (
+    ApplyBatch,
+    ApplyConflict,
+    ApplyFenced,
+    ApplyResult,
+    TableRoute,
+    TableStopped,
+)
+from pgsieve.core.apply.batcher import BatchLimits, MicroBatcher
+from pgsieve.core.credentials import SecretBox, scrub_secrets
+from pgsieve.core.db import session_factory
+from pgsieve.core.faults import fault_point
+from pgsieve.core.lsn import Lsn
+from pgsieve.core.metrics import record_batch
+from pgsieve.core.models import (
+    ConsumerLock,
+    Source,
+    Subscription,
+    SubscriptionTable,
+    Target,
+    UpdateImage,
+    utcnow,
+)
+from pgsieve.core.pgoutput.assembler import Transaction
+from pgsieve.core.rowfilter.parse import parse_table_name
+from pgsieve.core.settings import Settings
+from pgsieve.workers.consumer import IdleProgress, SlotConsumer
+from pgsieve.workers.locks import LockKeeper, release, try_acquire
+from pgsieve.workers.transports import (
+    PgoutputOptions,
+    SqlTransport,
+    Transport,
+    TransportError,
+    WalsenderTransport,
+    max_proto_version,
+)
+
+log = logging.getLogger(__name__)
+
+CYCLE_SECONDS = 60.0
+"""How long one consume cycle streams before it re-enqueues itself."""
+CONTROL_EVERY = 1.0
+"""How often a cycle re-reads its subscription (disabled? deleted?) and table states."""
+SOURCE_LSN_EVERY = 2.0
+IDLE_RECORD_EVERY = 5.0
+"""How often an idle position is recorded at the target and confirmed (WAL release)."""
+UPDATE_IMAGE_WINDOW = 200
+"""UPDATE images kept per table for the row-filter transformation preview."""
+
+Outcome = Literal["done", "not_running", "locked", "stopped", "error", "retry"]
+
+
+@dataclass
+class CycleOutcome:
+    outcome: Outcome
+    detail: str = ""
+    batches: int = 0
+    changes: int = 0
+
+    @property
+    def requeue(self) -> bool:
+        return self.outcome in ("done", "retry")
+
+    @property
+    def delay(self) -> float:
+        return 5.0 if self.outcome == "retry" else 0.0
+
+
+def worker_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{uuid.uuid4().hex[:6]}"
+
+
+def table_routes(tables: list[SubscriptionTable]) -> dict[str, TableRoute]:
+    """Routes by the name pgoutput gives a relation (unquoted ``namespace.name``)."""
+    routes = {}
+    for t in tables:
+        schema, name = parse_table_name(t.table_name)
+        routes[f"{schema}.{name}"] = TableRoute(
+            source_table=f"{schema}.{name}",
+            target_table=t.table_name,
+            sync_state=t.sync_state,  # type: ignore[arg-type]
+            sync_lsn=None if t.sync_lsn is None else Lsn(t.sync_lsn),
+        )
+    return routes
+
+
+class ConsumeCycle:
+    """Everything one cycle needs; :meth:`run` does the work and never raises for the
+    pipeline's own failures (it records them on the subscription instead)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        subscription_id: str,
+        *,
+        spark: Callable[[], Any],
+        owner: str | None = None,
+        cycle_seconds: float = CYCLE_SECONDS,
+        sessions: sessionmaker[Session] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.subscription_id = subscription_id
+        self.owner = owner or worker_identity()
+        self.cycle_seconds = cycle_seconds
+        self.sessions = sessions or session_factory(settings.effective_database_url)
+        self._spark = spark
+        self._box = SecretBox(settings.effective_secret_key())
+
+    # -- entry point ---------------------------------------------------------------------
+    def run(self) -> CycleOutcome:
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is None or not sub.enabled or sub.state != "streaming":
+                return CycleOutcome("not_running", "not enabled or not streaming")
+        lease = timedelta(seconds=self.settings.consumer_lease_seconds)
+        if not try_acquire(self.sessions, self.subscription_id, self.owner, lease):
+            self._bump_stat("lock_refusals")
+            return CycleOutcome("locked", "another consumer holds the lock")
+        try:
+            with LockKeeper(self.sessions, self.subscription_id, self.owner,
+                            every=self.settings.consumer_heartbeat_seconds,
+                            lease=lease) as keeper:
+                return self._run_locked(keeper)
+        finally:
+            release(self.sessions, self.subscription_id, self.owner)
+
+    def _run_locked(self, keeper: LockKeeper) -> CycleOutcome:
+        from pgsieve.workers.target import TargetWriter
+
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            assert sub is not None
+            source = session.get(Source, sub.source_id)
+            target = session.get(Target, sub.target_id)
+            assert source is not None
+            assert target is not None
+            source_dsn = self._box.decrypt(source.dsn_encrypted)
+            target_dsn = self._box.decrypt(target.dsn_encrypted)
+            options = dict(sub.options)
+            publications = tuple(sub.publications)
+            slot = sub.slot_name
+            proto = min(max_proto_version(source.server_version_num), 4)
+        try:
+            writer = TargetWriter(target_dsn, self.subscription_id, source_dsn=source_dsn,
+                                  connect_timeout=self.settings.connect_timeout)
+        except psycopg.OperationalError as exc:
+            return self._transient(f"target unreachable: {exc}")
+        try:
+            writer.ensure_schema()
+            applied = writer.applied_lsn()
+            self._catch_up_tables(applied)
+            pg_options = PgoutputOptions(
+                publication_names=publications,
+                proto_version=proto,
+                binary=bool(options.get("binary", False)),
+                streaming=bool(options.get("streaming", True)),
+            )
+            transport = self._transport(options.get("transport", "sql"), source_dsn, slot,
+                                        pg_options)
+            try:
+                consumer = SlotConsumer(
+                    transport, proto_version=proto, resume_after=applied,
+                    spill_dir=self._spill_dir(),
+                )
+                run = _StreamRun(self, consumer, writer, source_dsn, options, keeper)
+                return run.stream(time.monotonic() + self.cycle_seconds)
+            finally:
+                transport.close()
+        except (psycopg.OperationalError, TransportError) as exc:
+            if isinstance(exc, TransportError) and "does not exist" in str(exc):
+                return self._fail(f"the replication slot is gone: {exc}")
+            return self._transient(str(exc))
+        finally:
+            writer.close()
+
+    # -- helpers -------------------------------------------------------------------------
+    def _spill_dir(self) -> str:
+        path = self.settings.state_dir / "spill"
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+    def _transport(self, kind: str, dsn: str, slot: str, options: PgoutputOptions) -> Transport:
+        if kind == "walsender":
+            return WalsenderTransport(dsn, slot, options)
+        return SqlTransport(dsn, slot, options)
+
+    def spark(self) -> Any:
+        """The worker's SparkSession, started only when a job really needs it: small
+        batches apply in the driver, and a cold JVM must not hold up a live stream."""
+        return _LazySpark(self._spark)
+
+    def _catch_up_tables(self, applied: Lsn | None) -> None:
+        """Tables whose copy finished (``catchup``): ready at once if the stream has not
+        passed their copy's snapshot yet, else caught up from their sync slot first."""
+        with self.sessions() as session:
+            pending = session.scalars(select(SubscriptionTable).where(
+                SubscriptionTable.subscription_id == self.subscription_id,
+                SubscriptionTable.sync_state == "catchup")).all()
+            names = [(t.table_name, t.sync_lsn) for t in pending]
+        for name, sync_lsn in names:
+            if applied is None or sync_lsn is None or applied.value < sync_lsn:
+                self._mark_ready(name)
+            else:
+                from pgsieve.workers.tablesync import catch_up
+
+                catch_up(self.settings, self.subscription_id, name, upto=applied,
+                         spark=self.spark())
+
+    def _mark_ready(self, table_name: str) -> None:
+        with self.sessions() as session:
+            table = session.scalar(select(SubscriptionTable).where(
+                SubscriptionTable.subscription_id == self.subscription_id,
+                SubscriptionTable.table_name == table_name))
+            if table is not None and table.sync_state == "catchup":
+                table.sync_state = "ready"
+                session.commit()
+
+    def load_routes(self) -> tuple[dict[str, TableRoute], bool, str, Lsn | None, bool]:
+        """(routes, enabled, on_conflict, skip_lsn, has catch-up work)."""
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is None:
+                return {}, False, "error", None, False
+            session.refresh(sub)
+            tables = list(sub.tables)
+            catchup = any(t.sync_state == "catchup" for t in tables)
+            return (table_routes(tables), sub.enabled and sub.state == "streaming",
+                    str(sub.options.get("on_conflict", "error")),
+                    None if sub.skip_lsn is None else Lsn(sub.skip_lsn), catchup)
+
+    def _bump_stat(self, key: str) -> None:
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is not None:
+                sub.stats = {**sub.stats, key: int(sub.stats.get(key, 0)) + 1}
+                session.commit()
+
+    def _transient(self, detail: str) -> CycleOutcome:
+        detail = scrub_secrets(detail.strip())
+        log.warning("subscription %s: %s (retrying)", self.subscription_id, detail)
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is not None:
+                sub.stats = {**sub.stats, "last_transient_error": detail,
+                             "last_transient_error_at": utcnow().isoformat()}
+                session.commit()
+        return CycleOutcome("retry", detail)
+
+    def _fail(self, detail: str, conflict: dict[str, Any] | None = None,
+              table: str | None = None) -> CycleOutcome:
+        detail = scrub_secrets(detail)
+        log.error("subscription %s stopped: %s", self.subscription_id, detail)
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is not None:
+                sub.state = "error"
+                sub.error = detail
+                stats = dict(sub.stats)
+                if conflict is not None:
+                    stats["last_conflict"] = conflict
+                sub.stats = stats
+                if table is not None:
+                    for t in sub.tables:
+                        if t.table_name == table or _unquoted(t.table_name) == table:
+                            t.error = detail
+                session.commit()
+        return CycleOutcome("error", detail)
+
+
+def _unquoted(name: str) -> str:
+    schema, rel = parse_table_name(name)
+    return f"{schema}.{rel}"
+
+
+class _StreamRun:
+    """The streaming loop of one cycle (state that lives only while it streams)."""
+
+    def __init__(self, cycle: ConsumeCycle, consumer: SlotConsumer, writer: Any,
+                 source_dsn: str, options: dict[str, Any], keeper: LockKeeper) -> None:
+        self.cycle = cycle
+        self.consumer = consumer
+        self.writer = writer
+        self.source_dsn = source_dsn
+        self.keeper = keeper
+        self.batcher = MicroBatcher(BatchLimits(
+            max_changes=int(options.get("batch_max_changes", 200_000)),
+            max_bytes=int(options.get("batch_max_bytes", 128 << 20)),
+            max_wait=int(options.get("batch_max_wait_ms", 500)) / 1000.0,
+        ))
+        self.routes, self.enabled, self.on_conflict, self.skip_lsn, _ = cycle.load_routes()
+        self.batches = 0
+        self.changes = 0
+        self._control_at = time.monotonic()
+        self._source_lsn_at = 0.0
+        self._idle_recorded_at = 0.0
+        self._noted_at = 0.0
+        self._source_lsn: Lsn | None = None
+
+    def stream(self, deadline: float) -> CycleOutcome:
+        try:
+            for item in self.consumer.items(deadline):
+                now = time.monotonic()
+                if isinstance(item, Transaction):
+                    self.batcher.add(item, now)
+                    if self.batcher.full:
+                        self._flush()
+                elif isinstance(item, IdleProgress):
+                    if len(self.batcher):
+                        self._flush()
+                    self._record_idle(item.lsn, now)
+                if self.batcher.due(now):
+                    self._flush()
+                if now - self._control_at >= CONTROL_EVERY:
+                    self._control(now)
+                if not self.enabled or self.keeper.lost.is_set():
+                    break
+            if len(self.batcher) and not self.keeper.lost.is_set():
+                self._flush()
+        except _Stop as stop:
+            return stop.outcome
+        finally:
+            for txn in self.batcher.take():
+                txn.close()
+        if self.keeper.lost.is_set():
+            return CycleOutcome("stopped", "lost the consumer lock", self.batches, self.changes)
+        if not self.enabled:
+            return CycleOutcome("stopped", "disabled", self.batches, self.changes)
+        return CycleOutcome("done", "", self.batches, self.changes)
+
+    # -- between batches ---------------------------------------------------------------
+    def _control(self, now: float) -> None:
+        self._control_at = now
+        routes, enabled, on_conflict, skip_lsn, catchup = self.cycle.load_routes()
+        self.enabled, self.on_conflict, self.skip_lsn = enabled, on_conflict, skip_lsn
+        if catchup and not len(self.batcher):
+            self.cycle._catch_up_tables(self.writer.applied_lsn())
+            routes = self.cycle.load_routes()[0]
+        self.routes = routes
+
+    def _current_source_lsn(self, now: float) -> Lsn | None:
+        if now - self._source_lsn_at >= SOURCE_LSN_EVERY:
+            self._source_lsn_at = now
+            try:
+                with psycopg.connect(self.source_dsn, autocommit=True,
+                                     connect_timeout=self.cycle.settings.connect_timeout) as c:
+                    row = c.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+                    self._source_lsn = Lsn.parse(row[0]) if row else self._source_lsn
+            except psycopg.Error as exc:
+                log.debug("cannot read the source's WAL position: %s", exc)
+        return self._source_lsn
+
+    def _record_idle(self, lsn: Lsn, now: float) -> None:
+        """Nothing is pending: record the idle position at the target, confirm it (so the
+        slot releases WAL), and show lag 0."""
+        if now - self._idle_recorded_at < IDLE_RECORD_EVERY:
+            if now - self._noted_at >= CONTROL_EVERY:
+                self._note_caught_up(now, None)
+            return
+        self._idle_recorded_at = now
+        if self.keeper.lost.is_set():
+            return
+        self.writer.record_idle(lsn)
+        self.consumer.confirm(lsn)
+        self._note_caught_up(now, lsn)
+
+    def _note_caught_up(self, now: float, lsn: Lsn | None) -> None:
+        self._noted_at = now
+        source_lsn = self._current_source_lsn(now)
+        with self.cycle.sessions() as session:
+            sub = session.get(Subscription, self.cycle.subscription_id)
+            if sub is None:
+                return
+            if lsn is not None and (sub.applied_lsn is None or lsn.value > sub.applied_lsn):
+                sub.applied_lsn = lsn.value
+            sub.oldest_unapplied_commit_ts = None
+            sub.caught_up_at = utcnow()
+            if source_lsn is not None:
+                sub.source_lsn = source_lsn.value
+            session.commit()
+
+    # -- applying ------------------------------------------------------------------------
+    def _flush(self) -> None:
+        txns = self.batcher.take()
+        if not txns:
+            return
+        if self.keeper.lost.is_set():
+            for txn in txns:
+                txn.close()
+            raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
+                                     self.changes))
+        batch = ApplyBatch(
+            subscription_id=self.cycle.subscription_id,
+            transactions=txns,
+            routes=self.routes,
+            on_conflict=self.on_conflict,  # type: ignore[arg-type]
+            skip_lsn=self.skip_lsn,
+        )
+        self._before_apply(txns)
+        fault_point("cycle.before_apply")
+        from pgsieve.spark.apply import apply_batch
+
+        started = time.monotonic()
+        try:
+            try:
+                result = apply_batch(self.cycle.spark(), batch, self.writer)
+            except ApplyConflict as conflict:
+                # Nothing of the batch was committed. Apply the transactions before the
+                # poisoned one, so the target stops exactly where native replication would.
+                self._apply_prefix(batch, conflict.commit_lsn)
+                raise _Stop(self.cycle._fail(
+                    f"{conflict}. Resolve the row at the target, set on_conflict, or skip "
+                    f"the transaction with POST /api/v1/subscriptions/"
+                    f"{self.cycle.subscription_id}/skip {{\"lsn\": \"{conflict.commit_lsn}\"}}",
+                    conflict={"table": conflict.table, "kind": conflict.kind,
+                              "key": conflict.key, "commit_lsn": str(conflict.commit_lsn),
+                              "detail": conflict.detail},
+                    table=conflict.table)) from None
+            except TableStopped as stopped:
+                self._apply_prefix(batch, stopped.commit_lsn)
+                raise _Stop(self.cycle._fail(str(stopped), table=stopped.table)) from None
+            except ApplyFenced as fenced:
+                # Another consumer applied past us (we lost the lease while working):
+                # nothing was committed; stop and let the lock holder carry on.
+                log.warning("%s", fenced)
+                raise _Stop(CycleOutcome("stopped", str(fenced), self.batches,
+                                         self.changes)) from None
+        finally:
+            for txn in txns:
+                txn.close()
+        elapsed = time.monotonic() - started
+        fault_point("cycle.after_commit")
+        # The target holds the batch: only now may the slot forget it.
+        self.consumer.confirm(result.end_lsn)
+        self.batches += 1
+        self.changes += result.changes
+        self._after_apply(result, elapsed)
+
+    def _apply_prefix(self, batch: ApplyBatch, failed_commit: Lsn) -> None:
+        """Apply (and confirm) the transactions of a failed batch that precede the one
+        that failed; a failure there just leaves the target at the batch's start."""
+        prefix = [t for t in batch.transactions if t.commit_lsn < failed_commit]
+        if not prefix:
+            return
+        from pgsieve.spark.apply import apply_batch
+
+        started = time.monotonic()
+        try:
+            result = apply_batch(self.cycle.spark(), replace(batch, transactions=prefix),
+                                 self.writer)
+        except (ApplyConflict, TableStopped, ApplyFenced) as exc:
+            log.warning("subscription %s: the transactions before the failing one did not "
+                        "apply either: %s", self.cycle.subscription_id, exc)
+            return
+        self.consumer.confirm(result.end_lsn)
+        self.batches += 1
+        self.changes += result.changes
+        self._after_apply(result, time.monotonic() - started)
+
+    def _before_apply(self, txns: list[Transaction]) -> None:
+        """Show what is pending while a (possibly long) batch applies: lag seconds count
+        from the oldest commit not yet at the target."""
+        stats = self.consumer.stats
+        with self.cycle.sessions() as session:
+            sub = session.get(Subscription, self.cycle.subscription_id)
+            if sub is None:
+                return
+            sub.oldest_unapplied_commit_ts = txns[0].commit_time
+            if stats.last_received is not None:
+                sub.received_lsn = stats.last_received.value
+            session.commit()
+
+    def _after_apply(self, result: ApplyResult, elapsed: float) -> None:
+        now = time.monotonic()
+        source_lsn = self._current_source_lsn(now)
+        with self.cycle.sessions() as session:
+            sub = session.get(Subscription, self.cycle.subscription_id)
+            if sub is None:
+                return
+            sub.applied_lsn = result.end_lsn.value
+            sub.last_commit_ts = result.commit_time
+            sub.oldest_unapplied_commit_ts = None
+            if source_lsn is not None:
+                sub.source_lsn = source_lsn.value
+            if result.skipped_transaction is not None and sub.skip_lsn == (
+                result.skipped_transaction.value
+            ):
+                sub.skip_lsn = None
+                self.skip_lsn = None
+            stats = dict(sub.stats)
+            for key, add in (("batches", 1), ("transactions", result.transactions),
+                             ("changes", result.changes), ("rows_written", result.rows_written),
+                             ("apply_seconds_total", elapsed)):
+                stats[key] = stats.get(key, 0) + add
+            stats["last_batch"] = {
+                "changes": result.changes, "transactions": result.transactions,
+                "rows_written": result.rows_written, "seconds": round(elapsed, 4),
+                "timings": {k: round(v, 4) for k, v in result.timings.items()},
+                "end_lsn": str(result.end_lsn),
+                "applied_at": datetime.now(UTC).isoformat(),
+            }
+            sub.stats = stats
+            by_name = {_unquoted(t.table_name): t for t in sub.tables}
+            for name, counts in result.counts.items():
+                table = by_name.get(name) or by_name.get(_unquoted_safe(name))
+                if table is None:
+                    continue
+                table.inserts += counts.inserts
+                table.updates += counts.updates
+                table.deletes += counts.deletes
+                table.truncates += counts.truncates
+                table.conflicts += counts.conflicts
+            self._keep_update_images(session, result)
+            # The batch-apply histogram for /metrics, kept in the metadata store so any
+            # API process can serve it.
+            record_batch(session, sub.id, elapsed, result.changes)
+            session.commit()
+
+    def _keep_update_images(self, session: Session, result: ApplyResult) -> None:
+        if not result.update_images:
+            return
+        tables = set()
+        for image in result.update_images[-UPDATE_IMAGE_WINDOW:]:
+            tables.add(image.table)
+            session.add(UpdateImage(
+                subscription_id=self.cycle.subscription_id, table_name=image.table,
+                lsn=image.lsn.value, old_kind=image.old_kind, old=image.old, new=image.new,
+            ))
+        session.flush()
+        for table in tables:
+            keep = select(UpdateImage.id).where(
+                UpdateImage.subscription_id == self.cycle.subscription_id,
+                UpdateImage.table_name == table,
+            ).order_by(UpdateImage.id.desc()).limit(UPDATE_IMAGE_WINDOW)
+            session.execute(delete(UpdateImage).where(
+                UpdateImage.subscription_id == self.cycle.subscription_id,
+                UpdateImage.table_name == table,
+                UpdateImage.id.not_in(keep.scalar_subquery()),
+            ))
+
+
+def _unquoted_safe(name: str) -> str:
+    try:
+        return _unquoted(name)
+    except ValueError:
+        return name
+
+
+class _LazySpark:
+    """Stands in for the SparkSession; the first attribute access starts (or reuses) it."""
+
+    __slots__ = ("_provider",)
+
+    def __init__(self, provider: Callable[[], Any]) -> None:
+        self._provider = provider
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._provider(), name)
+
+
+class _Stop(Exception):
+    def __init__(self, outcome: CycleOutcome) -> None:
+        super().__init__(outcome.detail)
+        self.outcome = outcome
+
+
+def restart_dead_pipelines(settings: Settings,
+                           sessions: sessionmaker[Session] | None = None) -> list[str]:
+    """Subscriptions that should be streaming but have no live consumer (no lock, or a
+    lock whose heartbeat is older than the lease) and were not restarted recently."""
+    sessions = sessions or session_factory(settings.effective_database_url)
+    lease = timedelta(seconds=settings.consumer_lease_seconds)
+    now = utcnow()
+    dead: list[str] = []
+    with sessions() as session:
+        subs = session.scalars(select(Subscription).where(
+            Subscription.enabled.is_(True), Subscription.state == "streaming")).all()
+        for sub in subs:
+            lock = session.get(ConsumerLock, sub.id)
+            if lock is not None and now - lock.heartbeat_at < lease:
+                continue
+            last = sub.stats.get("restarted_at")
+            if last and now - datetime.fromisoformat(last) < lease:
+                continue
+            sub.stats = {**sub.stats, "restarted_at": now.isoformat(),
+                         "restarts": int(sub.stats.get("restarts", 0)) + 1}
+            dead.append(sub.id)
+        session.commit()
+    return dead

@@ -1,0 +1,338 @@
+"""The apply engine against native logical replication, on the seed's examples (31.3.7).
+
+Every test runs the same workload into two subscribers of one publisher: pgsieve (slot →
+SlotConsumer → ApplyBatch → apply_batch → ``target_db``) and a native
+``CREATE SUBSCRIPTION`` (copy_data = false) in a second database of the subscriber
+cluster, then compares whole tables. Batches are cut several ways — one transaction per
+batch, a few, everything at once — since the net effect must not depend on it.
+
+The harness here (:class:`Pair`) is shared by the other ``test_apply_*`` modules.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import pytest
+
+from pgsieve.core.apply.batch import ApplyBatch, ApplyResult, ConflictPolicy, TableRoute
+from pgsieve.core.lsn import Lsn
+from pgsieve.core.pgcluster import LocalCluster
+from pgsieve.core.pgoutput.assembler import Transaction
+from pgsieve.core.pgoutput.messages import LogicalMessage
+from pgsieve.spark.apply import BackgroundApplier, apply_batch
+from pgsieve.workers.consumer import SlotConsumer
+from pgsieve.workers.target import TargetWriter
+from pgsieve.workers.transports import PgoutputOptions, SqlTransport
+from tests.conftest import Database, _fresh_db
+
+END_PREFIX = "pgsieve-test-end"
+
+
+@pytest.fixture
+def native_db(subscriber: LocalCluster) -> Iterator[Database]:
+    """A second database on the subscriber cluster, for the native subscription."""
+    yield from _fresh_db(subscriber, "nat")
+
+
+@dataclass
+class Pair:
+    """A publisher database feeding pgsieve (``target``) and native (``native``)."""
+
+    source: Database
+    target: Database
+    native: Database | None
+    publications: tuple[str, ...]
+    slot: str = "pgsieve_s"
+    subscription_id: str = field(default_factory=lambda: f"sub-{uuid.uuid4().hex[:8]}")
+    native_name: str = field(default_factory=lambda: f"nat_{uuid.uuid4().hex[:8]}")
+    routes: dict[str, TableRoute] = field(default_factory=dict)
+    applied: list[ApplyResult] = field(default_factory=list)
+    binary: bool = False
+    """Read the slot with pgoutput's binary option (values in binary format)."""
+    _writer: TargetWriter | None = None
+
+    # -- setup ---------------------------------------------------------------------------
+    def setup(self, source_ddl: str, target_ddl: str | None = None,
+              tables: Sequence[str] = ()) -> Pair:
+        """DDL on the source (publications included) and the same (or ``target_ddl``) on
+        both subscribers; then the slot and the native subscription, before any change."""
+        self.source.execute(source_ddl)
+        ddl = target_ddl if target_ddl is not None else _strip_publications(source_ddl)
+        self.target.execute(ddl)
+        if self.native is not None:
+            self.native.execute(ddl)
+        self.source.execute(
+            f"SELECT pg_create_logical_replication_slot('{self.slot}', 'pgoutput')")
+        if self.native is not None:
+            pubs = ", ".join(self.publications)
+            self.native.execute(
+                f"CREATE SUBSCRIPTION {self.native_name} CONNECTION '{self.source.dsn}' "
+                f"PUBLICATION {pubs} WITH (copy_data = false)")
+        for t in tables:
+            self.routes[t] = TableRoute(t, t)
+        return self
+
+    @property
+    def writer(self) -> TargetWriter:
+        if self._writer is None:
+            self._writer = TargetWriter(self.target.dsn, self.subscription_id,
+                                        source_dsn=self.source.dsn)
+            self._writer.ensure_schema()
+        return self._writer
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # -- running -------------------------------------------------------------------------
+    def run(self, *statements: str) -> None:
+        """Each statement (or ;-separated group) in its own source transaction."""
+        with self.source.connect() as conn:
+            for stmt in statements:
+                with conn.transaction():
+                    conn.execute(stmt.encode())
+
+    def end_marker(self) -> Lsn:
+        """A transactional logical message after the workload, flushed: logical decoding
+        reads only flushed WAL, and the test clusters run synchronous_commit = off."""
+        with self.source.connect() as conn:
+            row = conn.execute("SELECT pg_logical_emit_message(true, %s, 'end')::text",
+                               (END_PREFIX,)).fetchone()
+            assert row is not None
+            wait_flushed(conn)
+            return Lsn.parse(str(row[0]))
+
+    def read(self, timeout: float = 60) -> list[Transaction]:
+        """Every transaction up to (and with) a new end marker, without confirming."""
+        marker = self.end_marker()
+        options = PgoutputOptions(self.publications, proto_version=2, messages=True,
+                                  binary=self.binary)
+        transport = SqlTransport(self.source.dsn, self.slot, options, window_bytes=1 << 20)
+        consumer = SlotConsumer(transport, proto_version=2, memory_limit=256 * 1024,
+                                resume_after=self.writer.applied_lsn())
+        txns: list[Transaction] = []
+        try:
+            for item in consumer.items(time.monotonic() + timeout):
+                if isinstance(item, Transaction):
+                    txns.append(item)
+                    if any(isinstance(c.message, LogicalMessage)
+                           and c.message.prefix == END_PREFIX and c.message.lsn == marker
+                           for c in item.changes):
+                        return txns
+        finally:
+            consumer.close()
+        raise AssertionError("the end marker never arrived")
+
+    def batches(self, txns: Sequence[Transaction], per_batch: int | None,
+                on_conflict: ConflictPolicy = "error",
+                skip_lsn: Lsn | None = None) -> list[ApplyBatch]:
+        size = per_batch or len(txns)
+        return [ApplyBatch(self.subscription_id, list(txns[i:i + size]), dict(self.routes),
+                           on_conflict, skip_lsn)
+                for i in range(0, len(txns), size)]
+
+    def apply(self, per_batch: int | None = None, spark: Any = None,
+              on_conflict: ConflictPolicy = "error", skip_lsn: Lsn | None = None,
+              distributed: bool | None = False) -> list[ApplyResult]:
+        """Read everything new and apply it in batches of ``per_batch`` transactions."""
+        results = []
+        for batch in self.batches(self.read(), per_batch, on_conflict, skip_lsn):
+            results.append(apply_batch(spark, batch, self.writer, distributed=distributed))
+        self.applied += results
+        return results
+
+    def confirm(self) -> None:
+        """Move the slot to what the target recorded (as the pipeline does)."""
+        lsn = self.writer.applied_lsn()
+        if lsn is not None:
+            self.source.execute(f"SELECT pg_replication_slot_advance('{self.slot}', '{lsn}')")
+
+    def wait_native(self, timeout: float = 60) -> None:
+        assert self.native is not None
+        target = self.end_marker()
+        deadline = time.monotonic() + timeout
+        with self.source.connect() as conn:
+            while time.monotonic() < deadline:
+                row = conn.execute(
+                    "SELECT replay_lsn::text FROM pg_stat_replication "
+                    "WHERE application_name = %s", (self.native_name,)).fetchone()
+                if row and row[0] and Lsn.parse(str(row[0])) >= target:
+                    return
+                time.sleep(0.05)
+        log = self.native.cluster.logfile.read_text(errors="replace").splitlines()
+        errors = [line for line in log if "ERROR" in line][-5:]
+        raise AssertionError(f"the native subscription did not catch up: {errors}")
+
+    # -- comparing -----------------------------------------------------------------------
+    def rows(self, db: Database, table: str, as_text: bool = False) -> list[tuple[Any, ...]]:
+        """A table's rows in a stable order (as Python values, or each row's text)."""
+        with db.connect() as conn:
+            cols = conn.execute(
+                "SELECT count(*) FROM pg_attribute WHERE attrelid = %s::regclass "
+                "AND attnum > 0 AND NOT attisdropped", (table,)).fetchone()
+            assert cols is not None
+            order = ", ".join(str(i + 1) for i in range(int(str(cols[0]))))
+            query = f"SELECT * FROM {table} ORDER BY {order}"
+            if as_text:
+                query = f"SELECT s::text FROM ({query}) s"
+            return conn.execute(query.encode()).fetchall()
+
+    def assert_same(self, *tables: str) -> None:
+        self.wait_native()
+        for table in tables:
+            ours = self.rows(self.target, table, as_text=True)
+            theirs = self.rows(self.native, table, as_text=True)  # type: ignore[arg-type]
+            assert ours == theirs, f"{table}: pgsieve {ours[:20]} != native {theirs[:20]}"
+
+
+def wait_flushed(conn: psycopg.Connection[Any]) -> None:
+    """Wait until the WAL written so far is flushed."""
+    row = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+    assert row is not None
+    target = Lsn.parse(row[0])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        row = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
+        assert row is not None
+        if Lsn.parse(row[0]) >= target:
+            return
+        conn.execute("SELECT pg_sleep(0.01)")
+    raise AssertionError("WAL not flushed")
+
+
+def _strip_publications(ddl: str) -> str:
+    return ";".join(s for s in ddl.split(";")
+                    if "PUBLICATION" not in s.upper() and "REPLICA IDENTITY" not in s.upper())
+
+
+@pytest.fixture
+def pair(source_db: Database, target_db: Database, native_db: Database) -> Iterator[Pair]:
+    p = Pair(source_db, target_db, native_db, ("p",))
+    yield p
+    p.close()
+
+
+def make_pair(source_db: Database, target_db: Database, native_db: Database | None,
+              publications: tuple[str, ...]) -> Pair:
+    return Pair(source_db, target_db, native_db, publications)
+
+
+# -- the seed's examples (31.3.7) ----------------------------------------------------------
+
+SEED_TABLES = """
+CREATE TABLE t1(a int, b int, c text, PRIMARY KEY(a,c));
+CREATE TABLE t2(d int, e int, f int, PRIMARY KEY(d));
+CREATE TABLE t3(g int, h int, i int, PRIMARY KEY(g));
+ALTER TABLE t2 REPLICA IDENTITY FULL;
+"""
+SEED_PUBLICATIONS = """
+CREATE PUBLICATION p1 FOR TABLE t1 WHERE (a > 5 AND c = 'NSW');
+CREATE PUBLICATION p2 FOR TABLE t1, t2 WHERE (e = 99);
+CREATE PUBLICATION p3 FOR TABLE t2 WHERE (d = 10), t3 WHERE (g = 10);
+"""
+SEED_WORKLOAD = (
+    "INSERT INTO t1 VALUES (2, 102, 'NSW')",
+    "INSERT INTO t1 VALUES (3, 103, 'QLD')",
+    "INSERT INTO t1 VALUES (4, 104, 'VIC')",
+    "INSERT INTO t1 VALUES (5, 105, 'ACT')",
+    "INSERT INTO t1 VALUES (6, 106, 'NSW')",
+    "INSERT INTO t1 VALUES (7, 107, 'NT')",
+    "INSERT INTO t1 VALUES (8, 108, 'QLD')",
+    "INSERT INTO t1 VALUES (9, 109, 'NSW')",
+    "UPDATE t1 SET b = 999 WHERE a = 6",
+    "UPDATE t1 SET a = 555 WHERE a = 2",
+    "UPDATE t1 SET c = 'VIC' WHERE a = 9",
+    "INSERT INTO t2 VALUES (1, 99, 1), (10, 5, 5), (11, 98, 0)",
+    "UPDATE t2 SET e = 99 WHERE d = 11",
+    "UPDATE t2 SET f = f + 1",
+    "DELETE FROM t2 WHERE d = 1",
+    "INSERT INTO t3 VALUES (10, 1, 1), (11, 2, 2)",
+    "UPDATE t3 SET h = 7",
+)
+
+
+@pytest.mark.parametrize("per_batch", [1, 3, None], ids=["txn", "three", "all"])
+def test_seed_p1_row_filter_on_t1(pair: Pair, per_batch: int | None):
+    """31.3.7: subscription s1 to p1 — inserts filtered, UPDATE kept, UPDATE→INSERT
+    (a = 2 → 555) and UPDATE→DELETE (c = 'VIC')."""
+    pair.publications = ("p1",)
+    pair.setup(SEED_TABLES + SEED_PUBLICATIONS, tables=["public.t1"])
+    pair.run(*SEED_WORKLOAD)
+    pair.apply(per_batch)
+    pair.assert_same("t1")
+    assert pair.rows(pair.target, "t1") == [(6, 999, "NSW"), (555, 102, "NSW")]
+    assert pair.writer.applied_lsn() == pair.applied[-1].end_lsn
+
+
+@pytest.mark.parametrize("per_batch", [1, None], ids=["txn", "all"])
+def test_seed_p2_p3_ored_filters(pair: Pair, per_batch: int | None):
+    """t1 unfiltered through p2; t2 filtered by p2 (e = 99) OR p3 (d = 10); t3 by p3.
+    (t2 has REPLICA IDENTITY FULL: its filter uses a column outside the key.)"""
+    pair.publications = ("p2", "p3")
+    pair.setup(SEED_TABLES + SEED_PUBLICATIONS,
+               tables=["public.t1", "public.t2", "public.t3"])
+    pair.run(*SEED_WORKLOAD)
+    pair.apply(per_batch)
+    pair.assert_same("t1", "t2", "t3")
+    assert pair.rows(pair.target, "t2") == [(10, 5, 6), (11, 99, 1)]
+
+
+PARTITIONS = """
+CREATE TABLE parent(a int PRIMARY KEY) PARTITION BY RANGE(a);
+CREATE TABLE child PARTITION OF parent DEFAULT;
+"""
+
+
+@pytest.mark.parametrize("via_root", [True, False], ids=["via_root", "via_leaf"])
+@pytest.mark.parametrize("per_batch", [1, None], ids=["txn", "all"])
+def test_seed_partitioned_publish_via_partition_root(pair: Pair, via_root: bool,
+                                                     per_batch: int | None):
+    """p4 with the parent's filter (via root) or the child's (via leaf); the stream names
+    the root or the leaf, and the route maps that name."""
+    pair.publications = ("p4",)
+    if via_root:
+        pub = ("CREATE PUBLICATION p4 FOR TABLE parent WHERE (a < 5), child WHERE (a >= 5) "
+               "WITH (publish_via_partition_root = true)")
+        pair.setup(PARTITIONS + pub, tables=["public.parent"])
+    else:
+        pub = ("CREATE PUBLICATION p4 FOR TABLE parent, child WHERE (a >= 5) "
+               "WITH (publish_via_partition_root = false)")
+        pair.setup(PARTITIONS + pub, tables=["public.child"])
+    pair.run("INSERT INTO parent VALUES (2), (4), (6)", "INSERT INTO child VALUES (3), (5), (7)",
+             "UPDATE parent SET a = a + 10 WHERE a IN (4, 5)", "DELETE FROM parent WHERE a = 6")
+    pair.apply(per_batch)
+    pair.assert_same("parent", "child")
+    expected = [(2,), (3,)] if via_root else [(7,), (14,), (15,)]
+    assert pair.rows(pair.target, "parent") == expected
+
+
+def test_background_applier_keeps_order_and_records_each_batch(pair: Pair):
+    """Batches applied in the background, one at a time: same target as native, and each
+    result comes back (to confirm) only after its commit."""
+    pair.publications = ("p1",)
+    pair.setup(SEED_TABLES + SEED_PUBLICATIONS, tables=["public.t1"])
+    pair.run(*SEED_WORKLOAD)
+    batches = pair.batches(pair.read(), 1)
+    background = BackgroundApplier(None, pair.writer, distributed=False)
+    observer = TargetWriter(pair.target.dsn, pair.subscription_id)
+    done = []
+    try:
+        for batch in batches:
+            for result in background.submit(batch):
+                recorded = observer.applied_lsn()
+                assert recorded is not None and recorded >= result.end_lsn
+                done.append(result)
+        done += background.wait()
+    finally:
+        background.close()
+        observer.close()
+    assert [r.end_lsn for r in done] == sorted(r.end_lsn for r in done)
+    assert pair.writer.applied_lsn() == done[-1].end_lsn
+    pair.assert_same("t1")

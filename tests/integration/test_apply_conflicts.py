@@ -1,0 +1,265 @@
+"""Conflicts (the target not as the batch expects), skip_lsn, resuming, and what pgsieve
+does better than native: an UPDATE turned into an INSERT by a row filter never writes a
+value it did not receive."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pgsieve.core.apply.batch import ApplyConflict, ApplyFenced, TableStopped
+from pgsieve.core.errors import Unprocessable
+from pgsieve.spark.apply import apply_batch
+from pgsieve.workers.target import TargetWriter, check_target_tables, read_source_columns
+from tests.conftest import Database
+from tests.integration import test_apply as harness
+from tests.integration.test_apply import Pair
+
+# The harness's fixtures, used by name below.
+native_db = harness.native_db
+pair = harness.pair
+
+KV = """
+CREATE TABLE kv (id int PRIMARY KEY, v text);
+CREATE TABLE other (id int PRIMARY KEY);
+CREATE PUBLICATION p FOR TABLE kv, other;
+"""
+
+
+def diverged(pair: Pair) -> None:
+    """kv 1..5 applied; then the target loses row 2 and gains a row 9 of its own."""
+    pair.setup(KV, tables=["public.kv", "public.other"])
+    pair.run("INSERT INTO kv SELECT g, 'v' || g FROM generate_series(1, 5) g")
+    pair.apply(None)
+    pair.target.execute("DELETE FROM kv WHERE id = 2; INSERT INTO kv VALUES (9, 'mine')")
+
+
+CONFLICTING = (
+    "INSERT INTO other VALUES (1)",
+    "UPDATE kv SET v = 'new' WHERE id = 2",  # missing at the target
+    "INSERT INTO kv VALUES (9, 'theirs')",  # present at the target
+    "UPDATE kv SET v = 'fine' WHERE id = 3",
+    "DELETE FROM kv WHERE id = 2",  # missing
+)
+
+
+@pytest.mark.parametrize("per_batch", [1, None], ids=["txn", "all"])
+def test_conflict_error_names_table_key_and_lsn_and_commits_nothing(pair: Pair,
+                                                                    per_batch: int | None):
+    diverged(pair)
+    before = pair.rows(pair.target, "kv")
+    recorded = pair.writer.applied_lsn()
+    pair.run(*CONFLICTING)
+    txns = pair.read()
+    batches = pair.batches(txns, per_batch)
+    if per_batch == 1:
+        apply_batch(None, batches[0], pair.writer, distributed=False)  # "other": no conflict
+        recorded = pair.writer.applied_lsn()
+        batch = batches[1]
+    else:
+        batch = batches[0]
+    with pytest.raises(ApplyConflict) as info:
+        apply_batch(None, batch, pair.writer, distributed=False)
+    conflict = info.value
+    assert (conflict.table, conflict.kind, conflict.key) == ("public.kv", "update", {"id": "2"})
+    assert conflict.commit_lsn == txns[1].commit_lsn
+    assert "missing" in conflict.detail
+    assert pair.rows(pair.target, "kv") == before, "nothing of the batch committed"
+    assert pair.writer.applied_lsn() == recorded
+    if per_batch is None:
+        assert pair.rows(pair.target, "other") == []
+
+
+@pytest.mark.parametrize("per_batch", [1, None], ids=["txn", "all"])
+def test_conflict_skip_skips_just_the_conflicting_changes(pair: Pair, per_batch: int | None):
+    diverged(pair)
+    pair.run(*CONFLICTING)
+    results = pair.apply(per_batch, on_conflict="skip")
+    assert pair.rows(pair.target, "kv") == [(1, "v1"), (3, "fine"), (4, "v4"), (5, "v5"),
+                                           (9, "mine")]
+    assert pair.rows(pair.target, "other") == [(1,)]
+    assert sum(r.counts["public.kv"].conflicts for r in results if "public.kv" in r.counts) == 3
+    assert pair.writer.applied_lsn() == results[-1].end_lsn
+
+
+@pytest.mark.parametrize("per_batch", [1, None], ids=["txn", "all"])
+def test_conflict_upsert_inserts_or_updates_as_needed(pair: Pair, per_batch: int | None):
+    diverged(pair)
+    pair.run(*CONFLICTING)
+    results = pair.apply(per_batch, on_conflict="upsert")
+    # 2 re-created by the UPDATE then deleted by the DELETE; 9 takes the source's values
+    assert pair.rows(pair.target, "kv") == [(1, "v1"), (3, "fine"), (4, "v4"), (5, "v5"),
+                                           (9, "theirs")]
+    assert sum(r.counts["public.kv"].conflicts for r in results if "public.kv" in r.counts) == 2
+
+
+def test_conflict_on_a_key_inserted_and_deleted_in_one_batch(pair: Pair):
+    """INSERT then DELETE of a key the target already has: nothing to write set-based,
+    but the INSERT conflicts (native would fail on it)."""
+    diverged(pair)
+    pair.run("INSERT INTO kv VALUES (9, 'x'); DELETE FROM kv WHERE id = 9")
+    with pytest.raises(ApplyConflict) as info:
+        pair.apply(None)
+    assert info.value.kind == "insert" and info.value.key == {"id": "9"}
+    results = pair.apply(None, on_conflict="skip")
+    assert (9, "mine") not in pair.rows(pair.target, "kv"), "the DELETE still applies"
+    assert results[0].counts["public.kv"].conflicts == 1
+
+
+def test_skip_lsn_skips_one_transaction_and_records_the_batch(pair: Pair):
+    pair.setup(KV, tables=["public.kv", "public.other"])
+    pair.run("INSERT INTO kv VALUES (1, 'a')", "INSERT INTO kv VALUES (2, 'poison')",
+             "INSERT INTO kv VALUES (3, 'c')")
+    txns = pair.read()
+    [batch] = pair.batches(txns, None, skip_lsn=txns[1].commit_lsn)
+    result = apply_batch(None, batch, pair.writer, distributed=False)
+    assert result.skipped_transaction == txns[1].commit_lsn
+    assert pair.rows(pair.target, "kv") == [(1, "a"), (3, "c")]
+    assert pair.writer.applied_lsn() == batch.end_lsn == result.end_lsn
+    assert result.transactions == len(txns) - 1
+
+
+def test_resume_recorded_lsn_crash_before_commit_and_reapply(pair: Pair,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    pair.setup(KV, tables=["public.kv", "public.other"])
+    pair.run("INSERT INTO kv SELECT g, 'v' || g FROM generate_series(1, 50) g",
+             "UPDATE kv SET v = 'u' WHERE id % 2 = 0", "DELETE FROM kv WHERE id > 40",
+             "UPDATE kv SET id = id + 100 WHERE id < 5", "INSERT INTO other VALUES (7)")
+    txns = pair.read()
+    first, second = pair.batches(txns, 3)
+    result = apply_batch(None, first, pair.writer, distributed=False)
+    assert pair.writer.applied_lsn() == result.end_lsn == first.end_lsn
+    snapshot = pair.rows(pair.target, "kv")
+
+    # A crash inside the merge, after the rows were written, before the commit.
+    def crash(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("killed before commit")
+
+    monkeypatch.setattr(TargetWriter, "write_applied", crash)
+    with pytest.raises(RuntimeError, match="killed before commit"):
+        apply_batch(None, second, pair.writer, distributed=False)
+    monkeypatch.undo()
+    assert pair.rows(pair.target, "kv") == snapshot
+    assert pair.writer.applied_lsn() == first.end_lsn
+
+    # A new worker resumes from the recorded LSN: re-applying both batches changes nothing
+    # twice (the first is already held), and the result equals native.
+    pair.close()
+    again = apply_batch(None, first, pair.writer, distributed=False)
+    assert again.already_applied == len(first.transactions) and again.rows_written == 0
+    apply_batch(None, second, pair.writer, distributed=False)
+    assert pair.writer.applied_lsn() == second.end_lsn
+    assert pair.read()[:-1] == [], "the consumer resumes after the recorded LSN"
+    pair.assert_same("kv", "other")
+
+
+def test_a_consumer_that_lost_the_race_is_fenced(pair: Pair, monkeypatch: pytest.MonkeyPatch):
+    pair.setup(KV, tables=["public.kv", "public.other"])
+    pair.run("INSERT INTO kv VALUES (1, 'a')", "INSERT INTO kv VALUES (2, 'b')")
+    txns = pair.read()
+    first, second = pair.batches(txns, 1)[:2]
+    stale = TargetWriter(pair.target.dsn, pair.subscription_id)
+    try:
+        apply_batch(None, first, pair.writer, distributed=False)
+        monkeypatch.setattr(stale, "applied_lsn", lambda: None)  # planned before the commit
+        with pytest.raises(ApplyFenced):
+            apply_batch(None, second, stale, distributed=False)
+    finally:
+        stale.close()
+    assert pair.rows(pair.target, "kv") == [(1, "a")]
+
+
+# -- better than native: UPDATE → INSERT with unchanged TOAST --------------------------------
+
+TOASTED = """
+CREATE TABLE big (id int PRIMARY KEY, body text, note text);
+ALTER TABLE big ALTER COLUMN body SET STORAGE EXTERNAL;
+CREATE PUBLICATION p FOR TABLE big WHERE (id > 100);
+"""
+BODY = "(SELECT string_agg(md5(g::text), '') FROM generate_series(1, 100) g)"
+
+
+def test_update_turned_insert_keeps_toast_where_native_writes_null(pair: Pair):
+    pair.setup(TOASTED, tables=["public.big"])
+    pair.run(f"INSERT INTO big VALUES (1, {BODY}, 'n1'), (2, {BODY}, 'n2')",
+             # old row (1) fails the filter, new row (101) passes: sent as an INSERT whose
+             # body is an unchanged TOAST value ('u') — the old row was never sent
+             "UPDATE big SET id = 101 WHERE id = 1",
+             "UPDATE big SET id = 102, note = 'moved' WHERE id = 2")
+    [result] = pair.apply(None)
+    pair.wait_native()
+    source = pair.source.query("SELECT id, md5(body), note FROM big ORDER BY id")
+    ours = pair.target.query("SELECT id, md5(body), note FROM big ORDER BY id")
+    native = pair.native.query("SELECT id, body, note FROM big ORDER BY id")  # type: ignore[union-attr]
+    assert native == [(101, None, "n1"), (102, None, "moved")], "PostgreSQL 15 loses the body"
+    assert ours == source and all(r[1] is not None for r in ours)
+    assert result.fetched_rows == 2
+
+
+def test_update_turned_insert_whose_source_row_is_gone_stops_the_table(pair: Pair):
+    pair.setup(TOASTED, tables=["public.big"])
+    pair.run(f"INSERT INTO big VALUES (1, {BODY}, 'n1')", "UPDATE big SET id = 101 WHERE id = 1",
+             "DELETE FROM big WHERE id = 101")
+    txns = pair.read()
+    first = pair.batches(txns, 1)[0]
+    with pytest.raises(TableStopped) as info:
+        apply_batch(None, first, pair.writer, distributed=False)
+    assert info.value.table == "public.big" and "body" in info.value.detail
+    assert "no longer has the row" in info.value.detail
+    assert pair.rows(pair.target, "big") == [] and pair.writer.applied_lsn() is None
+    # The same transactions in one batch: the row is deleted within it, nothing to fetch.
+    [result] = [apply_batch(None, b, pair.writer, distributed=False)
+                for b in pair.batches(txns, None)]
+    assert result.fetched_rows == 0 and pair.rows(pair.target, "big") == []
+
+
+# -- subscription-time checks ------------------------------------------------------------------
+
+
+def test_target_tables_are_checked_at_subscription_time(source_db: Database,
+                                                        target_db: Database):
+    source_db.execute("""
+        CREATE TABLE a (id int PRIMARY KEY, name varchar(20), qty int, secret text);
+        CREATE TABLE b (id bigint PRIMARY KEY);
+        CREATE TABLE c (id int PRIMARY KEY, v text);
+        CREATE PUBLICATION p FOR TABLE a (id, name, qty), b, c;
+    """)
+    target_db.execute("CREATE TABLE a (id bigint PRIMARY KEY, name text, qty numeric)")
+    with source_db.connect() as conn:
+        specs = read_source_columns(conn, ["public.a"], publications=["p"])
+        assert specs[0].columns == (("id", "integer"), ("name", "character varying(20)"),
+                                    ("qty", "integer"))
+        check_target_tables(conn, target_db.dsn, ["public.a"], publications=["p"])  # widening
+        with pytest.raises(Unprocessable) as missing:
+            check_target_tables(conn, target_db.dsn, ["public.a", "public.b", "public.c"],
+                                publications=["p"])
+        assert missing.value.code == "target_table_missing"
+        assert "public.b" in missing.value.detail and "public.c" in missing.value.detail
+        target_db.execute("CREATE TABLE b (id int PRIMARY KEY); CREATE TABLE c (id int)")
+        with pytest.raises(Unprocessable) as mismatch:
+            check_target_tables(conn, target_db.dsn, ["public.b", "public.c"],
+                                publications=["p"])
+        assert mismatch.value.code == "target_column_mismatch"
+        assert "column id is integer in the target but bigint in the source" in (
+            mismatch.value.detail)
+        assert "column v (text) is missing" in mismatch.value.detail
+
+
+def test_forget_drops_the_record_and_staging_tables(source_db: Database, target_db: Database):
+    p = Pair(source_db, target_db, None, ("p",))
+    p.setup(KV, tables=["public.kv", "public.other"])
+    p.run("INSERT INTO kv VALUES (1, 'a')")
+    p.apply(None)
+    staging = ("SELECT count(*) FROM pg_tables WHERE schemaname = 'pgsieve' "
+               "AND tablename LIKE 'stage%'")
+    assert target_db.query(staging) == [(1,)]
+    p.writer.close()
+    again = TargetWriter(target_db.dsn, p.subscription_id)
+    again.ensure_schema()  # a new writer drops the tables of writers that are gone
+    assert target_db.query(staging) == [(0,)]
+    assert again.applied_lsn() is not None
+    again.forget(p.subscription_id)
+    assert again.applied_lsn() is None
+    again.close()
+    p._writer = None

@@ -1,0 +1,94 @@
+"""The consumer lock: one owner at a time, takeover only after the lease, on SQLite and
+PostgreSQL metadata stores."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import update
+
+from pgsieve.core.db import session_factory
+from pgsieve.core.migrate import upgrade
+from pgsieve.core.models import ConsumerLock, Source, Subscription, Target, utcnow
+from pgsieve.workers.locks import LockKeeper, release, renew, try_acquire
+from tests.integration.test_migrations import pg_metadata_url  # noqa: F401 - fixture
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def sessions(request, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'meta.db'}"
+    else:
+        url = request.getfixturevalue("pg_metadata_url")
+    upgrade(url)
+    factory = session_factory(url)
+    with factory() as s:
+        src = Source(name="s", dsn_encrypted="x", server_version="15", server_version_num=150000,
+                     wal_level="logical")
+        tgt = Target(name="t", dsn_encrypted="x", server_version="15", server_version_num=150000)
+        s.add_all([src, tgt])
+        s.flush()
+        s.add(Subscription(id="sub1", name="sub1", source_id=src.id, target_id=tgt.id,
+                           slot_name="s1", publications=["p"]))
+        s.commit()
+    return factory
+
+
+def test_one_owner_at_a_time(sessions):
+    assert try_acquire(sessions, "sub1", "a")
+    assert not try_acquire(sessions, "sub1", "b")
+    assert try_acquire(sessions, "sub1", "a"), "the owner may take its own lock again"
+    assert renew(sessions, "sub1", "a")
+    assert not renew(sessions, "sub1", "b")
+    release(sessions, "sub1", "b")  # not b's: no effect
+    assert not try_acquire(sessions, "sub1", "b")
+    release(sessions, "sub1", "a")
+    assert try_acquire(sessions, "sub1", "b")
+
+
+def test_stale_lock_is_taken_over_and_the_old_owner_notices(sessions):
+    assert try_acquire(sessions, "sub1", "a")
+    with sessions() as s:
+        s.execute(update(ConsumerLock).values(heartbeat_at=utcnow() - timedelta(minutes=5)))
+        s.commit()
+    assert try_acquire(sessions, "sub1", "b")
+    assert not renew(sessions, "sub1", "a")
+    keeper = LockKeeper(sessions, "sub1", "a", every=0.05)
+    with keeper:
+        assert keeper.lost.wait(5)
+
+
+def test_concurrent_contenders_exactly_one_wins(sessions):
+    with sessions() as s:
+        s.add(ConsumerLock(subscription_id="sub1", owner="dead",
+                           heartbeat_at=utcnow() - timedelta(minutes=5)))
+        s.commit()
+    wins: list[str] = []
+    barrier = threading.Barrier(6)
+
+    def contend(name: str) -> None:
+        barrier.wait()
+        if try_acquire(sessions, "sub1", name):
+            wins.append(name)
+
+    threads = [threading.Thread(target=contend, args=(f"w{i}",)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1
+    with sessions() as s:
+        assert s.get(ConsumerLock, "sub1").owner == wins[0]
+
+
+def test_keeper_renews_while_held(sessions):
+    assert try_acquire(sessions, "sub1", "a")
+    with sessions() as s:
+        before = s.get(ConsumerLock, "sub1").heartbeat_at
+    with LockKeeper(sessions, "sub1", "a", every=0.05) as keeper:
+        threading.Event().wait(0.3)
+        assert not keeper.lost.is_set()
+    with sessions() as s:
+        assert s.get(ConsumerLock, "sub1").heartbeat_at > before

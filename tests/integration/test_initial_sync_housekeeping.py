@@ -1,0 +1,72 @@
+"""Sync housekeeping: leftover sync slots are dropped (never one a table still needs), a job
+whose runner stopped heart-beating is released for a new runner, and two runners of one
+job never run at once."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import psycopg
+
+from pgsieve.core.db import session_factory
+from pgsieve.core.models import Job, SubscriptionTable, utcnow
+from pgsieve.workers.syncjob import claim, sync_slot_name
+from pgsieve.workers.tablesync import drop_leftover_sync_slots, stale_sync_jobs
+from tests.conftest import Database
+from tests.integration.sync_env import slots, sync_env
+
+SCHEMA = "CREATE TABLE a (id int PRIMARY KEY); CREATE TABLE b (id int PRIMARY KEY);"
+
+
+def test_leftover_sync_slots_are_dropped_and_needed_ones_kept(tmp_path: Path,
+                                                              source_db: Database,
+                                                              target_db: Database):
+    source_db.execute(SCHEMA + "CREATE PUBLICATION pab FOR TABLE a, b;")
+    target_db.execute(SCHEMA)
+    with sync_env(tmp_path) as env:
+        sub_id, _ = env.subscribe(source_db, target_db, ["pab"], enabled=False)
+        sessions = session_factory(env.settings.effective_database_url)
+        with sessions() as session:
+            tables = {t.table_name: t for t in session.query(SubscriptionTable)}
+            a, b = tables["public.a"], tables["public.b"]
+            needed = sync_slot_name(sub_id, a.id)
+            done = sync_slot_name(sub_id, b.id)
+            a.sync_state, a.sync_slot = "catchup", needed
+            b.sync_state, b.sync_slot = "ready", done
+            session.commit()
+        orphan = sync_slot_name("0" * 32, 7)  # of a subscription that no longer exists
+        with psycopg.connect(source_db.dsn, autocommit=True) as conn:
+            for name in (needed, done, orphan, "someone_elses_slot"):
+                conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')",
+                             (name,))
+        dropped = drop_leftover_sync_slots(env.settings)
+        assert sorted(dropped) == sorted([done, orphan])
+        assert slots(source_db) == sorted([needed, "someone_elses_slot"])
+        with sessions() as session:
+            b_row = session.get(SubscriptionTable, b.id)
+            assert b_row is not None and b_row.sync_slot is None
+
+
+def test_a_dead_runner_is_replaced_and_a_live_one_is_not(tmp_path: Path, source_db: Database,
+                                                         target_db: Database):
+    source_db.execute(SCHEMA + "CREATE PUBLICATION pab FOR TABLE a, b;")
+    target_db.execute(SCHEMA)
+    with sync_env(tmp_path) as env:
+        _, job_id = env.subscribe(source_db, target_db, ["pab"], enabled=False)
+        sessions = session_factory(env.settings.effective_database_url)
+        lease = timedelta(seconds=env.settings.consumer_lease_seconds)
+        assert claim(sessions, job_id, "runner-1", lease)
+        assert not claim(sessions, job_id, "runner-2", lease)  # runner-1 is alive
+        assert stale_sync_jobs(env.settings) == []
+        with sessions() as session:
+            job = session.get(Job, job_id)
+            assert job is not None
+            job.heartbeat_at = utcnow() - 2 * lease  # runner-1 stopped heart-beating
+            session.commit()
+        assert stale_sync_jobs(env.settings) == [job_id]
+        assert stale_sync_jobs(env.settings) == []  # released once, not every tick
+        assert claim(sessions, job_id, "runner-2", lease)
+        with sessions() as session:
+            job = session.get(Job, job_id)
+            assert job is not None and job.owner == "runner-2" and job.state == "running"

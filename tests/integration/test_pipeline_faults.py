@@ -1,0 +1,154 @@
+"""Fault injection (slow tier): workers killed with SIGKILL at the worst moments, the
+source restarted, the target stopped for a while — and every run must end with the target
+identical to a native subscriber's, no duplicate, no gap, and the slot's confirmed LSN
+never ahead of the LSN the target recorded.
+
+Each run is randomized from its seed (which faults, when); the seed is in the test id,
+so a failure replays exactly.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.conftest import Database
+from tests.integration.pipeline_env import (
+    native_caught_up,
+    native_subscription,
+    pipeline_env,
+    source_lsn,
+    wait_until,
+)
+from tests.integration.test_pipeline import (
+    create_subscription,
+    prepare,
+    targets_match,
+    workload,
+)
+
+RUNS = 20
+FAULT_POINTS = ("cycle.before_apply", "apply.before_commit", "cycle.after_commit")
+MAX_KILLS = 3
+
+
+def _lsn(text: object) -> int:
+    hi, lo = str(text).split("/")
+    return (int(hi, 16) << 32) | int(lo, 16)
+
+
+def _slot_behind_target(source: Database, target: Database, slot: str) -> bool | None:
+    """confirmed_flush_lsn <= the target's recorded LSN (None when either is unreadable).
+    The slot is read first: the recorded LSN only grows, and is written before any
+    confirm, so this order can only make the check stricter."""
+    try:
+        rows = source.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                            "WHERE slot_name = %s", (slot,))
+        with psycopg.connect(target.dsn, connect_timeout=2) as conn:
+            recorded = conn.execute("SELECT max(end_lsn)::text FROM pgsieve.applied").fetchone()
+    except psycopg.Error:
+        return None
+    if not rows or rows[0][0] is None:
+        return None
+    if recorded is None or recorded[0] is None:
+        # Nothing recorded yet: the slot must still be where it was created.
+        return None
+    return _lsn(rows[0][0]) <= _lsn(recorded[0])
+
+
+class Chaos:
+    """Decides, from the seed, what goes wrong in one run."""
+
+    def __init__(self, seed: int) -> None:
+        self.rnd = random.Random(seed)
+        self.point = FAULT_POINTS[seed % len(FAULT_POINTS)] if seed % 4 != 3 else None
+        self.external_kills = self.rnd.randint(1, 2) if self.point is None else 0
+        self.restart_source = seed % 5 == 1
+        self.stop_target = seed % 5 == 2
+
+    def worker_env(self, kills: int) -> dict[str, str]:
+        if self.point is None or kills >= MAX_KILLS:
+            return {}
+        # Deterministic: the worker kills itself the Nth time it passes the point.
+        return {"PGSIEVE_FAULTS": f"{self.point}@{self.rnd.randint(1, 4)}"}
+
+    def describe(self) -> dict[str, Any]:
+        return {"fault_point": self.point, "external_kills": self.external_kills,
+                "restart_source": self.restart_source, "stop_target": self.stop_target}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(RUNS))
+def test_crashes_lose_nothing_and_apply_nothing_twice(seed: int, tmp_path: Path, source_db,
+                                                     target_db, native_db):
+    chaos = Chaos(seed)
+    prepare(source_db, target_db, native_db)
+    with pipeline_env(tmp_path) as env:
+        sub_id = create_subscription(env, source_db, target_db, name=f"chaos{seed}")
+        slot = f"pgsieve_chaos{seed}"
+        native_subscription(source_db, native_db, f"native_chaos{seed}",
+                            ["pub_items", "pub_events"])
+        env.start_beat()
+        kills = 0
+        worker = env.start_worker(**chaos.worker_env(kills))
+        # The workload starts once a consumer streams, so faults hit a live pipeline.
+        wait_until(lambda: env.subscription(sub_id)["consumer"] is not None, 60,
+                   "the first consumer", env, interval=0.2)
+        done = threading.Event()
+        writer = threading.Thread(target=workload, args=(source_db, 1000 + seed, 200),
+                                  kwargs={"pace": 0.02, "stop": None})
+        writer.start()
+        violations: list[str] = []
+        deadline = time.monotonic() + 150
+        external_at = sorted(chaos.rnd.uniform(1.0, 6.0) for _ in range(chaos.external_kills))
+        started = time.monotonic()
+        disrupted = False
+        end_lsn: str | None = None
+        try:
+            while time.monotonic() < deadline:
+                elapsed = time.monotonic() - started
+                if worker.poll() is not None:  # killed itself at a fault point
+                    kills += 1
+                    worker = env.start_worker(**chaos.worker_env(kills))
+                if external_at and elapsed >= external_at[0]:
+                    external_at.pop(0)
+                    env.kill(worker)
+                    kills += 1
+                    worker = env.start_worker()
+                if not disrupted and elapsed >= 2.5:
+                    disrupted = True
+                    _disrupt(chaos, source_db, target_db)
+                ok = _slot_behind_target(source_db, target_db, slot)
+                if ok is False:
+                    violations.append(f"slot ahead of the target at {elapsed:.1f}s")
+                if not writer.is_alive():
+                    if end_lsn is None:
+                        end_lsn = source_lsn(source_db)
+                    if native_caught_up(source_db, native_db, f"native_chaos{seed}",
+                                        end_lsn) and targets_match(source_db, target_db,
+                                                                   native_db):
+                        done.set()
+                        break
+                time.sleep(0.3)
+        finally:
+            writer.join()
+        assert not violations, violations
+        assert done.is_set(), f"run {seed} {chaos.describe()} never converged\n{env.logs()}"
+        assert _slot_behind_target(source_db, target_db, slot) is not False
+        if chaos.point or chaos.external_kills:
+            assert kills >= 1, "the run was meant to crash at least once"
+
+
+def _disrupt(chaos: Chaos, source: Database, target: Database) -> None:
+    if chaos.restart_source:
+        source.cluster.restart()
+    if chaos.stop_target:
+        target.cluster.stop()
+        time.sleep(chaos.rnd.uniform(1.0, 3.0))
+        target.cluster.start()
