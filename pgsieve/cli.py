@@ -131,6 +131,32 @@ def tail(
         raise typer.Exit(1) from None
 
 
+@app.command()
+def sync(
+    subscription: Annotated[str, typer.Option(help="subscription id")],
+    tables: Annotated[
+        list[str] | None, typer.Option("--table", help="only this table (repeat for several)")
+    ] = None,
+    verify: Annotated[
+        bool, typer.Option(help="compare counts and checksums after the copy")
+    ] = False,
+    defer_indexes: Annotated[
+        bool, typer.Option(help="rebuild target indexes after the copy instead of during it")
+    ] = True,
+    wait: Annotated[bool, typer.Option(help="follow the job with a progress bar")] = True,
+    api_url: Annotated[
+        str, typer.Option(envvar="PGSIEVE_API_URL", help="the pgsieve API")
+    ] = "http://127.0.0.1:8000",
+) -> None:
+    """Start an initial sync / resync and show its progress bar until it ends."""
+    from pgsieve.synccli import run_sync
+
+    _logging()
+    code = run_sync(api_url, get_settings().effective_api_token(), subscription, tables,
+                    verify=verify, defer_indexes=defer_indexes, wait=wait)
+    raise typer.Exit(code)
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
     """Apply Alembic migrations to PGSIEVE_DATABASE_URL."""

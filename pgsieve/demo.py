@@ -11,14 +11,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import psycopg
@@ -48,7 +51,20 @@ CREATE TABLE IF NOT EXISTS public.orders (
     amount numeric(12,2) NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now()
 );
+-- The demo filters orders by region while publishing updates and deletes, so region must
+-- be part of the replica identity (PostgreSQL's rule; pgsieve checks it up front).
+CREATE UNIQUE INDEX IF NOT EXISTS orders_id_region_key ON public.orders (id, region);
+ALTER TABLE public.orders REPLICA IDENTITY USING INDEX orders_id_region_key;
 """
+
+DEMO_PUBLICATION = {
+    "name": "demo_eu",
+    "tables": [
+        {"table": "public.orders", "where": "region = 'eu'"},
+        {"table": "public.customers", "where": None},
+    ],
+}
+DEMO_SUBSCRIPTION_NAME = "demo"
 
 DEMO_DATA = """
 INSERT INTO public.customers
@@ -143,6 +159,56 @@ def ensure(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, A
     return dict(response.json())
 
 
+class DemoWorkload:
+    """A trickle of orders on the source (new, paid, shipped, cancelled) so the target
+    and the dashboard visibly move; stops with the demo."""
+
+    def __init__(self, dsn: str, every: float = 0.5) -> None:
+        self.dsn = dsn
+        self.every = every
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="demo-workload", daemon=True)
+
+    def __enter__(self) -> DemoWorkload:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        rnd = random.Random()  # noqa: S311 - demo data, not cryptography
+        while not self._stop.wait(self.every):
+            try:
+                with psycopg.connect(self.dsn, autocommit=False) as conn:
+                    while not self._stop.wait(self.every):
+                        self._transaction(conn, rnd)
+            except psycopg.Error as exc:
+                log.warning("demo workload paused: %s", exc)
+
+    @staticmethod
+    def _transaction(conn: psycopg.Connection[Any], rnd: random.Random) -> None:
+        row = conn.execute("SELECT coalesce(max(id), 0) FROM public.orders").fetchone()
+        top = int(row[0]) if row else 0
+        for i in range(1, rnd.randint(2, 6)):
+            conn.execute(
+                "INSERT INTO public.orders (id, customer_id, region, status, amount) "
+                "VALUES (%s, %s, %s, 'new', %s)",
+                (top + i, rnd.randint(1, 1000), rnd.choice(["eu", "us", "apac"]),
+                 round(rnd.uniform(5, 500), 2)),
+            )
+        for _ in range(rnd.randint(1, 4)):
+            conn.execute(
+                "UPDATE public.orders SET status = %s WHERE id = %s",
+                (rnd.choice(["paid", "shipped"]), rnd.randint(max(1, top - 500), top or 1)),
+            )
+        if rnd.random() < 0.3:
+            conn.execute("DELETE FROM public.orders WHERE id = %s AND status = 'cancelled'",
+                         (rnd.randint(1, top or 1),))
+        conn.commit()
+
+
 def run_demo(port: int = 8000, exit_after: float | None = None) -> int:
     settings = get_settings()
     home = settings.state_dir
@@ -168,6 +234,8 @@ def run_demo(port: int = 8000, exit_after: float | None = None) -> int:
         with (
             child([*exe, "api", "--port", str(port)], env, logs / "api.log") as api,
             child([*exe, "worker"], env, logs / "worker.log"),
+            child([*exe, "beat"], env, logs / "beat.log"),
+            DemoWorkload(demo.source.dsn(DEMO_DB)),
         ):
             wait_healthy(url, api)
             with httpx.Client(
@@ -177,13 +245,22 @@ def run_demo(port: int = 8000, exit_after: float | None = None) -> int:
                                                      "dsn": demo.source.dsn(DEMO_DB)})
                 target = ensure(client, "/targets", {"name": "demo-target", "kind": "postgres",
                                                      "dsn": demo.target.dsn(DEMO_DB)})
+                ensure(client, f"/sources/{source['id']}/publications", DEMO_PUBLICATION)
+                subscription = ensure(client, "/subscriptions", {
+                    "name": DEMO_SUBSCRIPTION_NAME, "source_id": source["id"],
+                    "target_id": target["id"], "publications": [DEMO_PUBLICATION["name"]],
+                    "copy_data": True, "enabled": True,
+                })
             print(
                 f"\npgsieve is running.\n"
-                f"  dashboard:  {url}/\n"
+                f"  dashboard:  {url}/#token={quote(token)}"
+                f"&next=/subscriptions/{subscription['id']}\n"
                 f"  API docs:   {url}/docs\n"
                 f"  API token:  {token}\n"
                 f"  source:     {source['dsn']} (id {source['id']})\n"
                 f"  target:     {target['dsn']} (id {target['id']})\n"
+                f"  publication: demo_eu (orders WHERE region = 'eu', all customers)\n"
+                f"  subscription: demo (id {subscription['id']}); a small workload runs\n"
                 f"  logs:       {logs}\n"
                 f"Press Ctrl-C to stop everything.\n",
                 flush=True,

@@ -31,6 +31,19 @@ fi
 pg_major=$("$bindir/postgres" --version | sed -nE 's/.* ([0-9]+)(\.[0-9]+)?.*/\1/p')
 [ "${pg_major:-0}" -ge 15 ] || fail "PostgreSQL 15+ server binaries are required; found $pg_major in $bindir"
 
+# The dashboard's browser tests drive Debian's chromium through Playwright (never
+# `playwright install`, which downloads its own browsers).
+if ! command -v chromium >/dev/null && [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "pgsieve setup: installing chromium (browser tests)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+      || fail "could not install chromium with apt-get"
+  else
+    echo "pgsieve setup: chromium not found; the browser tests need it (Debian: sudo apt-get install chromium)" >&2
+  fi
+fi
+
 stamp=.venv/.pgsieve-installed
 if [ -f "$stamp" ] && [ "$stamp" -nt requirements.lock ] && [ "$stamp" -nt pyproject.toml ]; then
   exit 0

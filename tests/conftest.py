@@ -135,3 +135,9 @@ def source_db(publisher: LocalCluster) -> Iterator[Database]:
 @pytest.fixture
 def target_db(subscriber: LocalCluster) -> Iterator[Database]:
     yield from _fresh_db(subscriber, "tgt")
+
+
+@pytest.fixture
+def native_db(subscriber: LocalCluster) -> Iterator[Database]:
+    """A second database on the target cluster, for a native subscriber (the oracle)."""
+    yield from _fresh_db(subscriber, "nat")

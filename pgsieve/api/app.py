@@ -11,7 +11,17 @@ from fastapi.staticfiles import StaticFiles
 
 from pgsieve.api.deps import require_token
 from pgsieve.api.problems import install_problem_handlers
-from pgsieve.api.routers import filters, health, slots, sources, targets
+from pgsieve.api.routers import (
+    filters,
+    health,
+    jobs,
+    progress,
+    publications,
+    slots,
+    sources,
+    subscriptions,
+    targets,
+)
 from pgsieve.core.credentials import SecretBox, install_log_scrubber
 from pgsieve.core.db import session_factory
 from pgsieve.core.settings import Settings, get_settings
@@ -36,7 +46,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_problem_handlers(app)
 
     authed = [Depends(require_token)]
-    for module in (sources, targets, slots, filters):
+    for module in (sources, targets, slots, publications, filters, subscriptions, progress,
+                   jobs):
         app.include_router(module.router, prefix="/api/v1", dependencies=authed)
     # SPEC lists /healthz and /metrics beside the /api/v1 resources: serve both spellings.
     for prefix in ("", "/api/v1"):

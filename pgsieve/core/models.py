@@ -180,6 +180,18 @@ class Subscription(Base):
     applied_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     last_commit_ts: Mapped[datetime | None] = mapped_column(nullable=True)
     skip_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    slot_owned: Mapped[bool] = mapped_column(Boolean, default=True)
+    """pgsieve created the slot (dropped with the subscription unless told to keep it)."""
+    consistent_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """The slot's consistent point: where streaming starts after the initial copy."""
+    source_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """The source's current WAL position when last looked at (by the consumer)."""
+    oldest_unapplied_commit_ts: Mapped[datetime | None] = mapped_column(nullable=True)
+    """Commit time of the oldest transaction received but not yet applied (lag seconds)."""
+    caught_up_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    """Last time nothing was left to apply (lag 0)."""
+    stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """Running counters (batches, changes applied, conflicts, ...) for /progress and metrics."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
@@ -209,6 +221,11 @@ class SubscriptionTable(Base):
     updates: Mapped[int] = mapped_column(BigInteger, default=0)
     deletes: Mapped[int] = mapped_column(BigInteger, default=0)
     truncates: Mapped[int] = mapped_column(BigInteger, default=0)
+    conflicts: Mapped[int] = mapped_column(BigInteger, default=0)
+    sync_slot: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    """Slot of a table copied on its own (tablesync): the copy's snapshot and catch-up."""
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
     subscription: Mapped[Subscription] = relationship(back_populates="tables")
 
@@ -231,6 +248,9 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    """The worker running the job (sync jobs: a lease renewed through ``heartbeat_at``)."""
+    heartbeat_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
 
 class ProgressSample(Base):
@@ -250,6 +270,25 @@ class ProgressSample(Base):
     lag_seconds: Mapped[float | None] = mapped_column(nullable=True)
 
 
+class SourceSample(Base):
+    """A source's WAL position and slots at one moment (written by the beat task every
+    10 s, kept for a day): the recent WAL rate projects when a slot would be invalidated,
+    and ``/metrics`` reads slot figures here instead of connecting to sources per scrape."""
+
+    __tablename__ = "source_samples"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    source_id: Mapped[str] = mapped_column(
+        ForeignKey("sources.id", ondelete="CASCADE"), index=True
+    )
+    sampled_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    wal_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    slots: Mapped[list[Any]] = mapped_column(default=list)
+    """[{name, active, retained_wal_bytes, wal_status, safe_wal_size}] as read then."""
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Why the source could not be read (no secrets), else None."""
+
+
 class WorkerHeartbeat(Base):
     """Last sign of life of each Celery worker (and, later, of each consumer lock)."""
 
@@ -258,3 +297,60 @@ class WorkerHeartbeat(Base):
     worker: Mapped[str] = mapped_column(String(200), primary_key=True)
     beat_at: Mapped[datetime] = mapped_column(default=utcnow)
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class ConsumerLock(Base):
+    """One consumer per subscription: the owner renews ``heartbeat_at`` while it streams;
+    a lock whose heartbeat is older than the lease may be taken over (its owner died)."""
+
+    __tablename__ = "consumer_locks"
+
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), primary_key=True
+    )
+    owner: Mapped[str] = mapped_column(String(200))
+    acquired_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    cycles: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class UpdateImage(Base):
+    """A recent UPDATE's old and new row images, kept in a bounded window per table so a
+    candidate filter can be tried on real updates (UPDATE transformation preview)."""
+
+    __tablename__ = "update_images"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), index=True
+    )
+    table_name: Mapped[str] = mapped_column(String(130), index=True)
+    lsn: Mapped[int] = mapped_column(BigInteger)
+    old_kind: Mapped[str | None] = mapped_column(String(1), nullable=True)
+    """'K' (key columns only), 'O' (REPLICA IDENTITY FULL) or None (key unchanged)."""
+    old: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """Old image as {column: PostgreSQL text}; None when not sent (key unchanged)."""
+    new: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """New image as {column: PostgreSQL text}; unchanged TOAST columns are left out."""
+    captured_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SyncPartition(Base):
+    """One partition (ctid block range or key range) of a table's initial copy."""
+
+    __tablename__ = "sync_partitions"
+    __table_args__ = (UniqueConstraint("job_id", "table_name", "partition_no"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), index=True
+    )
+    table_name: Mapped[str] = mapped_column(String(130))
+    partition_no: Mapped[int] = mapped_column(Integer)
+    lower: Mapped[str | None] = mapped_column(Text, nullable=True)
+    upper: Mapped[str | None] = mapped_column(Text, nullable=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    rows: Mapped[int] = mapped_column(BigInteger, default=0)
+    snapshot_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)

@@ -39,12 +39,41 @@ class Settings(BaseSettings):
         default=None, description="Key that encrypts stored credentials (DSN passwords)."
     )
     spark_master: str = Field(default="local[*]", description="Spark master URL.")
+    spark_conf: dict[str, str] = Field(
+        default_factory=dict,
+        description="extra Spark properties as a JSON object (PGSIEVE_SPARK_CONF)",
+    )
+    spark_apply_min_changes: int = Field(
+        default=0, ge=0,
+        description="batches with at least this many changes are planned and staged by "
+        "Spark tasks; 0: never (the driver does it; see docs/ARCHITECTURE.md)",
+    )
     pg_bindir: str | None = Field(default=None, description="PostgreSQL server binaries.")
     connect_timeout: int = Field(default=5, ge=1, le=120, description="Seconds, for DSNs.")
     statement_timeout_ms: int = Field(default=15_000, ge=100)
     preview_exact_row_limit: int = Field(
         default=2_000_000, ge=0,
         description="filter preview counts exactly up to this many (estimated) rows",
+    )
+    spark_warmup: bool = Field(
+        default=True, description="start each worker's SparkSession when the worker starts",
+    )
+    celery_queue: str = Field(
+        default="pgsieve", min_length=1, max_length=200,
+        description="the Celery queue pgsieve's tasks go to and its workers consume",
+    )
+    consume_cycle_seconds: float = Field(
+        default=60.0, gt=0, le=3600,
+        description="how long one consume cycle streams before it re-enqueues itself",
+    )
+    consumer_lease_seconds: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="a consumer lock whose heartbeat is older than this may be taken over",
+    )
+    consumer_heartbeat_seconds: float = Field(default=5.0, gt=0, le=600)
+    restart_pipelines_seconds: float = Field(
+        default=15.0, gt=0, le=3600,
+        description="how often beat looks for pipelines whose consumer died",
     )
     log_level: str = "INFO"
 

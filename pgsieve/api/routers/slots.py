@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 from fastapi import APIRouter, Response, status
-from sqlalchemy import delete, select
-from sqlalchemy.orm import Session
+from sqlalchemy import delete
 
 from pgsieve.api.deps import (
     SecretBoxDep,
@@ -15,39 +15,44 @@ from pgsieve.api.deps import (
     load_source,
     source_connection,
 )
+from pgsieve.api.schemas.progress import SlotHealthOut
 from pgsieve.api.schemas.slots import SlotCreate, SlotOut
-from pgsieve.core import pgserver
+from pgsieve.core import observe, pgserver
 from pgsieve.core.errors import NotFound
-from pgsieve.core.models import Slot, Source
+from pgsieve.core.models import Slot
+from pgsieve.core.settings import Settings
 
 router = APIRouter(prefix="/sources/{source_id}/slots", tags=["slots"])
 
 
-def _managed_names(session: Session, source: Source) -> set[str]:
-    return set(session.scalars(select(Slot.name).where(Slot.source_id == source.id)))
+def _lease(settings: Settings) -> timedelta:
+    return timedelta(seconds=settings.consumer_lease_seconds)
 
 
-@router.get("", response_model=list[SlotOut])
+@router.get("", response_model=list[SlotHealthOut])
 def list_slots(
     source_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> list[dict[str, Any]]:
+    """Live slots with the WAL each retains, which subscription uses it (``owned_by``;
+    ``orphaned`` when inactive and nobody's), ``warnings``, a ``health`` colour and the
+    projected time until ``max_slot_wal_keep_size`` would invalidate it."""
     source = load_source(session, source_id)
     with source_connection(source, settings, box) as conn:
-        slots = pgserver.list_slots(conn)
-    managed = _managed_names(session, source)
-    return [{**s, "managed": s["name"] in managed} for s in slots]
+        slots, _facts = observe.slots_with_health(session, source, conn, _lease(settings))
+    return slots
 
 
-@router.get("/{name}", response_model=SlotOut)
+@router.get("/{name}", response_model=SlotHealthOut)
 def get_slot(
     source_id: str, name: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:
     source = load_source(session, source_id)
     with source_connection(source, settings, box) as conn:
-        slot = pgserver.get_slot(conn, name)
+        slots, _facts = observe.slots_with_health(session, source, conn, _lease(settings))
+    slot = next((s for s in slots if s["name"] == name), None)
     if slot is None:
         raise NotFound(f"no replication slot named '{name}'", code="slot_not_found")
-    return {**slot, "managed": name in _managed_names(session, source)}
+    return slot
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SlotOut)

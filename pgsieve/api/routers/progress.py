@@ -1,0 +1,75 @@
+"""Progress and lag of a subscription (live and as history), and a source's health."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source
+from pgsieve.api.schemas.progress import ProgressHistory, ProgressOut, SourceHealthOut
+from pgsieve.core import observe
+from pgsieve.core.errors import NotFound, Unprocessable
+from pgsieve.core.models import Subscription, utcnow
+from pgsieve.core.progress import HISTORY_RESOLUTION, HISTORY_RETENTION
+
+router = APIRouter(tags=["progress"])
+
+MAX_POINTS = int(HISTORY_RETENTION / HISTORY_RESOLUTION) * 2
+
+
+def _subscription(session: SessionDep, subscription_id: str) -> Subscription:
+    sub = session.get(Subscription, subscription_id)
+    if sub is None:
+        raise NotFound(f"no subscription with id '{subscription_id}'",
+                       code="subscription_not_found")
+    return sub
+
+
+@router.get("/subscriptions/{subscription_id}/progress", response_model=ProgressOut)
+def subscription_progress(
+    subscription_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+) -> dict[str, Any]:
+    """Source (live), received and applied LSNs, lag in bytes and seconds, per-table
+    counters and sync state, and whether a consumer is running. A source that cannot be
+    reached is reported in the body (``source_reachable: false``), not as an error."""
+    sub = _subscription(session, subscription_id)
+    return observe.observe_subscription(
+        session, sub, box, connect_timeout=settings.connect_timeout,
+        lease=timedelta(seconds=settings.consumer_lease_seconds))
+
+
+@router.get("/subscriptions/{subscription_id}/progress/history",
+            response_model=ProgressHistory)
+def subscription_progress_history(
+    subscription_id: str,
+    session: SessionDep,
+    since: Annotated[datetime | None, Query(
+        description="ISO 8601 time; default one hour ago (history is kept for 24 h)")] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_POINTS)] = MAX_POINTS,
+) -> dict[str, Any]:
+    """Samples taken every 10 s by the beat task (oldest first; the newest ``limit``)."""
+    sub = _subscription(session, subscription_id)
+    now = utcnow()
+    if since is None:
+        since = now - timedelta(hours=1)
+    elif since.tzinfo is None:
+        raise Unprocessable("'since' needs a time zone (e.g. 2026-01-01T00:00:00Z)",
+                            code="validation_error")
+    return {
+        "subscription_id": sub.id,
+        "resolution_seconds": HISTORY_RESOLUTION.total_seconds(),
+        "retention_seconds": HISTORY_RETENTION.total_seconds(),
+        "samples": observe.history(session, sub.id, since, limit),
+    }
+
+
+@router.get("/sources/{source_id}/health", response_model=SourceHealthOut)
+def source_health(
+    source_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+) -> dict[str, Any]:
+    """Reachability, WAL rate, every slot with its health, and the worst status."""
+    source = load_source(session, source_id)
+    return observe.source_health(session, source, box, connect_timeout=settings.connect_timeout,
+                                 lease=timedelta(seconds=settings.consumer_lease_seconds))
