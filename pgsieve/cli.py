@@ -61,7 +61,10 @@ def worker(ctx: typer.Context) -> None:
     from pgsieve.workers.celery_app import celery_app
 
     _logging()
-    argv = ["worker", "--loglevel=INFO", "--pool=threads", "--concurrency=4", *ctx.args]
+    # Workers coordinate through the metadata store (leases, jobs), never through Celery's
+    # worker-to-worker messages: mingle would only add a second to every start.
+    argv = ["worker", "--loglevel=INFO", "--pool=threads", "--concurrency=4",
+            "--without-mingle", "--without-gossip", *ctx.args]
     celery_app.worker_main(argv)
 
 

@@ -102,7 +102,10 @@ def publisher(cluster_root: Path) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="session")
 def subscriber(cluster_root: Path) -> Iterator[LocalCluster]:
     """The target cluster, also wal_level=logical so native subscriptions can run there."""
-    cluster = _session_cluster(cluster_root, "subscriber")
+    # Native subscriptions are the tests' oracle. PostgreSQL's launcher starts apply
+    # workers at most once per wal_retrieve_retry_interval (5 s by default), which would
+    # make every test that creates a subscription wait for it.
+    cluster = _session_cluster(cluster_root, "subscriber", wal_retrieve_retry_interval="100ms")
     yield cluster
     cluster.destroy()
 

@@ -41,7 +41,15 @@ class IdleProgress:
     lsn: Lsn
 
 
-ConsumerItem = Item | IdleProgress
+@dataclass(frozen=True, slots=True)
+class Quiet:
+    """Nothing new arrived: a chance for the caller to close a micro-batch that is due.
+    Handed out only to callers that ask for it (``items(..., quiet=True)``)."""
+
+
+QUIET = Quiet()
+
+ConsumerItem = Item | IdleProgress | Quiet
 
 
 @dataclass
@@ -81,9 +89,14 @@ class SlotConsumer:
         """End LSN of the newest transaction handed out (or the resume point)."""
         return self._delivered
 
-    def items(self, deadline: float) -> Iterator[ConsumerItem]:
+    def items(self, deadline: float, *, quiet: bool = False) -> Iterator[ConsumerItem]:
         """Committed transactions and standalone messages, each exactly once, in order,
-        and :class:`IdleProgress` when the stream is idle with nothing open."""
+        and :class:`IdleProgress` when the stream is idle with nothing open.
+
+        ``quiet``: also yield :data:`QUIET` whenever the transport was idle or a session
+        ended without anything new — a caller that holds delivered transactions back
+        (a micro-batch) gets control even while the source only re-sends what it has
+        not confirmed yet."""
         for session in self.transport.sessions(deadline):
             self.stats.sessions += 1
             # Rows stay raw bytes until the apply stage reads them (see TransactionSplitter).
@@ -99,6 +112,8 @@ class SlotConsumer:
                         progress = self._idle_progress(assembler)
                         if progress is not None:
                             yield progress
+                        elif quiet:
+                            yield QUIET
                         continue
                     if isinstance(entry, MessageBatch):  # many messages at once (SQL transport)
                         messages += entry.count
@@ -119,6 +134,8 @@ class SlotConsumer:
                         yield item
                     elif isinstance(item, Transaction):
                         item.close()
+                if quiet:
+                    yield QUIET
             finally:
                 self.stats.messages += messages
                 self.stats.spilled_transactions += assembler.spilled_transactions

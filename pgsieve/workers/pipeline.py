@@ -79,6 +79,10 @@ IDLE_RECORD_EVERY = 5.0
 UPDATE_IMAGE_WINDOW = 200
 """UPDATE images kept per table for the row-filter transformation preview."""
 
+WORKER_STOPPING = threading.Event()
+"""Set when this process's Celery worker begins a warm shutdown: running cycles apply what
+they hold, end early and re-enqueue themselves, so a drain never waits out a cycle."""
+
 Outcome = Literal["done", "not_running", "locked", "stopped", "error", "retry"]
 
 
@@ -330,7 +334,7 @@ class _StreamRun:
 
     def stream(self, deadline: float) -> CycleOutcome:
         try:
-            for item in self.consumer.items(deadline):
+            for item in self.consumer.items(deadline, quiet=True):
                 now = time.monotonic()
                 if isinstance(item, Transaction):
                     self.batcher.add(item, now)
@@ -344,7 +348,8 @@ class _StreamRun:
                     self._flush()
                 if now - self._control_at >= CONTROL_EVERY:
                     self._control(now)
-                if not self.enabled or self.keeper.lost.is_set():
+                if (not self.enabled or self.keeper.lost.is_set()
+                        or WORKER_STOPPING.is_set()):
                     break
             if len(self.batcher) and not self.keeper.lost.is_set():
                 self._flush()

@@ -36,7 +36,7 @@ from pgsieve.core.pgoutput.messages import (
 )
 from pgsieve.core.pgoutput.relations import python_row
 from pgsieve.core.pgoutput.values import Interval, PgInfinity
-from pgsieve.workers.consumer import IdleProgress, SlotConsumer
+from pgsieve.workers.consumer import IdleProgress, Quiet, SlotConsumer
 from pgsieve.workers.transports import (
     PgoutputOptions,
     SqlTransport,
@@ -185,6 +185,8 @@ def run_tail(
             if isinstance(item, IdleProgress):
                 if opts.confirm:
                     consumer.confirm(item.lsn)
+                continue
+            if isinstance(item, Quiet):  # not asked for; keeps the types honest
                 continue
             for record in item_records(item):
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")

@@ -8,7 +8,7 @@ import socket
 from typing import Any
 
 from celery import Task
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutting_down
 from sqlalchemy.orm import Session
 
 from pgsieve.core.db import session_scope
@@ -90,3 +90,12 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
             log.warning("Spark warm-up failed: %s", exc)
 
     threading.Thread(target=start, name="spark-warmup", daemon=True).start()
+
+
+@worker_shutting_down.connect
+def stop_consume_cycles(**_: Any) -> None:
+    """A warm shutdown waits for running tasks: tell consume cycles to finish now (they
+    apply what they hold and re-enqueue themselves for another worker)."""
+    from pgsieve.workers.pipeline import WORKER_STOPPING
+
+    WORKER_STOPPING.set()

@@ -238,6 +238,7 @@ class SqlTransport:
 
     def sessions(self, deadline: float) -> Iterator[Iterator[SessionEntry]]:
         read_upto = self._confirmed or Lsn(0)
+        last_read: tuple[Lsn, Lsn] | None = None
         while time.monotonic() < deadline:
             # Every peek decodes from the slot's confirmed position; what the caller has not
             # confirmed yet comes again (the consumer drops it), so the window is measured
@@ -245,6 +246,14 @@ class SqlTransport:
             start = self._confirmed or Lsn(0)
             end = self._wal_position()
             upto = min(end, max(start, read_upto) + self._window)
+            if last_read == (start, upto):
+                # A peek is a function of (confirmed, upto): the same window again would
+                # only re-send what was read already. Wait for WAL or a confirmation
+                # instead of decoding it again in a busy loop.
+                self._idle = None
+                yield iter((IDLE,))
+                time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+                continue
             stats = _WindowStats()
             middle = self._split_window(start, upto)
             if middle is None:
@@ -258,6 +267,7 @@ class SqlTransport:
                         self._close_helper()
             if stats.complete or stats.rows == 0:
                 read_upto = max(read_upto, upto)
+                last_read = (start, upto)
             if stats.rows == 0:
                 # Nothing of ours commits in [confirmed, upto]: once recorded and confirmed,
                 # the slot can move there and stop retaining WAL (in-progress transactions
