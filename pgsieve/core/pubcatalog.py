@@ -63,6 +63,12 @@ WHERE c.relkind IN ('r', 'p') AND n.nspname <> 'information_schema'
 """
 
 
+def _possible(names: Sequence[str]) -> list[str]:
+    """``names`` without duplicates and without names no catalog can hold: PostgreSQL
+    names cannot contain NUL, and psycopg refuses to send one (DataError)."""
+    return [n for n in dict.fromkeys(names) if "\x00" not in n]
+
+
 def read_publications(
     conn: psycopg.Connection[Any], names: Sequence[str]
 ) -> list[Publication]:
@@ -113,7 +119,7 @@ def read_live_publications(
     conn: psycopg.Connection[Any], names: Sequence[str], *, with_published: bool = True
 ) -> dict[str, LivePublication]:
     """The named publications that exist (absent names are simply not in the result)."""
-    wanted = list(dict.fromkeys(names))
+    wanted = _possible(names)
     rows = {r[0]: r for r in conn.execute(_PUBLICATIONS, (wanted,)).fetchall()}
     found = [n for n in wanted if n in rows]
     tables: dict[str, list[PublishedTable]] = {n: [] for n in found}
@@ -160,7 +166,7 @@ def publication_names(conn: psycopg.Connection[Any]) -> list[str]:
 def existing_schemas(conn: psycopg.Connection[Any], names: Sequence[str]) -> set[str]:
     """Which of ``names`` are schemas of the connected database."""
     rows = conn.execute(
-        "SELECT nspname::text FROM pg_namespace WHERE nspname = ANY(%s)", (list(names),)
+        "SELECT nspname::text FROM pg_namespace WHERE nspname = ANY(%s)", (_possible(names),)
     ).fetchall()
     return {str(r[0]) for r in rows}
 

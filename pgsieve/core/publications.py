@@ -29,7 +29,8 @@ kind.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -54,6 +55,7 @@ from pgsieve.core.rowfilter.catalog import (
     validate_filter,
 )
 from pgsieve.core.rowfilter.effective import Publication, PublishedTable, TableInfo
+from pgsieve.core.rowfilter.evaluate import check_filter_on_rows
 from pgsieve.core.rowfilter.parse import (
     FilterIssue,
     FilterParseError,
@@ -81,6 +83,7 @@ __all__ = [
     "drift",
     "drop_publication",
     "normalize_definition",
+    "publication_lock",
     "restore",
     "validate_definition",
 ]
@@ -222,6 +225,13 @@ def normalize_definition(
             field="all_tables"))
     seen_schemas: set[str] = set()
     for i, schema in enumerate(schemas):
+        if "\x00" in schema:
+            # PostgreSQL names cannot hold NUL: there is no such schema (and psycopg could
+            # not even send the name)
+            errors.append(PublicationIssue(PublicationCode.UNKNOWN_SCHEMA,
+                                           "a schema name cannot contain a NUL character",
+                                           field=f"schemas[{i}]"))
+            continue
         if schema in seen_schemas:
             errors.append(PublicationIssue(PublicationCode.DUPLICATE_SCHEMA,
                                            f"schema {schema} is listed more than once",
@@ -280,6 +290,9 @@ def validate_definition(
         if conn.closed or conn.broken:
             raise Unreachable(f"lost the connection to the source: {exc}") from None
         raise
+    except psycopg.DataError as exc:  # text psycopg cannot send (e.g. NUL); not a 500
+        raise Unprocessable(f"the request holds text PostgreSQL cannot accept: {exc}",
+                            code="validation_error") from None
     return replace(pub, tables=tuple(members)), _unique(errors), _unique(warnings)
 
 
@@ -312,6 +325,13 @@ def _validate_member(
         warnings += [_member_issue(i, table, f"{where_field}.where") for i in verdict.warnings
                      if i.code != IssueCode.TRUNCATE_NOT_FILTERED]
         where = verdict.normalized or member.where
+        if verdict.valid and verdict.parsed is not None and not in_schema:
+            # legal, but does PostgreSQL manage to evaluate it on the rows there are?
+            check = check_filter_on_rows(conn, table, verdict.parsed)
+            if check.error is not None:
+                errors.append(_member_issue(check.error, table, f"{where_field}.where"))
+            if check.warning is not None:
+                warnings.append(_member_issue(check.warning, table, f"{where_field}.where"))
         if in_schema:
             errors.append(PublicationIssue(
                 IssueCode.NOT_ALLOWED_FOR_PUBLICATION_KIND,
@@ -589,6 +609,48 @@ def _lock(conn: psycopg.Connection[Any], name: str) -> None:
     """Serialise pgsieve's changes to one publication (the DDL locks the rest)."""
     conn.execute("SELECT pg_catalog.pg_advisory_xact_lock(pg_catalog.hashtext(%s))",
                  (f"pgsieve.publication:{name}",))
+
+
+REQUEST_LOCK_TIMEOUT_MS = 10000
+
+
+@contextmanager
+def publication_lock(
+    conn: psycopg.Connection[Any], name: str, *, timeout_ms: int | None = None
+) -> Iterator[None]:
+    """Serialise whole API requests that change one publication, on the source itself.
+
+    Why: a PATCH computes the new definition from the stored desired state, validates
+    it, applies it and commits the metadata; two PATCHes interleaving would both start
+    from the same state and the second would silently undo the first. A session-level
+    advisory lock (on ``conn``, which must not be in a transaction) held from before the
+    desired state is read until after the metadata commit makes them take turns; a
+    request that cannot get it within ``timeout_ms`` gets 409 ``publication_busy``.
+    Released on exit, or with the session if the connection dies.
+    """
+    if timeout_ms is None:
+        timeout_ms = REQUEST_LOCK_TIMEOUT_MS
+    key = f"pgsieve.publication-request:{name}"
+    try:
+        with conn.transaction():
+            conn.execute("SELECT pg_catalog.set_config('lock_timeout', %s, true)",
+                         (f"{int(timeout_ms)}ms",))
+            conn.execute("SELECT pg_catalog.pg_advisory_lock(pg_catalog.hashtext(%s))", (key,))
+    except psycopg.Error as exc:
+        if conn.broken or conn.closed:
+            raise Unreachable(f"lost the connection to the source: {exc}") from None
+        if getattr(exc, "sqlstate", None) in ("55P03", "57014"):
+            raise Conflict(
+                f"another change to publication '{name}' has been running for more than "
+                f"{timeout_ms / 1000:g} s; try again", code=PublicationCode.BUSY) from None
+        raise _postgres_error(exc, "locking the publication") from None
+    try:
+        yield
+    finally:
+        if not (conn.closed or conn.broken):
+            with suppress(psycopg.Error):
+                conn.execute("SELECT pg_catalog.pg_advisory_unlock(pg_catalog.hashtext(%s))",
+                             (key,))
 
 
 def _postgres_error(exc: psycopg.Error, what: str) -> PgsieveError:

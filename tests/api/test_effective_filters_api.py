@@ -58,3 +58,70 @@ def test_unknown_publication_and_missing_parameter(client, source_db: Database):
     assert "nope" in body["detail"]
     assert_problem(client.get(f"/api/v1/sources/{sid}/effective-filters"), 422,
                    "validation_error")
+
+
+def test_filter_varying_by_operation_stays_meaningful(client, source_db: Database):
+    """The manual's 31.3.7 tables with p2 publishing inserts only: t2's INSERTs pass
+    `e = 99 OR d = 10`, its UPDATEs/DELETEs only `d = 10` (p3). A client reading only
+    SPEC's `filter` must not take that for "every row"."""
+    source_db.execute(EXAMPLE.replace(
+        "CREATE PUBLICATION p2 FOR TABLE t1, t2 WHERE (e = 99);",
+        "CREATE PUBLICATION p2 FOR TABLE t1, t2 WHERE (e = 99) WITH (publish = 'insert');"))
+    sid = client.post("/api/v1/sources", json={"name": "s", "dsn": source_db.dsn}).json()["id"]
+    r = client.get(f"/api/v1/sources/{sid}/effective-filters",
+                   params=[("publications", "p2"), ("publications", "p3")])
+    assert r.status_code == 200, r.text
+    tables = _by_table(r.json())
+    t2 = tables["public.t2"]
+    assert t2["filters"] == {"insert": "(e = 99) OR (d = 10)", "update": "d = 10",
+                             "delete": "d = 10"}
+    assert t2["filter_varies_by_operation"] is True
+    # the OR ignoring operations: the rows some operation replicates, and exactly what
+    # the initial sync copies
+    assert t2["filter"] == "(e = 99) OR (d = 10)" == t2["initial_sync_filter"]
+    # t3 is the same for every operation
+    assert tables["public.t3"]["filter_varies_by_operation"] is False
+    assert tables["public.t3"]["filter"] == "g = 10"
+    # t1 (p2 only, no filter, inserts only): every row replicates -> null
+    assert tables["public.t1"]["filter"] is None
+    assert tables["public.t1"]["filters"] == {"insert": None}
+
+    # with p1 too: t1's INSERTs are unfiltered (p2), its UPDATEs/DELETEs follow p1's
+    # filter. Not every row replicates, so `filter` is not null: every row passes for some
+    # operation, i.e. "true"
+    tables = _by_table(client.get(
+        f"/api/v1/sources/{sid}/effective-filters",
+        params=[("publications", "p1"), ("publications", "p2"), ("publications", "p3")]).json())
+    t1 = tables["public.t1"]
+    assert t1["filters"]["insert"] is None
+    assert t1["filters"]["update"] == t1["filters"]["delete"] == (
+        "a > 5 AND c = CAST('NSW' AS text)")
+    assert t1["filter_varies_by_operation"] is True and t1["filter"] == "true"
+
+
+def test_effective_filter_is_what_postgresql_sends(client, source_db: Database):
+    """The per-operation filters of the varying t2 against pgoutput itself."""
+    source_db.execute(EXAMPLE.replace(
+        "CREATE PUBLICATION p2 FOR TABLE t1, t2 WHERE (e = 99);",
+        "CREATE PUBLICATION p2 FOR TABLE t1, t2 WHERE (e = 99) WITH (publish = 'insert');"))
+    sid = client.post("/api/v1/sources", json={"name": "s", "dsn": source_db.dsn}).json()["id"]
+    t2 = _by_table(client.get(f"/api/v1/sources/{sid}/effective-filters",
+                              params=[("publications", "p2"), ("publications", "p3")]
+                              ).json())["public.t2"]
+    source_db.execute("SELECT pg_create_logical_replication_slot('s', 'pgoutput')")
+    source_db.execute(
+        "SET synchronous_commit = on;"
+        "INSERT INTO t2 VALUES (1, 99, 0), (10, 0, 0), (2, 0, 0);"  # 2 sent (e=99, d=10)
+        "UPDATE t2 SET f = 1 WHERE d IN (1, 10, 2);"  # only d = 10 stays an UPDATE
+        "DELETE FROM t2 WHERE d IN (1, 2, 10);")  # only d = 10
+    kinds = [str(r[0]) for r in source_db.query(
+        "SELECT chr(get_byte(data, 0)) FROM pg_logical_slot_peek_binary_changes('s', NULL, "
+        "NULL, 'proto_version', '1', 'publication_names', 'p2,p3')")]
+    sent = {k: kinds.count(k) for k in "IUD"}
+    assert sent == {"I": 2, "U": 1, "D": 1}
+    # each operation's filter, evaluated on the three rows, predicts what pgoutput sent
+    for op, letter in (("insert", "I"), ("update", "U"), ("delete", "D")):
+        matching = source_db.query(
+            "SELECT count(*) FROM (VALUES (1, 99), (10, 0), (2, 0)) AS t2(d, e) "
+            f"WHERE {t2['filters'][op]}")[0][0]
+        assert matching == sent[letter], (op, t2["filters"][op], sent)

@@ -25,6 +25,7 @@ from pgsieve.core.pgoutput.relations import text_row
 from pgsieve.core.rowfilter.parse import parse_filter
 from pgsieve.core.rowfilter.updates import transformation, unqualified_filter
 from pgsieve.workers.consumer import IdleProgress, SlotConsumer
+from pgsieve.workers.pipeline import UPDATE_IMAGE_WINDOW
 from pgsieve.workers.transports import PgoutputOptions, SqlTransport
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
@@ -196,6 +197,33 @@ def test_preview_errors(client, sid, metadata_engine, publisher):
     assert body["update_transformations"]["notes"]
 
 
+def test_window_is_what_the_pipeline_keeps_and_recording_filter_is_stated(
+        client, sid, source_db: Database, metadata_engine):
+    source_db.execute("CREATE PUBLICATION p1 FOR TABLE t1 WHERE (a > 5 AND c = 'NSW');"
+                      "CREATE PUBLICATION pall FOR TABLE full_t;")
+    sub = make_subscription(metadata_engine, sid, ["p1", "pall"])
+    add_images(metadata_engine, sub, "public.t1",
+               [(None, None, {"a": str(6 + i), "b": "1", "c": "NSW"})
+                for i in range(UPDATE_IMAGE_WINDOW + 5)])
+    # asking for more UPDATEs than the pipeline keeps is refused, not silently cut
+    assert_problem(client.post(f"/api/v1/sources/{sid}/filter-preview", json={
+        "table": "t1", "where": "a > 1", "subscription_id": sub,
+        "update_window": UPDATE_IMAGE_WINDOW + 1}), 422, "validation_error")
+    ut = preview(client, sid, table="t1", where="a > 1",
+                 subscription_id=sub)["update_transformations"]
+    assert ut["images"] == UPDATE_IMAGE_WINDOW  # the default is the whole kept window
+    assert ut["images_kept_per_table"] == UPDATE_IMAGE_WINDOW
+    # only UPDATEs that p1's filter let through were recorded: the broader candidate
+    # (a > 1) would see more; the response says so
+    assert ut["recorded_through_filter"] == "a > 5 AND c = CAST('NSW' AS text)"
+    assert any("counts may be low" in n and "NSW" in n for n in ut["notes"]), ut["notes"]
+    # a table the subscription publishes without a filter: every UPDATE is recorded
+    ut = preview(client, sid, table="full_t", where="v > 1",
+                 subscription_id=sub)["update_transformations"]
+    assert ut["recorded_through_filter"] is None
+    assert not any("counts may be low" in n for n in ut["notes"])
+
+
 # --------------------------------------------------------------------------------------
 # images captured from a real workload, checked against pgoutput's own transformation
 
@@ -295,10 +323,13 @@ def test_captured_updates_match_pgoutput(client, sid, source_db: Database, metad
 
     for table, publication, where in (("t1", "p1", P1_FILTER),
                                       ("docs", "pdocs", "region = 'eu' AND n > 10")):
-        ut = preview(client, sid, table=table, where=where, subscription_id=sub,
-                     update_window=10000)["update_transformations"]
+        # the default window is everything the pipeline keeps per table
+        ut = preview(client, sid, table=table, where=where,
+                     subscription_id=sub)["update_transformations"]
         total = sum(1 for i in captured if i.table_name == f"public.{table}")
-        assert ut["images"] == total
+        assert total <= UPDATE_IMAGE_WINDOW and ut["images"] == total
+        # recorded through an unfiltered publication: every UPDATE was recorded
+        assert ut["recorded_through_filter"] is None
         oracle = _pgoutput_verdict(source_db, "cap", publication)
         counts = ut["counts"]
         assert (counts["update"], counts["insert"], counts["delete"]) == (

@@ -33,7 +33,7 @@ from pgsieve.core.rowfilter.effective import (
     initial_sync_plan,
     publication_tables,
 )
-from pgsieve.core.rowfilter.parse import IssueCode
+from pgsieve.core.rowfilter.parse import IssueCode, parse_filter
 from tests.conftest import Database
 
 SCHEMA = """
@@ -770,3 +770,48 @@ def test_effective_filters_match_native_replication_partitions(source_db, target
     assert child.initial_sync_filter == expected
     _expect_target_matches(source_db, target_db, "child", "a", child.filter)
     target_db.execute(f'DROP SUBSCRIPTION "{sub}"')
+
+
+# --------------------------------------------------------------------------------------
+# evaluating a valid filter on the rows there are (publications refuse what raises)
+
+
+def test_filter_evaluation_check_is_exact_when_cheap_else_sampled(src, conn):
+    from pgsieve.core.rowfilter.evaluate import check_filter_on_rows
+
+    src.execute("CREATE TABLE big (id int PRIMARY KEY, a int NOT NULL);"
+                "INSERT INTO big SELECT g, 1 + g % 10 FROM generate_series(1, 200000) g;"
+                "INSERT INTO big VALUES (0, 0); ANALYZE big")
+    raising = parse_filter("100 / a > 1")
+    # small enough: every row is evaluated, and the single a = 0 row is found
+    check = check_filter_on_rows(conn, "big", raising)
+    assert check.coverage == "all" and check.warning is None
+    assert check.error is not None and check.error.code == IssueCode.EVALUATION_ERROR
+    assert "division by zero" in check.error.message
+    # too big for the budget: a sample of pages, which says it is one, and which cannot
+    # promise to meet that one row
+    check = check_filter_on_rows(conn, "big", raising, exact_row_limit=1000, sample_rows=5000)
+    assert check.coverage == "sample"
+    assert check.warning is not None and check.warning.code == IssueCode.EVALUATION_PARTIAL
+    # frequent enough, a sample finds it
+    src.execute("UPDATE big SET a = 0 WHERE id % 10 = 0")
+    check = check_filter_on_rows(conn, "big", raising, exact_row_limit=1000, sample_rows=5000)
+    assert check.error is not None and "division by zero" in check.error.message
+    # no time at all: nothing is claimed
+    check = check_filter_on_rows(conn, "big", parse_filter("a > 1"), timeout_ms=1)
+    assert check.coverage == "none" and check.error is None
+    assert check.warning is not None and check.warning.code == IssueCode.EVALUATION_PARTIAL
+    # and nothing was left behind on the connection
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert conn.execute("SHOW statement_timeout").fetchone() == ("0",)
+
+
+def test_filter_evaluation_check_never_raises_on_a_locked_table(src, conn):
+    from pgsieve.core.rowfilter.evaluate import check_filter_on_rows
+
+    with src.connect(autocommit=False) as locker:
+        locker.execute("LOCK TABLE t IN ACCESS EXCLUSIVE MODE")
+        check = check_filter_on_rows(conn, "t", parse_filter("a > 1"), timeout_ms=200)
+        locker.rollback()
+    assert check.coverage == "none" and check.error is None
+    assert check.warning is not None and check.warning.code == IssueCode.EVALUATION_PARTIAL

@@ -84,7 +84,12 @@ def test_filters_combine_per_publish_operation():
     )
     (r,) = effective_filters([ins, upd], t)
     assert r.filters == {"insert": "a > 1", "update": "id < 5", "delete": "id < 5"}
-    assert r.filter is None and r.filter_varies_by_operation
+    # varying by operation, `filter` is still meaningful (never null, which means "every
+    # row"): the OR ignoring operations, the same rows the initial sync copies
+    assert r.filter_varies_by_operation
+    assert r.filter == "(a > 1) OR (id < 5)"
+    assert r.as_dict()["filter_varies_by_operation"] is True
+    assert r.as_dict()["filter"] == "(a > 1) OR (id < 5)"
     assert r.operations == ("insert", "update", "delete")
     # initial sync ignores publish operations: rows matching either filter are copied
     assert r.initial_sync_filter == "(a > 1) OR (id < 5)"
@@ -94,6 +99,24 @@ def test_filters_combine_per_publish_operation():
     assert r.filters == {"insert": None, "update": "id < 5", "delete": "id < 5"}
     assert [(x.publication, x.operations) for x in r.redundant_because] == [("nf", ("insert",))]
     assert r.initial_sync_filter is None  # one member without filter copies everything
+    # every row is inserted, but not every row's UPDATE is sent: not null, but "true"
+    assert r.filter_varies_by_operation and r.filter == "true"
+
+
+def test_filter_null_means_only_every_row_replicates():
+    t = [TableInfo("public", "t", columns=("id", "a"))]
+    same = Publication("same", (PublishedTable("t", "id < 5"),))
+    (r,) = effective_filters([same], t)
+    assert r.filter == "id < 5" and not r.filter_varies_by_operation
+    both = Publication("both", (PublishedTable("t", "a > 1"),), publish=frozenset({"insert"}))
+    (r,) = effective_filters([same, both], t)
+    # insert: (id < 5) OR (a > 1); update/delete: id < 5 -- each filter once in the union
+    assert r.filters["insert"] == "(id < 5) OR (a > 1)"
+    assert r.filter == "(id < 5) OR (a > 1)"
+    unfiltered = Publication("all", (PublishedTable("t"),))
+    (r,) = effective_filters([same, both, unfiltered], t)
+    assert r.filter is None and not r.filter_varies_by_operation
+    assert set(r.filters.values()) == {None}
 
 
 def test_truncate_only_publication_contributes_no_dml_filter():
@@ -314,6 +337,18 @@ def test_property_or_semantics(specs: list[tuple[str | None, frozenset[str], boo
             assert got is not None
             for term in expected:
                 assert (term if len(expected) == 1 else f"({term})") in got
+    # `filter` is null exactly when every published DML operation replicates every row,
+    # and otherwise the union over operations (`true` when one of them is unfiltered)
+    assert (r.filter is None) == all(v is None for v in r.filters.values())
+    if r.filter_varies_by_operation:
+        assert r.filter is not None
+        if any(v is None for v in r.filters.values()):
+            assert r.filter == "true"
+        else:
+            for combined in r.filters.values():
+                assert combined is not None
+                for term in combined.split(" OR "):
+                    assert term in r.filter
     # initial sync ignores operations
     any_unfiltered = any(p.all_tables or p.tables[0].where is None for p in pubs)
     assert (r.initial_sync_filter is None) == any_unfiltered

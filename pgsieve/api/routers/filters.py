@@ -20,7 +20,12 @@ from pgsieve.api.deps import (
     load_source,
     source_connection,
 )
-from pgsieve.api.schemas.filters import FilterPreviewRequest, FilterPreviewResponse
+from pgsieve.api.schemas.filters import (
+    IMAGES_KEPT_PER_TABLE,
+    FilterPreviewRequest,
+    FilterPreviewResponse,
+)
+from pgsieve.api.schemas.publications import AnyPublicationName
 from pgsieve.core.errors import NotFound, Unprocessable, Unreachable
 from pgsieve.core.models import Subscription, UpdateImage
 from pgsieve.core.pubcatalog import (
@@ -63,6 +68,22 @@ def _recent_images(session: Session, sub: Subscription, table: str,
     return [RowImages(r.lsn, r.old_kind, r.old, r.new) for r in reversed(rows)]
 
 
+def _recorded_through(
+    conn: psycopg.Connection[Any], sub: Subscription, table: str
+) -> tuple[bool, str | None]:
+    """Whether the subscription's publications (as the catalog has them now) send UPDATEs
+    of ``table`` at all, and the filter those UPDATEs pass (None: every row)."""
+    names = [str(n) for n in dict.fromkeys(sub.publications or [])]
+    with catalog_snapshot(conn):
+        live = read_live_publications(conn, names, with_published=False)
+        tables = read_tables(conn)
+    pubs = [live[n].definition for n in names if n in live]
+    for item in effective_filters(pubs, tables):
+        if table in (item.table, item.published_as) and "update" in item.filters:
+            return True, item.filters["update"]
+    return False, None
+
+
 def _update_transformations(
     conn: psycopg.Connection[Any],
     session: Session,
@@ -76,26 +97,53 @@ def _update_transformations(
     ops, _ = normalize_publish(body.publish)
     images = _recent_images(session, sub, body.table, body.update_window)
     out: dict[str, Any] = {"subscription_id": sub.id, "table": validation.table,
-                           "update_published": "update" in ops, "images": len(images)}
+                           "update_published": "update" in ops, "images": len(images),
+                           "images_kept_per_table": IMAGES_KEPT_PER_TABLE,
+                           "recorded_through_filter": None}
+    notes: list[str] = []
+    try:
+        streamed, recorded_filter = _recorded_through(conn, sub, validation.table)
+    except psycopg.Error as exc:
+        if conn.broken or conn.closed:
+            raise SourceConnectionError(str(exc).strip()) from None
+        streamed, recorded_filter = True, None
+        notes.append("could not read the subscription's publications to tell which UPDATEs "
+                     f"were recorded: {exc.diag.message_primary or exc}")
+    out["recorded_through_filter"] = recorded_filter
+    if not streamed:
+        notes.append("the subscription's publications, as the source has them now, do not "
+                     "send UPDATEs of this table: none are being recorded")
+    elif recorded_filter is not None:
+        notes.append(
+            "only UPDATEs that the subscription's current filter for this table "
+            f"({recorded_filter}) let through as UPDATEs are recorded; UPDATEs it dropped "
+            "or turned into INSERT/DELETE are not, so for a broader candidate filter the "
+            "counts may be low")
+    notes.append(f"pgsieve keeps the last {IMAGES_KEPT_PER_TABLE} UPDATEs per table")
     if "update" not in ops:
         return {**out, "counts": {}, "examples": {},
-                "notes": ["UPDATE is not in publish: no UPDATE of this table would be sent"]}
-    facts = read_table_facts(conn, body.table)
-    json_columns = frozenset(
-        c.name for c in (facts.columns if facts else ()) if c.type_name in ("json", "jsonb"))
+                "notes": ["UPDATE is not in publish: no UPDATE of this table would be sent",
+                          *notes]}
     try:
+        facts = read_table_facts(conn, body.table)
+        json_columns = frozenset(
+            c.name for c in (facts.columns if facts else ()) if c.type_name in ("json", "jsonb"))
         result = evaluate_updates(conn, body.table, validation.parsed, images,
                                   examples=body.examples, json_columns=json_columns,
                                   statement_timeout_ms=UPDATE_PREVIEW_TIMEOUT_MS)
-    except psycopg.errors.QueryCanceled:
-        raise Unprocessable(
-            "evaluating the filter on the recorded UPDATEs took longer than "
-            f"{UPDATE_PREVIEW_TIMEOUT_MS} ms; use a smaller update_window",
-            code="validation_timeout") from None
-    notes = list(result.notes)
+    except psycopg.Error as exc:
+        if conn.broken or conn.closed:
+            raise SourceConnectionError(str(exc).strip()) from None
+        if isinstance(exc, psycopg.errors.QueryCanceled):
+            why = (f"evaluating the filter on the recorded UPDATEs took longer than "
+                   f"{UPDATE_PREVIEW_TIMEOUT_MS} ms; use a smaller update_window")
+        else:
+            why = ("PostgreSQL could not evaluate the filter on the recorded UPDATEs: "
+                   f"{exc.diag.message_primary or exc}")
+        return {**out, "counts": {}, "examples": {}, "notes": [why, *notes]}
     if not images:
-        notes.append("no UPDATE of this table has been recorded for the subscription yet")
-    return {**out, **result.as_dict(), "notes": notes}
+        notes.insert(0, "no UPDATE of this table has been recorded for the subscription yet")
+    return {**out, **result.as_dict(), "notes": [*result.notes, *notes]}
 
 
 @router.post("/sources/{source_id}/filter-preview", response_model=FilterPreviewResponse)
@@ -107,9 +155,11 @@ def filter_preview(
     box: SecretBoxDep,
 ) -> dict[str, Any]:
     """Validation verdict (with PostgreSQL's own dry run), replica identity, row counts
-    (true / NULL), sample rows; ``estimated`` when counted from a TABLESAMPLE. With
-    ``subscription_id``: ``update_transformations``, Table 31.1 over the subscription's
-    recent UPDATEs of the table, evaluated by PostgreSQL. Read-only."""
+    (true / NULL), sample rows; ``estimated`` when counted from a TABLESAMPLE. A filter
+    PostgreSQL cannot evaluate on some existing row is ``valid: false`` with
+    ``filter_evaluation_error``; a step out of time leaves a ``preview_incomplete``
+    warning. With ``subscription_id``: ``update_transformations``, Table 31.1 over the
+    subscription's recent UPDATEs of the table, evaluated by PostgreSQL. Read-only."""
     source = load_source(session, source_id)
     sub: Subscription | None = None
     if body.subscription_id is not None:
@@ -125,6 +175,7 @@ def filter_preview(
                 body.table,
                 body.where,
                 body.publish,
+                publish_via_partition_root=body.publish_via_partition_root,
                 sample_size=body.sample_size,
                 exact_row_limit=settings.preview_exact_row_limit,
             )
@@ -155,7 +206,7 @@ def source_effective_filters(
     session: SessionDep,
     settings: SettingsDep,
     box: SecretBoxDep,
-    publications: Annotated[list[str], Query(min_length=1, max_length=64)],
+    publications: Annotated[list[AnyPublicationName], Query(min_length=1, max_length=64)],
 ) -> dict[str, Any]:
     """Per table: the ORed filter (per operation), column list, contributing publications
     and ``redundant_because``, for publications that exist on the source — usable before

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import psycopg
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Path, Query, Response, status
 from psycopg.rows import tuple_row
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source, source_connection
 from pgsieve.api.schemas.publications import (
+    AnyPublicationName,
     PublicationCreate,
     PublicationImport,
     PublicationOut,
@@ -45,6 +46,7 @@ from pgsieve.core.publications import (
     drift,
     drop_publication,
     normalize_definition,
+    publication_lock,
     restore,
     validate_definition,
 )
@@ -57,6 +59,8 @@ from pgsieve.core.rowfilter.parse import (
 )
 
 router = APIRouter(prefix="/sources/{source_id}/publications", tags=["publications"])
+
+NameParam = Annotated[AnyPublicationName, Path(description="the publication's name")]
 
 DryRun = Annotated[
     bool,
@@ -257,7 +261,7 @@ def list_publications(
 
 @router.get("/{name}", response_model=PublicationOut)
 def get_publication(
-    source_id: str, name: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+    source_id: str, name: NameParam, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:
     source = load_source(session, source_id)
     row = _row(session, source, name)
@@ -287,7 +291,12 @@ def create_publication(
                        code=PublicationCode.EXISTS)
     pub = normalize_definition(body.name, _specs(body.tables), body.schemas, body.all_tables,
                                body.publish, body.publish_via_partition_root)
-    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn, \
+            publication_lock(conn, body.name):
+        session.expire_all()  # read the metadata as the previous lock holder left it
+        if _row(session, source, body.name) is not None:
+            raise Conflict(f"a publication named '{body.name}' already exists",
+                           code=PublicationCode.EXISTS)
         desired, live, warnings = _save(session, conn, source, pub, None, dry_run=dry_run)
     if dry_run:
         response.status_code = status.HTTP_200_OK
@@ -384,7 +393,7 @@ def _not_member(key: tuple[str, str], where_field: str) -> PublicationIssue:
 @router.patch("/{name}", response_model=PublicationOut)
 def patch_publication(
     source_id: str,
-    name: str,
+    name: NameParam,
     body: PublicationPatch,
     session: SessionDep,
     settings: SettingsDep,
@@ -395,7 +404,11 @@ def patch_publication(
     schemas, publish operations, publish_via_partition_root. A publication missing from the
     source (dropped by hand) is re-created."""
     source = load_source(session, source_id)
-    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn, \
+            publication_lock(conn, name):
+        # Under the lock, from the desired state the previous change committed: two
+        # PATCHes of one publication take turns instead of undoing each other.
+        session.expire_all()
         row = _load_managed(session, source, name, conn)
         pub = _patched(row, body)
         desired, live, warnings = _save(session, conn, source, pub, row, dry_run=dry_run)
@@ -405,7 +418,7 @@ def patch_publication(
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
 def delete_publication(
     source_id: str,
-    name: str,
+    name: NameParam,
     session: SessionDep,
     settings: SettingsDep,
     box: SecretBoxDep,
@@ -416,7 +429,9 @@ def delete_publication(
     """Drop the publication on the source and forget its desired state (one transaction);
     refused with 409 ``publication_in_use`` while a subscription names it."""
     source = load_source(session, source_id)
-    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn, \
+            publication_lock(conn, name):
+        session.expire_all()
         row = _load_managed(session, source, name, conn)
         users = _users(session, source, name)
         if users:

@@ -2,29 +2,45 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
 from pgsieve.api.schemas.common import StrictModel
+from pgsieve.api.schemas.publications import NoNul
+from pgsieve.workers.pipeline import UPDATE_IMAGE_WINDOW
 
 Operation = Literal["insert", "update", "delete", "truncate"]
 
+#: How many recent UPDATEs of a table the pipeline keeps per subscription (owned by the
+#: pipeline; the preview cannot use more than it keeps).
+IMAGES_KEPT_PER_TABLE = UPDATE_IMAGE_WINDOW
+
 
 class FilterPreviewRequest(StrictModel):
-    table: str = Field(min_length=1, max_length=300, description="schema.name")
-    where: str = Field(max_length=65536, description="the candidate WHERE expression")
+    table: Annotated[str, NoNul] = Field(min_length=1, max_length=300, description="schema.name")
+    where: Annotated[str, NoNul] = Field(max_length=65536,
+                                         description="the candidate WHERE expression")
     publish: list[Operation] | None = Field(
         default=None, description="published operations (default: all four)"
     )
+    publish_via_partition_root: bool = Field(
+        default=False,
+        description="the publication option the filter is meant for (PostgreSQL's default "
+                    "false); a filter on a partitioned table needs true, and its counts then "
+                    "cover every partition",
+    )
     sample_size: int = Field(default=10, ge=0, le=100)
-    subscription_id: str | None = Field(
+    subscription_id: Annotated[str, NoNul] | None = Field(
         default=None, min_length=1, max_length=64,
         description="also try the filter on this subscription's recent UPDATEs of the table "
                     "(update_transformations)",
     )
-    update_window: int = Field(default=1000, ge=1, le=10000,
-                               description="how many of the most recent UPDATEs to use")
+    update_window: int = Field(
+        default=IMAGES_KEPT_PER_TABLE, ge=1, le=IMAGES_KEPT_PER_TABLE,
+        description="how many of the most recent recorded UPDATEs to use; the pipeline "
+                    f"keeps the last {IMAGES_KEPT_PER_TABLE} per table",
+    )
     examples: int = Field(default=3, ge=0, le=20, description="examples per outcome")
 
 
@@ -46,6 +62,13 @@ class UpdateTransformations(BaseModel):
     table: str
     update_published: bool = Field(description="false: UPDATEs would not be sent at all")
     images: int = Field(description="recorded UPDATEs evaluated (most recent first window)")
+    images_kept_per_table: int = Field(
+        description="the pipeline keeps only this many recent UPDATEs per table")
+    recorded_through_filter: str | None = Field(
+        description="the subscription's current UPDATE filter for the table: only UPDATEs "
+                    "that passed it as UPDATEs were recorded, so a broader candidate filter "
+                    "sees fewer UPDATEs than it would transform (null: every UPDATE of the "
+                    "table is recorded)")
     counts: dict[str, int] = Field(
         description="update (both images match), insert (only new matches), delete (only "
                     "old matches), dropped (neither), undetermined, error"

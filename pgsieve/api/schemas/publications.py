@@ -4,21 +4,35 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, Field, StringConstraints
 
 from pgsieve.api.schemas.common import StrictModel
 
 Operation = Literal["insert", "update", "delete", "truncate"]
 ALL_OPERATIONS: list[Operation] = ["insert", "update", "delete", "truncate"]
 
+
+def _no_nul(value: str) -> str:
+    """PostgreSQL text cannot hold NUL (psycopg refuses to send it): such a name or filter
+    can never be valid, so it is a 422 ``validation_error`` before anything runs."""
+    if "\x00" in value:
+        raise ValueError("must not contain a NUL character")
+    return value
+
+
+NoNul = AfterValidator(_no_nul)
+
 PublicationName = Annotated[
     str,
     StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$"),
 ]
-TableName = Annotated[str, StringConstraints(min_length=1, max_length=300)]
-ColumnName = Annotated[str, StringConstraints(min_length=1, max_length=63)]
-SchemaName = Annotated[str, StringConstraints(min_length=1, max_length=63)]
-WhereText = Annotated[str, StringConstraints(max_length=65536)]
+#: A publication name as a path or query parameter: any name PostgreSQL can hold (unmanaged
+#: publications may use names pgsieve would not create), never NUL.
+AnyPublicationName = Annotated[str, StringConstraints(min_length=1, max_length=63), NoNul]
+TableName = Annotated[str, StringConstraints(min_length=1, max_length=300), NoNul]
+ColumnName = Annotated[str, StringConstraints(min_length=1, max_length=63), NoNul]
+SchemaName = Annotated[str, StringConstraints(min_length=1, max_length=63), NoNul]
+WhereText = Annotated[str, StringConstraints(max_length=65536), NoNul]
 
 
 class PublicationTableIn(StrictModel):

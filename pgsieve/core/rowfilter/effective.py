@@ -130,9 +130,14 @@ class EffectiveFilter:
     """What PostgreSQL replicates for the changes of one (leaf or plain) table.
 
     ``filters`` maps each published DML operation to the combined filter (``None``: all
-    rows). ``filter`` is that filter when it is the same for every published DML
-    operation, else ``None`` with ``filter_varies_by_operation`` set. ``columns`` is
-    ``None`` for all columns.
+    rows). ``filter`` never depends on knowing about ``filters``: ``None`` means only
+    "every row replicates" (for every published DML operation). When the filter is the
+    same for every published DML operation, it is that filter. When it differs
+    (``filter_varies_by_operation``), it is the OR of the per-operation filters, ignoring
+    operations — a row satisfies it iff some operation replicates it, the rows the
+    initial sync copies too (``initial_sync_filter`` is the copy's exact filter) — and
+    ``true`` if some operation replicates every row.
+    ``columns`` is ``None`` for all columns.
     """
 
     table: str
@@ -144,6 +149,8 @@ class EffectiveFilter:
     redundant_because: tuple[Redundancy, ...]
     initial_sync_filter: str | None
     issues: tuple[FilterIssue, ...] = ()
+    #: per operation, the publications' filters ORed into ``filters`` (empty: all rows)
+    terms: Mapping[str, tuple[str, ...]] = field(default_factory=dict, hash=False)
 
     @property
     def filter_varies_by_operation(self) -> bool:
@@ -151,8 +158,13 @@ class EffectiveFilter:
 
     @property
     def filter(self) -> str | None:
-        values = set(self.filters.values())
-        return next(iter(values)) if len(values) == 1 else None
+        values = list(dict.fromkeys(self.filters.values()))
+        if len(values) <= 1:
+            return values[0] if values else None
+        if None in values:
+            return "true"  # some operation replicates every row
+        # each publication's filter once, in the order the operations list them
+        return _or([t for op in DML_OPERATIONS for t in self.terms.get(op, ())])
 
     def as_dict(self) -> dict[str, object]:
         """The API's ``effective-filters`` item."""
@@ -160,6 +172,7 @@ class EffectiveFilter:
             "table": self.table,
             "published_as": self.published_as,
             "filter": self.filter,
+            "filter_varies_by_operation": self.filter_varies_by_operation,
             "filters": dict(self.filters),
             "operations": list(self.operations),
             "columns": None if self.columns is None else list(self.columns),
@@ -525,6 +538,8 @@ def effective_filters(
                 redundant_because=redundant,
                 initial_sync_filter=plan.filter if plan is not None else None,
                 issues=tuple(dict.fromkeys(issues)),
+                terms={op: () if no_filter[op] else tuple(dict.fromkeys(row_filters[op]))
+                       for op in filters},
             )
         )
     return results

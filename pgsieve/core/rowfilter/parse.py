@@ -188,6 +188,8 @@ class IssueCode(StrEnum):
     NOT_ALLOWED_FOR_PUBLICATION_KIND = "filter_not_allowed_for_publication_kind"
     REJECTED_BY_POSTGRES = "filter_rejected_by_postgres"
     VALIDATION_TIMEOUT = "validation_timeout"
+    # evaluating the filter on the table's rows (evaluate.py, preview.py)
+    EVALUATION_ERROR = "filter_evaluation_error"
     # column lists
     COLUMN_LIST_EMPTY = "column_list_empty"
     COLUMN_LIST_UNKNOWN_COLUMN = "column_list_unknown_column"
@@ -208,6 +210,8 @@ class IssueCode(StrEnum):
     CONSTANT_FILTER = "filter_constant"
     REPLICA_IDENTITY_MISSING = "replica_identity_missing"
     TRUNCATE_NOT_FILTERED = "truncate_not_filtered"
+    EVALUATION_PARTIAL = "filter_evaluation_partial"
+    PREVIEW_INCOMPLETE = "preview_incomplete"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Filter preview: what a candidate row filter would replicate, on the real data.
 
 Validation first (:func:`~.catalog.validate_filter`); then, only for a valid filter, counts
-and a sample in a READ ONLY transaction under a statement timeout. Plain SELECTs take
-ACCESS SHARE locks only, so writers are never blocked. Counting a big table exactly can
+and a sample in a READ ONLY transaction under a statement timeout (the steps of
+:mod:`.evaluate`). Plain SELECTs take ACCESS SHARE locks only, so writers are never
+blocked. Counting a big table exactly can
 take long, so past ``exact_row_limit`` estimated rows, or when the exact count exceeds its
 time budget, the counts come from a ``TABLESAMPLE SYSTEM`` sample scaled to the table's
 current size (pages on disk times rows per page from the statistics), and ``estimated`` is
@@ -12,6 +13,13 @@ rows come from the sampled pages first. Every step has its own statement timeout
 one overall budget. Rows where the filter is NULL are counted apart: they are not
 replicated, which people forget.
 
+Nothing that happens while the filter is evaluated on the data is an exception for the
+caller: a filter PostgreSQL cannot evaluate on some existing row (``100 / a > 1`` with
+``a = 0``) makes the verdict invalid with ``filter_evaluation_error`` and PostgreSQL's
+message (the walsender would fail the same way later); a step that runs out of time
+degrades to an estimate or to missing counts with a ``preview_incomplete`` warning; when
+not every row was evaluated, ``filter_evaluation_partial`` says so.
+
 Only the filter text normalized by pglast (a single expression, re-parsed) and a quoted
 table name are ever placed in SQL.
 """
@@ -19,21 +27,37 @@ table name are ever placed in SQL.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
 from psycopg import sql
 
-from pgsieve.core.rowfilter.catalog import FilterValidation, SourceConnectionError, validate_filter
-from pgsieve.core.rowfilter.parse import parse_table_name
+from pgsieve.core.rowfilter.catalog import FilterValidation, validate_filter
+from pgsieve.core.rowfilter.evaluate import (
+    EvaluationFailed,
+    StepCancelled,
+    StepError,
+    TableSize,
+    count_query,
+    describe,
+    evaluation_issue,
+    read_only,
+    run_step,
+    sample_percent,
+    scale_counts,
+    table_size,
+    tablesample,
+)
+from pgsieve.core.rowfilter.parse import FilterIssue, IssueCode, parse_table_name, quote_qualified
 from pgsieve.core.rowfilter.updates import unqualified_filter
 
 DEFAULT_SAMPLE_SIZE = 10
 MAX_SAMPLE_SIZE = 100
+#: The sampled count reads a bounded number of pages; this is a safety net only.
+SAMPLE_COUNT_TIMEOUT_MS = 30000
 
 
 @dataclass(frozen=True)
@@ -44,13 +68,18 @@ class FilterPreview:
     null_rows: int | None = None
     sample: list[dict[str, Any]] = field(default_factory=list)
     estimated: bool = False
+    #: the preview's own warnings (time budget, partial evaluation), after validation's
+    notes: tuple[FilterIssue, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         v = self.validation.as_dict()
+        warnings = v["warnings"]
+        assert isinstance(warnings, list)
         return {
             "valid": v["valid"],
             "errors": v["errors"],
-            "warnings": v["warnings"],
+            "warnings": warnings + [{"code": str(i.code), "message": i.message}
+                                    for i in self.notes],
             "replica_identity": v["replica_identity"],
             "normalized": v["normalized"],
             "total_rows": self.total_rows,
@@ -67,15 +96,19 @@ def preview_filter(
     where_text: str,
     publish: Iterable[str] | str | None = None,
     *,
+    publish_via_partition_root: bool = False,
     sample_size: int = DEFAULT_SAMPLE_SIZE,
     exact_row_limit: int = 2_000_000,
     count_timeout_ms: int = 1500,
     sample_rows: int = 200_000,
+    sample_timeout_ms: int = SAMPLE_COUNT_TIMEOUT_MS,
 ) -> FilterPreview:
     """Validate ``where_text`` for ``table`` and, if valid, measure it on the data.
 
-    Raises only :class:`SourceConnectionError` (the connection was lost)."""
-    validation = validate_filter(conn, table, where_text, publish)
+    ``publish_via_partition_root`` is the publication option the filter is meant for
+    (a partitioned table's own filter needs it true; the counts then cover every
+    partition). Raises only :class:`SourceConnectionError` (the connection was lost)."""
+    validation = validate_filter(conn, table, where_text, publish, publish_via_partition_root)
     if not validation.valid or validation.normalized is None:
         return FilterPreview(validation)
     schema, name = parse_table_name(table)
@@ -87,186 +120,141 @@ def preview_filter(
         normalized = unqualified_filter(validation.parsed).normalized
     expr = sql.SQL(normalized)
     sample_size = max(0, min(sample_size, MAX_SAMPLE_SIZE))
-    deadline = time.monotonic() + count_timeout_ms / 1000
+    run = _Run(conn, target, expr, time.monotonic() + count_timeout_ms / 1000)
     try:
-        with conn.transaction(force_rollback=True):
-            conn.execute("SET TRANSACTION READ ONLY")
-            size = _table_size(conn, schema, name)
-            counts: tuple[int, int, int] | None = None
-            percent: float | None = None
-            if size.rows is None or size.rows <= exact_row_limit:
-                counts = _exact_counts(conn, target, expr, _remaining_ms(deadline))
-            if counts is None:
-                counts, percent = _sampled_counts(conn, target, expr, size, sample_rows)
-                matching = _cheap_exact_matching(conn, target, expr, size,
-                                                 min(_remaining_ms(deadline), 500))
-                if matching is not None:
-                    counts = (max(counts[0], matching), matching, counts[2])
-            sample = _sample(conn, target, expr, sample_size, percent, _remaining_ms(deadline))
-            if len(sample) < sample_size and percent is not None:
-                # rare matches: look beyond the sampled pages while the budget lasts
-                more = _sample(conn, target, expr, sample_size, None,
-                               max(_remaining_ms(deadline), 200))
-                if len(more) > len(sample):
-                    sample = more
-    except psycopg.OperationalError as exc:
-        if conn.closed or conn.broken:
-            raise SourceConnectionError(str(exc).strip()) from None
-        raise
-    total, matching_rows, nulls = counts
-    return FilterPreview(validation, total, matching_rows, nulls, sample, percent is not None)
+        with read_only(conn):
+            return run.measure(validation, schema, name, sample_size, exact_row_limit,
+                               sample_rows, sample_timeout_ms)
+    except EvaluationFailed as failure:
+        issue = evaluation_issue(validation.table or quote_qualified(schema, name), failure)
+        return FilterPreview(replace(validation, valid=False,
+                                     errors=(*validation.errors, issue)))
+    except psycopg.Error as exc:  # the final rollback failed, the connection is still open
+        run.incomplete(f"the preview could not finish: {describe(exc)}")
+        return FilterPreview(validation, notes=tuple(run.notes))
 
 
 def _remaining_ms(deadline: float) -> int:
     return max(1, int((deadline - time.monotonic()) * 1000))
 
 
-def _timeout(conn: psycopg.Connection[Any], ms: int) -> None:
-    """Per statement, in the current (sub)transaction: a released savepoint keeps SET LOCAL
-    values, so every step sets its own."""
-    conn.execute("SELECT pg_catalog.set_config('statement_timeout', %s, true)", (f"{ms}ms",))
+class _Run:
+    """One preview's steps and the warnings they leave."""
 
+    def __init__(self, conn: psycopg.Connection[Any], target: sql.Composable,
+                 expr: sql.Composable, deadline: float) -> None:
+        self.conn = conn
+        self.target = target
+        self.expr = expr
+        self.deadline = deadline
+        self.notes: list[FilterIssue] = []
 
-@dataclass(frozen=True)
-class _Size:
-    """Pages now (from the files) and rows per page from the last VACUUM/ANALYZE."""
+    def incomplete(self, message: str) -> None:
+        self.notes.append(FilterIssue(IssueCode.PREVIEW_INCOMPLETE, message))
 
-    pages: int
-    density: float | None
+    def measure(
+        self,
+        validation: FilterValidation,
+        schema: str,
+        name: str,
+        sample_size: int,
+        exact_row_limit: int,
+        sample_rows: int,
+        sample_timeout_ms: int,
+    ) -> FilterPreview:
+        """The counts and the sample; EvaluationFailed propagates (the filter is at fault),
+        every other failure of a step leaves a warning and a null count."""
+        try:
+            size = table_size(self.conn, schema, name)
+        except (StepCancelled, StepError) as exc:
+            self.incomplete(f"could not read the table's size, so nothing was counted: {exc}")
+            return FilterPreview(validation, notes=tuple(self.notes))
+        counts: tuple[int | None, int | None, int | None] | None = None
+        percent: float | None = None
+        if size.rows is None or size.rows <= exact_row_limit:
+            counts = self._exact_counts(_remaining_ms(self.deadline))
+        if counts is None:
+            percent = sample_percent(size, sample_rows)
+            counts = self._sampled_counts(size, percent, sample_timeout_ms)
+            matching = self._cheap_exact_matching(size, min(_remaining_ms(self.deadline), 500))
+            if matching is not None:
+                total = counts[0]
+                counts = (None if total is None else max(total, matching), matching, counts[2])
+            self.notes.append(FilterIssue(
+                IssueCode.EVALUATION_PARTIAL,
+                "the counts come from a sample: the filter was not evaluated on every row, "
+                "so rows on which PostgreSQL would fail to evaluate it (e.g. division by "
+                "zero) may remain undetected",
+            ))
+        sample, cut_short = self._sample(sample_size, percent, _remaining_ms(self.deadline))
+        if len(sample) < sample_size and percent is not None:
+            # rare matches: look beyond the sampled pages while the budget lasts
+            more, cut_short = self._sample(sample_size, None,
+                                           max(_remaining_ms(self.deadline), 200))
+            if len(more) > len(sample):
+                sample = more
+        if cut_short and not sample:
+            self.incomplete("the sample rows could not be read within the time budget")
+        total, matching_rows, nulls = counts
+        return FilterPreview(validation, total, matching_rows, nulls, sample,
+                             percent is not None, tuple(self.notes))
 
-    @property
-    def rows(self) -> int | None:
-        """Current rows as the planner would estimate them; None if never analyzed."""
-        if self.pages == 0:
-            return 0
-        return None if self.density is None else round(self.density * self.pages)
+    def _exact_counts(self, timeout_ms: int) -> tuple[int, int, int] | None:
+        """Exact counts, or None when they take longer than ``timeout_ms`` (or fail for a
+        reason that is not the filter's; a sample is tried instead)."""
+        try:
+            rows = run_step(self.conn, count_query(self.target, self.expr), timeout_ms)
+        except StepCancelled:
+            return None
+        except StepError as exc:
+            self.incomplete(f"the exact count failed, estimating instead: {exc}")
+            return None
+        return int(rows[0][0]), int(rows[0][1]), int(rows[0][2])
 
+    def _sampled_counts(
+        self, size: TableSize, percent: float, timeout_ms: int
+    ) -> tuple[int | None, int | None, int | None]:
+        """Counts from about ``sample_rows`` rows on randomly chosen pages, scaled up; on
+        a timeout only the planner's estimate of the total is left."""
+        query = count_query(self.target, self.expr, tablesample(percent))
+        try:
+            rows = run_step(self.conn, query, timeout_ms)
+        except (StepCancelled, StepError) as exc:
+            self.incomplete(
+                "the filter could not be counted on a sample of the table within the time "
+                f"budget ({exc}); matching_rows and null_rows are unknown, total_rows is the "
+                "planner's estimate")
+            return size.rows, None, None
+        return scale_counts(size, rows[0], percent)
 
-_SIZE_SQL = """
-WITH rel AS (
-    SELECT c.oid, c.relkind FROM pg_catalog.pg_class c
-    JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
-    WHERE n.nspname = %s AND c.relname = %s),
-leaves AS (
-    SELECT oid FROM rel WHERE relkind <> 'p'
-    UNION ALL
-    SELECT t.relid FROM rel, pg_catalog.pg_partition_tree(rel.oid) t
-    WHERE rel.relkind = 'p' AND t.isleaf)
-SELECT coalesce(sum(c.relpages), 0)::int8,
-       coalesce(sum(greatest(c.reltuples, 0)), 0)::float8,
-       coalesce(bool_or(c.reltuples < 0), true),
-       (coalesce(sum(pg_catalog.pg_relation_size(c.oid)), 0)
-        / current_setting('block_size')::int8)::int8
-FROM leaves l JOIN pg_catalog.pg_class c ON c.oid = l.oid
-"""
-
-
-def _table_size(conn: psycopg.Connection[Any], schema: str, name: str) -> _Size:
-    _timeout(conn, 2000)
-    row = conn.execute(_SIZE_SQL, (schema, name)).fetchone()
-    if row is None:
-        return _Size(0, None)
-    relpages, reltuples, never_analyzed, pages = int(row[0]), float(row[1]), row[2], int(row[3])
-    density = reltuples / relpages if relpages > 0 and not never_analyzed else None
-    return _Size(pages, density)
-
-
-def _count_query(target: sql.Composable, expr: sql.Composable,
-                 sample: sql.Composable | None = None) -> sql.Composed:
-    return sql.SQL(
-        "SELECT count(*), count(*) FILTER (WHERE ({e})), count(*) FILTER (WHERE ({e}) IS NULL)"
-        " FROM {t}{s}"
-    ).format(e=expr, t=target, s=sample if sample is not None else sql.SQL(""))
-
-
-def _exact_counts(
-    conn: psycopg.Connection[Any], target: sql.Composable, expr: sql.Composable, timeout_ms: int
-) -> tuple[int, int, int] | None:
-    """Exact counts, or None when they take longer than ``timeout_ms``."""
-    try:
-        with conn.transaction():  # a savepoint: a timeout must not end the outer transaction
-            _timeout(conn, timeout_ms)
-            row = conn.execute(_count_query(target, expr)).fetchone()
-    except psycopg.errors.QueryCanceled:
-        return None
-    assert row is not None
-    return int(row[0]), int(row[1]), int(row[2])
-
-
-def _tablesample(percent: float) -> sql.Composable:
-    return sql.SQL(" TABLESAMPLE SYSTEM ({}) REPEATABLE (42)").format(sql.Literal(percent))
-
-
-def _sampled_counts(
-    conn: psycopg.Connection[Any],
-    target: sql.Composable,
-    expr: sql.Composable,
-    size: _Size,
-    sample_rows: int,
-) -> tuple[tuple[int, int, int], float]:
-    """Counts from about ``sample_rows`` rows on randomly chosen pages, scaled up.
-
-    The number of pages read is bounded by the table's real size (its files), whatever
-    the statistics say; a table never analyzed is sampled as if it held 60 rows a page.
-    """
-    per_page = size.density or 60.0
-    wanted_pages = max(1.0, sample_rows / max(per_page, 1.0))
-    percent = min(100.0, max(0.01, 100.0 * wanted_pages / max(size.pages, 1)))
-    with conn.transaction():
-        _timeout(conn, 30000)  # bounded by the pages sampled; a safety net only
-        row = conn.execute(_count_query(target, expr, _tablesample(percent))).fetchone()
-    assert row is not None
-    seen, matching, nulls = int(row[0]), int(row[1]), int(row[2])
-    total = size.rows if size.rows is not None else math.floor(seen * 100.0 / percent + 0.5)
-    if seen == 0:
-        return (total, 0, 0), percent
-    scale = total / seen
-    return (total, math.floor(matching * scale + 0.5), math.floor(nulls * scale + 0.5)), percent
-
-
-def _cheap_exact_matching(
-    conn: psycopg.Connection[Any],
-    target: sql.Composable,
-    expr: sql.Composable,
-    size: _Size,
-    timeout_ms: int,
-) -> int | None:
-    """The exact number of matching rows when the planner can find them without reading
-    the table (e.g. an index on a key range, where a page sample is least accurate)."""
-    query = sql.SQL("SELECT count(*) FROM {} WHERE ({})").format(target, expr)
-    try:
-        with conn.transaction():
-            _timeout(conn, timeout_ms)
-            plan = conn.execute(sql.SQL("EXPLAIN (FORMAT JSON) {}").format(query)).fetchone()
-            assert plan is not None
-            doc = plan[0] if isinstance(plan[0], list) else json.loads(plan[0])
+    def _cheap_exact_matching(self, size: TableSize, timeout_ms: int) -> int | None:
+        """The exact number of matching rows when the planner can find them without
+        reading the table (e.g. an index on a key range, where a page sample is least
+        accurate)."""
+        query = sql.SQL("SELECT count(*) FROM {} WHERE ({})").format(self.target, self.expr)
+        try:
+            plan = run_step(self.conn, sql.SQL("EXPLAIN (FORMAT JSON) {}").format(query),
+                            timeout_ms)
+            doc = plan[0][0] if isinstance(plan[0][0], list) else json.loads(plan[0][0])
             cost = float(doc[0]["Plan"]["Total Cost"])
             rows = size.rows or 0
             full_scan = size.pages * 1.0 + rows * 0.0125  # seq_page_cost, cpu tuple+operator
             if full_scan <= 0 or cost > 0.1 * full_scan:
                 return None
-            row = conn.execute(query).fetchone()
-    except psycopg.errors.QueryCanceled:
-        return None
-    return int(row[0]) if row else None
+            counted = run_step(self.conn, query, timeout_ms)
+        except (StepCancelled, StepError):
+            return None
+        return int(counted[0][0]) if counted else None
 
-
-def _sample(
-    conn: psycopg.Connection[Any],
-    target: sql.Composable,
-    expr: sql.Composable,
-    n: int,
-    percent: float | None,
-    timeout_ms: int,
-) -> list[dict[str, Any]]:
-    if n == 0:
-        return []
-    query = sql.SQL("SELECT to_jsonb(t) FROM {t} AS t{s} WHERE ({e}) LIMIT {n}").format(
-        t=target, e=expr, n=sql.Literal(n),
-        s=_tablesample(percent) if percent is not None else sql.SQL(""))
-    try:
-        with conn.transaction():
-            _timeout(conn, timeout_ms)
-            return [dict(r[0]) for r in conn.execute(query).fetchall()]
-    except psycopg.errors.QueryCanceled:
-        return []
+    def _sample(self, n: int, percent: float | None,
+                timeout_ms: int) -> tuple[list[dict[str, Any]], bool]:
+        """Up to ``n`` matching rows; and whether the query was cut short."""
+        if n == 0:
+            return [], False
+        query = sql.SQL("SELECT to_jsonb(t) FROM {t} AS t{s} WHERE ({e}) LIMIT {n}").format(
+            t=self.target, e=self.expr, n=sql.Literal(n),
+            s=tablesample(percent) if percent is not None else sql.SQL(""))
+        try:
+            return [dict(r[0]) for r in run_step(self.conn, query, timeout_ms)], False
+        except (StepCancelled, StepError):
+            return [], True
