@@ -21,11 +21,13 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -230,10 +232,22 @@ class SubscriptionTable(Base):
     subscription: Mapped[Subscription] = relationship(back_populates="tables")
 
 
+ACTIVE_SYNC_JOB = "kind IN ('initial_sync', 'resync') AND state IN ('queued', 'running')"
+"""The jobs of which a subscription may have one at a time (migration 0005)."""
+
+
 class Job(Base):
-    """An asynchronous operation (initial sync, resync) with progress and a result."""
+    """An asynchronous operation (initial sync, resync) with progress and a result.
+
+    One sync job per subscription at a time is a fact of the database: a partial unique
+    index over the queued and running sync jobs (a second insert is an IntegrityError,
+    which the API turns into ``409 sync_in_progress``)."""
 
     __tablename__ = "jobs"
+    __table_args__ = (
+        Index("uq_jobs_active_sync", "subscription_id", unique=True,
+              sqlite_where=text(ACTIVE_SYNC_JOB), postgresql_where=text(ACTIVE_SYNC_JOB)),
+    )
 
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
     kind: Mapped[str] = mapped_column(String(32))

@@ -7,8 +7,10 @@ target's markers say is done. A transient failure re-enqueues the task with a de
 
 ``pgsieve.sync_watchdog`` (beat) hands jobs whose runner stopped heart-beating to a new
 delivery: the broker would redeliver a dead worker's task only after its visibility
-timeout (an hour on Redis). ``pgsieve.sync_slot_cleanup`` (beat) drops sync slots that
-no table needs any more.
+timeout (an hour on Redis). It also starts a sync job for tables left in ``init``/``copy``
+with none to copy them (a failed resync: retried after 10 s, 20 s, 40 s, ... up to 10
+minutes between attempts, see :func:`pgsieve.workers.syncjob.retry_delay`).
+``pgsieve.sync_slot_cleanup`` (beat) drops sync slots that no table needs any more.
 """
 
 from __future__ import annotations
@@ -42,19 +44,21 @@ def initial_sync(self: Task[Any, Any], job_id: str) -> str:
 
 
 def requeue_stale_jobs(settings: Settings) -> list[str]:
-    """Release sync jobs whose runner died and enqueue them again."""
+    """Release sync jobs whose runner died and enqueue them again; start jobs for failed
+    table syncs that are due for a retry. Enqueued after their commits."""
     from pgsieve.workers import dispatch
-    from pgsieve.workers.tablesync import stale_sync_jobs
+    from pgsieve.workers.tablesync import retry_table_syncs, stale_sync_jobs
 
-    stale = stale_sync_jobs(settings)
-    for job_id in stale:
+    jobs = stale_sync_jobs(settings) + retry_table_syncs(settings)
+    for job_id in jobs:
         dispatch.initial_sync(settings, job_id)
-    return stale
+    return jobs
 
 
 @celery_app.task(name="pgsieve.sync_watchdog", bind=True, acks_late=True, expires=60)
 def sync_watchdog(self: Task[Any, Any]) -> list[str]:
-    """Beat: re-enqueue sync jobs whose runner stopped heart-beating."""
+    """Beat: re-enqueue sync jobs whose runner stopped heart-beating; retry failed table
+    syncs with backoff."""
     return requeue_stale_jobs(_settings(self))
 
 

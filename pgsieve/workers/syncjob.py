@@ -22,6 +22,12 @@ watchdog sees its lease expire); the new runner finds the snapshot still held by
 helper process and copies only the partitions without a marker. If the snapshot is gone
 (the helper or the source restarted), each unfinished table restarts cleanly as a
 tablesync: emptied, copied under a fresh slot and snapshot of its own.
+
+Failing: a job that fails for good (a :class:`SyncError`, or a transient failure
+:data:`MAX_ATTEMPTS` times) records the (scrubbed) error on each of its tables still in
+``init``/``copy``, as PostgreSQL shows a failed tablesync; past the initial sync the sync
+watchdog starts them again with a growing delay (:func:`retry_delay`), and the error is
+cleared when a table's copy finishes.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any, cast
 import psycopg
 from sqlalchemy import delete, select, update
 from sqlalchemy.engine import CursorResult
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core import pgserver
@@ -101,6 +108,57 @@ ACTIVE_STATES = ("queued", "running")
 MAX_ATTEMPTS = 5
 PARTITION_BYTES = 256 << 20
 BLOCK_SIZE = 8192
+
+
+RETRY_BASE_SECONDS = 10.0
+RETRY_MAX_SECONDS = 600.0
+
+
+def retry_delay(retry: int) -> float:
+    """How long after a failed table sync its ``retry``-th automatic retry starts:
+    10 s, 20 s, 40 s, ... doubling up to 10 minutes, and never giving up (PostgreSQL
+    restarts a failed tablesync worker forever, every ``wal_retrieve_retry_interval``)."""
+    return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * (1 << min(max(0, retry - 1), 30)))
+
+
+def active_sync_job(session: Session, subscription_id: str) -> str | None:
+    """The subscription's queued or running sync job (there is at most one: a partial
+    unique index, migration 0005)."""
+    return session.scalar(select(Job.id).where(
+        Job.subscription_id == subscription_id, Job.kind.in_(SYNC_KINDS),
+        Job.state.in_(ACTIVE_STATES)).limit(1))
+
+
+def add_sync_job(session: Session, job: Job) -> str | None:
+    """Commit ``job`` (with whatever else the session holds); None, with everything
+    rolled back, if the subscription has an active sync job already (the unique index
+    refused it) — the caller says ``sync_in_progress``."""
+    session.add(job)
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if job.subscription_id is not None and active_sync_job(
+                session, job.subscription_id) is not None:
+            return None
+        raise
+    return job.id
+
+
+def initial_sync_pending(session: Session, sub: Subscription) -> bool:
+    """The subscription's first copy has not completed: a sync now is (part of) its
+    initial sync, and a failure puts the subscription in ``error`` for a person to see,
+    rather than being retried by the watchdog."""
+    if not sub.copy_data:
+        return False
+    if sub.state in ("initializing", "syncing"):
+        return True
+    if sub.state != "error":
+        return False
+    done = session.scalar(select(Job.id).where(
+        Job.subscription_id == sub.id, Job.kind == "initial_sync", Job.state == "done"
+    ).limit(1))
+    return done is None
 
 
 def sync_slot_name(subscription_id: str, table_id: int) -> str:
@@ -281,12 +339,16 @@ class SyncJobRunner:
             except _Retry as exc:
                 return self._retry(str(exc))
             except SyncError as exc:
-                self._fail(str(exc), exc.code)
-                return RunOutcome("failed", str(exc))
+                message = scrub_secrets(str(exc))
+                self._fail(message, exc.code)
+                return RunOutcome("failed", message)
             except Exception as exc:
-                log.exception("sync job %s failed", self.job_id)
-                self._fail(scrub_secrets(str(exc).strip()) or type(exc).__name__, "sync_failed")
-                return RunOutcome("failed", str(exc))
+                message = scrub_secrets(str(exc).strip()) or type(exc).__name__
+                # Scrubbed, and no traceback: it would repeat the raw message.
+                log.error("sync job %s failed: %s: %s", self.job_id, type(exc).__name__,
+                          message)
+                self._fail(message, "sync_failed")
+                return RunOutcome("failed", message)
 
     # -- metadata helpers -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -545,7 +607,8 @@ class SyncJobRunner:
                     lower=f"{p.relation}:{p.first_block}",
                     upper=None if p.end_block is None else f"{p.relation}:{p.end_block}",
                     state="pending", rows=0, snapshot_lsn=snap.consistent_lsn.value))
-            table.sync_state, table.rows_copied, table.error = "copy", 0, None
+            # A previous failure stays visible (table.error) until this copy finished.
+            table.sync_state, table.rows_copied = "copy", 0
             table.rows_total = source.estimated_rows
             self._set_table_state(job, name, attempt=snap.attempt, prepared=False,
                                   deferred_indexes=deferred, partitions_total=len(parts),
@@ -637,7 +700,7 @@ class SyncJobRunner:
             table = self._tables(session, ctx)[name]
             total = sum(p.rows for p in session.scalars(select(SyncPartition).where(
                 SyncPartition.job_id == self.job_id, SyncPartition.table_name == name)))
-            table.sync_state = "catchup"
+            table.sync_state, table.error = "catchup", None
             table.sync_lsn = snap.consistent_lsn.value
             table.rows_copied = table.rows_total = total
             if not own_slot:
@@ -681,9 +744,14 @@ class SyncJobRunner:
         with self._owned() as (session, job):
             sub = session.get(Subscription, ctx.subscription_id)
             assert sub is not None
-            if ctx.kind == "initial_sync" and sub.state in ("initializing", "syncing"):
-                sub.state = "streaming" if sub.enabled else "paused"
-                start_stream = sub.enabled
+            if sub.state in ("initializing", "syncing"):
+                # The initial sync is over once every table of the subscription has its
+                # copy (a run for some tables leaves the others in init: still syncing).
+                if all(t.sync_state in ("catchup", "ready") for t in sub.tables):
+                    sub.state = "streaming" if sub.enabled else "paused"
+                    start_stream = sub.enabled
+                else:
+                    sub.state = "syncing"
             job.state, job.finished_at, job.error = "done", utcnow(), None
             job.details = {**job.details, "timings": {k: round(v, 3)
                                                       for k, v in self.timings.items()}}
@@ -697,11 +765,24 @@ class SyncJobRunner:
             dispatch.consume_cycle(self.settings, ctx.subscription_id)
 
     def _fail(self, message: str, code: str) -> None:
+        """The job failed for good: recorded on the job, on each of its tables not yet
+        copied (``error``: the stream skips them, the sync watchdog retries them past the
+        initial sync) and, for an initial sync, on the subscription."""
+        message = scrub_secrets(message)
         with contextlib.suppress(_Lost), self._owned() as (session, job):
             job.state, job.finished_at = "failed", utcnow()
             job.error = message
             job.details = {**job.details, "error_code": code}
             sub = session.get(Subscription, job.subscription_id) if job.subscription_id else None
+            if sub is not None:
+                names = set(job.details.get("tables") or [t.table_name for t in sub.tables])
+                failed = [t for t in sub.tables
+                          if t.table_name in names and t.sync_state in ("init", "copy")]
+                for t in failed:
+                    t.error = f"{job.kind} failed: {message}"
+                if failed:
+                    sub.stats = {**sub.stats,
+                                 "sync_errors": int(sub.stats.get("sync_errors", 0)) + 1}
             if sub is not None and job.kind == "initial_sync" and sub.state in (
                     "initializing", "syncing"):
                 sub.state, sub.error = "error", f"initial sync failed: {message}"

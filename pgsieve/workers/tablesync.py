@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, update
@@ -205,23 +205,36 @@ def _stop(sessions: sessionmaker[Session], subscription_id: str, table_name: str
 
 def _resync_later(sessions: sessionmaker[Session], settings: Settings, subscription_id: str,
                   table_name: str, why: str) -> None:
-    """The table cannot be caught up: copy it again (a resync job of its own)."""
+    """The table cannot be caught up: copy it again (a resync job of its own). If the
+    subscription has a sync job running already (one at a time), the table waits in
+    ``init`` and the sync watchdog starts its copy once that job ended."""
     from pgsieve.workers import dispatch
+    from pgsieve.workers.syncjob import add_sync_job
 
     log.warning("subscription %s: %s must be copied again: %s", subscription_id, table_name,
                 why)
-    with sessions() as session:
+
+    def back_to_init(session: Session) -> bool:
         table = session.scalar(select(SubscriptionTable).where(
             SubscriptionTable.subscription_id == subscription_id,
             SubscriptionTable.table_name == table_name))
         if table is None or table.sync_state != "catchup":
-            return
+            return False
         table.sync_state, table.sync_lsn, table.error = "init", None, why
-        job = Job(kind="resync", subscription_id=subscription_id, state="queued",
-                  details={"tables": [table_name], "reason": why})
-        session.add(job)
-        session.commit()
-        job_id = job.id
+        return True
+
+    with sessions() as session:
+        if not back_to_init(session):
+            return
+        job_id = add_sync_job(session, Job(
+            kind="resync", subscription_id=subscription_id, state="queued",
+            details={"tables": [table_name], "reason": why}))
+        if job_id is None:
+            log.info("subscription %s: a sync job is running; %s waits for the sync "
+                     "watchdog", subscription_id, table_name)
+            if back_to_init(session):
+                session.commit()
+            return
     dispatch.initial_sync(settings, job_id)
 
 
@@ -263,6 +276,65 @@ def drop_leftover_sync_slots(settings: Settings,
                         t.sync_slot = None
                     session.commit()
     return dropped
+
+
+def retry_table_syncs(settings: Settings, sessions: sessionmaker[Session] | None = None,
+                      now: datetime | None = None) -> list[str]:
+    """Sync jobs for tables left in ``init``/``copy`` with no sync job to copy them
+    (their job failed, or they had to be copied again while another job ran), once the
+    subscription's initial sync is over. A table whose last job failed waits
+    :func:`~pgsieve.workers.syncjob.retry_delay` of its retry number after that failure;
+    the others start at once. One job per subscription, for all its tables that are due;
+    returns the ids of the jobs created (committed: the caller enqueues them)."""
+    from pgsieve.workers.syncjob import (
+        SYNC_KINDS,
+        active_sync_job,
+        add_sync_job,
+        initial_sync_pending,
+        retry_delay,
+    )
+
+    sessions = sessions or session_factory(settings.effective_database_url)
+    now = now or utcnow()
+    created: list[str] = []
+    with sessions() as session:
+        stranded = session.scalars(select(SubscriptionTable).where(
+            SubscriptionTable.sync_state.in_(("init", "copy")))).all()
+        subscription_ids = sorted({t.subscription_id for t in stranded})
+    for subscription_id in subscription_ids:
+        with sessions() as session:
+            sub = session.get(Subscription, subscription_id)
+            if sub is None or initial_sync_pending(session, sub):
+                continue
+            if active_sync_job(session, sub.id) is not None:
+                continue
+            jobs = session.scalars(select(Job).where(
+                Job.subscription_id == sub.id, Job.kind.in_(SYNC_KINDS))
+                .order_by(Job.created_at.desc()).limit(100)).all()
+            due: list[str] = []
+            retry = 0
+            for table in sub.tables:
+                if table.sync_state not in ("init", "copy"):
+                    continue
+                last = next((j for j in jobs if table.table_name in (
+                    j.details.get("tables") or [table.table_name])), None)
+                if last is not None and last.state == "failed":
+                    attempt = int(last.details.get("retry", 0)) + 1
+                    failed_at = last.finished_at or last.created_at
+                    if now < failed_at + timedelta(seconds=retry_delay(attempt)):
+                        continue
+                    retry = max(retry, attempt)
+                due.append(table.table_name)
+            if not due:
+                continue
+            job_id = add_sync_job(session, Job(
+                kind="resync", subscription_id=sub.id, state="queued",
+                details={"tables": due, "reason": "retry", "retry": retry}))
+            if job_id is not None:
+                log.info("subscription %s: copying %s again (retry %d)", sub.id,
+                         ", ".join(due), retry)
+                created.append(job_id)
+    return created
 
 
 def stale_sync_jobs(settings: Settings,

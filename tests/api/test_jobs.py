@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from pgsieve.core.models import Job
 from pgsieve.core.settings import Settings
@@ -151,3 +152,188 @@ def test_cli_reports_an_unreachable_api_and_api_errors(client, sub):
     assert "cannot reach the API" in result.output
     with pytest.raises(SyncCliError, match="unknown_table"):
         start_sync(client, sub["id"], ["nope"], verify=False, defer_indexes=True)
+
+
+def test_a_second_active_sync_job_is_refused_by_the_database(client, sub, metadata_engine,
+                                                             monkeypatch):
+    """The check before the insert can race with another request (or the catch-up's
+    "copy it again"): the partial unique index refuses the second job, a clean 409."""
+    from sqlalchemy.exc import IntegrityError
+
+    import pgsieve.workers.syncjob as syncjob
+
+    base = f"/api/v1/subscriptions/{sub['id']}/sync"
+    first = client.post(base, json={"tables": ["orders"]}).json()["job_id"]
+    with Session(metadata_engine) as session:
+        session.add(Job(kind="resync", subscription_id=sub["id"], state="running"))
+        with pytest.raises(IntegrityError):
+            session.commit()
+    # The request's own check does not see the first job (it was inserted in between).
+    real = syncjob.active_sync_job
+    calls: list[int] = []
+
+    def racing(session, subscription_id):
+        calls.append(1)
+        return None if len(calls) == 1 else real(session, subscription_id)
+
+    monkeypatch.setattr(syncjob, "active_sync_job", racing)
+    body = assert_problem(client.post(base, json={"tables": ["notes"]}), 409,
+                          "sync_in_progress")
+    assert body["job_id"] == first
+    assert _jobs(metadata_engine) == 1
+    # Jobs that ended do not count.
+    with Session(metadata_engine) as session:
+        job = session.get(Job, first)
+        assert job is not None
+        job.state = "failed"
+        session.commit()
+    monkeypatch.setattr(syncjob, "active_sync_job", real)
+    assert client.post(base, json={"tables": ["notes"]}).status_code == 202
+
+
+def _tables(client, sub_id: str) -> dict[str, str]:
+    detail = client.get(f"/api/v1/subscriptions/{sub_id}").json()
+    return {t["table"]: t["sync_state"] for t in detail["tables"]}
+
+
+def test_refresh_checks_everything_before_it_writes(client, sub, metadata_engine, settings,
+                                                    source_db: Database,
+                                                    target_db: Database):
+    base = f"/api/v1/subscriptions/{sub['id']}/refresh"
+    assert_problem(client.post("/api/v1/subscriptions/nope/refresh"), 404,
+                   "subscription_not_found")
+    assert_problem(client.post(base, json={"copy_data": "maybe"}), 422, "validation_error")
+    assert_problem(client.post(base, json={"copydata": True}), 422, "validation_error")
+    r = client.post(base)  # nothing published since: nothing to do
+    assert r.status_code == 200 and r.json() == {"added": [], "removed": []}
+    before = _tables(client, sub["id"])
+    source_db.execute("""
+    CREATE TABLE public.extra (id int PRIMARY KEY, k text NOT NULL, n int);
+    INSERT INTO extra SELECT g, CASE WHEN g % 2 = 0 THEN 'keep' ELSE 'drop' END, g
+        FROM generate_series(1, 10) g;
+    ALTER PUBLICATION pub_notes ADD TABLE public.extra WHERE (k = 'keep');
+    """)
+    body = assert_problem(client.post(base), 422, "target_table_missing")
+    assert body["tables"] == ["public.extra"]
+    target_db.execute("CREATE TABLE public.extra (id int PRIMARY KEY, k text NOT NULL)")
+    assert_problem(client.post(base), 422, "target_column_mismatch")
+    assert _tables(client, sub["id"]) == before and _jobs(metadata_engine) == 0
+    # An unreachable source: nothing changes either (and no password in the answer).
+    from pgsieve.core.credentials import SecretBox
+    from pgsieve.core.models import Source
+
+    box = SecretBox(settings.effective_secret_key())
+    with Session(metadata_engine) as session:
+        source = session.get(Source, sub["source_id"])
+        assert source is not None
+        real_dsn = source.dsn_encrypted
+        source.dsn_encrypted = box.encrypt(
+            "postgresql://pgsieve:hunter2-pw@127.0.0.1:1/gone")
+        session.commit()
+    r = client.post(base)
+    assert_problem(r, 422, "source_unreachable")
+    assert "hunter2" not in r.text
+    with Session(metadata_engine) as session:
+        source = session.get(Source, sub["source_id"])
+        assert source is not None
+        source.dsn_encrypted = real_dsn
+        session.commit()
+    assert _tables(client, sub["id"]) == before and _jobs(metadata_engine) == 0
+
+
+def test_refresh_adds_new_tables_and_removes_unpublished_ones(client, sub, metadata_engine,
+                                                              source_db: Database,
+                                                              target_db: Database):
+    base = f"/api/v1/subscriptions/{sub['id']}/refresh"
+    schema = "CREATE TABLE public.extra (id int PRIMARY KEY, k text NOT NULL, n int);"
+    source_db.execute(schema + """
+    ALTER PUBLICATION pub_notes ADD TABLE public.extra WHERE (k = 'keep');
+    ALTER PUBLICATION pub_notes DROP TABLE public.notes;
+    """)
+    target_db.execute(schema + "INSERT INTO notes VALUES (1, 'kept at the target');")
+    r = client.post(base, json={"copy_data": True, "verify": True})
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert (body["added"], body["removed"]) == (["public.extra"], ["public.notes"])
+    assert _tables(client, sub["id"]) == {"public.extra": "init", "public.orders": "ready"}
+    job = client.get(f"/api/v1/jobs/{body['job_id']}").json()
+    assert job["kind"] == "resync" and job["state"] == "queued"
+    assert [t["table"] for t in job["tables"]] == ["public.extra"]
+    # While its copy job has not finished, another refresh (or sync) waits.
+    assert_problem(client.post(base), 409, "sync_in_progress")
+    assert target_db.query("SELECT body FROM notes") == [("kept at the target",)]
+
+
+def test_refresh_without_copy_makes_new_tables_ready(client, sub, metadata_engine,
+                                                     source_db: Database,
+                                                     target_db: Database):
+    schema = "CREATE TABLE public.extra (id int PRIMARY KEY, k text NOT NULL, n int);"
+    source_db.execute(schema + "ALTER PUBLICATION pub_notes ADD TABLE public.extra;")
+    target_db.execute(schema)
+    r = client.post(f"/api/v1/subscriptions/{sub['id']}/refresh", json={"copy_data": False})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"added": ["public.extra"], "removed": []}
+    detail = client.get(f"/api/v1/subscriptions/{sub['id']}").json()
+    extra = next(t for t in detail["tables"] if t["table"] == "public.extra")
+    assert extra["sync_state"] == "ready" and extra["sync_lsn"] is None
+    assert _jobs(metadata_engine) == 0
+
+
+def test_copy_again_while_a_job_runs_waits_for_the_watchdog(client, sub, settings,
+                                                           metadata_engine):
+    """The catch-up's "copy it again" path when the subscription already has a sync job:
+    the unique index refuses a second one, so the table waits in init (with its reason)
+    and the sync watchdog starts its copy once that job ended — at once, since it did
+    not fail."""
+    from pgsieve.core.db import session_factory
+    from pgsieve.core.models import SubscriptionTable
+    from pgsieve.workers.tablesync import _resync_later, retry_table_syncs
+
+    sessions = session_factory(settings.effective_database_url)
+    with sessions() as session:
+        orders = session.query(SubscriptionTable).filter_by(table_name="public.orders").one()
+        orders.sync_state, orders.sync_lsn = "catchup", 1
+        session.commit()
+    running = client.post(f"/api/v1/subscriptions/{sub['id']}/sync",
+                          json={"tables": ["notes"]}).json()["job_id"]
+    _resync_later(sessions, settings, sub["id"], "public.orders", "its sync slot is gone")
+    detail = client.get(f"/api/v1/subscriptions/{sub['id']}").json()
+    orders_out = next(t for t in detail["tables"] if t["table"] == "public.orders")
+    assert (orders_out["sync_state"], orders_out["error"]) == ("init", "its sync slot is gone")
+    assert _jobs(metadata_engine) == 1
+    assert retry_table_syncs(settings) == []  # a sync job is still active
+    with Session(metadata_engine) as session:
+        job = session.get(Job, running)
+        assert job is not None
+        job.state = "done"
+        session.commit()
+    [again] = retry_table_syncs(settings)
+    job = client.get(f"/api/v1/jobs/{again}").json()
+    assert (job["kind"], job["state"]) == ("resync", "queued")
+    assert [t["table"] for t in job["tables"]] == ["public.orders"]
+    assert retry_table_syncs(settings) == []
+
+
+def test_a_failed_job_marks_its_tables_and_leaks_no_secret(client, sub, settings,
+                                                           monkeypatch, caplog):
+    """Whatever a job fails of, the job, its tables still to copy and what the worker
+    returns to Celery carry the message without passwords."""
+    r = client.post(f"/api/v1/subscriptions/{sub['id']}/sync", json={"tables": ["orders"]})
+    job_id = r.json()["job_id"]
+
+    def boom(self: SyncJobRunner, ctx: object) -> list[str]:
+        raise RuntimeError("could not reach postgresql://app:hunter2-pw@db.internal/x")
+
+    # After the job took its tables back to init, before any copy.
+    monkeypatch.setattr(SyncJobRunner, "_pending_tables", boom)
+    outcome = SyncJobRunner(settings, job_id, spark=lambda: None).run()
+    assert outcome.outcome == "failed" and "hunter2" not in outcome.detail
+    assert "db.internal" in outcome.detail
+    job = client.get(f"/api/v1/jobs/{job_id}").json()
+    assert job["state"] == "failed" and "hunter2" not in str(job)
+    detail = client.get(f"/api/v1/subscriptions/{sub['id']}").json()
+    orders = next(t for t in detail["tables"] if t["table"] == "public.orders")
+    assert orders["error"] and "db.internal" in orders["error"]
+    assert "hunter2" not in orders["error"]
+    assert detail["state"] == "paused"  # a resync does not stop the subscription
+    assert "db.internal" in caplog.text and "hunter2" not in caplog.text

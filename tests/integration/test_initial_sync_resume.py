@@ -89,7 +89,8 @@ def _partitions(env: PipelineEnv, job_id: str) -> dict[int, Any]:
                                         SyncPartition.table_name == "public.big"))}
 
 
-def _start(env: PipelineEnv, source: Database, target: Database) -> tuple[str, str]:
+def _start(env: PipelineEnv, source: Database, target: Database,
+           partition_bytes: int = 64 << 10) -> tuple[str, str]:
     """The subscription (its initial sync waits in Redis: no worker yet), with small
     partitions so the copy is many Spark tasks."""
     src = env.api("POST", "/sources", json={"name": "src", "dsn": source.dsn})
@@ -99,7 +100,7 @@ def _start(env: PipelineEnv, source: Database, target: Database) -> tuple[str, s
         "publications": ["pub_big"], "copy_data": True})
     with _session(env) as session:
         job = session.scalars(select(Job).where(Job.subscription_id == sub["id"])).one()
-        job.details = {**job.details, "partition_bytes": 64 << 10}
+        job.details = {**job.details, "partition_bytes": partition_bytes}
         session.commit()
         return str(sub["id"]), job.id
 
@@ -117,7 +118,7 @@ def _kill_mid_copy(env: PipelineEnv, worker: Any, job_id: str) -> dict[int, Any]
 
 def _finish(env: PipelineEnv, sub_id: str, job_id: str, source: Database, target: Database,
             native: Database, writes: Writes) -> None:
-    env.start_worker("second")
+    env.start_worker("last")
     wait_until(lambda: env.api("GET", f"/jobs/{job_id}")["state"] in ("done", "failed"), 300,
                "the sync to finish after the kill", env)
     job = env.api("GET", f"/jobs/{job_id}")
@@ -195,5 +196,52 @@ def test_killed_worker_and_lost_snapshot_restart_tables_cleanly(
             # Copied again under a later snapshot of its own, then handed to the stream.
             assert big.sync_lsn is not None and consistent is not None
             assert big.sync_lsn > consistent
+    finally:
+        writes.stop.set()
+
+
+def _wait_dead(env: PipelineEnv, worker: Any, what: str) -> None:
+    wait_until(lambda: worker.poll() is not None, 240, what, env, interval=0.2)
+    env.kill(worker)  # what it started (Spark's JVM) goes too
+
+
+def test_workers_killed_at_the_sync_fault_points_resume_and_end_identical(
+        env: PipelineEnv, source_db: Database, target_db: Database, native_db: Database):
+    """``sync.after_main_slot`` (the slot and snapshot exist and are recorded, nothing
+    copied) and ``sync.after_copy`` (every partition at the target, no table finished):
+    the next worker carries on under the same snapshot, copies nothing twice."""
+    source_db.execute(SOURCE)
+    target_db.execute(SCHEMA)
+    native_db.execute(SCHEMA)
+    sub_id, job_id = _start(env, source_db, target_db, partition_bytes=1 << 20)
+    writes = Writes(source_db.dsn)
+    writes.start()
+    try:
+        native_copy(source_db, native_db, "nat_faults", ["pub_big"])
+        env.start_beat()
+        _wait_dead(env, env.start_worker("first", PGSIEVE_FAULTS="sync.after_main_slot@1"),
+                   "the first worker to die after creating the slot")
+        with _session(env) as session:
+            sub = session.get(Subscription, sub_id)
+            job = session.get(Job, job_id)
+            assert sub is not None and job is not None
+            consistent, snapshot = sub.consistent_lsn, job.details["snapshot"]
+            assert consistent is not None and _partitions(env, job_id) == {}
+        _wait_dead(env, env.start_worker("second", PGSIEVE_FAULTS="sync.after_copy@1"),
+                   "the second worker to die after the copy")
+        copied = _partitions(env, job_id)
+        assert copied and all(state == "done" for state, _ in copied.values())
+        with _session(env) as session:
+            tables = session.scalars(select(SubscriptionTable).where(
+                SubscriptionTable.subscription_id == sub_id)).all()
+            assert {t.sync_state for t in tables} == {"copy"}
+        _finish(env, sub_id, job_id, source_db, target_db, native_db, writes)
+        assert _partitions(env, job_id) == copied  # nothing copied twice
+        with _session(env) as session:
+            job = session.get(Job, job_id)
+            assert job is not None and job.details["snapshot"] == snapshot
+            tables = session.scalars(select(SubscriptionTable).where(
+                SubscriptionTable.subscription_id == sub_id)).all()
+            assert {t.sync_lsn for t in tables} == {consistent}
     finally:
         writes.stop.set()

@@ -1,29 +1,53 @@
-"""Sync jobs: ``POST /subscriptions/{id}/sync`` starts one, ``GET /jobs/{id}`` follows it.
+"""Sync jobs: ``POST /subscriptions/{id}/sync`` starts one, ``GET /jobs/{id}`` follows it;
+``POST /subscriptions/{id}/refresh`` is ``ALTER SUBSCRIPTION … REFRESH PUBLICATION``.
 
 A sync request is recorded as a job (kind ``initial_sync`` while the subscription's first
 copy has not completed, else ``resync``: PostgreSQL's tablesync for the tables named,
 while streaming of the others goes on) and enqueued only after that commit. One sync job
-per subscription at a time.
+per subscription at a time: a partial unique index in the metadata store refuses a second
+one, whoever inserts it (``409 sync_in_progress``).
+
+A refresh reads what the subscription's publications publish now: tables published since
+the subscription was created (or last refreshed) are added — in ``init`` and copied by a
+``resync`` job like any tablesync (``copy_data``, the default), or ``ready`` at once,
+applied from the stream's position on (``copy_data: false``) — and tables no longer
+published are dropped from the subscription, their target rows left alone, as
+PostgreSQL does. Everything is checked before anything is written (the target must have
+the added tables, with compatible columns), and the changes and the job commit together.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Query, status
+from fastapi import APIRouter, Query, Response, status
+from psycopg.rows import tuple_row
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pgsieve.api.deps import SessionDep, SettingsDep
-from pgsieve.api.schemas.jobs import JobOut, SyncAccepted, SyncRequest
+from pgsieve.api.deps import (
+    SecretBoxDep,
+    SessionDep,
+    SettingsDep,
+    load_source,
+    load_target,
+    source_connection,
+)
+from pgsieve.api.routers.subscriptions import _published_relations
+from pgsieve.api.schemas.jobs import (
+    JobOut,
+    RefreshRequest,
+    RefreshResult,
+    SyncAccepted,
+    SyncRequest,
+)
 from pgsieve.core.errors import Conflict, NotFound, Unprocessable
 from pgsieve.core.models import Job, Subscription, SubscriptionTable, SyncPartition
 from pgsieve.core.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
+from pgsieve.core.settings import Settings
 
 router = APIRouter(tags=["jobs"])
 
-SYNC_KINDS = ("initial_sync", "resync")
-ACTIVE = ("queued", "running")
 
 
 def job_out(session: Session, job: Job) -> dict[str, Any]:
@@ -84,6 +108,42 @@ def _canonical(name: str) -> str:
             code="invalid_table_name") from None
 
 
+def _subscription(session: Session, subscription_id: str) -> Subscription:
+    sub = session.get(Subscription, subscription_id)
+    if sub is None:
+        raise NotFound(f"no subscription with id '{subscription_id}'",
+                       code="subscription_not_found")
+    return sub
+
+
+def _refuse_if_syncing(session: Session, sub: Subscription) -> None:
+    from pgsieve.workers.syncjob import active_sync_job
+
+    running = active_sync_job(session, sub.id)
+    if running is not None:
+        raise Conflict(f"sync job {running} of this subscription has not finished yet",
+                       code="sync_in_progress", job_id=running)
+
+
+def _commit_job(session: Session, sub: Subscription, job: Job) -> str:
+    """Commit the job (and what the session holds with it); a sync job of the
+    subscription that got in first (the unique index) is a 409, nothing written."""
+    from pgsieve.workers.syncjob import add_sync_job
+
+    job_id = add_sync_job(session, job)
+    if job_id is None:
+        _refuse_if_syncing(session, sub)
+        raise Conflict("another sync job of this subscription has just started",
+                       code="sync_in_progress")
+    return job_id
+
+
+def _job_kind(session: Session, sub: Subscription) -> str:
+    from pgsieve.workers.syncjob import initial_sync_pending
+
+    return "initial_sync" if initial_sync_pending(session, sub) else "resync"
+
+
 @router.post("/subscriptions/{subscription_id}/sync", status_code=status.HTTP_202_ACCEPTED,
              response_model=SyncAccepted)
 def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
@@ -93,15 +153,8 @@ def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
     from pgsieve.workers import dispatch
 
     body = body or SyncRequest()
-    sub = session.get(Subscription, subscription_id)
-    if sub is None:
-        raise NotFound(f"no subscription with id '{subscription_id}'",
-                       code="subscription_not_found")
-    running = session.scalar(select(Job.id).where(
-        Job.subscription_id == sub.id, Job.kind.in_(SYNC_KINDS), Job.state.in_(ACTIVE)))
-    if running is not None:
-        raise Conflict(f"sync job {running} of this subscription has not finished yet",
-                       code="sync_in_progress", job_id=running)
+    sub = _subscription(session, subscription_id)
+    _refuse_if_syncing(session, sub)
     known = [t.table_name for t in sub.tables]
     if body.tables is None:
         names = known
@@ -114,18 +167,80 @@ def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
                 f"the subscription has no table {', '.join(unknown)}", code="unknown_table",
                 tables=unknown)
         names = [by_canonical[n] for n in wanted]
-    finished_initial = session.scalar(select(Job.id).where(
-        Job.subscription_id == sub.id, Job.kind == "initial_sync", Job.state == "done"))
-    initial = sub.copy_data and finished_initial is None and sub.state in (
-        "initializing", "syncing", "error")
-    job = Job(kind="initial_sync" if initial else "resync", subscription_id=sub.id,
+    job = Job(kind=_job_kind(session, sub), subscription_id=sub.id,
               state="queued", details={"tables": names, "verify": body.verify,
                                        "defer_indexes": body.defer_indexes,
                                        "partition_bytes": body.partition_mb << 20})
-    session.add(job)
-    session.commit()
-    dispatch.initial_sync(settings, job.id)
-    return {"job_id": job.id}
+    job_id = _commit_job(session, sub, job)
+    dispatch.initial_sync(settings, job_id)
+    return {"job_id": job_id}
+
+
+@router.post(
+    "/subscriptions/{subscription_id}/refresh", response_model=RefreshResult,
+    response_model_exclude_none=True,
+    responses={202: {"model": RefreshResult,
+                     "description": "tables were added and a job copies them (job_id)"}},
+)
+def refresh_publication(subscription_id: str, response: Response, session: SessionDep,
+                        settings: SettingsDep, box: SecretBoxDep,
+                        body: RefreshRequest | None = None) -> dict[str, Any]:
+    """``ALTER SUBSCRIPTION … REFRESH PUBLICATION``: add the tables the publications
+    publish now (copied, or ready at once with ``copy_data: false``), drop the ones they
+    no longer publish. 202 with ``job_id`` when a copy job started, else 200."""
+    from pgsieve.workers import dispatch
+    from pgsieve.workers.target import check_target_tables
+
+    body = body or RefreshRequest()
+    sub = _subscription(session, subscription_id)
+    _refuse_if_syncing(session, sub)
+    source = load_source(session, sub.source_id)
+    target = load_target(session, sub.target_id)
+    publications = list(sub.publications)
+    current = {t.table_name for t in sub.tables}
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+        published = _published_relations(conn, publications)
+        added = [name for name in published if name not in current]
+        removed = sorted(current - set(published))
+        if added:
+            check_target_tables(conn, box.decrypt(target.dsn_encrypted), added,
+                                connect_timeout=settings.connect_timeout,
+                                publications=publications)
+    if not added and not removed:
+        return {"added": [], "removed": []}
+    kind = _job_kind(session, sub)
+    sync_slots = [t.sync_slot for t in sub.tables if t.table_name in removed and t.sync_slot]
+    for table in [t for t in sub.tables if t.table_name in removed]:
+        sub.tables.remove(table)  # delete-orphan: the row goes with the commit
+    for name in added:
+        sub.tables.append(SubscriptionTable(
+            table_name=name, sync_state="init" if body.copy_data else "ready"))
+    job_id: str | None = None
+    if added and body.copy_data:
+        job_id = _commit_job(session, sub, Job(
+            kind=kind, subscription_id=sub.id, state="queued",
+            details={"tables": added, "verify": body.verify,
+                     "defer_indexes": body.defer_indexes,
+                     "partition_bytes": body.partition_mb << 20, "reason": "refresh",
+                     "refresh": {"added": added, "removed": removed}}))
+    else:
+        session.commit()
+    if sync_slots:
+        _drop_sync_slots(settings, box.decrypt(source.dsn_encrypted), sync_slots)
+    if job_id is None:
+        return {"added": added, "removed": removed}
+    dispatch.initial_sync(settings, job_id)
+    response.status_code = status.HTTP_202_ACCEPTED
+    return {"job_id": job_id, "added": added, "removed": removed}
+
+
+def _drop_sync_slots(settings: Settings, source_dsn: str, slots: list[str]) -> None:
+    """Sync slots of removed tables: dropped now unless in use (then by the
+    ``pgsieve.sync_slot_cleanup`` beat task, which drops every slot no table needs)."""
+    from pgsieve.workers.tablesync import drop_sync_slot
+
+    for slot in slots:
+        drop_sync_slot(source_dsn, slot, settings, wait=0)
 
 
 @router.get("/jobs", response_model=list[JobOut])

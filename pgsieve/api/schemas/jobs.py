@@ -25,8 +25,6 @@ class SyncRequest(StrictModel):
         description="drop the target table's indexes for the copy and rebuild them after "
         "(tables no foreign key references); faster than maintaining them row by row",
     )
-
-
     partition_mb: int = Field(
         default=256, ge=1, le=65536,
         description="size of the ctid block ranges Spark copies in parallel (and the unit "
@@ -36,6 +34,29 @@ class SyncRequest(StrictModel):
 
 class SyncAccepted(BaseModel):
     job_id: str
+
+
+class RefreshRequest(StrictModel):
+    """``ALTER SUBSCRIPTION … REFRESH PUBLICATION [WITH (copy_data = …)]``."""
+
+    copy_data: bool = Field(
+        default=True,
+        description="copy the rows of newly published tables (each under a slot and "
+        "snapshot of its own, then caught up to the stream); false: they start ready, "
+        "applied from the stream's current position on, as PostgreSQL does",
+    )
+    verify: bool = Field(default=False, description="as for POST …/sync")
+    defer_indexes: bool = Field(default=True, description="as for POST …/sync")
+    partition_mb: int = Field(default=256, ge=1, le=65536, description="as for POST …/sync")
+
+
+class RefreshResult(BaseModel):
+    job_id: str | None = Field(
+        default=None, description="the copy job of the added tables (202 only)")
+    added: list[str] = Field(description="tables the publications publish now and the "
+                             "subscription did not have (schema.name)")
+    removed: list[str] = Field(description="tables no longer published: dropped from the "
+                               "subscription, their target rows left alone")
 
 
 class JobProgress(BaseModel):
