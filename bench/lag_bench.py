@@ -68,7 +68,8 @@ def drive(dsn: str, rate: float, seconds: float, stop: threading.Event,
                 time.sleep(pause)
             # 30 inserts, 10 updates, 9 deletes, 1 probe stamp.
             conn.execute(
-                "INSERT INTO items SELECT g, g %% 10, 'v' || g FROM generate_series(%s::int, %s::int) g",
+                "INSERT INTO items SELECT g, g %% 10, 'v' || g "
+                "FROM generate_series(%s::int, %s::int) g",
                 (key + 1, key + 30))
             conn.execute("UPDATE items SET val = val || '+' WHERE id BETWEEN %s AND %s",
                          (key + 1, key + 10))

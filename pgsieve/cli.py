@@ -58,9 +58,11 @@ def api(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def worker(ctx: typer.Context) -> None:
     """A Celery worker (extra arguments go to ``celery worker``)."""
+    from pgsieve.core.faults import arm
     from pgsieve.workers.celery_app import celery_app
 
     _logging()
+    arm()  # crash tests only (PGSIEVE_FAULTS); nothing otherwise
     # Workers coordinate through the metadata store (leases, jobs), never through Celery's
     # worker-to-worker messages: mingle would only add a second to every start.
     argv = ["worker", "--loglevel=INFO", "--pool=threads", "--concurrency=4",

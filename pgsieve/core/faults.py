@@ -17,6 +17,16 @@ import signal
 from functools import lru_cache
 
 ENV = "PGSIEVE_FAULTS"
+GROUP_ENV = "PGSIEVE_FAULTS_GROUP"
+"""The worker's process group, for faults raised in processes that Spark starts (its
+Python workers sit in a process group of their own)."""
+
+
+def arm() -> None:
+    """Called once by a worker at start: remember its process group for ``group`` faults
+    (the environment passes it on to Spark's JVM and Python workers)."""
+    if os.environ.get(ENV) and GROUP_ENV not in os.environ:
+        os.environ[GROUP_ENV] = str(os.getpgrp())
 
 
 _passes: dict[str, int] = {}
@@ -36,8 +46,10 @@ def _plan(spec: str) -> dict[str, tuple[str, float]]:
     return plan
 
 
-def fault_point(name: str) -> None:
-    """SIGKILL this process here if ``PGSIEVE_FAULTS`` says so for ``name``."""
+def fault_point(name: str, *, group: bool = False) -> None:
+    """SIGKILL this process here if ``PGSIEVE_FAULTS`` says so for ``name``; ``group``:
+    its whole process group — from inside a Spark task that is the worker that runs the
+    job, its JVM and Python workers, as a ``kill -9`` of the worker would."""
     spec = os.environ.get(ENV)
     if not spec:
         return
@@ -49,4 +61,6 @@ def fault_point(name: str) -> None:
     if (kind == "nth" and _passes[name] == int(value)) or (
         kind == "p" and random.random() < value  # noqa: S311 - not cryptography
     ):
+        if group:
+            os.killpg(int(os.environ.get(GROUP_ENV) or os.getpgrp()), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -37,6 +37,7 @@ from pgsieve.core.apply.plan import (
     raw_view,
 )
 from pgsieve.core.apply.staging import StageEncoder, StageSummary
+from pgsieve.core.faults import fault_point
 from pgsieve.core.lsn import Lsn
 from pgsieve.core.pgoutput.assembler import Change
 from pgsieve.core.pgoutput.decoder import Decoder
@@ -277,6 +278,8 @@ def stage_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatc
                 writer.conn.commit()
             finally:
                 writer.close()
+            # The crash tests kill the whole worker here, in the middle of the Spark job.
+            fault_point("spark.task_staged", group=True)
             yield pa.RecordBatch.from_pydict({"result": [json.dumps({
                 "tables": out, "fetched": fetched,
                 "seconds": time.perf_counter() - started})]})

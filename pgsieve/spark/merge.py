@@ -97,9 +97,12 @@ def merge(
                         outcome.rows_written += _set_based(conn, tp, st)
                     continue
                 except _Conflict:
+                    reason = f"conflicts under on_conflict={batch.on_conflict}"
                     if batch.on_conflict == "error":
                         _raise_first_conflict(conn, tp, st)
-                    reason = f"conflicts under on_conflict={batch.on_conflict}"
+                        # No key conflict after all (e.g. duplicates in a target without
+                        # a unique key): change by change finds exactly what fails.
+                        reason = "the target's rows do not match the batch's keys one to one"
                 except psycopg.errors.IntegrityError as exc:
                     reason = f"a constraint violation in the set-based merge ({exc.sqlstate})"
             outcome.sequential[name] = reason
@@ -310,9 +313,7 @@ def _raise_first_conflict(conn: psycopg.Connection[Any], tp: TablePlan,
     ).fetchone()
     names = [table.columns[p].name for p in kp]
     if row is None:
-        # Not a key conflict after all (e.g. duplicates in a target without a unique key).
-        raise ApplyConflict(tp.source_table, "update", {}, Lsn(0),
-                            "the target's rows do not match the batch's keys one to one")
+        return  # not a key conflict: the caller applies the table change by change
     first, lsn, op, *rest = row
     n = len(kp)
     key_values, origin_values, origin_missing = rest[:n], rest[n:2 * n], rest[2 * n]

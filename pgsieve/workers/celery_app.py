@@ -39,10 +39,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_hijack_root_logger": False,
         "beat_schedule_filename": str(settings.state_dir / "celerybeat-schedule"),
         "beat_schedule": {
-            "worker-heartbeat": {
-                "task": "pgsieve.worker_heartbeat",
-                "schedule": HEARTBEAT_EVERY.total_seconds(),
-            },
             "restart-pipelines": {
                 "task": "pgsieve.restart_pipelines",
                 "schedule": settings.restart_pipelines_seconds,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -204,7 +205,10 @@ class ConsumeCycle:
                 transport.close()
         except (psycopg.OperationalError, TransportError) as exc:
             if isinstance(exc, TransportError) and "does not exist" in str(exc):
-                return self._fail(f"the replication slot is gone: {exc}")
+                # A dropped slot or publication: no retry brings it back.
+                if re.search(r"replication slot \S+ does not exist", str(exc)):
+                    return self._fail(f"the replication slot is gone: {exc}")
+                return self._fail(str(exc))
             return self._transient(str(exc))
         finally:
             writer.close()
@@ -338,6 +342,7 @@ class _StreamRun:
                 now = time.monotonic()
                 if isinstance(item, Transaction):
                     self.batcher.add(item, now)
+                    fault_point("cycle.decoded")
                     if self.batcher.full:
                         self._flush()
                 elif isinstance(item, IdleProgress):
@@ -409,6 +414,12 @@ class _StreamRun:
                 return
             if lsn is not None and (sub.applied_lsn is None or lsn.value > sub.applied_lsn):
                 sub.applied_lsn = lsn.value
+            # Everything up to the idle position was read: received is never behind applied.
+            received = self.consumer.stats.last_received
+            for seen in (lsn, received):
+                if seen is not None and (sub.received_lsn is None
+                                         or seen.value > sub.received_lsn):
+                    sub.received_lsn = seen.value
             sub.oldest_unapplied_commit_ts = None
             sub.caught_up_at = utcnow()
             if source_lsn is not None:
@@ -461,6 +472,24 @@ class _StreamRun:
                 log.warning("%s", fenced)
                 raise _Stop(CycleOutcome("stopped", str(fenced), self.batches,
                                          self.changes)) from None
+            except Exception as exc:
+                if _transient(exc):
+                    raise  # the cycle retries (connection lost, deadlock, ...)
+                log.exception("subscription %s: a batch failed to apply",
+                              self.cycle.subscription_id)
+                failed = self._isolate_failure(batch, exc)
+                if failed is None:
+                    # Applied one transaction at a time, the batch went through: the
+                    # failure came from applying it set-based. Carry on.
+                    return
+                commit_lsn, error = failed
+                table = _error_table(error)
+                raise _Stop(self.cycle._fail(
+                    f"{'table ' + table + ': ' if table else ''}applying the transaction "
+                    f"committed at {commit_lsn} failed: {_describe(error)}. Fix the target, "
+                    f"or skip the transaction with POST /api/v1/subscriptions/"
+                    f"{self.cycle.subscription_id}/skip {{\"lsn\": \"{commit_lsn}\"}}",
+                    table=table)) from None
         finally:
             for txn in txns:
                 txn.close()
@@ -471,6 +500,34 @@ class _StreamRun:
         self.batches += 1
         self.changes += result.changes
         self._after_apply(result, elapsed)
+
+    def _isolate_failure(self, batch: ApplyBatch, error: Exception
+                         ) -> tuple[Lsn, Exception] | None:
+        """A batch failed for a reason other than a conflict (a target constraint, a
+        trigger, a type the target refuses): apply its transactions one at a time, each
+        committed and confirmed, up to the one that fails — so the target stops exactly
+        before the poisoned transaction, as native replication does, and the operator
+        can skip precisely that one. None when every transaction applied on its own."""
+        from pgsieve.spark.apply import apply_batch
+
+        if len(batch.transactions) == 1:
+            return batch.transactions[0].commit_lsn, error
+        for txn in batch.transactions:
+            started = time.monotonic()
+            try:
+                result = apply_batch(self.cycle.spark(), replace(batch, transactions=[txn]),
+                                     self.writer)
+            except (ApplyConflict, TableStopped) as stopped:
+                return stopped.commit_lsn, stopped
+            except Exception as exc:
+                if _transient(exc) or isinstance(exc, ApplyFenced):
+                    raise
+                return txn.commit_lsn, exc
+            self.consumer.confirm(result.end_lsn)
+            self.batches += 1
+            self.changes += result.changes
+            self._after_apply(result, time.monotonic() - started)
+        return None
 
     def _apply_prefix(self, batch: ApplyBatch, failed_commit: Lsn) -> None:
         """Apply (and confirm) the transactions of a failed batch that precede the one
@@ -514,6 +571,8 @@ class _StreamRun:
             if sub is None:
                 return
             sub.applied_lsn = result.end_lsn.value
+            if sub.received_lsn is None or result.end_lsn.value > sub.received_lsn:
+                sub.received_lsn = result.end_lsn.value
             sub.last_commit_ts = result.commit_time
             sub.oldest_unapplied_commit_ts = None
             if source_lsn is not None:
@@ -573,6 +632,35 @@ class _StreamRun:
                 UpdateImage.table_name == table,
                 UpdateImage.id.not_in(keep.scalar_subquery()),
             ))
+
+
+def _transient(exc: BaseException) -> bool:
+    """Errors a later attempt can get past by itself: the connection, the server going
+    away, deadlocks and serialization failures."""
+    return isinstance(exc, psycopg.OperationalError | psycopg.errors.TransactionRollback |
+                      TransportError)
+
+
+def _error_table(exc: BaseException) -> str | None:
+    if isinstance(exc, TableStopped | ApplyConflict):
+        return exc.table
+    if isinstance(exc, psycopg.Error) and exc.diag.table_name:
+        schema = exc.diag.schema_name
+        return f"{schema}.{exc.diag.table_name}" if schema else exc.diag.table_name
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    """The first line of the error (PostgreSQL's message and, if any, its detail)."""
+    if isinstance(exc, psycopg.Error) and exc.diag.message_primary:
+        text = exc.diag.message_primary
+        if exc.diag.message_detail:
+            text += f" ({exc.diag.message_detail})"
+        return text
+    if isinstance(exc, TableStopped | ApplyConflict):
+        return str(exc)
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def _unquoted_safe(name: str) -> str:

@@ -5,16 +5,20 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from typing import Any
 
 from celery import Task
 from celery.signals import worker_ready, worker_shutting_down
+from sqlalchemy import update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_scope
 from pgsieve.core.models import WorkerHeartbeat, utcnow
 from pgsieve.core.settings import Settings
-from pgsieve.workers.celery_app import celery_app
+from pgsieve.workers.celery_app import HEARTBEAT_EVERY, celery_app
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +34,62 @@ def record_heartbeat(session: Session, worker: str, details: dict[str, Any]) -> 
         session.add(WorkerHeartbeat(worker=worker, beat_at=utcnow(), details=details))
     else:
         beat.beat_at = utcnow()
-        beat.details = details
+        beat.details = {**beat.details, **details}
+
+
+def touch_heartbeat(session: Session, worker: str, pid: int) -> None:
+    """The worker's own beat: one UPDATE of the time (never a read-modify-write of the
+    details a task may be writing at the same moment), or the first row."""
+    updated = session.execute(update(WorkerHeartbeat).where(WorkerHeartbeat.worker == worker)
+                              .values(beat_at=utcnow()))
+    if not getattr(updated, "rowcount", 0):
+        session.add(WorkerHeartbeat(worker=worker, beat_at=utcnow(), details={"pid": pid}))
 
 
 @celery_app.task(name="pgsieve.worker_heartbeat", bind=True)
 def worker_heartbeat(self: Task[Any, Any]) -> str:
-    """Record that a worker is alive (beat sends it; any worker may pick it up)."""
+    """Record that the worker that runs it is alive and consuming tasks (a broker round
+    trip; each worker also records its own heartbeat, see :func:`start_heartbeat`)."""
     worker = self.request.hostname or f"{socket.gethostname()}:{os.getpid()}"
-    with session_scope(_settings(self).effective_database_url) as session:
-        record_heartbeat(session, worker, {"pid": os.getpid()})
+    url = _settings(self).effective_database_url
+    for attempt in range(3):
+        try:
+            with session_scope(url) as session:
+                record_heartbeat(session, worker, {"pid": os.getpid(),
+                                                   "last_task": self.request.id})
+            break
+        except IntegrityError:  # the worker's own first beat inserted the row meanwhile
+            if attempt == 2:
+                raise
     return worker
+
+
+_heartbeat_stop = threading.Event()
+
+
+@worker_ready.connect
+def start_heartbeat(sender: Any = None, **_: Any) -> None:
+    """Every worker records its own heartbeat every ``HEARTBEAT_EVERY`` (a task from beat
+    would reach one worker of many, and never a busy one)."""
+    settings: Settings = celery_app.conf.pgsieve_settings
+    worker = getattr(sender, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
+    every = HEARTBEAT_EVERY.total_seconds()
+
+    def beat() -> None:
+        while True:
+            try:
+                try:
+                    with session_scope(settings.effective_database_url) as session:
+                        touch_heartbeat(session, worker, os.getpid())
+                except IntegrityError:  # a task inserted the row meanwhile: just update
+                    with session_scope(settings.effective_database_url) as session:
+                        touch_heartbeat(session, worker, os.getpid())
+            except Exception as exc:  # the metadata store is down: try again later
+                log.warning("cannot record the worker heartbeat: %s", scrub_secrets(str(exc)))
+            if _heartbeat_stop.wait(every):
+                return
+
+    threading.Thread(target=beat, name="pgsieve-heartbeat", daemon=True).start()
 
 
 @celery_app.task(name="pgsieve.consume_cycle", bind=True, acks_late=True)
@@ -99,3 +149,4 @@ def stop_consume_cycles(**_: Any) -> None:
     from pgsieve.workers.pipeline import WORKER_STOPPING
 
     WORKER_STOPPING.set()
+    _heartbeat_stop.set()

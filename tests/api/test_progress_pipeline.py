@@ -16,6 +16,8 @@ from tests.conftest import Database
 
 SOURCE = """
 CREATE TABLE public.orders (id bigint PRIMARY KEY, region text, amount int NOT NULL);
+-- The filter's column must be in the replica identity for UPDATEs to be published.
+ALTER TABLE public.orders REPLICA IDENTITY FULL;
 CREATE PUBLICATION pub_eu FOR TABLE public.orders WHERE (region = 'eu');
 """
 TARGET = "CREATE TABLE public.orders (id bigint PRIMARY KEY, region text, amount int NOT NULL)"
@@ -63,6 +65,8 @@ def test_lag_grows_while_the_consumer_is_stopped_and_returns_to_zero(
                    "lag 0 with a running consumer", live)
     assert p["lag_basis"] == "slot" and p["state"] == "streaming", p
     assert p["tables"][0]["inserts"] == 100 and p["applied_lsn"] and p["last_commit_ts"], p
+    assert _lsn(p["received_lsn"]) >= _lsn(p["applied_lsn"]), p
+    assert _lsn(p["source_lsn"]) >= _lsn(p["applied_lsn"]), p
     assert _eu_rows(target_db) == _eu_rows(source_db)
 
     # Stop the only worker: nobody consumes; lag (seen on the slot itself) grows.
@@ -102,3 +106,17 @@ def test_lag_grows_while_the_consumer_is_stopped_and_returns_to_zero(
         values[("pgsieve_subscription_batch_apply_seconds_count", None)]
     assert [s.value for s in families["pgsieve_subscription_lag_seconds"].samples] == [0.0]
     assert [s.value for s in families["pgsieve_subscription_applied_changes"].samples] == [200]
+
+    # Updates and a TRUNCATE (never filtered) are counted per table as they apply.
+    source_db.execute("UPDATE public.orders SET amount = amount + 1 WHERE id <= 30")
+    wait_until(lambda: progress()["tables"][0]["updates"] == 10, 60, "10 updates", live)
+    source_db.execute("TRUNCATE public.orders")
+    wait_until(lambda: progress()["tables"][0]["truncates"] == 1, 60, "the truncate", live)
+    assert target_db.query("SELECT count(*) FROM orders") == [(0,)]
+    last = wait_until(lambda: (q := progress()) and caught_up(q) and q, 60, "lag 0", live)
+    assert _lsn(last["received_lsn"]) >= _lsn(last["applied_lsn"]) > _lsn(p["applied_lsn"])
+
+
+def _lsn(text: str) -> int:
+    hi, lo = text.split("/")
+    return (int(hi, 16) << 32) | int(lo, 16)

@@ -78,13 +78,57 @@ def test_create_with_copy_data_leaves_the_slot_to_the_sync_job(client, env, sour
     assert jobs == [("initial_sync", "queued", sub["id"])]
 
 
-def test_adopts_an_existing_slot_and_keeps_it_on_delete(client, env, source_db):
+def test_adopts_an_existing_slot_and_drops_it_on_delete_unless_kept(client, env, source_db):
+    """As ``DROP SUBSCRIPTION``: the slot goes with the subscription, whoever created it,
+    unless the delete says to keep it."""
     source_db.execute("SELECT pg_create_logical_replication_slot('mine', 'pgoutput')")
     r = client.post("/api/v1/subscriptions", json=_body(env, slot_name="mine"))
     assert r.status_code == 201, r.text
     assert r.json()["slot_owned"] is False
-    assert client.delete(f"/api/v1/subscriptions/{r.json()['id']}").status_code == 204
+    r = client.delete(f"/api/v1/subscriptions/{r.json()['id']}", params={"keep_slot": "true"})
+    assert r.status_code == 204
     assert _slots(source_db) == ["mine"]
+    r = client.post("/api/v1/subscriptions", json=_body(env, slot_name="mine"))
+    assert client.delete(f"/api/v1/subscriptions/{r.json()['id']}").status_code == 204
+    assert _slots(source_db) == []
+
+
+def test_delete_with_an_unreachable_source(client, env, source_db, metadata_engine):
+    """The slot cannot be dropped: refused with a hint, unless the slot is to be kept."""
+    sub = client.post("/api/v1/subscriptions", json=_body(env)).json()
+    with psycopg.connect(source_db.cluster.dsn("postgres"), autocommit=True) as conn:
+        conn.execute(f'ALTER DATABASE "{source_db.name}" ALLOW_CONNECTIONS false')
+    try:
+        body = assert_problem(client.delete(f"/api/v1/subscriptions/{sub['id']}"), 422,
+                              "source_unreachable")
+        assert "keep_slot=true" in body["detail"]
+        assert client.get(f"/api/v1/subscriptions/{sub['id']}").json()["enabled"] is True
+        r = client.delete(f"/api/v1/subscriptions/{sub['id']}", params={"keep_slot": "true"})
+        assert r.status_code == 204
+        assert _count(metadata_engine, Subscription) == 0
+    finally:
+        with psycopg.connect(source_db.cluster.dsn("postgres"), autocommit=True) as conn:
+            conn.execute(f'ALTER DATABASE "{source_db.name}" ALLOW_CONNECTIONS true')
+    assert _slots(source_db) == ["pgsieve_sub1"]
+
+
+def test_patch_options(client, env):
+    sub = client.post("/api/v1/subscriptions", json=_body(env, enabled=False)).json()
+    assert sub["options"]["on_conflict"] == "error"
+    r = client.patch(f"/api/v1/subscriptions/{sub['id']}",
+                     json={"options": {"on_conflict": "skip", "batch_max_wait_ms": 100}})
+    assert r.status_code == 200, r.text
+    assert r.json()["options"]["on_conflict"] == "skip"
+    assert r.json()["options"]["batch_max_wait_ms"] == 100
+    assert r.json()["options"]["batch_max_changes"] == 200_000  # untouched
+    for bad in ({"options": {"on_conflict": "explode"}}, {"options": {"batch_max_changes": 0}},
+                {"name": "x"}, {}):
+        assert_problem(client.patch(f"/api/v1/subscriptions/{sub['id']}", json=bad), 422,
+                       "validation_error")
+    assert client.get(f"/api/v1/subscriptions/{sub['id']}").json()["options"] == r.json()[
+        "options"]
+    assert_problem(client.patch("/api/v1/subscriptions/nope", json={"options": {}}), 404,
+                   "subscription_not_found")
 
 
 def test_delete_drops_an_owned_slot_unless_kept(client, env, source_db, metadata_engine):
@@ -164,6 +208,24 @@ def test_target_column_mismatch(client, env, source_db, target_db, metadata_engi
                           "target_column_mismatch")
     assert "amount" in body["detail"]
     assert _slots(source_db) == [] and _count(metadata_engine, Subscription) == 0
+
+
+def test_column_list_publication_needs_only_the_published_columns(client, env, source_db,
+                                                                  target_db, metadata_engine):
+    """A target that holds only what a column list publishes is what PostgreSQL accepts;
+    a published column the target lacks is still refused."""
+    source_db.execute("CREATE PUBLICATION pub_slim FOR TABLE public.orders (id, region)")
+    target_db.execute("ALTER TABLE public.orders DROP COLUMN amount")
+    r = client.post("/api/v1/subscriptions", json=_body(env, publications=["pub_slim"]))
+    assert r.status_code == 201, r.text
+    assert [t["table"] for t in r.json()["tables"]] == ["public.orders"]
+
+    target_db.execute("ALTER TABLE public.orders DROP COLUMN region")
+    body = assert_problem(client.post("/api/v1/subscriptions", json=_body(
+        env, name="sub2", slot_name="pgsieve_sub2", publications=["pub_slim"])),
+        422, "target_column_mismatch")
+    assert "region" in body["detail"]
+    assert _count(metadata_engine, Subscription) == 1
 
 
 def test_unreachable_source_is_a_4xx(client, env, source_db, metadata_engine):

@@ -6,6 +6,7 @@ consumer per subscription however many workers; errors stop it with table, key a
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from pathlib import Path
@@ -148,6 +149,7 @@ def test_two_workers_only_one_consumes(tmp_path: Path, source_db, target_db, nat
         env.start_worker("w1")
         env.start_worker("w2")
         owners: set[str] = set()
+        readers_seen: list[int] = []
         stop = threading.Event()
 
         def watch() -> None:
@@ -157,7 +159,7 @@ def test_two_workers_only_one_consumes(tmp_path: Path, source_db, target_db, nat
                     owners.add(consumer["owner"])
                 active = source_db.query("SELECT count(*) FROM pg_stat_activity WHERE "
                                          "application_name = 'pgsieve-consumer'")[0][0]
-                assert active <= 1
+                readers_seen.append(int(str(active)))
                 time.sleep(0.2)
 
         watcher = threading.Thread(target=watch)
@@ -173,6 +175,8 @@ def test_two_workers_only_one_consumes(tmp_path: Path, source_db, target_db, nat
             stop.set()
             watcher.join()
         assert owners, "a consumer ran"
+        assert readers_seen and max(readers_seen) == 1, \
+            f"at most one backend may read the slot at a time: {max(readers_seen)}"
         assert env.subscription(sub_id)["state"] == "streaming"
         with session_factory(env.settings.effective_database_url)() as session:
             sub = session.get(Subscription, sub_id)
@@ -207,3 +211,39 @@ def test_conflict_stops_the_pipeline_then_skip_gets_past_it(tmp_path: Path, sour
             (1, "a", "one"), (2, "preexisting", "target only"), (3, "a", "three")]
         sub = env.subscription(sub_id)
         assert sub["state"] == "streaming" and sub["skip_lsn"] is None
+
+
+def test_a_target_error_stops_at_the_failing_transaction(tmp_path: Path, source_db, target_db,
+                                                        native_db):
+    """A target-side constraint the source does not have: the pipeline applies everything
+    before the failing transaction, stops with the table, PostgreSQL's message and the
+    transaction's LSN, and resumes once the target is fixed."""
+    prepare(source_db, target_db, native_db)
+    target_db.execute("ALTER TABLE events ADD CONSTRAINT short CHECK (length(payload) < 10)")
+    with pipeline_env(tmp_path) as env:
+        sub_id = create_subscription(env, source_db, target_db, batch_max_wait_ms=2000)
+        env.start_worker()
+        # Three transactions that arrive in one micro-batch; the second one fails.
+        source_db.execute("INSERT INTO events VALUES (1, 'a', 'ok')")
+        bad = source_db.query("INSERT INTO events VALUES (2, 'a', 'far too long') "
+                              "RETURNING pg_current_wal_insert_lsn()")
+        assert bad
+        source_db.execute("INSERT INTO events VALUES (3, 'a', 'ok too')")
+        wait_until(lambda: env.subscription(sub_id)["state"] == "error", 90,
+                   "the target error to stop the pipeline", env)
+        sub = env.subscription(sub_id)
+        assert "public.events" in sub["error"] and "check constraint" in sub["error"]
+        lsn = re.search(r"committed at (\S+) failed", sub["error"])
+        assert lsn, sub["error"]
+        tables = {t["table"]: t for t in sub["tables"]}
+        assert tables["public.events"]["error"] == sub["error"]
+        # Exactly the transaction before the failing one was applied (and recorded).
+        assert table_rows(target_db, "events", "id") == [(1, "a", "ok")]
+
+        target_db.execute("ALTER TABLE events DROP CONSTRAINT short")
+        env.api("POST", f"/subscriptions/{sub_id}/enable")
+        wait_until(lambda: len(table_rows(target_db, "events", "id")) == 3, 90,
+                   "the pipeline to resume once the target is fixed", env)
+        sub = env.subscription(sub_id)
+        assert sub["state"] == "streaming" and sub["error"] is None
+        assert {t["table"]: t["error"] for t in sub["tables"]}["public.events"] is None

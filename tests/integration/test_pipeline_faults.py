@@ -34,7 +34,16 @@ from tests.integration.test_pipeline import (
 )
 
 RUNS = 20
-FAULT_POINTS = ("cycle.before_apply", "apply.before_commit", "cycle.after_commit")
+FAULT_POINTS = (
+    "cycle.decoded",        # during decode: transactions read, the batch not yet applied
+    "cycle.before_apply",   # a whole batch read, nothing staged
+    "apply.before_commit",  # staged and merged, the target transaction not committed
+    "cycle.after_commit",   # committed at the target, the slot not yet told
+)
+SPARK_POINT = "spark.task_staged"  # inside the Spark job: a task staged, the job not done
+SPARK_SEEDS = (2, 14)
+"""Runs whose batches apply through Spark tasks (and are killed in the middle of the
+Spark job); each starts a JVM per worker start, so only a few."""
 MAX_KILLS = 3
 
 
@@ -67,20 +76,28 @@ class Chaos:
 
     def __init__(self, seed: int) -> None:
         self.rnd = random.Random(seed)
-        self.point = FAULT_POINTS[seed % len(FAULT_POINTS)] if seed % 4 != 3 else None
+        self.spark = seed in SPARK_SEEDS
+        kinds = (*FAULT_POINTS, None)  # None: killed from outside at random moments
+        self.point = SPARK_POINT if self.spark else kinds[seed % len(kinds)]
         self.external_kills = self.rnd.randint(1, 2) if self.point is None else 0
-        self.restart_source = seed % 5 == 1
-        self.stop_target = seed % 5 == 2
+        self.restart_source = seed % 7 in (1, 4)
+        self.stop_target = seed % 7 in (2, 5)
 
-    def worker_env(self, kills: int) -> dict[str, str]:
-        if self.point is None or kills >= MAX_KILLS:
-            return {}
+    def worker_env(self, kills: int | None = None) -> dict[str, str]:
+        """The worker's environment; with ``kills``, the fault to die of (until MAX_KILLS)."""
+        env = {"PGSIEVE_SPARK_APPLY_MIN_CHANGES": "1", "PGSIEVE_SPARK_WARMUP": "true"} \
+            if self.spark else {}
+        # Every restart of a Spark run starts a JVM: two kills there, three elsewhere.
+        if self.point is None or kills is None or kills >= MAX_KILLS - self.spark:
+            return env
         # Deterministic: the worker kills itself the Nth time it passes the point.
-        return {"PGSIEVE_FAULTS": f"{self.point}@{self.rnd.randint(1, 4)}"}
+        nth = 1 if self.spark else self.rnd.randint(1, 4)
+        return {**env, "PGSIEVE_FAULTS": f"{self.point}@{nth}"}
 
     def describe(self) -> dict[str, Any]:
         return {"fault_point": self.point, "external_kills": self.external_kills,
-                "restart_source": self.restart_source, "stop_target": self.stop_target}
+                "spark": self.spark, "restart_source": self.restart_source,
+                "stop_target": self.stop_target}
 
 
 @pytest.mark.slow
@@ -120,7 +137,7 @@ def test_crashes_lose_nothing_and_apply_nothing_twice(seed: int, tmp_path: Path,
                     external_at.pop(0)
                     env.kill(worker)
                     kills += 1
-                    worker = env.start_worker()
+                    worker = env.start_worker(**chaos.worker_env())
                 if not disrupted and elapsed >= 2.5:
                     disrupted = True
                     _disrupt(chaos, source_db, target_db)

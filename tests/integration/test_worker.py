@@ -21,16 +21,17 @@ from pgsieve.workers.celery_app import make_celery
 REDIS = "redis://127.0.0.1:6379/11"
 
 
-def _heartbeats(url: str) -> list[str]:
+def _heartbeats(url: str) -> dict[str, dict[str, object]]:
     engine = create_engine(url)
     try:
         with engine.connect() as conn:
-            return list(conn.execute(select(WorkerHeartbeat.worker)).scalars())
+            return {w: dict(d) for w, d in conn.execute(
+                select(WorkerHeartbeat.worker, WorkerHeartbeat.details))}
     finally:
         engine.dispose()
 
 
-def _run_worker_and_send(tmp_path: Path, broker: str | None) -> list[str]:
+def _run_worker_and_send(tmp_path: Path, broker: str | None) -> dict[str, dict[str, object]]:
     home = tmp_path / "home"
     db_url = f"sqlite:///{tmp_path / 'meta.db'}"
     upgrade(db_url)
@@ -39,33 +40,36 @@ def _run_worker_and_send(tmp_path: Path, broker: str | None) -> list[str]:
     queue = f"q-{uuid.uuid4().hex[:8]}"
     if broker:
         env["PGSIEVE_BROKER_URL"] = broker
+    log = tmp_path / "worker.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "pgsieve.cli", "worker", "-Q", queue, "--concurrency=1"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )
     try:
         settings = Settings(home=home, database_url=db_url, broker_url=broker)
         producer = make_celery(settings)
-        producer.send_task("pgsieve.worker_heartbeat", queue=queue)
+        sent = producer.send_task("pgsieve.worker_heartbeat", queue=queue)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             beats = _heartbeats(db_url)
-            if beats:
+            # The task went through the broker to the worker (which also beats by itself).
+            if any(d.get("last_task") == sent.id for d in beats.values()):
                 return beats
-            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert proc.poll() is None, log.read_text(errors="replace")
             time.sleep(0.3)
-        pytest.fail("the worker did not run the task within 60 s")
+        pytest.fail("the worker did not run the task within 60 s:\n"
+                    + log.read_text(errors="replace")[-5000:])
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    return []
+    return {}
 
 
 def test_worker_on_redis(tmp_path):
     client = redis.Redis.from_url(REDIS)
     assert client.ping()
     beats = _run_worker_and_send(tmp_path, REDIS)
-    assert len(beats) == 1 and beats[0].startswith("celery@")
+    assert len(beats) == 1 and next(iter(beats)).startswith("celery@")
 
 
 def test_worker_on_embedded_filesystem_broker(tmp_path):
@@ -79,3 +83,30 @@ def test_celery_task_options():
     assert app.conf.task_acks_late is True
     assert app.conf.worker_prefetch_multiplier == 1
     assert app.conf.task_reject_on_worker_lost is True
+
+
+def test_every_worker_records_its_own_heartbeat(tmp_path):
+    """No beat, no task: each worker says it is alive by itself, under its own name."""
+    db_url = f"sqlite:///{tmp_path / 'meta.db'}"
+    upgrade(db_url)
+    env = {**os.environ, "PGSIEVE_HOME": str(tmp_path / "home"), "PGSIEVE_DATABASE_URL": db_url,
+           "PGSIEVE_BROKER_URL": REDIS}
+    queue = f"q-{uuid.uuid4().hex[:8]}"
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "pgsieve.cli", "worker", "-Q", queue, "--concurrency=1",
+         "-n", f"{name}@%h"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for name in ("one", "two")]
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            beats = _heartbeats(db_url)
+            if len(beats) == 2:
+                break
+            time.sleep(0.3)
+        assert sorted(w.split("@")[0] for w in beats) == ["one", "two"]
+        assert {d["pid"] for d in beats.values()} == {p.pid for p in procs}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)

@@ -34,11 +34,13 @@ from pgsieve.api.deps import (
 from pgsieve.api.schemas.subscriptions import (
     SkipRequest,
     SubscriptionCreate,
+    SubscriptionOptions,
     SubscriptionOut,
+    SubscriptionPatch,
 )
 from pgsieve.core import pgserver
 from pgsieve.core.credentials import scrub_secrets
-from pgsieve.core.errors import Conflict, NotFound, Unprocessable
+from pgsieve.core.errors import Conflict, NotFound, Unprocessable, Unreachable
 from pgsieve.core.lsn import InvalidLsn, Lsn, format_lsn
 from pgsieve.core.models import ConsumerLock, Job, Subscription, SubscriptionTable, utcnow
 from pgsieve.core.pubcatalog import read_publications, read_tables
@@ -136,12 +138,13 @@ def _published_relations(conn: Any, publications: list[str]) -> list[str]:
 
 
 def _check_target(settings: Settings, source_conn: Any, target_dsn: str,
-                  relations: list[str]) -> None:
-    """Every relation must exist in the target with compatible columns."""
+                  relations: list[str], publications: list[str] | None = None) -> None:
+    """Every relation must exist in the target with columns compatible with what the
+    publications send (their column lists; every column without ``publications``)."""
     from pgsieve.workers.target import check_target_tables
 
     check_target_tables(source_conn, target_dsn, relations,
-                        connect_timeout=settings.connect_timeout)
+                        connect_timeout=settings.connect_timeout, publications=publications)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SubscriptionOut)
@@ -163,7 +166,8 @@ def create_subscription(
     publications = list(dict.fromkeys(body.publications))
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         relations = _published_relations(conn, publications)
-        _check_target(settings, conn, box.decrypt(target.dsn_encrypted), relations)
+        _check_target(settings, conn, box.decrypt(target.dsn_encrypted), relations,
+                      publications)
     with source_connection(source, settings, box) as conn:
         existing = pgserver.get_slot(conn, slot_name)
         if existing is not None:
@@ -240,12 +244,34 @@ def get_subscription(subscription_id: str, session: SessionDep) -> dict[str, Any
     return subscription_out(session, load_subscription(session, subscription_id))
 
 
+def _clear_stream_errors(sub: Subscription) -> None:
+    """The stream's per-table errors go with the subscription's (a table whose copy
+    failed keeps its own until its sync succeeds)."""
+    for table in sub.tables:
+        if table.sync_state in ("ready", "catchup"):
+            table.error = None
+
+
 def _resume_state(sub: Subscription) -> str:
     if any(t.sync_state in ("init", "copy") for t in sub.tables) and sub.state in (
         "initializing", "syncing"
     ):
         return sub.state
     return "streaming"
+
+
+@router.patch("/{subscription_id}", response_model=SubscriptionOut)
+def patch_subscription(
+    subscription_id: str, body: SubscriptionPatch, session: SessionDep
+) -> dict[str, Any]:
+    """Change options (e.g. ``on_conflict`` after a conflict stopped the pipeline). A
+    running consume cycle picks up ``on_conflict`` within a second, everything else at its
+    next cycle; an errored pipeline still needs ``…/enable``."""
+    sub = load_subscription(session, subscription_id)
+    changes = body.options.model_dump(exclude_none=True)
+    sub.options = SubscriptionOptions(**{**sub.options, **changes}).model_dump()
+    session.commit()
+    return subscription_out(session, sub)
 
 
 @router.post("/{subscription_id}/enable", response_model=SubscriptionOut)
@@ -256,6 +282,8 @@ def enable_subscription(
     sub = load_subscription(session, subscription_id)
     sub.enabled = True
     if sub.state in ("paused", "error"):
+        if sub.state == "error":
+            _clear_stream_errors(sub)
         sub.state = _resume_state(sub)
         sub.error = None
     session.commit()
@@ -293,6 +321,7 @@ def skip_transaction(
             f"(applied up to {format_lsn(sub.applied_lsn)})", code="skip_lsn_already_applied")
     sub.skip_lsn = lsn.value
     if sub.state == "error" and sub.enabled:
+        _clear_stream_errors(sub)
         sub.state = _resume_state(sub)
         sub.error = None
     session.commit()
@@ -341,8 +370,10 @@ def delete_subscription(
     box: SecretBoxDep,
     keep_slot: bool = Query(default=False, description="leave the replication slot"),
 ) -> Response:
-    """Stop the consumer, drop the slot (unless kept or adopted) and the sync slots, forget
-    the target's applied-LSN record, then the metadata."""
+    """Stop the consumer, drop the slot (unless kept — adopted slots too, as ``DROP
+    SUBSCRIPTION`` does) and the sync slots, forget the target's applied-LSN record, then
+    the metadata. With ``keep_slot`` an unreachable source does not block the delete
+    (like ``ALTER SUBSCRIPTION … SET (slot_name = NONE)`` before ``DROP``)."""
     sub = load_subscription(session, subscription_id)
     was_enabled = sub.enabled
     sub.enabled = False
@@ -350,12 +381,22 @@ def delete_subscription(
     try:
         _wait_for_consumer_to_stop(session, sub, settings)
         source = load_source(session, sub.source_id)
-        with source_connection(source, settings, box) as conn:
-            for table in sub.tables:
-                if table.sync_slot and pgserver.get_slot(conn, table.sync_slot):
-                    pgserver.drop_slot(conn, table.sync_slot)
-            if sub.slot_owned and not keep_slot and pgserver.get_slot(conn, sub.slot_name):
-                pgserver.drop_slot(conn, sub.slot_name)
+        try:
+            with source_connection(source, settings, box) as conn:
+                for table in sub.tables:
+                    if table.sync_slot and pgserver.get_slot(conn, table.sync_slot):
+                        pgserver.drop_slot(conn, table.sync_slot)
+                if not keep_slot and pgserver.get_slot(conn, sub.slot_name):
+                    pgserver.drop_slot(conn, sub.slot_name)
+        except Unreachable as exc:
+            if not keep_slot:
+                raise Unreachable(
+                    f"{exc.detail}; the slot '{sub.slot_name}' cannot be dropped. Delete with "
+                    "?keep_slot=true to leave it (and drop it on the source later)",
+                    code=exc.code) from None
+            left = [sub.slot_name] + [t.sync_slot for t in sub.tables if t.sync_slot]
+            log.warning("subscription %s deleted while its source is unreachable; slots "
+                        "left on the source: %s", sub.name, ", ".join(left))
     except BaseException:
         sub.enabled = was_enabled
         session.commit()

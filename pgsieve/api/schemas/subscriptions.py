@@ -43,6 +43,22 @@ class SubscriptionCreate(StrictModel):
     options: SubscriptionOptions = Field(default_factory=SubscriptionOptions)
 
 
+class SubscriptionOptionsPatch(StrictModel):
+    """Options to change; those left out keep their value."""
+
+    on_conflict: Literal["error", "skip", "upsert"] | None = None
+    batch_max_changes: int | None = Field(default=None, ge=1, le=10_000_000)
+    batch_max_bytes: int | None = Field(default=None, ge=1 << 10, le=4 << 30)
+    batch_max_wait_ms: int | None = Field(default=None, ge=0, le=600_000)
+    transport: Literal["sql", "walsender"] | None = None
+    binary: bool | None = None
+    streaming: bool | None = None
+
+
+class SubscriptionPatch(StrictModel):
+    options: SubscriptionOptionsPatch
+
+
 class SkipRequest(StrictModel):
     lsn: str = Field(
         min_length=3, max_length=17,
