@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pgsieve.core.pgcluster import free_port
 
@@ -56,6 +57,11 @@ def _read_banner(proc: subprocess.Popen[str], timeout: float = 180) -> str:
             return "".join(lines)
     proc.kill()
     pytest.fail("the demo never printed its banner:\n" + "".join(lines))
+
+
+def _lsn(text: str) -> int:
+    hi, lo = text.split("/")
+    return (int(hi, 16) << 32) | int(lo, 16)
 
 
 def test_demo_runs_and_ctrl_c_stops_everything(demo_home: Path):
@@ -117,6 +123,35 @@ def test_demo_runs_and_ctrl_c_stops_everything(demo_home: Path):
         assert not_eu == 0, "only rows matching the filter reach the target"
         assert copied > 6000, f"the initial copy of the 6,666 'eu' orders is missing: {seen}"
         assert newest > 20000, f"new orders never reached the target: {seen}"
+
+        # What the printed dashboard URL opens moves: the subscription's progress (LSNs,
+        # per-table counters) and /metrics follow the workload.
+        sub_id = subs[0]["id"]
+        assert f"&next=/subscriptions/{sub_id}" in banner
+        first = api.get(f"/subscriptions/{sub_id}/progress").json()
+        assert first["source_lsn"] and first["source_reachable"], first
+        orders = {t["table"]: t for t in first["tables"]}["public.orders"]
+        assert orders["rows_copied"] > 6000 and orders["sync_state"] == "ready", orders
+        applied: list[int] = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            later = api.get(f"/subscriptions/{sub_id}/progress").json()
+            if later["applied_lsn"]:
+                applied.append(_lsn(later["applied_lsn"]))
+            inserts = {t["table"]: t for t in later["tables"]}["public.orders"]["inserts"]
+            if len(set(applied)) >= 2 and inserts > 0:
+                break
+            time.sleep(1)
+        else:
+            pytest.fail(f"the demo's progress never moved: {first} -> {later}")
+        assert applied == sorted(applied), "the applied LSN only moves forward"
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics",
+                            headers={"Authorization": f"Bearer {token}"}).text
+        changes = [sample.value for family in text_string_to_metric_families(metrics)
+                   if family.name == "pgsieve_subscription_applied_changes"
+                   for sample in family.samples]
+        assert changes and changes[0] > 0, changes
+        assert token not in metrics
 
         proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         assert proc.wait(timeout=60) == 0

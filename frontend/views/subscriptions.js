@@ -113,7 +113,7 @@ export async function subscriptionDetail(root, ctx, id) {
     get(`/sources/${sub.source_id}`).catch(() => null),
     get(`/targets/${sub.target_id}`).catch(() => null)]);
 
-  const stateBadge = h("span");
+  const stateBadge = h("span", { "data-test": "sub-state" });
   const actions = h("div", { class: "actions" });
   const message = h("div");
   const alerts = h("div");
@@ -195,8 +195,11 @@ export async function subscriptionDetail(root, ctx, id) {
       } }, label);
     fill(actions,
       p.enabled ? button("Disable", "disable", "disable") : button("Enable", "enable", "enable"),
+      h("button", { type: "button", "data-test": "refresh-publications",
+        title: "pick up tables added to (or dropped from) the publications",
+        onclick: refreshPublications }, "Refresh publications"),
       h("button", { type: "button", class: "danger", onclick: async () => {
-        if (!confirm(`Delete subscription ${sub.name}? Its slot is dropped unless it was adopted.`)) return;
+        if (!confirm(`Delete subscription ${sub.name}? Its replication slot is dropped too.`)) return;
         try {
           await del(`/subscriptions/${id}`);
           location.hash = "#/subscriptions";
@@ -239,6 +242,21 @@ export async function subscriptionDetail(root, ctx, id) {
         onclick: () => resync(t.table) }, "Resync")))));
     if (!p.tables.length) {
       tablesBody.append(h("tr", {}, h("td", { colspan: 9, class: "muted" }, "no tables")));
+    }
+  }
+
+  async function refreshPublications() {
+    try {
+      const out = await post(`/subscriptions/${id}/refresh`, { copy_data: true });
+      const said = [];
+      if (out.added.length) said.push(`added ${out.added.join(", ")}`);
+      if (out.removed.length) said.push(`removed ${out.removed.join(", ")}`);
+      fill(message, h("div", { class: "muted", "data-test": "refresh-result" },
+        said.length ? said.join("; ") : "the publications publish no new tables"));
+      if (out.job_id) watchJob(out.job_id, out.added.join(", "));
+      await refresh();
+    } catch (err) {
+      fill(message, errorBox(err));
     }
   }
 

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import logging
 import re
+import traceback
 from urllib.parse import quote, urlsplit
 
 from cryptography.fernet import Fernet, InvalidToken
@@ -140,6 +141,14 @@ class SecretsFilter(logging.Filter):
         scrubbed = _scrub(message)
         if scrubbed != message:
             record.msg, record.args = scrubbed, None
+        if record.exc_info and record.exc_info[0] is not None:
+            # A traceback repeats the exception's text: format it now, scrubbed, so the
+            # handler prints this text instead of formatting the raw exception again.
+            text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+            record.exc_text = _scrub(text)
+            record.exc_info = None
+        elif record.exc_text:
+            record.exc_text = _scrub(record.exc_text)
         return True
 
 

@@ -212,6 +212,34 @@ def test_publication_with_filter_subscription_and_lag_to_zero(
     expect(lag).to_have_attribute("data-value", "0", timeout=60_000)
     shot(page, "subscription-resynced")
 
+    # -- disable: the consumer lets go and the subscription shows paused; enable again --
+    page.get_by_test_id("disable").click()
+    expect(page.get_by_test_id("sub-state")).to_contain_text("paused")
+    expect(page.get_by_test_id("consumer")).to_contain_text("stopped", timeout=30_000)
+    source_db.execute("INSERT INTO public.orders VALUES (5001, 'eu', 1)")
+    expect(lag).not_to_have_attribute("data-value", "0", timeout=30_000)
+    page.get_by_test_id("enable").click()
+    expect(page.get_by_test_id("sub-state")).to_contain_text("streaming")
+    expect(lag).to_have_attribute("data-value", "0", timeout=60_000)
+    assert target_db.query("SELECT id FROM public.orders WHERE id = 5001") == [(5001,)]
+    shot(page, "subscription-disabled-and-enabled")
+
+    # -- refresh publications: a table added to the publication joins, copied -----------
+    source_db.execute("CREATE TABLE public.regions (code text PRIMARY KEY, name text);"
+                      "INSERT INTO public.regions VALUES ('eu', 'Europe'), ('us', 'USA')")
+    target_db.execute("CREATE TABLE public.regions (code text PRIMARY KEY, name text)")
+    source_id = live.api("GET", "/sources")[0]["id"]
+    live.api("PATCH", f"/sources/{source_id}/publications/pub_eu",
+             json={"add_tables": [{"table": "public.regions"}]})
+    page.get_by_test_id("refresh-publications").click()
+    expect(page.get_by_test_id("refresh-result")).to_contain_text("added public.regions")
+    expect(page.get_by_test_id("table-public.regions")).to_contain_text("ready",
+                                                                          timeout=120_000)
+    assert target_db.query("SELECT * FROM public.regions ORDER BY 1") == [
+        ("eu", "Europe"), ("us", "USA")]
+    page.get_by_test_id("refresh-publications").click()
+    expect(page.get_by_test_id("refresh-result")).to_contain_text("no new tables")
+
 
 def test_table_sync_progress_bars(page: Page, live: LiveDeployment, source_db: Database,
                                   target_db: Database):

@@ -64,3 +64,26 @@ def test_scrub_and_log_filter(caplog):
     record = logger.makeRecord("x", logging.INFO, __file__, 1, "dsn=%s", (text,), None)
     handler.filter(record)
     assert "hunter2" not in record.getMessage()
+
+
+def test_log_filter_scrubs_tracebacks():
+    """``log.exception`` prints the exception's text again in the traceback."""
+    import io
+    import sys
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(SecretsFilter())
+    logger = logging.getLogger("pgsieve.test.scrub.traceback")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        raise RuntimeError("cannot connect to postgresql://u:hunter2@h/d")
+    except RuntimeError:
+        assert sys.exc_info()[0] is RuntimeError
+        logger.exception("a batch failed")
+    finally:
+        logger.removeHandler(handler)
+    out = stream.getvalue()
+    assert "Traceback" in out and "RuntimeError" in out and "a batch failed" in out
+    assert "hunter2" not in out

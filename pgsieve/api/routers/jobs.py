@@ -33,7 +33,7 @@ from pgsieve.api.deps import (
     load_target,
     source_connection,
 )
-from pgsieve.api.routers.subscriptions import _published_relations
+from pgsieve.api.routers.subscriptions import published_relations
 from pgsieve.api.schemas.jobs import (
     JobOut,
     RefreshRequest,
@@ -199,7 +199,7 @@ def refresh_publication(subscription_id: str, response: Response, session: Sessi
     publications = list(sub.publications)
     current = {t.table_name for t in sub.tables}
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
-        published = _published_relations(conn, publications)
+        published = published_relations(conn, publications)
         added = [name for name in published if name not in current]
         removed = sorted(current - set(published))
         if added:

@@ -124,7 +124,7 @@ def default_slot_name(subscription_name: str) -> str:
     return f"pgsieve_{folded}"[:63]
 
 
-def _published_relations(conn: Any, publications: list[str]) -> list[str]:
+def published_relations(conn: Any, publications: list[str]) -> list[str]:
     """The relations the stream will name (``published_as``), after PostgreSQL's rules;
     a combination PostgreSQL refuses (conflicting column lists, ...) is a 422."""
     pubs = read_publications(conn, publications)
@@ -165,7 +165,7 @@ def create_subscription(
                        code="slot_in_use")
     publications = list(dict.fromkeys(body.publications))
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
-        relations = _published_relations(conn, publications)
+        relations = published_relations(conn, publications)
         _check_target(settings, conn, box.decrypt(target.dsn_encrypted), relations,
                       publications)
     with source_connection(source, settings, box) as conn:
