@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from pgsieve.core import pgserver
 from pgsieve.core.credentials import SecretBox
 from pgsieve.core.errors import NotFound, PgsieveError
-from pgsieve.core.models import Source, Target
+from pgsieve.core.models import Source, Subscription, Target
 from pgsieve.core.settings import Settings
 
 _bearer = HTTPBearer(auto_error=False, description="PGSIEVE_API_TOKEN")
@@ -82,3 +82,11 @@ def load_target(session: Session, target_id: str) -> Target:
     if target is None:
         raise NotFound(f"no target with id '{target_id}'", code="target_not_found")
     return target
+
+
+def load_subscription(session: Session, subscription_id: str) -> Subscription:
+    sub = session.get(Subscription, subscription_id)
+    if sub is None:
+        raise NotFound(f"no subscription with id '{subscription_id}'",
+                       code="subscription_not_found")
+    return sub

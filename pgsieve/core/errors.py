@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
+
 
 class PgsieveError(Exception):
     status: int = 400
@@ -59,3 +61,14 @@ class Unreachable(PgsieveError):
     status = 422
     code = "source_unreachable"
     title = "Database unreachable"
+
+
+def describe_error(error: psycopg.Error) -> str:
+    """PostgreSQL's own message (primary, detail, hint), without the statement."""
+    diag = error.diag
+    text = diag.message_primary or str(error).strip()
+    if diag.message_detail:
+        text += f" — {diag.message_detail}"
+    if diag.message_hint:
+        text += f" (hint: {diag.message_hint})"
+    return text

@@ -40,7 +40,13 @@ from pglast import ast
 from pglast.parser import ParseError, parse_sql
 from psycopg import sql
 
-from pgsieve.core.errors import Conflict, PgsieveError, Unprocessable, Unreachable
+from pgsieve.core.errors import (
+    Conflict,
+    PgsieveError,
+    Unprocessable,
+    Unreachable,
+    describe_error,
+)
 from pgsieve.core.pubcatalog import (
     LivePublication,
     existing_schemas,
@@ -556,7 +562,7 @@ def _probe_identity(
         if exc is None:
             continue
         state = getattr(exc, "sqlstate", None)
-        text = _describe(exc)
+        text = describe_error(exc)
         old = before.get(member.table)
         if old is not None and getattr(old, "sqlstate", None) == state:
             warnings.append(PublicationIssue(
@@ -582,16 +588,6 @@ def read_live_table_exists(conn: psycopg.Connection[Any], table: str) -> bool:
         "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s)", (schema, name)
     ).fetchone()
     return bool(row and row[0])
-
-
-def _describe(exc: psycopg.Error) -> str:
-    diag = exc.diag
-    text = diag.message_primary or str(exc).strip()
-    if diag.message_detail:
-        text += f" — {diag.message_detail}"
-    if diag.message_hint:
-        text += f" (hint: {diag.message_hint})"
-    return text
 
 
 def _set_local(conn: psycopg.Connection[Any], lock_timeout_ms: int,
@@ -655,7 +651,7 @@ def publication_lock(
 
 def _postgres_error(exc: psycopg.Error, what: str) -> PgsieveError:
     state = getattr(exc, "sqlstate", None)
-    text = _describe(exc)
+    text = describe_error(exc)
     if state == "42710":
         return Conflict(f"a publication with this name already exists on the source: {text}",
                         code=PublicationCode.EXISTS)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, Self, cast
 
 from sqlalchemy import delete, update
 from sqlalchemy.engine import CursorResult
@@ -30,7 +31,8 @@ LEASE = timedelta(seconds=30)
 HEARTBEAT_EVERY = 5.0
 
 
-def _rowcount(session: Session, statement: Any) -> int:
+def rowcount(session: Session, statement: Any) -> int:
+    """Rows an UPDATE/DELETE touched (compare-and-swap on leases)."""
     result = cast(CursorResult[Any], session.execute(
         statement.execution_options(synchronize_session=False)))
     return int(result.rowcount)
@@ -54,7 +56,7 @@ def try_acquire(
             return True
         if lock.owner != owner and now - lock.heartbeat_at < lease:
             return False
-        taken = _rowcount(
+        taken = rowcount(
             session,
             update(ConsumerLock)
             .where(ConsumerLock.subscription_id == subscription_id,
@@ -70,7 +72,7 @@ def try_acquire(
 def renew(sessions: sessionmaker[Session], subscription_id: str, owner: str) -> bool:
     """Heartbeat; False when the lock is no longer ours."""
     with sessions() as session:
-        count = _rowcount(session,
+        count = rowcount(session,
             update(ConsumerLock)
             .where(ConsumerLock.subscription_id == subscription_id, ConsumerLock.owner == owner)
             .values(heartbeat_at=utcnow())
@@ -88,29 +90,22 @@ def release(sessions: sessionmaker[Session], subscription_id: str, owner: str) -
         session.commit()
 
 
-class LockKeeper:
-    """Renews a held lock in a background thread; :attr:`lost` is set if it is taken away
-    (or cannot be renewed for longer than the lease) so the cycle stops before applying."""
+class LeaseKeeper:
+    """Renews a lease in a background thread while work holds it; :attr:`lost` is set when
+    ``renew`` says it was taken away, or when it cannot be renewed for longer than half the
+    lease (a metadata store that is down), so the work stops before it writes anything."""
 
-    def __init__(
-        self,
-        sessions: sessionmaker[Session],
-        subscription_id: str,
-        owner: str,
-        every: float = HEARTBEAT_EVERY,
-        lease: timedelta = LEASE,
-    ) -> None:
-        self.sessions = sessions
-        self.subscription_id = subscription_id
-        self.owner = owner
+    def __init__(self, renew: Callable[[], bool], what: str, every: float = HEARTBEAT_EVERY,
+                 lease: timedelta = LEASE) -> None:
+        self.renew = renew
+        self.what = what
         self.every = every
         self.lease = lease
         self.lost = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lock-{subscription_id}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"lease-{what}", daemon=True)
 
-    def __enter__(self) -> LockKeeper:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -122,14 +117,28 @@ class LockKeeper:
         last_ok = utcnow()
         while not self._stop.wait(self.every):
             try:
-                if not renew(self.sessions, self.subscription_id, self.owner):
-                    log.warning("consumer lock of %s was taken over", self.subscription_id)
+                if not self.renew():
+                    log.warning("the lease of %s was taken over", self.what)
                     self.lost.set()
                     return
                 last_ok = utcnow()
             except Exception as exc:  # metadata store hiccup: keep trying within the lease
-                log.warning("cannot renew the consumer lock of %s: %s",
-                            self.subscription_id, exc)
+                log.warning("cannot renew the lease of %s: %s", self.what, exc)
                 if utcnow() - last_ok > self.lease / 2:
                     self.lost.set()
                     return
+
+
+class LockKeeper(LeaseKeeper):
+    """The consumer lock's keeper: the cycle stops before applying once :attr:`lost`."""
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        subscription_id: str,
+        owner: str,
+        every: float = HEARTBEAT_EVERY,
+        lease: timedelta = LEASE,
+    ) -> None:
+        super().__init__(lambda: renew(sessions, subscription_id, owner),
+                         f"the consumer lock of {subscription_id}", every, lease)

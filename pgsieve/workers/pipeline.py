@@ -42,6 +42,7 @@ from pgsieve.core.apply.batch import (
 from pgsieve.core.apply.batcher import BatchLimits, MicroBatcher
 from pgsieve.core.credentials import SecretBox, scrub_secrets
 from pgsieve.core.db import session_factory
+from pgsieve.core.errors import describe_error
 from pgsieve.core.faults import fault_point
 from pgsieve.core.lsn import Lsn
 from pgsieve.core.metrics import record_batch
@@ -652,11 +653,8 @@ def _error_table(exc: BaseException) -> str | None:
 
 def _describe(exc: BaseException) -> str:
     """The first line of the error (PostgreSQL's message and, if any, its detail)."""
-    if isinstance(exc, psycopg.Error) and exc.diag.message_primary:
-        text = exc.diag.message_primary
-        if exc.diag.message_detail:
-            text += f" ({exc.diag.message_detail})"
-        return text
+    if isinstance(exc, psycopg.Error):
+        return describe_error(exc)
     if isinstance(exc, TableStopped | ApplyConflict):
         return str(exc)
     lines = str(exc).strip().splitlines()

@@ -42,11 +42,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 import psycopg
 from sqlalchemy import delete, select, update
-from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -77,6 +76,7 @@ from pgsieve.spark.sync import (
     task_slots,
     warm_up,
 )
+from pgsieve.workers.locks import LeaseKeeper, rowcount
 from pgsieve.workers.snapshot import (
     ExportedSnapshot,
     SnapshotError,
@@ -189,12 +189,6 @@ class _Retry(Exception):
 # -- the lease ------------------------------------------------------------------------------
 
 
-def _rowcount(session: Session, statement: Any) -> int:
-    result = cast(CursorResult[Any], session.execute(
-        statement.execution_options(synchronize_session=False)))
-    return int(result.rowcount)
-
-
 def claim(sessions: sessionmaker[Session], job_id: str, owner: str, lease: timedelta) -> bool:
     """Become the job's runner if it has none, or its runner stopped heart-beating."""
     with sessions() as session:
@@ -208,50 +202,21 @@ def claim(sessions: sessionmaker[Session], job_id: str, owner: str, lease: timed
         same_owner = Job.owner.is_(None) if job.owner is None else Job.owner == job.owner
         same_beat = (Job.heartbeat_at.is_(None) if job.heartbeat_at is None
                      else Job.heartbeat_at == job.heartbeat_at)
-        taken = _rowcount(session, update(Job).where(Job.id == job_id, same_owner, same_beat)
-                          .values(owner=owner, heartbeat_at=now, state="running",
-                                  started_at=job.started_at or now))
+        taken = rowcount(session, update(Job).where(Job.id == job_id, same_owner, same_beat)
+                         .values(owner=owner, heartbeat_at=now, state="running",
+                                 started_at=job.started_at or now))
         session.commit()
         return taken == 1
 
 
-class _Keeper:
-    """Renews the job's lease in a background thread; ``lost`` is set if it is gone."""
-
-    def __init__(self, sessions: sessionmaker[Session], job_id: str, owner: str,
-                 every: float, lease: timedelta) -> None:
-        self.sessions, self.job_id, self.owner = sessions, job_id, owner
-        self.every, self.lease = every, lease
-        self.lost = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"sync-{job_id}", daemon=True)
-
-    def __enter__(self) -> _Keeper:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        last_ok = utcnow()
-        while not self._stop.wait(self.every):
-            try:
-                with self.sessions() as session:
-                    count = _rowcount(session, update(Job).where(
-                        Job.id == self.job_id, Job.owner == self.owner,
-                        Job.state == "running").values(heartbeat_at=utcnow()))
-                    session.commit()
-                if count != 1:
-                    self.lost.set()
-                    return
-                last_ok = utcnow()
-            except Exception as exc:  # metadata store hiccup: keep trying within the lease
-                log.warning("cannot renew the lease of sync job %s: %s", self.job_id, exc)
-                if utcnow() - last_ok > self.lease / 2:
-                    self.lost.set()
-                    return
+def renew_job(sessions: sessionmaker[Session], job_id: str, owner: str) -> bool:
+    """Heartbeat of a running job; False when it is no longer ours (or not running)."""
+    with sessions() as session:
+        count = rowcount(session, update(Job).where(
+            Job.id == job_id, Job.owner == owner, Job.state == "running")
+            .values(heartbeat_at=utcnow()))
+        session.commit()
+    return count == 1
 
 
 # -- the runner -----------------------------------------------------------------------------
@@ -293,7 +258,7 @@ class SyncJobRunner:
         self.lease = timedelta(seconds=settings.consumer_lease_seconds)
         self._spark_factory = spark
         self._box = SecretBox(settings.effective_secret_key())
-        self._keeper: _Keeper | None = None
+        self._keeper: LeaseKeeper | None = None
         self._after_copy = after_copy
         """Test hook: a table's rows are all at the target, the snapshot is still held."""
         self._deferred: dict[str, list[dict[str, Any]]] = {}
@@ -325,8 +290,9 @@ class SyncJobRunner:
                 if job.state not in ACTIVE_STATES:
                     return RunOutcome(job.state, "already finished")
             return RunOutcome("busy", "another runner holds the job")
-        with _Keeper(self.sessions, self.job_id, self.owner,
-                     self.settings.consumer_heartbeat_seconds, self.lease) as keeper:
+        with LeaseKeeper(lambda: renew_job(self.sessions, self.job_id, self.owner),
+                         f"sync job {self.job_id}", self.settings.consumer_heartbeat_seconds,
+                         self.lease) as keeper:
             self._keeper = keeper
             try:
                 self._run()

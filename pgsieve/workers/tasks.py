@@ -10,9 +10,7 @@ from typing import Any
 
 from celery import Task
 from celery.signals import worker_ready, worker_shutting_down
-from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
 
 from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_scope
@@ -28,22 +26,25 @@ def _settings(task: Task[Any, Any]) -> Settings:
     return settings
 
 
-def record_heartbeat(session: Session, worker: str, details: dict[str, Any]) -> None:
-    beat = session.get(WorkerHeartbeat, worker)
-    if beat is None:
-        session.add(WorkerHeartbeat(worker=worker, beat_at=utcnow(), details=details))
-    else:
-        beat.beat_at = utcnow()
-        beat.details = {**beat.details, **details}
-
-
-def touch_heartbeat(session: Session, worker: str, pid: int) -> None:
-    """The worker's own beat: one UPDATE of the time (never a read-modify-write of the
-    details a task may be writing at the same moment), or the first row."""
-    updated = session.execute(update(WorkerHeartbeat).where(WorkerHeartbeat.worker == worker)
-                              .values(beat_at=utcnow()))
-    if not getattr(updated, "rowcount", 0):
-        session.add(WorkerHeartbeat(worker=worker, beat_at=utcnow(), details={"pid": pid}))
+def record_heartbeat(url: str, worker: str, details: dict[str, Any]) -> None:
+    """Upsert the worker's heartbeat. ``details`` are merged into what is stored, and
+    written only when they change: the worker's own beat (``{"pid"}``) then moves just the
+    time and never overwrites details a task of the same worker writes at that moment."""
+    for attempt in range(3):
+        try:
+            with session_scope(url) as session:
+                beat = session.get(WorkerHeartbeat, worker)
+                if beat is None:
+                    session.add(WorkerHeartbeat(worker=worker, beat_at=utcnow(),
+                                                details=details))
+                else:
+                    beat.beat_at = utcnow()
+                    if any(beat.details.get(k) != v for k, v in details.items()):
+                        beat.details = {**beat.details, **details}
+            return
+        except IntegrityError:  # another thread of the worker inserted the row first
+            if attempt == 2:
+                raise
 
 
 @celery_app.task(name="pgsieve.worker_heartbeat", bind=True)
@@ -51,16 +52,8 @@ def worker_heartbeat(self: Task[Any, Any]) -> str:
     """Record that the worker that runs it is alive and consuming tasks (a broker round
     trip; each worker also records its own heartbeat, see :func:`start_heartbeat`)."""
     worker = self.request.hostname or f"{socket.gethostname()}:{os.getpid()}"
-    url = _settings(self).effective_database_url
-    for attempt in range(3):
-        try:
-            with session_scope(url) as session:
-                record_heartbeat(session, worker, {"pid": os.getpid(),
-                                                   "last_task": self.request.id})
-            break
-        except IntegrityError:  # the worker's own first beat inserted the row meanwhile
-            if attempt == 2:
-                raise
+    record_heartbeat(_settings(self).effective_database_url, worker,
+                     {"pid": os.getpid(), "last_task": self.request.id})
     return worker
 
 
@@ -78,12 +71,7 @@ def start_heartbeat(sender: Any = None, **_: Any) -> None:
     def beat() -> None:
         while True:
             try:
-                try:
-                    with session_scope(settings.effective_database_url) as session:
-                        touch_heartbeat(session, worker, os.getpid())
-                except IntegrityError:  # a task inserted the row meanwhile: just update
-                    with session_scope(settings.effective_database_url) as session:
-                        touch_heartbeat(session, worker, os.getpid())
+                record_heartbeat(settings.effective_database_url, worker, {"pid": os.getpid()})
             except Exception as exc:  # the metadata store is down: try again later
                 log.warning("cannot record the worker heartbeat: %s", scrub_secrets(str(exc)))
             if _heartbeat_stop.wait(every):

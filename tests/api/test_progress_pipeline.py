@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pgsieve.core.lsn import Lsn
 from tests.browser.live import LiveDeployment, live_deployment, wait_until
 from tests.conftest import Database
 
@@ -65,8 +66,8 @@ def test_lag_grows_while_the_consumer_is_stopped_and_returns_to_zero(
                    "lag 0 with a running consumer", live)
     assert p["lag_basis"] == "slot" and p["state"] == "streaming", p
     assert p["tables"][0]["inserts"] == 100 and p["applied_lsn"] and p["last_commit_ts"], p
-    assert _lsn(p["received_lsn"]) >= _lsn(p["applied_lsn"]), p
-    assert _lsn(p["source_lsn"]) >= _lsn(p["applied_lsn"]), p
+    assert Lsn.parse(p["received_lsn"]) >= Lsn.parse(p["applied_lsn"]), p
+    assert Lsn.parse(p["source_lsn"]) >= Lsn.parse(p["applied_lsn"]), p
     assert _eu_rows(target_db) == _eu_rows(source_db)
 
     # Stop the only worker: nobody consumes; lag (seen on the slot itself) grows.
@@ -114,9 +115,6 @@ def test_lag_grows_while_the_consumer_is_stopped_and_returns_to_zero(
     wait_until(lambda: progress()["tables"][0]["truncates"] == 1, 60, "the truncate", live)
     assert target_db.query("SELECT count(*) FROM orders") == [(0,)]
     last = wait_until(lambda: (q := progress()) and caught_up(q) and q, 60, "lag 0", live)
-    assert _lsn(last["received_lsn"]) >= _lsn(last["applied_lsn"]) > _lsn(p["applied_lsn"])
+    assert Lsn.parse(last["received_lsn"]) >= Lsn.parse(last["applied_lsn"]) \
+        > Lsn.parse(p["applied_lsn"])
 
-
-def _lsn(text: str) -> int:
-    hi, lo = text.split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)

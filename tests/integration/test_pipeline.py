@@ -14,6 +14,7 @@ from pathlib import Path
 import psycopg
 
 from pgsieve.core.db import session_factory
+from pgsieve.core.lsn import Lsn
 from pgsieve.core.models import Subscription
 from tests.conftest import Database
 from tests.integration.pipeline_env import (
@@ -128,12 +129,7 @@ def test_pipeline_follows_the_source_like_native(tmp_path: Path, source_db, targ
                                "WHERE slot_name = 'pgsieve_pipe'")[0][0]
         recorded = target_db.query("SELECT max(end_lsn) FROM pgsieve.applied")[0][0]
         assert slot is not None and recorded is not None
-        assert _lsn(slot) <= _lsn(recorded)
-
-
-def _lsn(text: object) -> int:
-    hi, lo = str(text).split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)
+        assert Lsn.parse(str(slot)) <= Lsn.parse(str(recorded))
 
 
 def test_two_workers_only_one_consumes(tmp_path: Path, source_db, target_db, native_db):

@@ -18,6 +18,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from pgsieve.core.lsn import Lsn
 from tests.conftest import Database
 from tests.integration.pipeline_env import (
     native_caught_up,
@@ -47,11 +48,6 @@ Spark job); each starts a JVM per worker start, so only a few."""
 MAX_KILLS = 3
 
 
-def _lsn(text: object) -> int:
-    hi, lo = str(text).split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)
-
-
 def _slot_behind_target(source: Database, target: Database, slot: str) -> bool | None:
     """confirmed_flush_lsn <= the target's recorded LSN (None when either is unreadable).
     The slot is read first: the recorded LSN only grows, and is written before any
@@ -68,7 +64,7 @@ def _slot_behind_target(source: Database, target: Database, slot: str) -> bool |
     if recorded is None or recorded[0] is None:
         # Nothing recorded yet: the slot must still be where it was created.
         return None
-    return _lsn(rows[0][0]) <= _lsn(recorded[0])
+    return Lsn.parse(str(rows[0][0])) <= Lsn.parse(str(recorded[0]))
 
 
 class Chaos:

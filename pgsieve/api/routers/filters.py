@@ -18,6 +18,7 @@ from pgsieve.api.deps import (
     SessionDep,
     SettingsDep,
     load_source,
+    load_subscription,
     source_connection,
 )
 from pgsieve.api.schemas.filters import (
@@ -26,7 +27,7 @@ from pgsieve.api.schemas.filters import (
     FilterPreviewResponse,
 )
 from pgsieve.api.schemas.publications import AnyPublicationName
-from pgsieve.core.errors import NotFound, Unprocessable, Unreachable
+from pgsieve.core.errors import Unprocessable, Unreachable
 from pgsieve.core.models import Subscription, UpdateImage
 from pgsieve.core.pubcatalog import (
     catalog_snapshot,
@@ -44,14 +45,6 @@ from pgsieve.core.rowfilter.updates import RowImages, evaluate_updates
 router = APIRouter(tags=["row filters"])
 
 UPDATE_PREVIEW_TIMEOUT_MS = 5000
-
-
-def _subscription(session: Session, subscription_id: str) -> Subscription:
-    sub = session.get(Subscription, subscription_id)
-    if sub is None:
-        raise NotFound(f"no subscription with id '{subscription_id}'",
-                       code="subscription_not_found")
-    return sub
 
 
 def _recent_images(session: Session, sub: Subscription, table: str,
@@ -163,7 +156,7 @@ def filter_preview(
     source = load_source(session, source_id)
     sub: Subscription | None = None
     if body.subscription_id is not None:
-        sub = _subscription(session, body.subscription_id)
+        sub = load_subscription(session, body.subscription_id)
         if sub.source_id != source.id:
             raise Unprocessable(
                 f"subscription '{sub.name}' reads another source", field="subscription_id",
@@ -230,7 +223,7 @@ def subscription_effective_filters(
     publications, redundant_because, published_as, initial_sync_filter, issues}]}``.
     Publications the subscription names that no longer exist are listed in
     ``missing_publications`` (PostgreSQL's walsender would fail on them)."""
-    sub = _subscription(session, subscription_id)
+    sub = load_subscription(session, subscription_id)
     source = load_source(session, sub.source_id)
     names = [str(n) for n in dict.fromkeys(sub.publications or [])]
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:

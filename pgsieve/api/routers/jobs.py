@@ -30,6 +30,7 @@ from pgsieve.api.deps import (
     SessionDep,
     SettingsDep,
     load_source,
+    load_subscription,
     load_target,
     source_connection,
 )
@@ -47,7 +48,6 @@ from pgsieve.core.rowfilter.parse import TableNameError, parse_table_name, quote
 from pgsieve.core.settings import Settings
 
 router = APIRouter(tags=["jobs"])
-
 
 
 def job_out(session: Session, job: Job) -> dict[str, Any]:
@@ -108,14 +108,6 @@ def _canonical(name: str) -> str:
             code="invalid_table_name") from None
 
 
-def _subscription(session: Session, subscription_id: str) -> Subscription:
-    sub = session.get(Subscription, subscription_id)
-    if sub is None:
-        raise NotFound(f"no subscription with id '{subscription_id}'",
-                       code="subscription_not_found")
-    return sub
-
-
 def _refuse_if_syncing(session: Session, sub: Subscription) -> None:
     from pgsieve.workers.syncjob import active_sync_job
 
@@ -153,7 +145,7 @@ def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
     from pgsieve.workers import dispatch
 
     body = body or SyncRequest()
-    sub = _subscription(session, subscription_id)
+    sub = load_subscription(session, subscription_id)
     _refuse_if_syncing(session, sub)
     known = [t.table_name for t in sub.tables]
     if body.tables is None:
@@ -192,7 +184,7 @@ def refresh_publication(subscription_id: str, response: Response, session: Sessi
     from pgsieve.workers.target import check_target_tables
 
     body = body or RefreshRequest()
-    sub = _subscription(session, subscription_id)
+    sub = load_subscription(session, subscription_id)
     _refuse_if_syncing(session, sub)
     source = load_source(session, sub.source_id)
     target = load_target(session, sub.target_id)

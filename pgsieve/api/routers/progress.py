@@ -7,24 +7,22 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source
+from pgsieve.api.deps import (
+    SecretBoxDep,
+    SessionDep,
+    SettingsDep,
+    load_source,
+    load_subscription,
+)
 from pgsieve.api.schemas.progress import ProgressHistory, ProgressOut, SourceHealthOut
 from pgsieve.core import observe
-from pgsieve.core.errors import NotFound, Unprocessable
-from pgsieve.core.models import Subscription, utcnow
+from pgsieve.core.errors import Unprocessable
+from pgsieve.core.models import utcnow
 from pgsieve.core.progress import HISTORY_RESOLUTION, HISTORY_RETENTION
 
 router = APIRouter(tags=["progress"])
 
 MAX_POINTS = int(HISTORY_RETENTION / HISTORY_RESOLUTION) * 2
-
-
-def _subscription(session: SessionDep, subscription_id: str) -> Subscription:
-    sub = session.get(Subscription, subscription_id)
-    if sub is None:
-        raise NotFound(f"no subscription with id '{subscription_id}'",
-                       code="subscription_not_found")
-    return sub
 
 
 @router.get("/subscriptions/{subscription_id}/progress", response_model=ProgressOut)
@@ -34,7 +32,7 @@ def subscription_progress(
     """Source (live), received and applied LSNs, lag in bytes and seconds, per-table
     counters and sync state, and whether a consumer is running. A source that cannot be
     reached is reported in the body (``source_reachable: false``), not as an error."""
-    sub = _subscription(session, subscription_id)
+    sub = load_subscription(session, subscription_id)
     return observe.observe_subscription(
         session, sub, box, connect_timeout=settings.connect_timeout,
         lease=timedelta(seconds=settings.consumer_lease_seconds))
@@ -50,7 +48,7 @@ def subscription_progress_history(
     limit: Annotated[int, Query(ge=1, le=MAX_POINTS)] = MAX_POINTS,
 ) -> dict[str, Any]:
     """Samples taken every 10 s by the beat task (oldest first; the newest ``limit``)."""
-    sub = _subscription(session, subscription_id)
+    sub = load_subscription(session, subscription_id)
     now = utcnow()
     if since is None:
         since = now - timedelta(hours=1)

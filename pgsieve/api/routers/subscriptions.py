@@ -28,6 +28,7 @@ from pgsieve.api.deps import (
     SessionDep,
     SettingsDep,
     load_source,
+    load_subscription,
     load_target,
     source_connection,
 )
@@ -40,7 +41,7 @@ from pgsieve.api.schemas.subscriptions import (
 )
 from pgsieve.core import pgserver
 from pgsieve.core.credentials import scrub_secrets
-from pgsieve.core.errors import Conflict, NotFound, Unprocessable, Unreachable
+from pgsieve.core.errors import Conflict, Unprocessable, Unreachable
 from pgsieve.core.lsn import InvalidLsn, Lsn, format_lsn
 from pgsieve.core.models import ConsumerLock, Job, Subscription, SubscriptionTable, utcnow
 from pgsieve.core.pubcatalog import read_publications, read_tables
@@ -53,14 +54,6 @@ router = APIRouter(prefix="/subscriptions", tags=["subscriptions"])
 log = logging.getLogger(__name__)
 
 STOP_WAIT_SECONDS = 20.0
-
-
-def load_subscription(session: Session, subscription_id: str) -> Subscription:
-    sub = session.get(Subscription, subscription_id)
-    if sub is None:
-        raise NotFound(f"no subscription with id '{subscription_id}'",
-                       code="subscription_not_found")
-    return sub
 
 
 def _live_lock(session: Session, sub: Subscription,

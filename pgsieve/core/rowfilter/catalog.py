@@ -43,6 +43,7 @@ from pglast.parser import ParseError, parse_sql
 from psycopg import sql
 from psycopg.rows import tuple_row
 
+from pgsieve.core.errors import describe_error
 from pgsieve.core.rowfilter import rules
 from pgsieve.core.rowfilter.parse import (
     FilterIssue,
@@ -156,6 +157,8 @@ def _lost(conn: psycopg.Connection[Any], exc: BaseException) -> bool:
     )
 
 
+
+
 class _StepFailed(Exception):
     """A statement inside the probe failed (already rolled back to its savepoint)."""
 
@@ -168,13 +171,7 @@ class _StepFailed(Exception):
         return str(getattr(self.error, "sqlstate", "") or "")
 
     def describe(self) -> str:
-        diag = self.error.diag
-        text = diag.message_primary or str(self.error).strip()
-        if diag.message_detail:
-            text += f" — {diag.message_detail}"
-        if diag.message_hint:
-            text += f" (hint: {diag.message_hint})"
-        return text
+        return describe_error(self.error)
 
 
 class _UnsafeStatement(Exception):

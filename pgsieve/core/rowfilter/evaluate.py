@@ -31,6 +31,7 @@ from typing import Any, Literal
 import psycopg
 from psycopg import pq, sql
 
+from pgsieve.core.errors import describe_error
 from pgsieve.core.rowfilter.catalog import SourceConnectionError
 from pgsieve.core.rowfilter.parse import (
     FilterIssue,
@@ -83,7 +84,7 @@ class StepError(Exception):
     """A step failed for a reason that is not the filter's (privileges, resources, …)."""
 
     def __init__(self, error: psycopg.Error) -> None:
-        super().__init__(describe(error))
+        super().__init__(describe_error(error))
         self.error = error
 
 
@@ -91,21 +92,10 @@ class EvaluationFailed(Exception):
     """PostgreSQL raised an error evaluating the filter on a row of the table."""
 
     def __init__(self, error: psycopg.Error) -> None:
-        super().__init__(describe(error))
+        super().__init__(describe_error(error))
         self.error = error
         self.sqlstate = str(getattr(error, "sqlstate", "") or "")
-        self.message = describe(error)
-
-
-def describe(error: psycopg.Error) -> str:
-    """PostgreSQL's own message (primary, detail, hint), without the statement."""
-    diag = error.diag
-    text = diag.message_primary or str(error).strip()
-    if diag.message_detail:
-        text += f" — {diag.message_detail}"
-    if diag.message_hint:
-        text += f" (hint: {diag.message_hint})"
-    return text
+        self.message = describe_error(error)
 
 
 def evaluation_issue(table: str, failure: EvaluationFailed) -> FilterIssue:
@@ -148,7 +138,7 @@ def run_step(
             raise SourceConnectionError(f"connection to the source lost: {exc}") from None
         state = str(getattr(exc, "sqlstate", "") or "")
         if state in _TIMEOUT_STATES:
-            raise StepCancelled(describe(exc)) from None
+            raise StepCancelled(describe_error(exc)) from None
         if state[:2] in _EVALUATION_CLASSES:
             raise EvaluationFailed(exc) from None
         raise StepError(exc) from None
@@ -332,4 +322,4 @@ def check_filter_on_rows(
             shown, f"not evaluated on the table's rows ({exc})"))
     except psycopg.Error as exc:  # the rollback itself failed; connection still open
         return EvaluationCheck("none", warning=_partial(
-            shown, f"not evaluated on the table's rows ({describe(exc)})"))
+            shown, f"not evaluated on the table's rows ({describe_error(exc)})"))

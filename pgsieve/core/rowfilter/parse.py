@@ -565,7 +565,7 @@ def _dotted(names: Any) -> str:
     return ".".join(parts)
 
 
-def _children(node: ast.Node) -> Iterator[ast.Node]:
+def child_nodes(node: ast.Node) -> Iterator[ast.Node]:
     """Direct child nodes, in field order (lists flattened)."""
     for attr in node:
         value = getattr(node, attr, None)
@@ -615,7 +615,7 @@ class _Collector:
         while stack:
             node = stack.pop()
             if self._visit(node):
-                stack.extend(reversed(list(_children(node))))
+                stack.extend(reversed(list(child_nodes(node))))
 
     def _visit(self, node: ast.Node) -> bool:
         """Record facts about ``node``; return whether to descend into its children."""

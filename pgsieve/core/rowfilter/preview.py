@@ -35,6 +35,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pgsieve.core.errors import describe_error
 from pgsieve.core.rowfilter.catalog import FilterValidation, validate_filter
 from pgsieve.core.rowfilter.evaluate import (
     EvaluationFailed,
@@ -42,7 +43,6 @@ from pgsieve.core.rowfilter.evaluate import (
     StepError,
     TableSize,
     count_query,
-    describe,
     evaluation_issue,
     read_only,
     run_step,
@@ -130,7 +130,7 @@ def preview_filter(
         return FilterPreview(replace(validation, valid=False,
                                      errors=(*validation.errors, issue)))
     except psycopg.Error as exc:  # the final rollback failed, the connection is still open
-        run.incomplete(f"the preview could not finish: {describe(exc)}")
+        run.incomplete(f"the preview could not finish: {describe_error(exc)}")
         return FilterPreview(validation, notes=tuple(run.notes))
 
 

@@ -28,7 +28,7 @@ result is re-parsed), since in a row filter they can only name the filtered tabl
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -43,6 +43,7 @@ from pgsieve.core.rowfilter.parse import (
     FilterParseError,
     IssueCode,
     ParsedFilter,
+    child_nodes,
     parse_filter,
     parse_table_name,
 )
@@ -110,18 +111,6 @@ class UpdatePreview:
 # the expression
 
 
-def _children(node: ast.Node) -> Iterator[ast.Node]:
-    for attr in node:
-        value = getattr(node, attr, None)
-        stack: list[Any] = [value]
-        while stack:
-            item = stack.pop()
-            if isinstance(item, ast.Node):
-                yield item
-            elif isinstance(item, tuple | list):
-                stack.extend(item)
-
-
 def unqualified_filter(parsed: ParsedFilter) -> ParsedFilter:
     """The same filter with column qualifiers dropped, proven by pglast to be one expression.
 
@@ -144,7 +133,7 @@ def unqualified_filter(parsed: ParsedFilter) -> ParsedFilter:
         if isinstance(node, ast.ColumnRef):
             node.fields = tuple(node.fields or ())[-1:]
         else:
-            stack.extend(_children(node))
+            stack.extend(child_nodes(node))
     return parse_filter(str(RawStream()(root)))
 
 
