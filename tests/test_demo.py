@@ -19,6 +19,7 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pgsieve.core.lsn import Lsn
 from pgsieve.core.pgcluster import free_port
 
 
@@ -57,11 +58,6 @@ def _read_banner(proc: subprocess.Popen[str], timeout: float = 180) -> str:
             return "".join(lines)
     proc.kill()
     pytest.fail("the demo never printed its banner:\n" + "".join(lines))
-
-
-def _lsn(text: str) -> int:
-    hi, lo = text.split("/")
-    return (int(hi, 16) << 32) | int(lo, 16)
 
 
 def test_demo_runs_and_ctrl_c_stops_everything(demo_home: Path):
@@ -131,15 +127,16 @@ def test_demo_runs_and_ctrl_c_stops_everything(demo_home: Path):
         first = api.get(f"/subscriptions/{sub_id}/progress").json()
         assert first["source_lsn"] and first["source_reachable"], first
         orders = {t["table"]: t for t in first["tables"]}["public.orders"]
-        assert orders["rows_copied"] > 6000 and orders["sync_state"] == "ready", orders
-        applied: list[int] = []
+        assert orders["rows_copied"] > 6000, orders
+        applied: list[Lsn] = []
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
             later = api.get(f"/subscriptions/{sub_id}/progress").json()
             if later["applied_lsn"]:
-                applied.append(_lsn(later["applied_lsn"]))
-            inserts = {t["table"]: t for t in later["tables"]}["public.orders"]["inserts"]
-            if len(set(applied)) >= 2 and inserts > 0:
+                applied.append(Lsn.parse(later["applied_lsn"]))
+            orders = {t["table"]: t for t in later["tables"]}["public.orders"]
+            if len(set(applied)) >= 2 and orders["inserts"] > 0 \
+                    and orders["sync_state"] == "ready":
                 break
             time.sleep(1)
         else:
