@@ -148,6 +148,9 @@ def sync(
     defer_indexes: Annotated[
         bool, typer.Option(help="rebuild target indexes after the copy instead of during it")
     ] = True,
+    freeze: Annotated[
+        bool, typer.Option(help="load tables that allow it in one TRUNCATE + COPY FREEZE stream")
+    ] = True,
     wait: Annotated[bool, typer.Option(help="follow the job with a progress bar")] = True,
     api_url: Annotated[
         str, typer.Option(envvar="PGSIEVE_API_URL", help="the pgsieve API")
@@ -158,7 +161,8 @@ def sync(
 
     _logging()
     code = run_sync(api_url, get_settings().effective_api_token(), subscription, tables,
-                    verify=verify, defer_indexes=defer_indexes, wait=wait)
+                    verify=verify, defer_indexes=defer_indexes, freeze=freeze,
+                    wait=wait)
     raise typer.Exit(code)
 
 

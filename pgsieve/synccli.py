@@ -39,8 +39,9 @@ def _problem(response: httpx.Response) -> str:
 
 
 def start_sync(client: httpx.Client, subscription: str, tables: list[str] | None,
-               verify: bool, defer_indexes: bool) -> str:
-    body: dict[str, Any] = {"verify": verify, "defer_indexes": defer_indexes}
+               verify: bool, defer_indexes: bool, freeze: bool = True) -> str:
+    body: dict[str, Any] = {"verify": verify, "defer_indexes": defer_indexes,
+                            "freeze": freeze}
     if tables:
         body["tables"] = tables
     response = client.post(f"/api/v1/subscriptions/{subscription}/sync", json=body)
@@ -108,14 +109,15 @@ def summary(job: dict[str, Any], console: Console) -> int:
 
 
 def run_sync(api_url: str, token: str, subscription: str, tables: list[str] | None,
-             verify: bool = False, defer_indexes: bool = True, wait: bool = True,
+             verify: bool = False, defer_indexes: bool = True, freeze: bool = True,
+             wait: bool = True,
              console: Console | None = None, poll: float = 1.0,
              timeout: float | None = None) -> int:
     console = console or Console()
     headers = {"Authorization": f"Bearer {token}"}
     try:
         with httpx.Client(base_url=api_url, headers=headers, timeout=30.0) as client:
-            job_id = start_sync(client, subscription, tables, verify, defer_indexes)
+            job_id = start_sync(client, subscription, tables, verify, defer_indexes, freeze)
             console.print(f"sync job {job_id} started")
             if not wait:
                 return 0

@@ -62,6 +62,10 @@ class TableCopy:
     """The effective initial-sync filter (ORed across publications), None for all rows."""
     binary: bool
     """COPY binary: every column has the same built-in type in source and target."""
+    freeze: bool = False
+    """Load in one stream: the task TRUNCATEs the table in its own transaction and writes
+    with ``COPY … (FREEZE)`` (the table must be a plain table no foreign key references,
+    copied as a single partition)."""
 
 
 @dataclass(frozen=True)
@@ -136,10 +140,11 @@ def partition_query(table: TableCopy, part: CopyPartition) -> sql.Composed:
 
 
 def copy_in_statement(table: TableCopy) -> sql.Composed:
-    return sql.SQL("COPY {tbl} ({cols}) FROM STDIN{fmt}").format(
+    options = (["FORMAT binary"] if table.binary else []) + (["FREEZE"] if table.freeze else [])
+    return sql.SQL("COPY {tbl} ({cols}) FROM STDIN{opts}").format(
         tbl=sql.SQL(table.table),
         cols=sql.SQL(", ").join(sql.Identifier(c) for c in table.columns),
-        fmt=sql.SQL(" (FORMAT binary)" if table.binary else ""),
+        opts=sql.SQL(f" ({', '.join(options)})" if options else ""),
     )
 
 
@@ -214,6 +219,12 @@ def copy_partition(request: CopyRequest, part: CopyPartition) -> PartitionResult
             ).fetchone()
             return PartitionResult(part.table, part.partition_no, int(row[0]) if row else 0,
                                    time.monotonic() - started, already_copied=True)
+        if table.freeze:
+            # COPY FREEZE needs the table emptied in the same transaction: the rows are
+            # written already frozen (no hint bits to set and no anti-wraparound rewrite
+            # later; the index rebuild reads them faster). Whatever an earlier attempt
+            # left is gone with it; the marker above serializes attempts.
+            tgt.execute(sql.SQL("TRUNCATE ONLY {}").format(sql.SQL(table.table)))
         src.execute("SET statement_timeout = 0")
         src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(request.snapshot)))

@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -92,10 +92,12 @@ from pgsieve.workers.syncplan import (
     deferrable_indexes,
     drop_indexes,
     empty_target,
+    freeze_allowed,
     plan_partitions,
     read_source_tables,
     read_target_table,
     restore_indexes,
+    single_stream,
     snapshot_transaction,
     table_copy,
     verify_table,
@@ -234,6 +236,7 @@ class _Context:
     verify: bool
     defer_indexes: bool
     partition_bytes: int | None = None
+    freeze: bool = True
 
 
 class SyncJobRunner:
@@ -350,6 +353,7 @@ class SyncJobRunner:
                 verify=bool(job.details.get("verify", False)),
                 defer_indexes=bool(job.details.get("defer_indexes", True)),
                 partition_bytes=job.details.get("partition_bytes"),
+                freeze=bool(job.details.get("freeze", True)),
             )
 
     def _table_state(self, job: Job, table: str) -> dict[str, Any]:
@@ -525,7 +529,9 @@ class SyncJobRunner:
                 targets[name] = read_target_table(tgt, name)
                 copies[name] = table_copy(sources[name], targets[name])
                 with self._timed("prepare"):
-                    self._prepare(ctx, snap, sources[name], targets[name], tgt, parallelism)
+                    freeze = self._prepare(ctx, snap, sources[name], targets[name], tgt,
+                                           parallelism)
+                copies[name] = replace(copies[name], freeze=freeze)
             partitions, done = self._partitions_to_copy(ctx, snap, names, tgt)
             request = CopyRequest(
                 source_dsn=ctx.source_dsn, target_dsn=ctx.target_dsn, snapshot=snap.name,
@@ -546,24 +552,29 @@ class SyncJobRunner:
                                    own_slot=own_slot)
 
     def _prepare(self, ctx: _Context, snap: ExportedSnapshot, source: SourceTable,
-                 target: TargetTable, tgt: psycopg.Connection[Any], parallelism: int) -> None:
+                 target: TargetTable, tgt: psycopg.Connection[Any], parallelism: int) -> bool:
         """Start the table's copy under ``snap`` unless it already started: record the
-        plan (and the indexes it defers) first, then empty the table and drop them."""
+        plan (and the indexes it defers) first, then empty the table and drop them.
+        Whether the copy is one ``COPY … FREEZE`` stream (as recorded: a resumed job keeps
+        the plan it started with)."""
         name = source.table
         with self._owned() as (session, job):
             table = self._tables(session, ctx)[name]
             state = self._table_state(job, name)
             if (table.sync_state == "copy" and state.get("attempt") == snap.attempt
                     and state.get("prepared")):
-                return
+                return bool(state.get("freeze", False))
             deferred = list(state.get("deferred_indexes") or [])
             if ctx.defer_indexes:
                 known = {d["index"] for d in deferred}
                 deferred += [d for d in deferrable_indexes(tgt, target)
                              if d["index"] not in known]
             size = int(ctx.partition_bytes or self.partition_bytes)
-            parts = plan_partitions(source, partition_blocks=size // BLOCK_SIZE,
-                                    parallelism=parallelism)
+            freeze = (ctx.freeze and freeze_allowed(tgt, target) and single_stream(
+                source, partition_blocks=size // BLOCK_SIZE, parallelism=parallelism))
+            parts = ([CopyPartition(name, source.leaves[0][0], 0)] if freeze else
+                     plan_partitions(source, partition_blocks=size // BLOCK_SIZE,
+                                     parallelism=parallelism))
             session.execute(delete(SyncPartition).where(SyncPartition.job_id == self.job_id,
                                                         SyncPartition.table_name == name))
             for p in parts:
@@ -578,7 +589,7 @@ class SyncJobRunner:
             table.rows_total = source.estimated_rows
             self._set_table_state(job, name, attempt=snap.attempt, prepared=False,
                                   deferred_indexes=deferred, partitions_total=len(parts),
-                                  partitions_done=0, binary=None)
+                                  partitions_done=0, binary=None, freeze=freeze)
             self._update_totals(session, job, ctx)
         if deferred:
             self._deferred[name] = deferred
@@ -587,6 +598,7 @@ class SyncJobRunner:
         forget_markers(tgt, ctx.subscription_id, name)
         with self._owned() as (_, job):
             self._set_table_state(job, name, prepared=True)
+        return freeze
 
     def _partitions_to_copy(self, ctx: _Context, snap: ExportedSnapshot, names: list[str],
                             tgt: psycopg.Connection[Any]

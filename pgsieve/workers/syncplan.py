@@ -254,6 +254,33 @@ ORDER BY co.contype = 'p' DESC NULLS LAST, 1
 _REFERENCED = "SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE confrelid = %s)"
 
 
+_TRUNCATABLE = "SELECT has_table_privilege(%s::oid, 'TRUNCATE')"
+
+
+def freeze_allowed(conn: psycopg.Connection[Any], target: TargetTable) -> bool:
+    """Can a copy task load the table with ``TRUNCATE`` + ``COPY … (FREEZE)`` in one
+    transaction: a plain table (not partitioned: COPY FREEZE refuses those), no foreign
+    key referencing it (TRUNCATE refuses), and the TRUNCATE privilege."""
+    if target.relkind != "r":
+        return False
+    row = conn.execute(_REFERENCED, (target.oid,)).fetchone()
+    if row and row[0]:
+        return False
+    row = conn.execute(_TRUNCATABLE, (target.oid,)).fetchone()
+    return bool(row and row[0])
+
+
+def single_stream(source: SourceTable, *, partition_blocks: int, parallelism: int) -> bool:
+    """Whether the table is copied in one ``COPY … FREEZE`` stream rather than parallel
+    ctid ranges: one relation to read, and no bigger than one range per Spark task slot
+    would cover. Measured on 2 cores, one frozen stream beats two ranges (the two
+    servers already use both cores and frozen rows make the index rebuild cheaper); a
+    bigger table keeps its parallel, separately resumable ranges."""
+    if len(source.leaves) != 1:
+        return False
+    return source.blocks <= max(1, partition_blocks) * max(1, parallelism)
+
+
 def deferrable_indexes(conn: psycopg.Connection[Any], target: TargetTable) -> list[dict[str, Any]]:
     """The table's indexes and index-backed constraints, if they can be dropped for the
     copy and rebuilt after it: a plain table (not a partition, no partitioned index to

@@ -162,7 +162,8 @@ def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
     job = Job(kind=_job_kind(session, sub), subscription_id=sub.id,
               state="queued", details={"tables": names, "verify": body.verify,
                                        "defer_indexes": body.defer_indexes,
-                                       "partition_bytes": body.partition_mb << 20})
+                                       "partition_bytes": body.partition_mb << 20,
+                                       "freeze": body.freeze})
     job_id = _commit_job(session, sub, job)
     dispatch.initial_sync(settings, job_id)
     return {"job_id": job_id}
@@ -213,7 +214,8 @@ def refresh_publication(subscription_id: str, response: Response, session: Sessi
             kind=kind, subscription_id=sub.id, state="queued",
             details={"tables": added, "verify": body.verify,
                      "defer_indexes": body.defer_indexes,
-                     "partition_bytes": body.partition_mb << 20, "reason": "refresh",
+                     "partition_bytes": body.partition_mb << 20,
+                     "freeze": body.freeze, "reason": "refresh",
                      "refresh": {"added": added, "removed": removed}}))
     else:
         session.commit()

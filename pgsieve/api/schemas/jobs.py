@@ -30,6 +30,14 @@ class SyncRequest(StrictModel):
         description="size of the ctid block ranges Spark copies in parallel (and the unit "
         "a resumed job does not redo)",
     )
+    freeze: bool = Field(
+        default=True,
+        description="load a table no bigger than one range per Spark task slot, that no "
+        "foreign key references, in one stream: TRUNCATE and COPY … (FREEZE) in one "
+        "target transaction (rows written frozen: faster copy and index rebuild, no later "
+        "anti-wraparound rewrite; a crash redoes that table's copy). false: always "
+        "parallel ranges",
+    )
 
 
 class SyncAccepted(BaseModel):
@@ -48,6 +56,7 @@ class RefreshRequest(StrictModel):
     verify: bool = Field(default=False, description="as for POST …/sync")
     defer_indexes: bool = Field(default=True, description="as for POST …/sync")
     partition_mb: int = Field(default=256, ge=1, le=65536, description="as for POST …/sync")
+    freeze: bool = Field(default=True, description="as for POST …/sync")
 
 
 class RefreshResult(BaseModel):
