@@ -1,11 +1,14 @@
-"""The one-stream load: a copy task that TRUNCATEs the target table and writes it with
-``COPY … (FREEZE)`` in one transaction (real clusters; the task itself, as a Spark task
-runs it). A failed attempt leaves the table exactly as it was — TRUNCATE and rows roll
-back together — and the next attempt loads it once, with every page frozen."""
+"""The copy task itself, on real clusters, as a Spark task or the worker runs it.
+
+The one-stream load TRUNCATEs the target table and writes it with ``COPY … (FREEZE)`` in
+one transaction: a failed attempt leaves the table exactly as it was (TRUNCATE and rows
+roll back together) and the next attempt loads it once, with every page frozen. A copy
+run in a thread never blocks the rest of the process, and can be cancelled."""
 
 from __future__ import annotations
 
 import multiprocessing
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ from pgsieve.core.models import Job, SyncPartition
 from pgsieve.spark.sync import (
     MARKER_SCHEMA,
     MARKER_TABLE,
+    CopyCancelled,
     CopyPartition,
     CopyRequest,
     PartitionResult,
@@ -186,3 +190,38 @@ def test_a_sync_job_loads_plain_tables_frozen_unless_told_not_to(
         assert _frozen_pages(target_db, "child")[0] > 0
     else:
         assert parts["public.solo"] > 1 and solo_frozen == 0
+
+
+def test_a_copy_in_a_thread_leaves_the_process_running_and_can_be_cancelled(
+        source_db: Database, target_db: Database, snapshot: str) -> None:
+    """A single-partition copy runs in the worker itself: while the source is slow, other
+    threads (the job's lease heartbeat) keep running — no libpq call blocks holding the
+    GIL — and a cancelled copy rolls back, marker and all."""
+    target_db.execute(SCHEMA)
+    with psycopg.connect(target_db.dsn, autocommit=True) as conn:
+        ensure_marker_table(conn)
+    slow = "grp < 2 AND (id <> 100000 OR pg_sleep(3) IS NOT NULL)"
+    cancel = threading.Event()
+    failure: dict[str, BaseException] = {}
+
+    def attempt() -> None:
+        try:
+            copy_partition(_request(source_db, target_db, snapshot, slow), PART, cancel)
+        except BaseException as exc:
+            failure["error"] = exc
+
+    copier = threading.Thread(target=attempt)
+    copier.start()
+    ticks = 0
+    started = time.monotonic()
+    while time.monotonic() - started < 1.5:  # the source sleeps 3 s mid-copy
+        time.sleep(0.01)
+        ticks += 1
+    assert copier.is_alive()
+    assert ticks > 50  # ~150 if this thread never waits for the GIL
+    cancel.set()
+    copier.join(30)
+    assert not copier.is_alive()
+    assert isinstance(failure.get("error"), CopyCancelled)
+    assert rows(target_db, "frz") == []
+    assert target_db.query(f"SELECT count(*) FROM {MARKER_SCHEMA}.{MARKER_TABLE}")[0][0] == 0
