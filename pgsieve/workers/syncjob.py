@@ -284,7 +284,7 @@ class SyncJobRunner:
 
     # -- entry point ----------------------------------------------------------------------
     def run(self) -> RunOutcome:
-        prestart_helper()  # its interpreter loads while the job is claimed and planned
+        prestart_helper()  # a no-op when an earlier job left a spare ready
         if not claim(self.sessions, self.job_id, self.owner, self.lease):
             with self.sessions() as session:
                 job = session.get(Job, self.job_id)
@@ -318,6 +318,10 @@ class SyncJobRunner:
                           message)
                 self._fail(message, "sync_failed")
                 return RunOutcome("failed", message)
+            finally:
+                # The next sync finds a helper ready; started only now, so that its
+                # interpreter does not take CPU from this job's copy.
+                prestart_helper()
 
     # -- metadata helpers -----------------------------------------------------------------
     @contextlib.contextmanager
