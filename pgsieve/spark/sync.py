@@ -35,6 +35,8 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
+from pgsieve.core.faults import fault_point
+
 MARKER_SCHEMA = "pgsieve"
 MARKER_TABLE = "sync_copied"
 CHUNK_BYTES = 1 << 20
@@ -287,6 +289,9 @@ def _pipe(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
                         raise CopyCancelled("the copy was cancelled")
                     put(buffer)
                     buffer = bytearray()
+                    # Crash tests: rows are at the target, uncommitted. In a Spark task
+                    # the whole worker goes (its process group), as a kill -9 would.
+                    fault_point("sync.mid_copy", group=True)
             elif nbytes == 0:  # nothing buffered: wait for the source without the GIL
                 if cancel is not None and cancel.is_set():
                     raise CopyCancelled("the copy was cancelled")

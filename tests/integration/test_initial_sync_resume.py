@@ -245,3 +245,38 @@ def test_workers_killed_at_the_sync_fault_points_resume_and_end_identical(
             assert {t.sync_lsn for t in tables} == {consistent}
     finally:
         writes.stop.set()
+
+
+def test_a_worker_killed_inside_a_frozen_one_stream_copy_copies_the_table_again_once(
+        env: PipelineEnv, source_db: Database, target_db: Database, native_db: Database):
+    """The table fits one stream: the worker itself pipes it as TRUNCATE + COPY FREEZE in
+    one target transaction. Killed with rows at the target (``sync.mid_copy``), the
+    transaction rolls back with the TRUNCATE; the next worker copies the table again
+    under the same snapshot, once, every page frozen, and the target ends as native's."""
+    source_db.execute(SOURCE)
+    target_db.execute(SCHEMA)
+    native_db.execute(SCHEMA)
+    sub_id, job_id = _start(env, source_db, target_db, partition_bytes=256 << 20)
+    writes = Writes(source_db.dsn)
+    writes.start()
+    try:
+        native_copy(source_db, native_db, "nat_frozen", ["pub_big"])
+        env.start_beat()
+        _wait_dead(env, env.start_worker("first", PGSIEVE_FAULTS="sync.mid_copy@2"),
+                   "the first worker to die inside the copy")
+        assert [state for state, _ in _partitions(env, job_id).values()] == ["pending"]
+        assert rows(target_db, "big") == []  # TRUNCATE and rows rolled back together
+        with _session(env) as session:
+            consistent = session.get(Subscription, sub_id).consistent_lsn  # type: ignore[union-attr]
+        _finish(env, sub_id, job_id, source_db, target_db, native_db, writes)
+        parts = _partitions(env, job_id)
+        assert [state for state, _ in parts.values()] == ["done"]
+        with _session(env) as session:
+            tables = session.scalars(select(SubscriptionTable).where(
+                SubscriptionTable.subscription_id == sub_id)).all()
+            assert {t.sync_lsn for t in tables} == {consistent}
+            job = session.get(Job, job_id)
+            assert job is not None
+            assert job.details["table_state"]["public.big"]["freeze"] is True
+    finally:
+        writes.stop.set()
