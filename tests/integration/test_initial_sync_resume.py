@@ -105,6 +105,25 @@ def _start(env: PipelineEnv, source: Database, target: Database,
         return str(sub["id"]), job.id
 
 
+@contextlib.contextmanager
+def _scenario(env: PipelineEnv, source: Database, target: Database, native: Database,
+              name: str, partition_bytes: int = 64 << 10) -> Iterator[tuple[str, str, Writes]]:
+    """Tables, the subscription (its sync queued), writes running on the source, a native
+    subscriber copied as the oracle, and beat: what each test then kills workers in."""
+    source.execute(SOURCE)
+    target.execute(SCHEMA)
+    native.execute(SCHEMA)
+    sub_id, job_id = _start(env, source, target, partition_bytes=partition_bytes)
+    writes = Writes(source.dsn)
+    writes.start()
+    try:
+        native_copy(source, native, f"nat_{name}", ["pub_big"])
+        env.start_beat()
+        yield sub_id, job_id, writes
+    finally:
+        writes.stop.set()
+
+
 def _kill_mid_copy(env: PipelineEnv, worker: Any, job_id: str) -> dict[int, Any]:
     def some_done() -> bool:
         parts = _partitions(env, job_id)
@@ -139,15 +158,8 @@ def _finish(env: PipelineEnv, sub_id: str, job_id: str, source: Database, target
 def test_killed_worker_resumes_under_the_same_snapshot(env: PipelineEnv, source_db: Database,
                                                        target_db: Database,
                                                        native_db: Database):
-    source_db.execute(SOURCE)
-    target_db.execute(SCHEMA)
-    native_db.execute(SCHEMA)
-    sub_id, job_id = _start(env, source_db, target_db)
-    writes = Writes(source_db.dsn)
-    writes.start()
-    try:
-        native_copy(source_db, native_db, "nat_resume", ["pub_big"])
-        env.start_beat()
+    with _scenario(env, source_db, target_db, native_db, "resume") as (
+            sub_id, job_id, writes):
         worker = env.start_worker("first")
         done_before = _kill_mid_copy(env, worker, job_id)
         with _session(env) as session:
@@ -164,21 +176,12 @@ def test_killed_worker_resumes_under_the_same_snapshot(env: PipelineEnv, source_
             assert {t.sync_lsn for t in tables} == {consistent}
             job = session.get(Job, job_id)
             assert job is not None and "snapshot" in job.details
-    finally:
-        writes.stop.set()
 
 
 def test_killed_worker_and_lost_snapshot_restart_tables_cleanly(
         env: PipelineEnv, source_db: Database, target_db: Database, native_db: Database):
-    source_db.execute(SOURCE)
-    target_db.execute(SCHEMA)
-    native_db.execute(SCHEMA)
-    sub_id, job_id = _start(env, source_db, target_db)
-    writes = Writes(source_db.dsn)
-    writes.start()
-    try:
-        native_copy(source_db, native_db, "nat_lost", ["pub_big"])
-        env.start_beat()
+    with _scenario(env, source_db, target_db, native_db, "lost") as (
+            sub_id, job_id, writes):
         worker = env.start_worker("first")
         _kill_mid_copy(env, worker, job_id)
         with _session(env) as session:
@@ -196,8 +199,6 @@ def test_killed_worker_and_lost_snapshot_restart_tables_cleanly(
             # Copied again under a later snapshot of its own, then handed to the stream.
             assert big.sync_lsn is not None and consistent is not None
             assert big.sync_lsn > consistent
-    finally:
-        writes.stop.set()
 
 
 def _wait_dead(env: PipelineEnv, worker: Any, what: str) -> None:
@@ -210,15 +211,8 @@ def test_workers_killed_at_the_sync_fault_points_resume_and_end_identical(
     """``sync.after_main_slot`` (the slot and snapshot exist and are recorded, nothing
     copied) and ``sync.after_copy`` (every partition at the target, no table finished):
     the next worker carries on under the same snapshot, copies nothing twice."""
-    source_db.execute(SOURCE)
-    target_db.execute(SCHEMA)
-    native_db.execute(SCHEMA)
-    sub_id, job_id = _start(env, source_db, target_db, partition_bytes=1 << 20)
-    writes = Writes(source_db.dsn)
-    writes.start()
-    try:
-        native_copy(source_db, native_db, "nat_faults", ["pub_big"])
-        env.start_beat()
+    with _scenario(env, source_db, target_db, native_db, "faults", partition_bytes=1 << 20) as (
+            sub_id, job_id, writes):
         _wait_dead(env, env.start_worker("first", PGSIEVE_FAULTS="sync.after_main_slot@1"),
                    "the first worker to die after creating the slot")
         with _session(env) as session:
@@ -243,8 +237,6 @@ def test_workers_killed_at_the_sync_fault_points_resume_and_end_identical(
             tables = session.scalars(select(SubscriptionTable).where(
                 SubscriptionTable.subscription_id == sub_id)).all()
             assert {t.sync_lsn for t in tables} == {consistent}
-    finally:
-        writes.stop.set()
 
 
 def test_a_worker_killed_inside_a_frozen_one_stream_copy_copies_the_table_again_once(
@@ -252,16 +244,9 @@ def test_a_worker_killed_inside_a_frozen_one_stream_copy_copies_the_table_again_
     """The table fits one stream: the worker itself pipes it as TRUNCATE + COPY FREEZE in
     one target transaction. Killed with rows at the target (``sync.mid_copy``), the
     transaction rolls back with the TRUNCATE; the next worker copies the table again
-    under the same snapshot, once, every page frozen, and the target ends as native's."""
-    source_db.execute(SOURCE)
-    target_db.execute(SCHEMA)
-    native_db.execute(SCHEMA)
-    sub_id, job_id = _start(env, source_db, target_db, partition_bytes=256 << 20)
-    writes = Writes(source_db.dsn)
-    writes.start()
-    try:
-        native_copy(source_db, native_db, "nat_frozen", ["pub_big"])
-        env.start_beat()
+    under the same snapshot, once (frozen again), and the target ends as native's."""
+    with _scenario(env, source_db, target_db, native_db, "frozen", partition_bytes=256 << 20) as (
+            sub_id, job_id, writes):
         _wait_dead(env, env.start_worker("first", PGSIEVE_FAULTS="sync.mid_copy@2"),
                    "the first worker to die inside the copy")
         assert [state for state, _ in _partitions(env, job_id).values()] == ["pending"]
@@ -278,5 +263,3 @@ def test_a_worker_killed_inside_a_frozen_one_stream_copy_copies_the_table_again_
             job = session.get(Job, job_id)
             assert job is not None
             assert job.details["table_state"]["public.big"]["freeze"] is True
-    finally:
-        writes.stop.set()
