@@ -19,7 +19,7 @@ import json
 import pickle
 import struct
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -136,6 +136,11 @@ class _Splitter(_Builder):
                     items = tables.get(rm.target.qualified_name)
                     if items is not None:
                         items.clear()
+
+    def raw_segments(self, raw: RawView,
+                     segments: Sequence[tuple[int, Lsn, int, int]]) -> None:
+        for ti, commit_lsn, start, stop in segments:
+            self.raw_changes(raw._replace(start=start, stop=stop), ti, commit_lsn)
 
     def raw_changes(self, raw: RawView, ti: int, commit_lsn: Lsn) -> None:
         raws, buf, offsets, first, stop, rel_list, rel_map, lsns, proto = raw

@@ -59,9 +59,14 @@ class ConsumerStats:
     transactions: int = 0
     skipped: int = 0
     spilled_transactions: int = 0
-    last_received: Lsn | None = None
+    received_value: int | None = None
+    """LSN of the message that completed the newest item (a plain int: set per item)."""
     confirmed: Lsn | None = None
     pending_streams: list[int] = field(default_factory=list)
+
+    @property
+    def last_received(self) -> Lsn | None:
+        return None if self.received_value is None else Lsn(self.received_value)
 
 
 class SlotConsumer:
@@ -118,7 +123,7 @@ class SlotConsumer:
                     if isinstance(entry, MessageBatch):  # many messages at once (SQL transport)
                         messages += entry.count
                         for lsn, done in assembler.feed_batch(entry):
-                            self.stats.last_received = Lsn(lsn)
+                            self.stats.received_value = lsn
                             if self._fresh(done):
                                 yield done
                             elif isinstance(done, Transaction):
@@ -129,7 +134,7 @@ class SlotConsumer:
                     item = assembler.feed_bytes(data, lsn)
                     if item is None:
                         continue
-                    self.stats.last_received = Lsn(lsn)
+                    self.stats.received_value = lsn
                     if self._fresh(item):
                         yield item
                     elif isinstance(item, Transaction):

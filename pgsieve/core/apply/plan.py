@@ -344,6 +344,10 @@ class _Builder:
         applied: list[int] = []
         applied_value = -1 if self.applied_lsn is None else self.applied_lsn.value
         skip_value = -1 if skip is None else skip.value
+        # Consecutive transactions packed in the same batch under the same relation map
+        # are planned as one run of segments (see raw_segments).
+        run_view: RawView | None = None
+        run: list[tuple[int, Lsn, int, int]] = []
         for ti, txn in enumerate(batch.transactions):
             changes += len(txn.changes)
             if txn.end_lsn.value <= applied_value:
@@ -355,11 +359,27 @@ class _Builder:
             transactions += 1
             applied.append(ti)
             raw = raw_view(txn.changes)
+            if raw is not None and raw.raws is None:  # packed
+                if run_view is not None and (raw.buf is not run_view.buf
+                                             or raw.rel_map is not run_view.rel_map):
+                    self.raw_segments(run_view, run)
+                    run = []
+                if not run:
+                    run_view = raw
+                run.append((ti, txn.commit_lsn, raw.start, raw.stop))
+                continue
+            if run:
+                assert run_view is not None
+                self.raw_segments(run_view, run)
+                run, run_view = [], None
             if raw is None:
                 for ci, ch in enumerate(txn.changes):
                     self.change(ch, ti, ci, txn.commit_lsn)
             else:
                 self.raw_changes(raw, ti, txn.commit_lsn)
+        if run:
+            assert run_view is not None
+            self.raw_segments(run_view, run)
         for tp in self.tables.values():
             if tp.effect.inconsistent and not tp.sequential:
                 tp.sequential = tp.effect.inconsistent
@@ -391,129 +411,139 @@ class _Builder:
         self._images_of(rm).append((item, rm))
 
     def raw_changes(self, raw: RawView, ti: int, commit_lsn: Lsn) -> None:
+        """The hot path for one transaction (see :meth:`raw_segments`)."""
+        self.raw_segments(raw, ((ti, commit_lsn, raw.start, raw.stop),))
+
+    def raw_segments(self, raw: RawView,
+                     segments: Sequence[tuple[int, Lsn, int, int]]) -> None:
         """The hot path: rows of plain (not streamed) transactions, parsed straight from
         the pgoutput bytes the splitter kept. Only the common case is handled here — a
         keyed table whose relation maps 1:1 onto the target, text values, no unchanged
         TOAST — with the net effect's commonest steps inlined; anything else is decoded
-        and goes through :meth:`change`."""
-        raws, buf, offsets, first, stop, rel_list, rel_map, lsns, proto = raw
-        clsn = commit_lsn.value
+        and goes through :meth:`change`.
+
+        ``segments``: ``(transaction index, commit LSN, start, stop)`` of consecutive
+        transactions read through the same view (one packed batch and relation map):
+        small transactions share this method's setup instead of paying it each."""
+        raws, buf, offsets, _, _, rel_list, rel_map, lsns, proto = raw
         decoder: Decoder | None = None
         scan = scan_text_tuple
         u32 = _U32
         last_relid = -1
-        last_rel: Relation | None = None
         rel: Relation | None = None
         rm: RelationMap | None = None
         tp: TablePlan | None = None
         hot = self._hot
-        for i in range(first, stop):
-            ci = i - first
-            data = raws[i] if raws is not None else buf[offsets[i]:offsets[i + 1]]
-            kind = data[0]
-            if kind in (0x49, 0x55, 0x44):  # Insert, Update, Delete (a constant tuple)
-                if rel_map is not None:
-                    relid = u32(data, 1)[0]
-                    if relid != last_relid:
-                        rel = rel_map[relid]
-                        last_relid = relid
-                elif rel_list is not None:
-                    rel = rel_list[ci][0]
-                if rel is not last_rel:
-                    assert rel is not None
-                    last_rel = rel
-                    if hot is not None and hot[0] is rel:
-                        (_, rm, tp, counts, effect, entries, get, full, kr, one, k0,
-                         images) = hot
-                    else:
-                        routed = self._route(rel, ti, ci, commit_lsn)
-                        if routed is None:
-                            rm = tp = None
+        for ti, commit_lsn, first, stop in segments:
+            clsn = commit_lsn.value
+            last_rel: Relation | None = None  # routing may depend on the commit LSN
+            for i in range(first, stop):
+                ci = i - first
+                data = raws[i] if raws is not None else buf[offsets[i]:offsets[i + 1]]
+                kind = data[0]
+                if kind in (0x49, 0x55, 0x44):  # Insert, Update, Delete (a constant tuple)
+                    if rel_map is not None:
+                        relid = u32(data, 1)[0]
+                        if relid != last_relid:
+                            rel = rel_map[relid]
+                            last_relid = relid
+                    elif rel_list is not None:
+                        rel = rel_list[ci][0]
+                    if rel is not last_rel:
+                        assert rel is not None
+                        last_rel = rel
+                        if hot is not None and hot[0] is rel:
+                            (_, rm, tp, counts, effect, entries, get, full, kr, one, k0,
+                             images) = hot
                         else:
-                            rm, tp = routed
-                            counts = self.counts_for(rm.source_table)
-                            effect = tp.effect
-                            entries = effect.entries
-                            get = entries.get
-                            full = rm.given_mask
-                            kr = rm.key_rel
-                            one = len(kr) == 1
-                            k0 = kr[0] if kr else 0
-                            images = self._images_of(rm)
-                            if rm.always:  # routing cannot depend on the commit LSN
-                                hot = self._hot = (rel, rm, tp, counts, effect, entries, get,
-                                                   full, kr, one, k0, images)
-                if rm is None or tp is None:
-                    continue
-                if rm.fast and tp.sequential is None:
-                    try:
-                        if kind == _I:
-                            values, end = scan(data, 6)
-                            if values is not None and end == len(data):
-                                counts.inserts += 1
-                                key = values[k0] if one else tuple(values[i] for i in kr)
-                                if key not in entries:
-                                    entries[key] = [False, "I", clsn, values, None, full, 0,
-                                                    None]
-                                else:
-                                    effect.insert(key, values, full, 0, clsn)
-                                continue
-                        elif kind == _U:
-                            marker = data[5]
-                            old_key = None
-                            pos = 6
-                            if marker == _K:
-                                old, pos = scan(data, 6)
-                                if old is None:
-                                    pos = -1
-                                else:
-                                    old_key = old[k0] if one else tuple(old[i] for i in kr)
-                                    marker = data[pos]
-                                    pos += 1
-                            if pos > 0 and marker == _N:
-                                values, end = scan(data, pos)
+                            routed = self._route(rel, ti, ci, commit_lsn)
+                            if routed is None:
+                                rm = tp = None
+                            else:
+                                rm, tp = routed
+                                counts = self.counts_for(rm.source_table)
+                                effect = tp.effect
+                                entries = effect.entries
+                                get = entries.get
+                                full = rm.given_mask
+                                kr = rm.key_rel
+                                one = len(kr) == 1
+                                k0 = kr[0] if kr else 0
+                                images = self._images_of(rm)
+                                if rm.always:  # routing cannot depend on the commit LSN
+                                    hot = self._hot = (rel, rm, tp, counts, effect, entries, get,
+                                                       full, kr, one, k0, images)
+                    if rm is None or tp is None:
+                        continue
+                    if rm.fast and tp.sequential is None:
+                        try:
+                            if kind == _I:
+                                values, end = scan(data, 6)
                                 if values is not None and end == len(data):
-                                    counts.updates += 1
-                                    images.append(((lsns[i], data), rm))
+                                    counts.inserts += 1
                                     key = values[k0] if one else tuple(values[i] for i in kr)
-                                    if old_key is None:
-                                        e = get(key)
-                                        if e is None:
-                                            entries[key] = [True, "U", clsn, values, key, full,
-                                                            0, None]
-                                            continue
-                                        if e[ROW] is not None:  # a row the batch holds
-                                            e[ROW] = values
-                                            e[MASK] = full
-                                            e[UMASK] = 0
-                                            continue
-                                    effect.update(key, values, full, clsn, old_key)
+                                    if key not in entries:
+                                        entries[key] = [False, "I", clsn, values, None, full, 0,
+                                                        None]
+                                    else:
+                                        effect.insert(key, values, full, 0, clsn)
                                     continue
-                        elif data[5] == _K:
-                            values, end = scan(data, 6)
-                            if values is not None and end == len(data):
-                                counts.deletes += 1
-                                key = values[k0] if one else tuple(values[i] for i in kr)
-                                if key not in entries:
-                                    entries[key] = [True, "D", clsn, None, None, 0, 0, None]
-                                else:
-                                    effect.delete(key, clsn)
-                                continue
-                    except (IndexError, struct.error):
-                        pass  # malformed: the decoder below says exactly how
-            elif kind == _M:
-                continue
-            if decoder is None:
-                decoder = Decoder(proto, lazy=True)
-            msg = decoder.decode(data)
-            if rel_list is not None:
-                rels: tuple[Relation, ...] = rel_list[ci]
-            elif isinstance(msg, Insert | Update | Delete):
-                rels = (cast(Mapping[int, Relation], rel_map)[msg.relation_id],)
-            else:
-                rels = ()
-            self.change(Change(Lsn(lsns[i]), msg, rels), ti, ci,  # type: ignore[arg-type]
-                        commit_lsn)
+                            elif kind == _U:
+                                marker = data[5]
+                                old_key = None
+                                pos = 6
+                                if marker == _K:
+                                    old, pos = scan(data, 6)
+                                    if old is None:
+                                        pos = -1
+                                    else:
+                                        old_key = old[k0] if one else tuple(old[i] for i in kr)
+                                        marker = data[pos]
+                                        pos += 1
+                                if pos > 0 and marker == _N:
+                                    values, end = scan(data, pos)
+                                    if values is not None and end == len(data):
+                                        counts.updates += 1
+                                        images.append(((lsns[i], data), rm))
+                                        key = values[k0] if one else tuple(values[i] for i in kr)
+                                        if old_key is None:
+                                            e = get(key)
+                                            if e is None:
+                                                entries[key] = [True, "U", clsn, values, key, full,
+                                                                0, None]
+                                                continue
+                                            if e[ROW] is not None:  # a row the batch holds
+                                                e[ROW] = values
+                                                e[MASK] = full
+                                                e[UMASK] = 0
+                                                continue
+                                        effect.update(key, values, full, clsn, old_key)
+                                        continue
+                            elif data[5] == _K:
+                                values, end = scan(data, 6)
+                                if values is not None and end == len(data):
+                                    counts.deletes += 1
+                                    key = values[k0] if one else tuple(values[i] for i in kr)
+                                    if key not in entries:
+                                        entries[key] = [True, "D", clsn, None, None, 0, 0, None]
+                                    else:
+                                        effect.delete(key, clsn)
+                                    continue
+                        except (IndexError, struct.error):
+                            pass  # malformed: the decoder below says exactly how
+                elif kind == _M:
+                    continue
+                if decoder is None:
+                    decoder = Decoder(proto, lazy=True)
+                msg = decoder.decode(data)
+                if rel_list is not None:
+                    rels: tuple[Relation, ...] = rel_list[ci]
+                elif isinstance(msg, Insert | Update | Delete):
+                    rels = (cast(Mapping[int, Relation], rel_map)[msg.relation_id],)
+                else:
+                    rels = ()
+                self.change(Change(Lsn(lsns[i]), msg, rels), ti, ci,  # type: ignore[arg-type]
+                            commit_lsn)
 
     def _images_of(self, rm: RelationMap) -> deque[tuple[Any, RelationMap]]:
         q = self.images.get(rm.source_table)

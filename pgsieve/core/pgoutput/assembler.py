@@ -224,9 +224,11 @@ class Changes:
         return f"<Changes {self._count} {'spilled' if self._spill else 'in memory'}>"
 
 
-@dataclass(frozen=True, slots=True)
-class Transaction:
-    """A committed transaction. For prepared ones the LSNs/time are Commit Prepared's."""
+class Transaction(NamedTuple):
+    """A committed transaction. For prepared ones the LSNs/time are Commit Prepared's.
+
+    A NamedTuple rather than a frozen dataclass: one is built per source transaction on
+    the hot path, and a frozen dataclass costs ~2 µs to build against ~0.4 µs."""
 
     xid: int
     commit_lsn: Lsn
