@@ -156,7 +156,11 @@ def table_rows(db: Database, table: str, order_by: str) -> list[tuple[Any, ...]]
 
 
 def source_lsn(db: Database) -> str:
-    return str(db.query("SELECT pg_current_wal_lsn()::text")[0][0])
+    """The end of everything committed so far: the WAL *insert* position. The test
+    clusters run with ``synchronous_commit = off``, so ``pg_current_wal_lsn()`` (the write
+    position) can trail the last commits by a WAL writer round — waiting for it let tests
+    compare tables before the final transactions were applied."""
+    return str(db.query("SELECT pg_current_wal_insert_lsn()::text")[0][0])
 
 
 def native_caught_up(source: Database, native: Database, name: str, lsn: str) -> bool:
