@@ -345,7 +345,8 @@ class _Builder:
         applied_value = -1 if self.applied_lsn is None else self.applied_lsn.value
         skip_value = -1 if skip is None else skip.value
         # Consecutive transactions packed in the same batch under the same relation map
-        # are planned as one run of segments (see raw_segments).
+        # are planned as one run of segments (see raw_segments); a transaction with its
+        # own list of messages is a run of its own.
         run_view: RawView | None = None
         run: list[tuple[int, Lsn, int, int]] = []
         for ti, txn in enumerate(batch.transactions):
@@ -359,26 +360,20 @@ class _Builder:
             transactions += 1
             applied.append(ti)
             raw = raw_view(txn.changes)
-            if raw is not None and raw.raws is None:  # packed
-                if run_view is not None and (raw.buf is not run_view.buf
-                                             or raw.rel_map is not run_view.rel_map):
-                    self.raw_segments(run_view, run)
-                    run = []
-                if not run:
-                    run_view = raw
-                run.append((ti, txn.commit_lsn, raw.start, raw.stop))
-                continue
-            if run:
-                assert run_view is not None
+            if run_view is not None and (raw is None or raw.raws is not None
+                                         or run_view.raws is not None
+                                         or raw.buf is not run_view.buf
+                                         or raw.rel_map is not run_view.rel_map):
                 self.raw_segments(run_view, run)
                 run, run_view = [], None
             if raw is None:
                 for ci, ch in enumerate(txn.changes):
                     self.change(ch, ti, ci, txn.commit_lsn)
-            else:
-                self.raw_changes(raw, ti, txn.commit_lsn)
-        if run:
-            assert run_view is not None
+                continue
+            if run_view is None:
+                run_view = raw
+            run.append((ti, txn.commit_lsn, raw.start, raw.stop))
+        if run_view is not None:
             self.raw_segments(run_view, run)
         for tp in self.tables.values():
             if tp.effect.inconsistent and not tp.sequential:
