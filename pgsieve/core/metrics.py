@@ -153,6 +153,10 @@ class MetadataCollector(Collector):
                                             labels=[*tab_l, "op"])
         conflicts = CounterMetricFamily("pgsieve_table_conflicts",
                                         "conflicts met while applying, per table", labels=tab_l)
+        missing = CounterMetricFamily(
+            "pgsieve_table_missing_rows_skipped",
+            "UPDATEs/DELETEs skipped because the target row was missing (on_conflict native, "
+            "as PostgreSQL's subscriber does), per table", labels=tab_l)
         copied = GaugeMetricFamily("pgsieve_sync_rows_copied",
                                    "rows copied by the table's initial sync", labels=tab_l)
         total = GaugeMetricFamily("pgsieve_sync_rows_total",
@@ -198,13 +202,14 @@ class MetadataCollector(Collector):
                 for op in ("inserts", "updates", "deletes", "truncates"):
                     table_changes.add_metric([*labels, op[:-1]], float(getattr(table, op)))
                 conflicts.add_metric(labels, float(table.conflicts))
+                missing.add_metric(labels, float(table.missing_skipped))
                 copied.add_metric(labels, float(table.rows_copied))
                 if table.rows_total is not None:
                     total.add_metric(labels, float(table.rows_total))
                 sync_state.add_metric([*labels, table.sync_state], 1)
         yield from (state, enabled, lag_b, lag_s, sample_age, applied, changes, batches,
-                    apply_h, size_h, alive, hb_age, table_changes, conflicts, copied, total,
-                    sync_state)
+                    apply_h, size_h, alive, hb_age, table_changes, conflicts, missing, copied,
+                    total, sync_state)
 
         jobs = GaugeMetricFamily("pgsieve_jobs", "jobs by kind and state",
                                  labels=["kind", "state"])

@@ -224,6 +224,10 @@ class SubscriptionTable(Base):
     deletes: Mapped[int] = mapped_column(BigInteger, default=0)
     truncates: Mapped[int] = mapped_column(BigInteger, default=0)
     conflicts: Mapped[int] = mapped_column(BigInteger, default=0)
+    missing_skipped: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """UPDATEs/DELETEs skipped because the target row was missing (policy ``native``)."""
+    last_missing: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """The last of them: ``{op, key, lsn, at}``."""
     sync_slot: Mapped[str | None] = mapped_column(String(63), nullable=True)
     """Slot of a table copied on its own (tablesync): the copy's snapshot and catch-up."""
     error: Mapped[str | None] = mapped_column(Text, nullable=True)

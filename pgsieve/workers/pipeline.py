@@ -32,6 +32,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core.apply.batch import (
+    DEFAULT_CONFLICT_POLICY,
     ApplyBatch,
     ApplyConflict,
     ApplyFenced,
@@ -266,7 +267,7 @@ class ConsumeCycle:
             tables = list(sub.tables)
             catchup = any(t.sync_state == "catchup" for t in tables)
             return (table_routes(tables), sub.enabled and sub.state == "streaming",
-                    str(sub.options.get("on_conflict", "error")),
+                    str(sub.options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),
                     None if sub.skip_lsn is None else Lsn(sub.skip_lsn), catchup)
 
     def _bump_stat(self, key: str) -> None:
@@ -606,6 +607,17 @@ class _StreamRun:
                 table.deletes += counts.deletes
                 table.truncates += counts.truncates
                 table.conflicts += counts.conflicts
+                if counts.missing_skipped:
+                    table.missing_skipped += counts.missing_skipped
+                    last = counts.last_missing
+                    log.info("%s: skipped %d UPDATE/DELETE whose row is missing in the "
+                             "target (as PostgreSQL does); last: %s at %s", name,
+                             counts.missing_skipped, last and last.op,
+                             last and last.commit_lsn)
+                    if last is not None:
+                        table.last_missing = {
+                            "op": last.op, "key": last.key, "lsn": str(last.commit_lsn),
+                            "at": datetime.now(UTC).isoformat()}
             self._keep_update_images(session, result)
             # The batch-apply histogram for /metrics, kept in the metadata store so any
             # API process can serve it.

@@ -27,7 +27,13 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core import pgserver
-from pgsieve.core.apply.batch import ApplyBatch, ApplyConflict, TableRoute, TableStopped
+from pgsieve.core.apply.batch import (
+    DEFAULT_CONFLICT_POLICY,
+    ApplyBatch,
+    ApplyConflict,
+    TableRoute,
+    TableStopped,
+)
 from pgsieve.core.credentials import SecretBox, scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.errors import PgsieveError
@@ -102,7 +108,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
                 return
             batch = ApplyBatch(subscription_id=subscription_id, transactions=list(pending),
                                routes=routes,
-                               on_conflict=str(options.get("on_conflict", "error")),  # type: ignore[arg-type]
+                               on_conflict=str(options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),  # type: ignore[arg-type]
                                skip_lsn=skip_lsn)
             try:
                 result = apply_batch(spark, batch, writer)

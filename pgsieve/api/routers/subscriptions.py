@@ -102,10 +102,13 @@ def subscription_out(session: Session, sub: Subscription) -> dict[str, Any]:
                 "deletes": t.deletes,
                 "truncates": t.truncates,
                 "conflicts": t.conflicts,
+                "missing_skipped": t.missing_skipped,
+                "last_missing": t.last_missing,
                 "error": t.error,
             }
             for t in sub.tables
         ],
+        "missing_skipped": sum(t.missing_skipped for t in sub.tables),
         "created_at": sub.created_at,
         "updated_at": sub.updated_at,
     }
