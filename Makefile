@@ -1,5 +1,5 @@
 # The two commands a newcomer needs: `make run` (the demo) and `make test` (everything).
-.PHONY: run test lint typecheck deps lock bench clean
+.PHONY: run test check lint typecheck deps lock bench clean
 
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,6 +16,14 @@ lint: deps
 
 typecheck: deps
 	$(BIN)/mypy
+
+# The fast lane: lint, import contracts, types and the pure unit tests (no clusters,
+# no Spark, no Redis) — under two minutes; `make test` runs everything.
+check: deps
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+	$(BIN)/pytest tests/unit -q
 
 test: deps
 	$(BIN)/ruff check .
