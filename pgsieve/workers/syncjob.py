@@ -76,6 +76,7 @@ from pgsieve.spark.sync import (
     task_slots,
     warm_up,
 )
+from pgsieve.workers.diffsync import diff_table
 from pgsieve.workers.locks import LeaseKeeper, rowcount
 from pgsieve.workers.snapshot import (
     ExportedSnapshot,
@@ -237,6 +238,8 @@ class _Context:
     defer_indexes: bool
     partition_bytes: int | None = None
     freeze: bool = True
+    mode: str = "copy"
+    """copy (empty and load) or diff (write only the differences, :mod:`.diffsync`)."""
 
 
 class SyncJobRunner:
@@ -358,6 +361,7 @@ class SyncJobRunner:
                 defer_indexes=bool(job.details.get("defer_indexes", True)),
                 partition_bytes=job.details.get("partition_bytes"),
                 freeze=bool(job.details.get("freeze", True)),
+                mode=str(job.details.get("mode") or "copy"),
             )
 
     def _table_state(self, job: Job, table: str) -> dict[str, Any]:
@@ -516,6 +520,9 @@ class SyncJobRunner:
     # -- copying under one snapshot ----------------------------------------------------------
     def _copy_under(self, ctx: _Context, snap: ExportedSnapshot, names: list[str],
                     *, own_slot: bool) -> None:
+        if ctx.mode == "diff":
+            self._diff_under(ctx, snap, names, own_slot=own_slot)
+            return
         with self._timed("plan"), snapshot_transaction(
                 ctx.source_dsn, snap.name, self.settings.connect_timeout) as src:
             sources = read_source_tables(src, ctx.publications, names)
@@ -554,6 +561,57 @@ class SyncJobRunner:
             for name in names:
                 self._finish_table(ctx, snap, sources[name], targets[name], tgt,
                                    own_slot=own_slot)
+
+    def _diff_under(self, ctx: _Context, snap: ExportedSnapshot, names: list[str],
+                    *, own_slot: bool) -> None:
+        """The differential resync of ``names`` under ``snap`` (:mod:`.diffsync`): the
+        target keeps its rows and gets only the differences, then each table waits in
+        ``catchup`` from the snapshot's position exactly as after a copy. A diff that died
+        rolled back; running it again under the same snapshot is the resumption."""
+        with self._timed("plan"), snapshot_transaction(
+                ctx.source_dsn, snap.name, self.settings.connect_timeout) as src:
+            sources = read_source_tables(src, ctx.publications, names)
+        for name in names:
+            source = sources[name]
+            with psycopg.connect(ctx.target_dsn, autocommit=True,
+                                 connect_timeout=self.settings.connect_timeout) as tgt:
+                target = read_target_table(tgt, name)
+            copy = table_copy(source, target)
+            with self._owned() as (session, job):
+                table = self._tables(session, ctx)[name]
+                table.sync_state, table.rows_copied = "copy", 0
+                table.rows_total = source.estimated_rows
+                self._set_table_state(job, name, attempt=snap.attempt, mode="diff",
+                                      diff=None)
+                self._update_totals(session, job, ctx)
+            with self._timed("diff"):
+                result = diff_table(ctx.source_dsn, snap.name, ctx.target_dsn, source,
+                                    target, copy,
+                                    connect_timeout=self.settings.connect_timeout)
+            if self._after_copy is not None:
+                self._after_copy(snap, name)
+            verify: dict[str, Any] | None = None
+            if ctx.verify:
+                with self._timed("verify"):
+                    verify = verify_table(ctx.source_dsn, snap.name, ctx.target_dsn, source,
+                                          target, self.settings.connect_timeout)
+            with self._owned() as (session, job):
+                table = self._tables(session, ctx)[name]
+                table.sync_state, table.error = "catchup", None
+                table.sync_lsn = snap.consistent_lsn.value
+                table.rows_copied = table.rows_total = result.compared
+                if not own_slot:
+                    table.sync_slot = None
+                self._set_table_state(job, name, finished=True, diff=result.as_dict())
+                totals = dict(job.details.get("diff") or {})
+                for k, v in result.as_dict().items():
+                    totals[k] = int(totals.get(k, 0)) + v
+                job.details = {**job.details, "diff": totals}
+                if verify is not None:
+                    results = dict(job.details.get("verify_results") or {})
+                    results[name] = verify
+                    job.details = {**job.details, "verify_results": results}
+                self._update_totals(session, job, ctx)
 
     def _prepare(self, ctx: _Context, snap: ExportedSnapshot, source: SourceTable,
                  target: TargetTable, tgt: psycopg.Connection[Any], parallelism: int) -> bool:

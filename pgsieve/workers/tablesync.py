@@ -319,6 +319,8 @@ def retry_table_syncs(settings: Settings, sessions: sessionmaker[Session] | None
                 .order_by(Job.created_at.desc()).limit(100)).all()
             due: list[str] = []
             retry = 0
+            mode = "copy"
+
             for table in sub.tables:
                 if table.sync_state not in ("init", "copy"):
                     continue
@@ -330,12 +332,15 @@ def retry_table_syncs(settings: Settings, sessions: sessionmaker[Session] | None
                     if now < failed_at + timedelta(seconds=retry_delay(attempt)):
                         continue
                     retry = max(retry, attempt)
+                    # A failed diff is retried as a diff: a copy would empty the table.
+                    if last.details.get("mode") == "diff":
+                        mode = "diff"
                 due.append(table.table_name)
             if not due:
                 continue
             job_id = add_sync_job(session, Job(
                 kind="resync", subscription_id=sub.id, state="queued",
-                details={"tables": due, "reason": "retry", "retry": retry}))
+                details={"tables": due, "reason": "retry", "retry": retry, "mode": mode}))
             if job_id is not None:
                 log.info("subscription %s: copying %s again (retry %d)", sub.id,
                          ", ".join(due), retry)

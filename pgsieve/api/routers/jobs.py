@@ -80,6 +80,7 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
             "partitions_done": done_parts if not finished else total_parts,
             "partitions_total": total_parts or None,
             "error": t.error if t is not None else None,
+            "diff": (states.get(name) or {}).get("diff"),
         })
     return {
         "id": job.id,
@@ -91,6 +92,9 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
         "error_code": job.details.get("error_code") if job.state == "failed" else None,
         "tables": tables,
         "verify": job.details.get("verify_result"),
+        "mode": job.details.get("mode") or "copy",
+        "diff": job.details.get("diff"),
+        "reason": job.details.get("reason"),
         "attempts": int(job.details.get("attempts", 0)),
         "last_error": job.details.get("last_error"),
         "created_at": job.created_at,
@@ -163,7 +167,7 @@ def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
               state="queued", details={"tables": names, "verify": body.verify,
                                        "defer_indexes": body.defer_indexes,
                                        "partition_bytes": body.partition_mb << 20,
-                                       "freeze": body.freeze})
+                                       "freeze": body.freeze, "mode": body.mode})
     job_id = _commit_job(session, sub, job)
     dispatch.initial_sync(settings, job_id)
     return {"job_id": job_id}

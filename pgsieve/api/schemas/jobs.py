@@ -11,6 +11,14 @@ from pgsieve.api.schemas.common import StrictModel
 
 
 class SyncRequest(StrictModel):
+    mode: Literal["copy", "diff"] = Field(
+        default="copy",
+        description="copy: empty each table and load it again (PostgreSQL's tablesync). "
+        "diff: keep the target's rows and write only the differences from the source "
+        "under the effective filter and column list, compared by replica-identity key "
+        "(rows deleted, inserted, updated; readers never see the table empty); also "
+        "repairs a target that drifted",
+    )
     tables: list[str] | None = Field(
         default=None, min_length=1, max_length=1000,
         description="tables of the subscription to copy again (schema.name); all if omitted",
@@ -74,6 +82,13 @@ class JobProgress(BaseModel):
     unit: Literal["rows"] = "rows"
 
 
+class DiffCounts(BaseModel):
+    compared: int = Field(description="source rows (under the filter) compared")
+    added: int = Field(description="rows inserted at the target")
+    removed: int = Field(description="rows deleted at the target")
+    updated: int = Field(description="rows whose published columns were rewritten")
+
+
 class JobTable(BaseModel):
     table: str
     state: str = Field(description="the table's sync state: init, copy, catchup, ready")
@@ -84,6 +99,8 @@ class JobTable(BaseModel):
     partitions_done: int
     partitions_total: int | None
     error: str | None = None
+    diff: DiffCounts | None = Field(
+        default=None, description="mode diff, once the table's differences committed")
 
 
 class JobOut(BaseModel):
@@ -99,6 +116,12 @@ class JobOut(BaseModel):
         default=None,
         description="when asked: {ok, tables: [{table, source_rows, target_rows, "
         "source_checksum, target_checksum, match}], differences: [...]}")
+    mode: Literal["copy", "diff"] = "copy"
+    diff: DiffCounts | None = Field(
+        default=None, description="mode diff: the counts summed over the tables done so far")
+    reason: str | None = Field(
+        default=None, description="why the job exists when pgsieve started it (a "
+        "publication change reconciled: reconcile; a failed table retried: retry)")
     attempts: int = 0
     last_error: str | None = None
     created_at: datetime
