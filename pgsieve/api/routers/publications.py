@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from pgsieve.api import filterchange
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source, source_connection
 from pgsieve.api.schemas.publications import (
     AnyPublicationName,
@@ -24,6 +25,7 @@ from pgsieve.api.schemas.publications import (
     PublicationImport,
     PublicationOut,
     PublicationPatch,
+    PublicationPlanOut,
     PublicationTableIn,
 )
 from pgsieve.core.errors import Conflict, NotFound
@@ -411,8 +413,60 @@ def patch_publication(
         session.expire_all()
         row = _load_managed(session, source, name, conn)
         pub = _patched(row, body)
+        reconciling = body.reconcile == "diff" and not dry_run
+        before = _before_reconcile(session, source, name, conn) if reconciling else None
         desired, live, warnings = _save(session, conn, source, pub, row, dry_run=dry_run)
-    return _out(name, desired, live, warnings, dry_run=dry_run)
+        reconciled = (filterchange.reconcile(session, source, name, before, conn)
+                      if before is not None else None)
+    from pgsieve.workers import dispatch
+
+    for item in reconciled or []:
+        if item["job_id"] is not None:
+            dispatch.initial_sync(settings, item["job_id"])
+    out = _out(name, desired, live, warnings, dry_run=dry_run)
+    out["reconcile"] = reconciled
+    return out
+
+
+def _before_reconcile(session: Session, source: Source, name: str,
+                      conn: psycopg.Connection[Any]) -> filterchange.Before:
+    """Refuse a reconciling change while a subscription that would need a diff job
+    already runs a sync (nothing is changed then: 409 ``sync_in_progress``); else the
+    subscriptions' publications as the catalog has them before the change."""
+    from pgsieve.workers.syncjob import active_sync_job
+
+    subs = filterchange.users(session, source, name)
+    for sub in subs:
+        running = active_sync_job(session, sub.id)
+        if running is not None:
+            raise Conflict(
+                f"sync job {running} of subscription {sub.name} has not finished yet; "
+                "change the publication once it has, or with reconcile: none",
+                code="sync_in_progress", job_id=running)
+    return filterchange.read_before(conn, subs)
+
+
+@router.post("/{name}/plan", response_model=PublicationPlanOut)
+def plan_publication_change(
+    source_id: str,
+    name: NameParam,
+    body: PublicationPatch,
+    session: SessionDep,
+    settings: SettingsDep,
+    box: SecretBoxDep,
+) -> dict[str, Any]:
+    """What the PATCH with this body would do to every subscription using the
+    publication, per table: effective filter and column list before and after, and the
+    rows to add, remove and keep, counted on the source (exact below the preview's
+    threshold, else sampled: ``estimated``). The change is validated and applied in a
+    source transaction that is rolled back, so the "after" is the definition exactly as
+    PostgreSQL would store it; nothing changes."""
+    source = load_source(session, source_id)
+    with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+        row = _load_managed(session, source, name, conn)
+        pub = _patched(row, body)
+        desired, _, _ = _save(session, conn, source, pub, row, dry_run=True)
+        return filterchange.plan(conn, session, source, name, desired, settings)
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)

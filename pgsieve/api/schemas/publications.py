@@ -76,6 +76,15 @@ class PublicationPatch(StrictModel):
     all_tables: bool | None = None
     publish: list[Operation] | None = None
     publish_via_partition_root: bool | None = None
+    reconcile: Literal["none", "diff"] = Field(
+        default="none",
+        description="none: as PostgreSQL, a changed filter or column list applies to "
+        "changes made after it only (rows that now match stay missing at the targets, "
+        "rows that no longer match stay). diff: after the change commits, every "
+        "subscription using the publication gets a resync job in mode diff for each "
+        "table whose rows or columns change, so its target ends equal to the source's "
+        "rows under the new effective filter (see POST …/plan first). Ignored by plan",
+    )
 
 
 class PublicationImport(StrictModel):
@@ -143,3 +152,65 @@ class PublicationOut(BaseModel):
     in_sync: bool
     warnings: list[IssueOut] = Field(default_factory=list)
     dry_run: bool = False
+    reconcile: list[ReconcileOut] | None = Field(
+        default=None, description="PATCH with reconcile: diff: the diff job started per "
+        "affected subscription (or why none could start)")
+
+
+class ReconcileOut(BaseModel):
+    subscription_id: str
+    subscription: str
+    tables: list[str]
+    job_id: str | None
+    error: str | None = None
+
+
+class PlanSide(BaseModel):
+    filter: str | None = Field(description="the initial-sync filter ORed over the "
+                               "subscription's publications: the rows the target holds")
+    filters: dict[str, str | None] = Field(description="per published DML operation, as "
+                                           "effective-filters shows them")
+    columns: list[str] | None
+
+
+class PlanRows(BaseModel):
+    add: int | None = Field(description="rows matching after, not before")
+    remove: int | None = Field(description="rows matching before, not after")
+    unchanged: int | None = Field(description="rows matching both (backfilled when a "
+                                  "column is added)")
+    total: int | None
+    estimated: bool = Field(description="counted on a sample (the table is above the "
+                            "preview's exact threshold or the count ran out of time)")
+    note: str | None = None
+
+
+class PlanTable(BaseModel):
+    table: str
+    in_subscription: bool
+    before: PlanSide | None = Field(description="null: not published before")
+    after: PlanSide | None = Field(description="null: not published after")
+    added_columns: list[str] = Field(description="columns whose values are backfilled")
+    removed_columns: list[str]
+    rows: PlanRows
+    reconcile: Literal["diff", "none", "refresh", "not_published"] = Field(
+        description="what reconcile: diff does: diff the table; none (only per-operation "
+        "filters change: no existing row moves); refresh (a table new to the "
+        "subscription joins at POST …/refresh); not_published (leaves at refresh, its "
+        "rows stay, as PostgreSQL)")
+
+
+class PlanSubscription(BaseModel):
+    subscription_id: str
+    subscription: str
+    tables: list[PlanTable]
+    add: int = Field(description="rows added over the tables a diff reconciles")
+    remove: int
+    unchanged: int
+    estimated: bool
+
+
+class PublicationPlanOut(BaseModel):
+    publication: str
+    subscriptions: list[PlanSubscription]
+
+PublicationOut.model_rebuild()
