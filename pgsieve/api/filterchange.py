@@ -21,7 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pgsieve.core.errors import NotFound
-from pgsieve.core.models import Job, Source, Subscription
+from pgsieve.core.models import Job, Source, Subscription, utcnow
 from pgsieve.core.pubcatalog import read_publications, read_tables
 from pgsieve.core.rowfilter.change import RowCounts, TableChange, count_change, table_changes
 from pgsieve.core.rowfilter.effective import Publication
@@ -140,10 +140,18 @@ def reconcile(session: Session, source: Source, name: str, before: Before,
             item["error"] = ("the initial sync has not completed: its tables are copied "
                              "as they are published when it reaches them")
         else:
+            # Out of the stream now, with the job: the stream applies the new filter
+            # from the ALTER on, and until the diff's snapshot (taken later) covers them
+            # its changes could only meet a target still shaped by the old filter.
+            for table in sub.tables:
+                if table.table_name in affected and table.sync_state in ("catchup", "ready"):
+                    table.sync_state, table.sync_lsn, table.rows_copied = "init", None, 0
+                    table.error = None
             job_id = add_sync_job(session, Job(
                 kind="resync", subscription_id=sub.id, state="queued",
                 details={"tables": affected, "mode": "diff", "reason": "reconcile",
-                         "publication": name}))
+                         "publication": name,
+                         "routes_changed_at": utcnow().isoformat()}))
             if job_id is None:
                 running = active_sync_job(session, sub.id)
                 item["error"] = (f"sync job {running} of this subscription started first; "

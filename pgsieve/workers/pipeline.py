@@ -452,7 +452,14 @@ class _StreamRun:
         started = time.monotonic()
         try:
             try:
-                result = apply_batch(self.cycle.spark(), batch, self.writer)
+                try:
+                    result = apply_batch(self.cycle.spark(), batch, self.writer)
+                except ApplyConflict:
+                    fresh = self._changed_routes()
+                    if fresh is None:
+                        raise
+                    batch = replace(batch, routes=fresh)
+                    result = apply_batch(self.cycle.spark(), batch, self.writer)
             except ApplyConflict as conflict:
                 # Nothing of the batch was committed. Apply the transactions before the
                 # poisoned one, so the target stops exactly where native replication would.
@@ -502,6 +509,18 @@ class _StreamRun:
         self.batches += 1
         self.changes += result.changes
         self._after_apply(result, elapsed)
+
+    def _changed_routes(self) -> dict[str, TableRoute] | None:
+        """A conflict is judged again under the routes in force now, if they changed
+        since this cycle loaded them (nothing of the batch committed): a table taken out
+        of the stream for a resync — a filter change reconciled by a diff, whose snapshot
+        covers these changes — must not stop the subscription for a change the stream no
+        longer applies. None when they did not change (the conflict stands)."""
+        fresh = self.cycle.load_routes()[0]
+        if fresh == self.routes:
+            return None
+        self.routes = fresh
+        return fresh
 
     def _isolate_failure(self, batch: ApplyBatch, error: Exception
                          ) -> tuple[Lsn, Exception] | None:
