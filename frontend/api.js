@@ -55,4 +55,5 @@ export async function api(method, path, body, { signal } = {}) {
 
 export const get = (path, opts) => api("GET", path, undefined, opts);
 export const post = (path, body, opts) => api("POST", path, body === undefined ? {} : body, opts);
+export const patch = (path, body, opts) => api("PATCH", path, body, opts);
 export const del = (path) => api("DELETE", path);

@@ -1,11 +1,15 @@
 // Publications of a source, and the editor: each table's row filter is validated and
-// tried on the source's real rows as you type (debounced POST /filter-preview).
+// tried on the source's real rows as you type (debounced POST /filter-preview). Editing
+// an existing publication shows, before saving, what the change does to every
+// subscription using it (debounced POST …/plan): rows added and removed per table, and
+// saving reconciles the targets with a diff job unless told not to.
 
-import { del, get, post } from "../api.js";
+import { del, get, patch, post } from "../api.js";
 import { badge, fill, debounce, errorBox, field, fmt, h, submitting } from "../dom.js";
 
 const OPERATIONS = ["insert", "update", "delete", "truncate"];
 const PREVIEW_DELAY_MS = 350;
+const PLAN_DELAY_MS = 600;
 const OUTCOMES = [
   ["update", "sent as UPDATE (old and new rows match)"],
   ["insert", "sent as INSERT (only the new row matches)"],
@@ -66,13 +70,14 @@ export function renderPreview(panel, result) {
     updateTable(result.update_transformations));
 }
 
-function tableRow(getContext, onRemove) {
+function tableRow(getContext, onRemove, initial = null, onChange = null) {
   const table = h("input", { name: "table", required: true, placeholder: "public.orders",
-    "data-test": "table-input", autocomplete: "off" });
+    "data-test": "table-input", autocomplete: "off", value: initial ? initial.table : "" });
   const where = h("textarea", { name: "where", rows: 2, spellcheck: "false",
     placeholder: "region = 'eu'   (empty: every row)", "data-test": "filter-input" });
+  if (initial && initial.where) where.value = initial.where;
   const columns = h("input", { name: "columns", placeholder: "all columns (or: id, region, …)",
-    autocomplete: "off" });
+    autocomplete: "off", value: initial && initial.columns ? initial.columns.join(", ") : "" });
   const panel = h("div", { class: "preview", "data-test": "preview" },
     h("span", { class: "muted" }, "type a filter to try it on the source's rows"));
   let inflight = null;
@@ -111,6 +116,7 @@ function tableRow(getContext, onRemove) {
     run();
   };
   for (const input of [table, where]) input.addEventListener("input", changed);
+  if (onChange) for (const input of [table, where, columns]) input.addEventListener("input", onChange);
 
   const row = h("div", { class: "table-row", "data-test": "table-row" },
     h("div", { class: "table-inputs" },
@@ -135,7 +141,12 @@ function publicationCard(sourceId, pub, reload, message) {
       pub.live ? (drift ? badge(`${drift} drift`, "warning") : badge("in sync", "ok"))
         : badge("missing on source", "critical"),
       pub.managed ? null : badge("unmanaged", "idle"),
-      h("div", { class: "actions" }, h("button", { type: "button", class: "small danger",
+      h("div", { class: "actions" }, pub.managed ? h("button", { type: "button", class: "small",
+        "data-test": `edit-${pub.name}`, onclick: (e) => {
+          const card = e.target.closest(".pub");
+          if (card.querySelector(".pub-editor")) return;
+          card.append(publicationEditor(sourceId, pub, reload));
+        } }, "Edit") : null, h("button", { type: "button", class: "small danger",
         onclick: async () => {
           if (!confirm(`Drop publication ${pub.name} on the source?`)) return;
           try {
@@ -154,6 +165,94 @@ function publicationCard(sourceId, pub, reload, message) {
       t.columns ? ` · columns ${t.columns.join(", ")}` : ""))) : null,
     drift ? h("ul", { class: "issues warnings" }, pub.drift.map((d) => h("li", {}, d.message)))
       : null);
+}
+
+function planSummary(plan) {
+  const subs = plan.subscriptions;
+  if (!subs.length) return h("p", { class: "muted" }, "no subscription uses this publication");
+  const approx = (s) => (s.estimated ? "~" : "");
+  return subs.map((s) => {
+    const tables = s.tables;
+    if (!tables.length) {
+      return h("p", { class: "muted", "data-test": `plan-${s.subscription}` },
+        `no change to the rows of subscription ${s.subscription}`);
+    }
+    return h("div", { class: "plan-sub", "data-test": `plan-${s.subscription}` },
+      h("p", {}, "this change will ",
+        h("strong", { "data-test": "plan-add" }, `add ${approx(s)}${fmt.count(s.add)} rows`), " and ",
+        h("strong", { "data-test": "plan-remove" }, `remove ${approx(s)}${fmt.count(s.remove)} rows`),
+        ` in subscription ${s.subscription}`,
+        s.estimated ? h("span", { class: "muted" }, " (estimated from a sample)") : null),
+      h("table", { class: "grid-table" },
+        h("thead", {}, h("tr", {}, ["Table", "Filter before", "Filter after", "Add", "Remove",
+          "Unchanged", "Columns", "On save"].map((c) => h("th", {}, c)))),
+        h("tbody", {}, tables.map((t) => h("tr", {},
+          h("td", { class: "mono" }, t.table),
+          h("td", {}, h("code", {}, t.before ? t.before.filter || "all rows" : "not published")),
+          h("td", {}, h("code", {}, t.after ? t.after.filter || "all rows" : "not published")),
+          ...["add", "remove", "unchanged"].map((k) => h("td", { class: "num" },
+            (t.rows.estimated ? "~" : "") + fmt.count(t.rows[k]))),
+          h("td", {}, t.added_columns.length ? `backfill ${t.added_columns.join(", ")}` : "",
+            t.removed_columns.length ? ` no longer sent: ${t.removed_columns.join(", ")}` : ""),
+          h("td", {}, t.reconcile))))));
+  });
+}
+
+function publicationEditor(sourceId, pub, reload) {
+  const rows = h("div", { class: "table-rows" });
+  const planPanel = h("div", { class: "plan", "data-test": "plan" },
+    h("span", { class: "muted" }, "change a filter or column list to see what it does"));
+  const reconcile = h("input", { type: "checkbox", name: "reconcile", checked: true,
+    "data-test": "reconcile" });
+  const path = `/sources/${sourceId}/publications/${encodeURIComponent(pub.name)}`;
+  const body = () => ({
+    tables: [...rows.querySelectorAll(".table-row")].map((r) => r.value()),
+  });
+  let inflight = null;
+  const plan = debounce(async () => {
+    if (inflight) inflight.abort();
+    inflight = new AbortController();
+    planPanel.classList.add("stale");
+    try {
+      const result = await post(`${path}/plan`, body(), { signal: inflight.signal });
+      planPanel.classList.remove("stale");
+      fill(planPanel, ...[planSummary(result)].flat());
+    } catch (err) {
+      if (err.name === "AbortError") return;
+      planPanel.classList.remove("stale");
+      fill(planPanel, errorBox(err));
+    }
+  }, PLAN_DELAY_MS);
+  const context = () => ({ sourceId, publish: pub.publish, subscriptionId: null });
+  for (const t of pub.tables) rows.append(tableRow(context, plan, t, plan));
+  const editor = h("form", { class: "pub-editor form", "data-test": `editor-${pub.name}` },
+    rows,
+    h("button", { type: "button", class: "link", onclick: () => {
+      rows.append(tableRow(context, plan, null, plan));
+    } }, "+ add a table"),
+    h("h4", {}, "What this change does"),
+    planPanel,
+    field("Reconcile the targets", h("label", { class: "check" }, reconcile,
+      "diff: bring each subscription's tables to the new filter (rows added and removed, "
+      + "nothing else rewritten)"),
+    "unchecked: as PostgreSQL — the new filter applies to later changes only"),
+    h("div", { class: "actions" },
+      h("button", { type: "submit", "data-test": "save-publication" }, "Save"),
+      h("button", { type: "button", class: "link", onclick: () => editor.remove() }, "Cancel")));
+  submitting(editor, async () => {
+    const out = await patch(path, { ...body(), reconcile: reconcile.checked ? "diff" : "none" });
+    const started = (out.reconcile || []).map((r) => h("li", {},
+      r.job_id ? ["reconciling ", h("a", { href: `#/subscriptions/${r.subscription_id}` },
+        r.subscription), ` (${r.tables.join(", ")}): job ${r.job_id}`]
+        : `${r.subscription}: ${r.error}`));
+    await reload();
+    if (started.length) {
+      const note = document.querySelector(`[data-test="publication-${pub.name}"]`);
+      if (note) note.append(h("ul", { class: "reconcile-jobs", "data-test": "reconcile-jobs" }, started));
+    }
+  });
+  plan();
+  return editor;
 }
 
 export async function publicationsView(root, ctx) {

@@ -1,5 +1,7 @@
 // Subscriptions: the list (state, lag), creating one, and one subscription's live view:
-// lag and LSN progress, the lag chart, per-table sync progress, enable/disable, resync.
+// lag and LSN progress, the lag chart, per-table sync progress, enable/disable, resync
+// (a copy, or a diff that writes only the differences), and the subscription's recent
+// sync jobs — a reconciliation after a filter change among them — with their progress.
 
 import { del, get, post } from "../api.js";
 import { lineChart } from "../chart.js";
@@ -129,6 +131,7 @@ export async function subscriptionDetail(root, ctx, id) {
   chart.setAttribute("data-test", "lag-chart");
   const tablesBody = h("tbody");
   const jobs = h("div", { "data-test": "jobs" });
+  const jobList = h("div", { "data-test": "job-list" });
   let metric = "lag_seconds";
   const metricButtons = h("div", { class: "toggle" },
     [["lag_seconds", "seconds"], ["lag_bytes", "bytes"]].map(([key, label]) =>
@@ -166,7 +169,9 @@ export async function subscriptionDetail(root, ctx, id) {
           "Deletes", "Truncates", "Conflicts", "Missing rows skipped", ""].map((c) =>
             h("th", {}, c)))),
         tablesBody),
-      jobs));
+      jobs,
+      h("h3", {}, "Sync jobs"),
+      jobList));
 
   let progress = null;
   let history = [];
@@ -249,7 +254,11 @@ export async function subscriptionDetail(root, ctx, id) {
           `${t.last_missing.op} ${JSON.stringify(t.last_missing.key)} @ ${t.last_missing.lsn}`)
           : null),
       h("td", {}, h("button", { type: "button", class: "small", "data-test": "resync",
-        onclick: () => resync(t.table) }, "Resync")))));
+        title: "copy the table again (emptied, then loaded)",
+        onclick: () => resync(t.table) }, "Resync"),
+      h("button", { type: "button", class: "small", "data-test": "resync-diff",
+        title: "compare with the source and write only the differences (the table is never emptied)",
+        onclick: () => resync(t.table, "diff") }, "Diff")))));
     if (!p.tables.length) {
       tablesBody.append(h("tr", {}, h("td", { colspan: 10, class: "muted" }, "no tables")));
     }
@@ -270,10 +279,13 @@ export async function subscriptionDetail(root, ctx, id) {
     }
   }
 
-  async function resync(table) {
-    if (!confirm(`Copy ${table} again from the source (the target's rows are replaced)?`)) return;
+  async function resync(table, mode = "copy") {
+    const question = mode === "diff"
+      ? `Compare ${table} with the source and write only the differences?`
+      : `Copy ${table} again from the source (the target's rows are replaced)?`;
+    if (!confirm(question)) return;
     try {
-      const job = await post(`/subscriptions/${id}/sync`, { tables: [table] });
+      const job = await post(`/subscriptions/${id}/sync`, { tables: [table], mode });
       watchJob(job.job_id, table);
     } catch (err) {
       jobs.prepend(errorBox(err));
@@ -298,6 +310,32 @@ export async function subscriptionDetail(root, ctx, id) {
       }
     }, 1000);
     ctx.timers.push(timer);
+  }
+
+  function jobLine(job) {
+    const { done = 0, total = null } = job.progress || {};
+    const what = job.reason === "reconcile" ? "reconciliation (filter change)"
+      : job.mode === "diff" ? "diff resync" : job.kind.replace("_", " ");
+    const d = job.diff;
+    return h("div", { class: "job", "data-test": `sync-job-${job.id}` },
+      h("span", {}, `${what} of ${job.tables.map((t) => t.table).join(", ")}: `),
+      badge(job.state),
+      job.mode === "diff"
+        ? h("span", { "data-test": "diff-counts" }, d
+          ? `${fmt.count(d.compared)} rows compared · ${fmt.count(d.added)} added · `
+            + `${fmt.count(d.removed)} removed · ${fmt.count(d.updated)} updated`
+          : "comparing…")
+        : progressBar(done, total, `${fmt.count(done)} / ${total == null ? "?" : fmt.count(total)}`),
+      h("span", { class: "muted" }, fmt.time(job.created_at)),
+      job.error ? h("div", { class: "error" }, job.error) : null);
+  }
+
+  async function loadJobs() {
+    const list = await get(`/jobs?subscription_id=${encodeURIComponent(id)}`, { signal: ctx.signal });
+    if (!ctx.active) return;
+    const recent = list.slice(0, 5);
+    fill(jobList, ...recent.map(jobLine));
+    if (!recent.length) jobList.append(h("p", { class: "muted" }, "no sync jobs yet"));
   }
 
   async function refresh() {
@@ -342,6 +380,7 @@ export async function subscriptionDetail(root, ctx, id) {
   }
 
   ctx.poll(refresh, 2000);
+  ctx.poll(loadJobs, 2000);
   ctx.poll(loadHistory, 10000);
   return progress;
 }

@@ -275,3 +275,44 @@ def test_table_sync_progress_bars(page: Page, live: LiveDeployment, source_db: D
     listed = page.get_by_test_id("subscription-all_orders")
     expect(listed).to_contain_text("paused")
     expect(listed.get_by_test_id("lag")).not_to_have_text("…")
+
+
+def test_filter_change_planned_in_the_editor_and_reconciled(
+        page: Page, live: LiveDeployment, source_db: Database, target_db: Database):
+    """Editing a publication's filter shows, before saving, the rows it adds to and
+    removes from each subscription's target; saving (reconcile checked) starts a diff job
+    shown with its counts on the subscription page, and the target ends on the new filter."""
+    source_db.execute(SOURCE)
+    target_db.execute(TARGET)
+    src = live.api("POST", "/sources", json={"name": "shop", "dsn": source_db.dsn})
+    tgt = live.api("POST", "/targets", json={"name": "warehouse", "dsn": target_db.dsn})
+    live.api("POST", f"/sources/{src['id']}/publications", json={
+        "name": "pub_eu", "tables": [{"table": "public.orders", "where": "region = 'eu'"}]})
+    sub = live.api("POST", "/subscriptions", json={
+        "name": "eu-replica", "source_id": src["id"], "target_id": tgt["id"],
+        "publications": ["pub_eu"], "copy_data": True})
+    live.start_worker()
+    live.start_beat()
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and _count(target_db) != _count(source_db, "region = 'eu'"):
+        time.sleep(1)
+    login(page)
+    page.get_by_role("link", name="Publications").click()
+    page.get_by_test_id("edit-pub_eu").click()
+    editor = page.get_by_test_id("editor-pub_eu")
+    editor.get_by_test_id("filter-input").fill("region = 'us'")
+    plan = editor.get_by_test_id("plan").get_by_test_id("plan-eu-replica")
+    expect(plan).to_contain_text("add 250 rows")
+    expect(plan).to_contain_text("remove 250 rows in subscription eu-replica")
+    shot(page, "publication-change-plan")
+    expect(editor.get_by_test_id("reconcile")).to_be_checked()
+    editor.get_by_test_id("save-publication").click()
+    expect(page.get_by_test_id("reconcile-jobs")).to_contain_text("reconciling eu-replica")
+    page.goto(f"/#/subscriptions/{sub['id']}")
+    jobs = page.get_by_test_id("job-list")
+    expect(jobs).to_contain_text("reconciliation (filter change)")
+    expect(jobs.get_by_test_id("diff-counts").first).to_contain_text(
+        "250 added · 250 removed · 0 updated", timeout=120_000)
+    shot(page, "subscription-reconcile-job")
+    assert sorted(target_db.query("SELECT id FROM public.orders")) == sorted(
+        source_db.query("SELECT id FROM public.orders WHERE region = 'us'"))
