@@ -54,7 +54,6 @@ SELECT a.attname::text, EXISTS (
     SELECT 1 FROM pg_opclass oc JOIN pg_am am ON am.oid = oc.opcmethod
     WHERE oc.opcdefault AND am.amname IN ('btree', 'hash')
       AND oc.opcintype = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END)
-    OR t.typcategory = 'A'
 FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
 WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
 """
