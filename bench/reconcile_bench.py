@@ -1,0 +1,226 @@
+"""A row-filter change reconciled: pgsieve's diff vs a full re-copy (pgsieve's copy mode,
+and native's re-copy), with how long readers of the target are blocked.
+
+Usage:  .venv/bin/python -m bench.reconcile_bench [--rows 5000000]
+
+Two local clusters; a table of ``--rows`` rows (bigint key, int, text, numeric,
+timestamptz), published with ``grp < 50`` (half the rows). The target starts with exactly
+those rows; the filter then becomes ``grp >= 1 AND grp < 51``: 1 % of the rows must go
+(grp 0) and 1 % must come (grp 50). Each method starts from that target and must end with
+exactly the new filter's rows:
+
+* pgsieve diff — a resync job in ``mode: diff`` (:class:`SyncJobRunner`: sync slot with
+  an exported snapshot, the filtered rows staged at the target, set-based DELETE/UPDATE/
+  INSERT of the differences), timed whole;
+* pgsieve copy — the same job in ``mode: copy`` (the table emptied and copied again);
+* native re-copy — ``TRUNCATE`` and ``CREATE SUBSCRIPTION … WITH (copy_data = true)``
+  until synchronized: what native's drop/re-add + ``REFRESH PUBLICATION WITH
+  (copy_data)`` costs for the table (its copy; the catalog steps are negligible).
+
+Meanwhile a reader looks rows up by key at the target every 10 ms; the longest lookup is
+the time readers were blocked (a TRUNCATE holds ACCESS EXCLUSIVE until its copy commits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from pgsieve.core.credentials import SecretBox
+from pgsieve.core.db import session_factory, session_scope
+from pgsieve.core.migrate import upgrade
+from pgsieve.core.models import Job, Source, Subscription, SubscriptionTable, Target
+from pgsieve.core.pgcluster import LocalCluster, free_port
+from pgsieve.core.settings import Settings
+from pgsieve.spark.session import get_spark
+from pgsieve.spark.sync import warm_up
+from pgsieve.workers.snapshot import prestart_helper
+from pgsieve.workers.syncjob import SyncJobRunner
+
+TABLE = """
+CREATE TABLE big (id bigint PRIMARY KEY, grp int NOT NULL, name text NOT NULL,
+                  amount numeric(12, 2), created timestamptz)
+"""
+OLD, NEW = "grp < 50", "grp >= 1 AND grp < 51"
+SETTINGS = {"shared_buffers": "512MB", "max_wal_size": "8GB", "checkpoint_timeout": "30min",
+            "autovacuum": "off", "synchronous_commit": "on"}
+
+
+def load(source: LocalCluster, target: LocalCluster, rows: int) -> None:
+    with psycopg.connect(source.dsn("bench"), autocommit=True) as conn:
+        conn.execute(TABLE)
+        step = 1_000_000
+        for lo in range(1, rows + 1, step):
+            conn.execute(
+                "INSERT INTO big SELECT g, g %% 100, 'name ' || g, (g %% 1000) * 1.25, "
+                "now() - g * interval '1 second' FROM generate_series(%s::bigint, %s::bigint) g",
+                (lo, min(lo + step - 1, rows)))
+        conn.execute("VACUUM (ANALYZE, FREEZE) big")
+        conn.execute(f"CREATE PUBLICATION pb FOR TABLE big WHERE ({NEW}) "
+                     "WITH (publish = 'insert')")
+    with psycopg.connect(target.dsn("bench"), autocommit=True) as conn:
+        conn.execute(TABLE)
+
+
+def old_target(source: LocalCluster, target: LocalCluster) -> None:
+    """The target as the old filter left it (and nothing of a previous method)."""
+    with psycopg.connect(target.dsn("bench"), autocommit=True) as tgt:
+        for (sub,) in tgt.execute("SELECT subname FROM pg_subscription").fetchall():
+            tgt.execute(f"ALTER SUBSCRIPTION {sub} DISABLE")
+            tgt.execute(f"ALTER SUBSCRIPTION {sub} SET (slot_name = NONE)")
+            tgt.execute(f"DROP SUBSCRIPTION {sub}")
+        tgt.execute("TRUNCATE big")
+        with psycopg.connect(source.dsn("bench"), autocommit=True) as src:
+            src.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                        "WHERE NOT active")
+            with src.cursor().copy(f"COPY (SELECT * FROM big WHERE {OLD}) TO STDOUT "
+                                   "(FORMAT binary)") as out, \
+                    tgt.cursor().copy("COPY big FROM STDIN (FORMAT binary)") as into:
+                for chunk in out:
+                    into.write(chunk)
+        tgt.execute("VACUUM ANALYZE big")
+        tgt.execute("CHECKPOINT")
+
+
+class Reader(threading.Thread):
+    """Key lookups at the target; the slowest one."""
+
+    def __init__(self, dsn: str, rows: int) -> None:
+        super().__init__(daemon=True)
+        self.dsn, self.rows = dsn, rows
+        self.stop = threading.Event()
+        self.slowest = 0.0
+
+    def run(self) -> None:
+        rnd = random.Random(1)
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.stop.is_set():
+                started = time.perf_counter()
+                conn.execute("SELECT 1 FROM big WHERE id = %s", (rnd.randint(1, self.rows),))
+                self.slowest = max(self.slowest, time.perf_counter() - started)
+                time.sleep(0.01)
+
+
+def pgsieve(settings: Settings, source: LocalCluster, target: LocalCluster, n: int,
+            mode: str) -> tuple[float, dict[str, Any]]:
+    box = SecretBox(settings.effective_secret_key())
+    with session_scope(settings.effective_database_url) as session:
+        src = Source(name=f"src{n}", dsn_encrypted=box.encrypt(source.dsn("bench")),
+                     server_version="15", server_version_num=150000, wal_level="logical")
+        tgt = Target(name=f"tgt{n}", dsn_encrypted=box.encrypt(target.dsn("bench")),
+                     server_version="15", server_version_num=150000)
+        session.add_all([src, tgt])
+        session.flush()
+        sub = Subscription(name=f"bench{n}", source_id=src.id, target_id=tgt.id,
+                           publications=["pb"], slot_name=f"pgsieve_bench{n}", slot_owned=True,
+                           copy_data=True, enabled=False, state="paused",
+                           tables=[SubscriptionTable(table_name="public.big",
+                                                     sync_state="ready")])
+        session.add(sub)
+        session.flush()
+        job = Job(kind="resync", subscription_id=sub.id, state="queued",
+                  details={"tables": ["public.big"], "mode": mode})
+        session.add(job)
+        session.flush()
+        job_id = job.id
+    runner = SyncJobRunner(settings, job_id, spark=lambda: get_spark(settings))
+    started = time.perf_counter()
+    outcome = runner.run()
+    elapsed = time.perf_counter() - started
+    if outcome.outcome != "done":
+        raise SystemExit(f"pgsieve {mode} failed: {outcome}")
+    with session_factory(settings.effective_database_url)() as session:
+        done = session.get(Job, job_id)
+        details = dict(done.details) if done is not None else {}
+    return elapsed, details
+
+
+def native(source: LocalCluster, target: LocalCluster) -> float:
+    started = time.perf_counter()
+    with psycopg.connect(target.dsn("bench"), autocommit=True) as conn:
+        conn.execute("TRUNCATE big")
+        conn.execute(f"CREATE SUBSCRIPTION nat CONNECTION '{source.dsn('bench')}' "
+                     "PUBLICATION pb WITH (copy_data = true)")
+        while True:
+            row = conn.execute("SELECT bool_and(srsubstate IN ('r', 's')) "
+                               "FROM pg_subscription_rel").fetchone()
+            if row and row[0]:
+                break
+            time.sleep(0.05)
+    return time.perf_counter() - started
+
+
+def check(source: LocalCluster, target: LocalCluster) -> int:
+    with psycopg.connect(source.dsn("bench")) as s, psycopg.connect(target.dsn("bench")) as t:
+        want = s.execute(f"SELECT count(*), sum(id) FROM big WHERE {NEW}").fetchone()
+        got = t.execute("SELECT count(*), sum(id) FROM big").fetchone()
+    if want != got:
+        raise SystemExit(f"the target holds {got}, the new filter selects {want}")
+    return int(want[0]) if want else 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("--rows", type=int, default=5_000_000)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="pgsieve-bench-"))
+    root.chmod(0o755)
+    clusters = [LocalCluster(root / name, free_port(), settings=SETTINGS)
+                for name in ("source", "target")]
+    try:
+        for c in clusters:
+            c.start()
+            c.psql("CREATE DATABASE bench")
+        source, target = clusters
+        load(source, target, args.rows)
+        os.environ.setdefault("PGSIEVE_HOME", str(root / "home"))
+        settings = Settings(home=root / "home", database_url=f"sqlite:///{root / 'meta.db'}",
+                            secret_key="bench-only", api_token="bench-only")  # noqa: S106
+        upgrade(settings.effective_database_url)
+        warm_up(get_spark(settings))
+        prestart_helper()
+        print("| method | seconds | rows written | max reader wait (ms) |")
+        print("|---|---:|---:|---:|")
+        results: dict[str, float] = {}
+        for n, name in enumerate(["pgsieve diff", "pgsieve copy", "native re-copy"], 1):
+            old_target(source, target)
+            reader = Reader(target.dsn("bench"), args.rows)
+            reader.start()
+            written: int | str
+            if name == "native re-copy":
+                seconds = native(source, target)
+                written = "all"
+            else:
+                seconds, details = pgsieve(settings, source, target, n, name.split()[1])
+                diff = details.get("diff")
+                written = (sum(int(diff[k]) for k in ("added", "removed", "updated"))
+                           if diff else "all")
+            reader.stop.set()
+            reader.join()
+            total = check(source, target)
+            results[name] = seconds
+            print(f"| {name} | {seconds:.2f} | "
+                  f"{written if isinstance(written, str) else f'{written:,}'} "
+                  f"{'(' + format(total, ',') + ')' if written == 'all' else ''} | "
+                  f"{reader.slowest * 1000:.0f} |")
+        print()
+        print(f"diff vs pgsieve copy: {results['pgsieve copy'] / results['pgsieve diff']:.2f}×, "
+              f"vs native re-copy: {results['native re-copy'] / results['pgsieve diff']:.2f}× "
+              "(goal ≥ 3×)")
+    finally:
+        for c in clusters:
+            c.destroy()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
