@@ -204,6 +204,7 @@ def main() -> None:
                 diff = details.get("diff")
                 written = (sum(int(diff[k]) for k in ("added", "removed", "updated"))
                            if diff else "all")
+                print(f"    {name} phases: {details.get('timings')}")
             reader.stop.set()
             reader.join()
             total = check(source, target)

@@ -10,10 +10,11 @@ wait (or a ranged copy shows them a partial table). The diff instead:
    (the same ``COPY (SELECT cols … WHERE filter) TO STDOUT`` the copy runs, inside the
    exported snapshot) into a temporary staging table at the target — temporary, so it
    is never WAL-logged and a crashed worker leaves nothing behind;
-2. in the same target transaction, set-based by replica-identity key: ``DELETE`` the
-   target rows whose key the source does not have, ``UPDATE`` rows whose published
-   columns differ (``IS DISTINCT FROM``; types without an equality operator compared as
-   text), ``INSERT`` the missing keys.
+2. in the same target transaction, set-based by replica-identity key: one full join of
+   the target with the staged rows keeps only the differences — keys the source does
+   not have, rows whose published columns differ (``IS DISTINCT FROM``; types without an
+   equality operator compared as text), keys the target lacks — and ``DELETE``,
+   ``UPDATE``, ``INSERT`` apply them through the target's key index.
 
 Only plain DML under MVCC: readers of the target keep seeing the old rows until the
 commit and the new ones after it, never an empty or half-written table (no TRUNCATE, no
@@ -48,6 +49,9 @@ ORDER BY i.indisreplident DESC
 LIMIT 1
 """
 """The replica identity index, else the primary key (what the apply looks rows up by)."""
+
+TEMP_BUFFERS = "256MB"
+WORK_MEM = "256MB"
 
 _HAS_EQUALITY = """
 SELECT a.attname::text, EXISTS (
@@ -84,41 +88,57 @@ def key_columns(conn: psycopg.Connection[Any], target: TargetTable) -> list[str]
     return [str(c) for c in row[0]]
 
 
-def diff_statements(table: str, columns: Sequence[str], key: Sequence[str],
-                    comparable: set[str], staging: str = "pgsieve_diff"
-                    ) -> tuple[sql.Composed, sql.Composed, sql.Composed]:
-    """DELETE, UPDATE and INSERT of one diff (the staging table holds the source rows)."""
+def diff_statements(table: str, from_clause: sql.Composable, columns: Sequence[str],
+                    key: Sequence[str], comparable: set[str], staging: str = "pgsieve_diff",
+                    ops: str = "pgsieve_diff_ops"
+                    ) -> tuple[sql.Composed, sql.Composed, sql.Composed, sql.Composed]:
+    """The statements of one diff, the source rows being in ``staging``: one pass over
+    both sides (a full join by key) keeps only the differences in ``ops`` — the keys to
+    delete, and the rows to update or insert — then DELETE, UPDATE and INSERT join that
+    small table to the target by key (its index)."""
     tbl = sql.SQL(canonical(table))
-    stg = sql.Identifier(staging)
-    on = sql.SQL(" AND ").join(
-        sql.SQL("t.{c} = s.{c}").format(c=sql.Identifier(c)) for c in key)
-    delete = sql.SQL("DELETE FROM {tbl} t WHERE NOT EXISTS "
-                     "(SELECT 1 FROM {stg} s WHERE {on})").format(tbl=tbl, stg=stg, on=on)
+    ident = sql.Identifier
     rest = [c for c in columns if c not in key]
+
+    def cols(prefix: str, names: Sequence[str]) -> sql.Composable:
+        return sql.SQL(", ").join(sql.SQL(prefix + "{}").format(ident(c)) for c in names)
 
     def differs(c: str) -> sql.Composable:
         if c in comparable:
-            return sql.SQL("t.{c} IS DISTINCT FROM s.{c}").format(c=sql.Identifier(c))
-        return sql.SQL("t.{c}::text IS DISTINCT FROM s.{c}::text").format(
-            c=sql.Identifier(c))
+            return sql.SQL("t.{c} IS DISTINCT FROM s.{c}").format(c=ident(c))
+        return sql.SQL("t.{c}::text IS DISTINCT FROM s.{c}::text").format(c=ident(c))
 
+    on = sql.SQL(" AND ").join(sql.SQL("t.{c} = s.{c}").format(c=ident(c)) for c in key)
+    changed = (sql.SQL(" OR ").join(differs(c) for c in rest) if rest
+               else sql.SQL("false"))
+    classify = sql.SQL(
+        "CREATE TEMP TABLE {ops} ON COMMIT DROP AS "
+        "SELECT CASE WHEN s.pgsieve_p IS NULL THEN 'd' WHEN t.pgsieve_p IS NULL THEN 'i' "
+        "ELSE 'u' END AS pgsieve_op, {keys}{more} "
+        "FROM (SELECT true AS pgsieve_p, {tcols} FROM {src}) t "
+        "FULL JOIN (SELECT true AS pgsieve_p, {scols} FROM {stg}) s ON {on} "
+        "WHERE s.pgsieve_p IS NULL OR t.pgsieve_p IS NULL OR {changed}"
+    ).format(
+        ops=ident(ops), stg=ident(staging), src=from_clause, on=on, changed=changed,
+        keys=sql.SQL(", ").join(sql.SQL("coalesce(s.{c}, t.{c}) AS {c}").format(c=ident(c))
+                                for c in key),
+        more=(sql.SQL(", ") + cols("s.", rest)) if rest else sql.SQL(""),
+        tcols=cols("", columns), scols=cols("", columns))
+    by_key = sql.SQL(" AND ").join(sql.SQL("t.{c} = o.{c}").format(c=ident(c)) for c in key)
+    delete = sql.SQL("DELETE FROM {tbl} t USING {ops} o WHERE o.pgsieve_op = 'd' AND {k}"
+                     ).format(tbl=tbl, ops=ident(ops), k=by_key)
     update: sql.Composed
     if rest:
-        update = sql.SQL("UPDATE {tbl} t SET {sets} FROM {stg} s WHERE {on} AND ({diff})"
-                         ).format(
-            tbl=tbl, stg=stg, on=on,
-            sets=sql.SQL(", ").join(sql.SQL("{c} = s.{c}").format(c=sql.Identifier(c))
-                                    for c in rest),
-            diff=sql.SQL(" OR ").join(differs(c) for c in rest))
+        update = sql.SQL("UPDATE {tbl} t SET {sets} FROM {ops} o "
+                         "WHERE o.pgsieve_op = 'u' AND {k}").format(
+            tbl=tbl, ops=ident(ops), k=by_key,
+            sets=sql.SQL(", ").join(sql.SQL("{c} = o.{c}").format(c=ident(c)) for c in rest))
     else:
         update = sql.SQL("SELECT 0 WHERE false").format()
-    cols = sql.SQL(", ").join(sql.Identifier(c) for c in columns)
-    insert = sql.SQL("INSERT INTO {tbl} ({cols}) SELECT {scols} FROM {stg} s "
-                     "WHERE NOT EXISTS (SELECT 1 FROM {tbl} t WHERE {on})").format(
-        tbl=tbl, cols=cols, stg=stg, on=on,
-        scols=sql.SQL(", ").join(sql.SQL("s.{}").format(sql.Identifier(c))
-                                 for c in columns))
-    return delete, update, insert
+    insert = sql.SQL("INSERT INTO {tbl} ({cols}) SELECT {cols} FROM {ops} "
+                     "WHERE pgsieve_op = 'i'").format(tbl=tbl, cols=cols("", columns),
+                                                      ops=ident(ops))
+    return classify, delete, update, insert
 
 
 def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTable,
@@ -139,6 +159,10 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
                             code="diff_needs_key")
         comparable = {str(n) for n, eq in tgt.execute(_HAS_EQUALITY, (target.oid,)) if eq}
         tgt.execute("SET statement_timeout = 0")
+        # The staged rows live in this session's local buffers and the full join hashes
+        # them: room for both in memory instead of spilling (before any temp table use).
+        tgt.execute(sql.SQL("SET temp_buffers = {}").format(sql.Literal(TEMP_BUFFERS)))
+        tgt.execute(sql.SQL("SET work_mem = {}").format(sql.Literal(WORK_MEM)))
         if replica_role:
             # As the copy and the apply: no ordinary triggers, no FK checks (superusers).
             with contextlib.suppress(psycopg.errors.InsufficientPrivilege):
@@ -162,10 +186,10 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
             compared += _pipe(src, tgt, partition_query(
                 staged, CopyPartition(source.table, relation, 0)), copy_in)
         src.execute("COMMIT")
-        tgt.execute(sql.SQL("CREATE INDEX ON pgsieve_diff ({})").format(
-            sql.SQL(", ").join(sql.Identifier(c) for c in key)))
-        tgt.execute("ANALYZE pgsieve_diff")
-        delete, update, insert = diff_statements(source.table, columns, key, comparable)
+        classify, delete, update, insert = diff_statements(
+            source.table, target.from_clause, columns, key, comparable)
+        tgt.execute(classify)
+        tgt.execute("ANALYZE pgsieve_diff_ops")
         removed = tgt.execute(delete).rowcount
         updated = tgt.execute(update).rowcount
         added = tgt.execute(insert).rowcount
