@@ -27,8 +27,9 @@ does not send are left alone (inserted rows get their defaults), as the stream d
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -71,6 +72,8 @@ class DiffResult:
     added: int
     removed: int
     updated: int
+    phases: dict[str, float] = field(default_factory=dict, compare=False)
+    """Seconds per step (stage, compare, write, commit): the job's ``timings``."""
 
     def as_dict(self) -> dict[str, int]:
         return {"compared": self.compared, "added": self.added, "removed": self.removed,
@@ -182,18 +185,31 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
             cols=sql.SQL(", ").join(sql.Identifier(c) for c in columns),
             fmt=sql.SQL(" (FORMAT binary)" if copy.binary else ""))
         compared = 0
+        clock = time.perf_counter()
+        phases: dict[str, float] = {}
+
+        def lap(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            phases[name] = round(now - clock, 3)
+            clock = now
+
         for relation, _, _ in source.leaves:
             compared += _pipe(src, tgt, partition_query(
                 staged, CopyPartition(source.table, relation, 0)), copy_in)
         src.execute("COMMIT")
         classify, delete, update, insert = diff_statements(
             source.table, target.from_clause, columns, key, comparable)
+        lap("diff_stage")
         tgt.execute(classify)
         tgt.execute("ANALYZE pgsieve_diff_ops")
+        lap("diff_compare")
         removed = tgt.execute(delete).rowcount
         updated = tgt.execute(update).rowcount
         added = tgt.execute(insert).rowcount
+        lap("diff_write")
         # Crash tests: the differences are written, not committed.
         fault_point("sync.mid_diff")
         tgt.execute("COMMIT")
-    return DiffResult(compared, max(0, added), max(0, removed), max(0, updated))
+        lap("diff_commit")
+    return DiffResult(compared, max(0, added), max(0, removed), max(0, updated), phases)

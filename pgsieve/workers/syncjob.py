@@ -588,6 +588,8 @@ class SyncJobRunner:
                 result = diff_table(ctx.source_dsn, snap.name, ctx.target_dsn, source,
                                     target, copy,
                                     connect_timeout=self.settings.connect_timeout)
+            for phase, seconds in result.phases.items():
+                self.timings[phase] = self.timings.get(phase, 0.0) + seconds
             if self._after_copy is not None:
                 self._after_copy(snap, name)
             verify: dict[str, Any] | None = None
