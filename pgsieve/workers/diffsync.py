@@ -27,8 +27,10 @@ does not send are left alone (inserted rows get their defaults), as the stream d
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,9 @@ LIMIT 1
 """
 """The replica identity index, else the primary key (what the apply looks rows up by)."""
 
+log = logging.getLogger(__name__)
+
+PROGRESS_SECONDS = 1.0
 TEMP_BUFFERS = "256MB"
 WORK_MEM = "256MB"
 
@@ -144,11 +149,37 @@ def diff_statements(table: str, from_clause: sql.Composable, columns: Sequence[s
     return classify, delete, update, insert
 
 
+class _CopyProgress(threading.Thread):
+    """Rows the staging COPY took so far (``pg_stat_progress_copy`` of the diff's target
+    backend, read from a connection of its own), handed to ``report`` every second."""
+
+    def __init__(self, dsn: str, pid: int, report: Callable[[int], None],
+                 connect_timeout: int) -> None:
+        super().__init__(name="pgsieve-diff-progress", daemon=True)
+        self.dsn, self.pid, self.report = dsn, pid, report
+        self.connect_timeout = connect_timeout
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=self.connect_timeout,
+                                 application_name="pgsieve-diff-progress") as conn:
+                while not self.stop.wait(PROGRESS_SECONDS):
+                    row = conn.execute("SELECT tuples_processed FROM pg_stat_progress_copy "
+                                       "WHERE pid = %s", (self.pid,)).fetchone()
+                    if row is not None:
+                        self.report(int(row[0]))
+        except Exception as exc:  # progress is a courtesy: the diff goes on without it
+            log.debug("diff progress: %s", exc)
+
+
 def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTable,
                target: TargetTable, copy: TableCopy, *, connect_timeout: int = 10,
-               replica_role: bool = True) -> DiffResult:
+               replica_role: bool = True,
+               on_progress: Callable[[int], None] | None = None) -> DiffResult:
     """Make the target table equal to ``source`` (its filter and columns) at ``snapshot``,
-    in one target transaction of plain DML."""
+    in one target transaction of plain DML; ``on_progress(rows staged so far)`` about
+    every second while the source's rows stream in."""
     columns = list(copy.columns)
     with psycopg.connect(target_dsn, autocommit=True, connect_timeout=connect_timeout,
                          application_name="pgsieve-diff") as tgt, \
@@ -194,9 +225,18 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
             phases[name] = round(now - clock, 3)
             clock = now
 
-        for relation, _, _ in source.leaves:
-            compared += _pipe(src, tgt, partition_query(
-                staged, CopyPartition(source.table, relation, 0)), copy_in)
+        progress = (_CopyProgress(target_dsn, tgt.info.backend_pid, on_progress,
+                                  connect_timeout) if on_progress is not None else None)
+        if progress is not None:
+            progress.start()
+        try:
+            for relation, _, _ in source.leaves:
+                compared += _pipe(src, tgt, partition_query(
+                    staged, CopyPartition(source.table, relation, 0)), copy_in)
+        finally:
+            if progress is not None:
+                progress.stop.set()
+                progress.join(5)
         src.execute("COMMIT")
         classify, delete, update, insert = diff_statements(
             source.table, target.from_clause, columns, key, comparable)

@@ -42,6 +42,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -587,7 +588,8 @@ class SyncJobRunner:
             with self._timed("diff"):
                 result = diff_table(ctx.source_dsn, snap.name, ctx.target_dsn, source,
                                     target, copy,
-                                    connect_timeout=self.settings.connect_timeout)
+                                    connect_timeout=self.settings.connect_timeout,
+                                    on_progress=partial(self._diff_progress, ctx, name))
             for phase, seconds in result.phases.items():
                 self.timings[phase] = self.timings.get(phase, 0.0) + seconds
             if self._after_copy is not None:
@@ -613,6 +615,15 @@ class SyncJobRunner:
                     results = dict(job.details.get("verify_results") or {})
                     results[name] = verify
                     job.details = {**job.details, "verify_results": results}
+                self._update_totals(session, job, ctx)
+
+    def _diff_progress(self, ctx: _Context, name: str, staged: int) -> None:
+        """Rows of the source compared so far (staged at the target), shown as the
+        table's ``rows_done`` and the job's progress while its diff runs."""
+        with contextlib.suppress(_Lost), self._owned() as (session, job):
+            table = self._tables(session, ctx).get(name)
+            if table is not None and table.sync_state == "copy":
+                table.rows_copied = staged
                 self._update_totals(session, job, ctx)
 
     def _prepare(self, ctx: _Context, snap: ExportedSnapshot, source: SourceTable,
