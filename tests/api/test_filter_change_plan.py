@@ -146,3 +146,23 @@ def test_reconciling_patch_waits_for_a_running_sync_and_changes_nothing(
     assert r.status_code == 200, r.text
     assert r.json()["reconcile"] is None
     assert "'us'" in _filters(source_db)[0][1]
+
+
+def test_above_the_exact_threshold_the_counts_come_from_a_sample(source_db: Database):
+    """As the filter preview: a table above ``exact_row_limit`` is counted on a
+    ``TABLESAMPLE`` scaled to its size, and says so."""
+    import psycopg
+
+    from pgsieve.core.rowfilter.change import count_change
+
+    source_db.execute(SCHEMA + "ANALYZE items;")
+    with psycopg.connect(source_db.dsn, autocommit=True) as conn:
+        exact = count_change(conn, "public.items", "(region = 'eu')", "(region = 'us')")
+        sampled = count_change(conn, "public.items", "(region = 'eu')", "(region = 'us')",
+                               exact_row_limit=0, sample_rows=150)
+        gone = count_change(conn, "public.items", "(region = 'eu')", None,
+                            after_published=False)
+    assert (exact.add, exact.remove, exact.unchanged, exact.estimated) == (100, 100, 0, False)
+    assert sampled.estimated and sampled.total == 300
+    assert sampled.add is not None and 50 <= sampled.add <= 150
+    assert (gone.add, gone.remove, gone.unchanged) == (0, 100, 0)
