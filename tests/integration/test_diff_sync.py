@@ -64,3 +64,23 @@ def test_diff_of_a_partitioned_root_and_column_lists_after_a_change(
     assert target_db.query("SELECT local, count(*) FROM events GROUP BY 1 ORDER BY 1") == [
         ("kept", len([n for n in range(1, 100) if n % 3 + 1 == 1])),
         ("mine", 2000 - len([n for n in range(1, 100) if n % 3 + 1 == 1]))]
+
+
+def test_a_target_table_without_a_key_cannot_be_diffed(tmp_path, source_db: Database,
+                                                      target_db: Database):
+    source_db.execute("CREATE TABLE nokey (id int PRIMARY KEY, v text);"
+                      "INSERT INTO nokey SELECT n, 'v' FROM generate_series(1, 10) n;"
+                      "CREATE PUBLICATION pn FOR TABLE nokey;")
+    target_db.execute("CREATE TABLE nokey (id int, v text)")
+    with sync_env(tmp_path) as env:
+        sub_id, job_id = env.subscribe(source_db, target_db, ["pn"])
+        assert env.run_job(job_id).outcome == "done"
+        target_db.execute("INSERT INTO nokey VALUES (99, 'stray')")
+        r = env.client.post(f"/api/v1/subscriptions/{sub_id}/sync", json={"mode": "diff"})
+        job_id = r.json()["job_id"]
+        assert env.run_job(job_id).outcome == "failed"
+        job = env.job(job_id)
+        assert job["error_code"] == "diff_needs_key" and "mode copy" in job["error"]
+        assert env.client.post(f"/api/v1/subscriptions/{sub_id}/sync",
+                               json={"mode": "merge"}).status_code == 422
+    assert len(rows(target_db, "nokey")) == 11  # left as it was
