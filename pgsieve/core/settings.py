@@ -70,7 +70,35 @@ class Settings(BaseSettings):
         default=30.0, gt=0, le=3600,
         description="a consumer lock whose heartbeat is older than this may be taken over",
     )
-    consumer_heartbeat_seconds: float = Field(default=5.0, gt=0, le=600)
+    consumer_heartbeat_seconds: float = Field(
+        default=2.0, gt=0, le=600,
+        description="how often a worker renews all its consumer locks (one write)",
+    )
+    consumer_takeover_seconds: float = Field(
+        default=6.0, gt=0, le=3600,
+        description="a consumer lock not renewed for this long is tried by other workers "
+        "(they take it only if its holder's advisory lock on the source is gone)",
+    )
+    scheduler_threads: int = Field(
+        default=2, ge=1, le=64,
+        description="turns a worker process runs at once (its subscriptions take turns)",
+    )
+    turn_window_bytes: int = Field(
+        default=16 << 20, ge=64 << 10,
+        description="WAL one subscription's turn reads at most (grows for a transaction "
+        "that does not fit)",
+    )
+    turn_seconds: float = Field(
+        default=1.0, gt=0, le=600, description="reading time of one turn at most",
+    )
+    idle_poll_seconds: float = Field(
+        default=0.5, gt=0, le=60,
+        description="how soon a subscription whose turn found nothing looks again",
+    )
+    scheduler_sweep_seconds: float = Field(
+        default=2.0, gt=0, le=600,
+        description="how often each worker adopts enabled subscriptions nobody holds",
+    )
     restart_pipelines_seconds: float = Field(
         default=15.0, gt=0, le=3600,
         description="how often beat looks for pipelines whose consumer died",

@@ -58,6 +58,19 @@ def worker_heartbeat(self: Task[Any, Any]) -> str:
 
 
 _heartbeat_stop = threading.Event()
+_in_worker = False
+"""Set when this process is a Celery worker: consume cycles go to its scheduler."""
+
+
+@worker_ready.connect
+def start_scheduler(sender: Any = None, **_: Any) -> None:
+    """The worker's scheduler starts with the worker: it adopts the enabled subscriptions
+    nobody holds even when no task names them (a worker killed, a task lost)."""
+    global _in_worker
+    from pgsieve.workers import scheduler
+
+    _in_worker = True
+    scheduler.ensure_started(celery_app.conf.pgsieve_settings)
 
 
 @worker_ready.connect
@@ -69,9 +82,15 @@ def start_heartbeat(sender: Any = None, **_: Any) -> None:
     every = HEARTBEAT_EVERY.total_seconds()
 
     def beat() -> None:
+        from pgsieve.workers import scheduler
+
         while True:
+            details: dict[str, Any] = {"pid": os.getpid()}
+            running = scheduler.current()
+            if running is not None:
+                details["scheduler"] = running.snapshot()
             try:
-                record_heartbeat(settings.effective_database_url, worker, {"pid": os.getpid()})
+                record_heartbeat(settings.effective_database_url, worker, details)
             except Exception as exc:  # the metadata store is down: try again later
                 log.warning("cannot record the worker heartbeat: %s", scrub_secrets(str(exc)))
             if _heartbeat_stop.wait(every):
@@ -82,13 +101,18 @@ def start_heartbeat(sender: Any = None, **_: Any) -> None:
 
 @celery_app.task(name="pgsieve.consume_cycle", bind=True, acks_late=True)
 def consume_cycle(self: Task[Any, Any], subscription_id: str) -> str:
-    """Stream and apply one subscription for a bounded time, then re-enqueue (see
-    :mod:`pgsieve.workers.pipeline`). Safe to deliver twice: the consumer lock admits one."""
+    """Have this worker's scheduler hold the subscription (see
+    :mod:`pgsieve.workers.scheduler`): it returns at once, and the subscription takes
+    turns with the others the worker holds. Safe to deliver twice: the locks admit one
+    holder. Outside a worker process (no scheduler), one bounded consume cycle that
+    re-enqueues itself (:mod:`pgsieve.workers.pipeline`)."""
     from pgsieve.spark.session import get_spark
-    from pgsieve.workers import dispatch
+    from pgsieve.workers import dispatch, scheduler
     from pgsieve.workers.pipeline import ConsumeCycle
 
     settings = _settings(self)
+    if _in_worker:
+        return scheduler.ensure_started(settings).adopt(subscription_id)
     outcome = ConsumeCycle(settings, subscription_id, spark=lambda: get_spark(settings),
                            cycle_seconds=settings.consume_cycle_seconds).run()
     if outcome.requeue:
@@ -133,8 +157,13 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
 @worker_shutting_down.connect
 def stop_consume_cycles(**_: Any) -> None:
     """A warm shutdown waits for running tasks: tell consume cycles to finish now (they
-    apply what they hold and re-enqueue themselves for another worker)."""
+    apply what they hold and re-enqueue themselves for another worker), and the scheduler
+    to end its turns, let go of its subscriptions and hand them over."""
+    from pgsieve.workers import scheduler
     from pgsieve.workers.pipeline import WORKER_STOPPING
 
     WORKER_STOPPING.set()
+    handed = scheduler.stop_current()
+    if handed:
+        log.info("handed %d subscriptions over to other workers", len(handed))
     _heartbeat_stop.set()
