@@ -163,11 +163,15 @@ class Scheduler:
         ``not_running``, ``stopping``, or the outcome of a failed start (``retry``,
         ``error``)."""
         with self._cond:
-            if subscription_id in self._held or subscription_id in self._adopting:
-                return "held"
-            if self._stopping.is_set():
-                return "stopping"
-            self._adopting.add(subscription_id)
+            duplicate = subscription_id in self._held or subscription_id in self._adopting
+            if not duplicate:
+                if self._stopping.is_set():
+                    return "stopping"
+                self._adopting.add(subscription_id)
+        if duplicate:  # a surplus task (redelivered, or beat's): refused like any other
+            ConsumeCycle(self.settings, subscription_id, spark=self._spark, owner=self.owner,
+                         sessions=self.sessions)._bump_stat("lock_refusals")
+            return "held"
         try:
             return self._adopt(subscription_id)
         finally:
