@@ -145,18 +145,17 @@ class LockKeeper(LeaseKeeper):
                          f"the consumer lock of {subscription_id}", every, lease)
 
 
-def renew_owned(sessions: sessionmaker[Session], owner: str, held: set[str]) -> set[str]:
+def renew_owned(session: Session, owner: str, held: set[str]) -> set[str]:
     """One heartbeat for every lease ``owner`` holds (one UPDATE, whatever their number:
-    hundreds of subscriptions on a worker must not mean hundreds of writes per period).
-    Returns the subscriptions of ``held`` whose lock is no longer ``owner``'s."""
-    with sessions() as session:
-        count = rowcount(session, update(ConsumerLock).where(ConsumerLock.owner == owner)
-                         .values(heartbeat_at=utcnow()))
-        session.commit()
-        if count >= len(held):
-            return set()
-        still = set(session.scalars(select(ConsumerLock.subscription_id)
-                                    .where(ConsumerLock.owner == owner)))
+    hundreds of subscriptions on a worker must not mean hundreds of writes per period),
+    in the caller's transaction. Returns the subscriptions of ``held`` whose lock is no
+    longer ``owner``'s."""
+    count = rowcount(session, update(ConsumerLock).where(ConsumerLock.owner == owner)
+                     .values(heartbeat_at=utcnow()))
+    if count >= len(held):
+        return set()
+    still = set(session.scalars(select(ConsumerLock.subscription_id)
+                                .where(ConsumerLock.owner == owner)))
     return held - still
 
 

@@ -47,12 +47,13 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.lsn import Lsn
-from pgsieve.core.models import ConsumerLock, Subscription, utcnow
+from pgsieve.core.models import ConsumerLock, Subscription, WorkerHeartbeat, utcnow
 from pgsieve.core.settings import Settings
 from pgsieve.workers.locks import AdvisoryLocks, release, renew_owned, touch, try_acquire
 from pgsieve.workers.pipeline import (
@@ -84,6 +85,8 @@ class _Held:
     cycle: ConsumeCycle
     lost: threading.Event = field(default_factory=threading.Event)
     stream: OpenStream | None = None
+    turn_mutex: threading.Lock = field(default_factory=threading.Lock)
+    """Held while a turn runs: letting go of the subscription waits for it."""
 
 
 @dataclass
@@ -99,8 +102,11 @@ class Scheduler:
     def __init__(self, settings: Settings, *, spark: Callable[[], Any],
                  sessions: sessionmaker[Session] | None = None,
                  owner: str | None = None,
-                 handover: Callable[[str], None] | None = None) -> None:
+                 handover: Callable[[str], None] | None = None,
+                 worker: str | None = None) -> None:
         self.settings = settings
+        self.worker = worker
+        """The Celery worker's name: its heartbeat row carries what the scheduler reports."""
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.sessions = sessions or session_factory(settings.effective_database_url)
         self._spark = spark
@@ -304,8 +310,10 @@ class Scheduler:
             self._waits.append((started, max(0.0, started - due)))
             self._turns += 1
             try:
-                assert held.stream is not None
-                worked = held.stream.run.turn(started + self.settings.turn_seconds)
+                with held.turn_mutex:
+                    if held.stream is None:  # let go of meanwhile
+                        continue
+                    worked = held.stream.run.turn(started + self.settings.turn_seconds)
             except _Stop as stop:
                 self._drop(held, stop.outcome)
                 continue
@@ -335,13 +343,12 @@ class Scheduler:
         while not self._stopping.wait(every):
             with self._cond:
                 held = dict(self._held)
-            if held:
-                try:
-                    for subscription_id in renew_owned(self.sessions, self.owner, set(held)):
-                        log.warning("the consumer lock of %s was taken over", subscription_id)
-                        held[subscription_id].lost.set()
-                except Exception as exc:  # the advisory locks still guard the slots
-                    log.warning("cannot renew the consumer locks: %s", scrub_secrets(str(exc)))
+            try:
+                for subscription_id in self._beat(set(held)):
+                    log.warning("the consumer lock of %s was taken over", subscription_id)
+                    held[subscription_id].lost.set()
+            except Exception as exc:  # the advisory locks still guard the slots
+                log.warning("cannot renew the consumer locks: %s", scrub_secrets(str(exc)))
             with self._sources_mutex:
                 sources = dict(self._sources)
             for dsn, state in sources.items():
@@ -363,6 +370,27 @@ class Scheduler:
                         del self._sources[dsn]
                 state.locks.close()
 
+    def _beat(self, held: set[str]) -> set[str]:
+        """One metadata transaction per period: renew every lock held (one UPDATE) and
+        the worker's own heartbeat with what the scheduler reports (``/metrics``, the
+        dashboard, and the other workers' fair share). Returns the locks lost."""
+        with self.sessions() as session:
+            lost = renew_owned(session, self.owner, held) if held else set()
+            if self.worker is not None:
+                beat = session.get(WorkerHeartbeat, self.worker)
+                details = {"pid": os.getpid(), "scheduler": self.snapshot()}
+                if beat is None:
+                    session.add(WorkerHeartbeat(worker=self.worker, beat_at=utcnow(),
+                                                details=details))
+                else:
+                    beat.beat_at = utcnow()
+                    beat.details = {**beat.details, **details}
+            try:
+                session.commit()
+            except IntegrityError:  # the worker's first beat, written by another thread
+                session.rollback()
+        return lost
+
     def _sweep_loop(self) -> None:
         every = self.settings.scheduler_sweep_seconds
         # A random phase: workers started together do not sweep in step.
@@ -375,6 +403,7 @@ class Scheduler:
                         break
                     outcome = self.adopt(subscription_id)
                     log.debug("sweep: %s %s", subscription_id, outcome)
+                self._balance()
             except Exception as exc:
                 log.warning("the sweep for unheld subscriptions failed: %s",
                             scrub_secrets(str(exc)))
@@ -401,6 +430,47 @@ class Scheduler:
                and self._retry_at.get(sid, 0.0) <= mono]
         random.shuffle(out)
         return out
+
+    def _balance(self) -> None:
+        """Hold no more than a fair share (plus one): the enabled subscriptions over the
+        workers alive (a scheduler's heartbeat within the takeover time). The excess is
+        let go, and not adopted again here for two sweeps, so another worker's sweep
+        takes it: with two workers, neither idles while the other holds everything."""
+        takeover = timedelta(seconds=self.settings.consumer_takeover_seconds)
+        now = utcnow()
+        with self.sessions() as session:
+            enabled = len(session.scalars(select(Subscription.id).where(
+                Subscription.enabled.is_(True), Subscription.state == "streaming")).all())
+            beats = session.execute(select(WorkerHeartbeat.worker, WorkerHeartbeat.beat_at,
+                                           WorkerHeartbeat.details)).all()
+        alive = {w for w, at, details in beats
+                 if isinstance(details, dict) and "scheduler" in details
+                 and now - at <= takeover}
+        if self.worker is not None:
+            alive.add(self.worker)
+        share = -(-enabled // max(1, len(alive)))
+        with self._cond:
+            held = list(self._held.values())
+        excess = len(held) - share
+        if excess <= 1:
+            return
+        random.shuffle(held)
+        mono = time.monotonic()
+        log.info("holding %d of %d subscriptions with %d workers alive: letting go of %d",
+                 len(held), enabled, len(alive), excess)
+        for h in held[:excess]:
+            self._retry_at[h.subscription_id] = mono + 2 * self.settings.scheduler_sweep_seconds
+            self._shed(h)
+
+    def _shed(self, held: _Held) -> None:
+        """Let go of a subscription between its turns (never in the middle of one)."""
+        with self._cond:
+            if self._held.get(held.subscription_id) is not held:
+                return
+            # Out of the queue: a runner that picks its entry finds it gone.
+            self._held.pop(held.subscription_id)
+        with held.turn_mutex:
+            self._let_go(held)
 
     # -- what it reports -------------------------------------------------------------------
     def held(self) -> list[str]:
@@ -438,7 +508,7 @@ def current() -> Scheduler | None:
     return _current
 
 
-def ensure_started(settings: Settings) -> Scheduler:
+def ensure_started(settings: Settings, worker: str | None = None) -> Scheduler:
     """This process's scheduler, started on first use (worker start, or the first
     ``consume_cycle`` task)."""
     global _current
@@ -449,7 +519,7 @@ def ensure_started(settings: Settings) -> Scheduler:
 
             _current = Scheduler(
                 settings, spark=lambda: get_spark(settings),
-                handover=lambda sid: dispatch.consume_cycle(settings, sid))
+                handover=lambda sid: dispatch.consume_cycle(settings, sid), worker=worker)
             _current.start()
         return _current
 

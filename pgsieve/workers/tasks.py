@@ -70,7 +70,8 @@ def start_scheduler(sender: Any = None, **_: Any) -> None:
     from pgsieve.workers import scheduler
 
     _in_worker = True
-    scheduler.ensure_started(celery_app.conf.pgsieve_settings)
+    worker = getattr(sender, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
+    scheduler.ensure_started(celery_app.conf.pgsieve_settings, worker)
 
 
 @worker_ready.connect
@@ -82,15 +83,9 @@ def start_heartbeat(sender: Any = None, **_: Any) -> None:
     every = HEARTBEAT_EVERY.total_seconds()
 
     def beat() -> None:
-        from pgsieve.workers import scheduler
-
         while True:
-            details: dict[str, Any] = {"pid": os.getpid()}
-            running = scheduler.current()
-            if running is not None:
-                details["scheduler"] = running.snapshot()
             try:
-                record_heartbeat(settings.effective_database_url, worker, details)
+                record_heartbeat(settings.effective_database_url, worker, {"pid": os.getpid()})
             except Exception as exc:  # the metadata store is down: try again later
                 log.warning("cannot record the worker heartbeat: %s", scrub_secrets(str(exc)))
             if _heartbeat_stop.wait(every):
@@ -112,7 +107,7 @@ def consume_cycle(self: Task[Any, Any], subscription_id: str) -> str:
 
     settings = _settings(self)
     if _in_worker:
-        return scheduler.ensure_started(settings).adopt(subscription_id)
+        return scheduler.ensure_started(settings, self.request.hostname).adopt(subscription_id)
     outcome = ConsumeCycle(settings, subscription_id, spark=lambda: get_spark(settings),
                            cycle_seconds=settings.consume_cycle_seconds).run()
     if outcome.requeue:
