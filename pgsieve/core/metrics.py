@@ -263,6 +263,30 @@ class MetadataCollector(Collector):
         now = utcnow()
         age = GaugeMetricFamily("pgsieve_worker_heartbeat_age_seconds",
                                 "seconds since the worker's last heartbeat", labels=["worker"])
+        held = GaugeMetricFamily("pgsieve_worker_subscriptions_held",
+                                 "subscriptions the worker's scheduler holds", labels=["worker"])
+        wait = GaugeMetricFamily(
+            "pgsieve_worker_turn_wait_seconds",
+            "how long a subscription that was due waited for its turn on the worker "
+            "(over the last minute)", labels=["worker", "quantile"])
+        turns = CounterMetricFamily("pgsieve_worker_turns",
+                                    "turns the worker's scheduler ran since it started",
+                                    labels=["worker"])
         for beat in session.scalars(select(WorkerHeartbeat).order_by(WorkerHeartbeat.worker)):
             age.add_metric([beat.worker], _age(now, beat.beat_at) or 0.0)
-        yield age
+            report = scheduler_report(beat)
+            if report is None:
+                continue
+            held.add_metric([beat.worker], float(report.get("held", 0)))
+            wait.add_metric([beat.worker, "0.5"], float(report.get("turn_wait_p50", 0.0)))
+            wait.add_metric([beat.worker, "0.99"], float(report.get("turn_wait_p99", 0.0)))
+            turns.add_metric([beat.worker], float(report.get("turns", 0)))
+        yield from (age, held, wait, turns)
+
+
+def scheduler_report(beat: WorkerHeartbeat) -> dict[str, Any] | None:
+    """What a worker's scheduler last reported with its heartbeat (subscriptions held,
+    turn wait p50/p99), or None for a worker that runs none."""
+    details = beat.details if isinstance(beat.details, dict) else {}
+    report = details.get("scheduler")
+    return report if isinstance(report, dict) else None

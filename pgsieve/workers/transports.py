@@ -613,8 +613,12 @@ class WalsenderTransport:
                 continue
             attempt = 0
             session = _WalsenderSession(self, deadline)
-            yield session.messages()
-            self._disconnect()
+            try:
+                yield session.messages()
+            finally:
+                # Also when the caller stops reading (a scheduler's turn ends): the next
+                # call starts a new session, and the server holds the slot for this one.
+                self._disconnect()
             if session.failed:
                 self.reconnects += 1
                 time.sleep(min(self.max_backoff, 0.25 * 2 ** min(self.reconnects, 7)))

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
 from pgsieve.core.db import session_factory
@@ -235,6 +236,19 @@ def test_one_worker_serves_twenty_subscriptions_fairly(tmp_path: Path, source_db
             sampled = set(session.scalars(select(ProgressSample.subscription_id).where(
                 ProgressSample.sampled_at >= load_started_at)))
         assert sampled >= set(t.ids.values())
+        # The scheduler's report: in /metrics and with each subscription's progress.
+        metrics = {(m.name, tuple(sorted(x.labels.items()))): x.value
+                   for m in text_string_to_metric_families(t.env.client.get("/metrics").text)
+                   for x in m.samples}
+        held = [v for (name, _), v in metrics.items()
+                if name == "pgsieve_worker_subscriptions_held"]
+        assert held == [TENANTS]
+        waits = {dict(labels)["quantile"]: v for (name, labels), v in metrics.items()
+                 if name == "pgsieve_worker_turn_wait_seconds"}
+        assert set(waits) == {"0.5", "0.99"} and 0 <= waits["0.5"] <= waits["0.99"] < 5
+        worker = t.env.api("GET", f"/subscriptions/{t.ids[0]}/progress")["consumer"]["worker"]
+        assert worker["subscriptions_held"] == TENANTS
+        assert worker["turn_wait_p99_seconds"] >= worker["turn_wait_p50_seconds"] >= 0
 
 
 def test_two_workers_share_and_a_killed_ones_subscriptions_move(
@@ -283,3 +297,27 @@ def test_a_new_subscription_starts_at_once_among_twenty_streaming(
                 first_batch = time.monotonic() - created
         assert first_batch <= 5.0, f"the first batch took {first_batch:.1f}s"
         wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
+
+
+def test_a_walsender_subscription_takes_turns_too(tmp_path: Path, source_db: Database,
+                                                  target_db: Database, native_db: Database):
+    """The push-based transport under the scheduler: each turn is a replication session
+    of its own, and the target still ends identical to native."""
+    from tests.integration.test_pipeline import (
+        create_subscription,
+        prepare,
+        targets_match,
+        workload,
+    )
+
+    prepare(source_db, target_db, native_db)
+    with pipeline_env(tmp_path, **DEFAULTS) as env:
+        create_subscription(env, source_db, target_db, name="ws", transport="walsender")
+        native_subscription(source_db, native_db, "native_ws", ["pub_items", "pub_events"])
+        env.start_worker()
+        workload(source_db, seed=5, transactions=150, pace=0.01)
+        end = source_lsn(source_db)
+        wait_until(lambda: native_caught_up(source_db, native_db, "native_ws", end), 60,
+                   "the native subscriber")
+        wait_until(lambda: targets_match(source_db, target_db, native_db), 90,
+                   "pgsieve's target to equal native's", env)
