@@ -120,6 +120,7 @@ class Scheduler:
         self._sources_mutex = threading.Lock()
         self._retry_at: dict[str, float] = {}
         self._waits: deque[tuple[float, float]] = deque(maxlen=50_000)
+        self._durations: deque[tuple[float, float, bool]] = deque(maxlen=50_000)
         self._turns = 0
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -314,6 +315,7 @@ class Scheduler:
                     if held.stream is None:  # let go of meanwhile
                         continue
                     worked = held.stream.run.turn(started + self.settings.turn_seconds)
+                self._durations.append((started, time.monotonic() - started, worked))
             except _Stop as stop:
                 self._drop(held, stop.outcome)
                 continue
@@ -482,6 +484,8 @@ class Scheduler:
         a subscription that was due waited for a runner."""
         cutoff = time.monotonic() - WAIT_WINDOW
         waits = sorted(w for at, w in list(self._waits) if at >= cutoff)
+        recent = [(d, worked) for at, d, worked in list(self._durations) if at >= cutoff]
+        busy = sorted(d for d, worked in recent if worked)
         return {
             "owner": self.owner,
             "held": len(self._held),
@@ -489,6 +493,10 @@ class Scheduler:
             "turn_wait_p50": round(_quantile(waits, 0.50), 4),
             "turn_wait_p99": round(_quantile(waits, 0.99), 4),
             "turn_wait_samples": len(waits),
+            "busy_turn_p50": round(_quantile(busy, 0.50), 4),
+            "busy_turn_p99": round(_quantile(busy, 0.99), 4),
+            "busy_turns": len(busy),
+            "idle_turns": len(recent) - len(busy),
         }
 
 
