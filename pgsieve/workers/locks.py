@@ -198,6 +198,10 @@ class AdvisoryLocks:
         self._mutex = threading.Lock()
         self.slots: set[str] = set()
 
+    @property
+    def backend_pid(self) -> int:
+        return int(self._conn.info.backend_pid)
+
     def try_lock(self, slot: str) -> bool:
         with self._mutex:
             if slot in self.slots:
