@@ -510,17 +510,20 @@ def _quantile(ordered: list[float], q: float) -> float:
 
 _current: Scheduler | None = None
 _current_mutex = threading.Lock()
+_closed = False
 
 
 def current() -> Scheduler | None:
     return _current
 
 
-def ensure_started(settings: Settings, worker: str | None = None) -> Scheduler:
+def ensure_started(settings: Settings, worker: str | None = None) -> Scheduler | None:
     """This process's scheduler, started on first use (worker start, or the first
-    ``consume_cycle`` task)."""
+    ``consume_cycle`` task); None once the worker is shutting down."""
     global _current
     with _current_mutex:
+        if _closed:
+            return None
         if _current is None:
             from pgsieve.spark.session import get_spark
             from pgsieve.workers import dispatch
@@ -533,7 +536,9 @@ def ensure_started(settings: Settings, worker: str | None = None) -> Scheduler:
 
 
 def stop_current(timeout: float = 30.0) -> list[str]:
-    global _current
+    """Warm shutdown of this process's scheduler (see :meth:`Scheduler.stop`); no new one
+    starts in this process afterwards."""
+    global _current, _closed
     with _current_mutex:
-        scheduler, _current = _current, None
+        scheduler, _current, _closed = _current, None, True
     return [] if scheduler is None else scheduler.stop(timeout)

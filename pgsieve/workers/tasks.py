@@ -107,7 +107,11 @@ def consume_cycle(self: Task[Any, Any], subscription_id: str) -> str:
 
     settings = _settings(self)
     if _in_worker:
-        return scheduler.ensure_started(settings, self.request.hostname).adopt(subscription_id)
+        running = scheduler.ensure_started(settings, self.request.hostname)
+        if running is None:  # this worker is shutting down: for another one
+            dispatch.consume_cycle(settings, subscription_id, countdown=1)
+            return "stopping"
+        return running.adopt(subscription_id)
     outcome = ConsumeCycle(settings, subscription_id, spark=lambda: get_spark(settings),
                            cycle_seconds=settings.consume_cycle_seconds).run()
     if outcome.requeue:

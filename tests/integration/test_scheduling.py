@@ -321,3 +321,30 @@ def test_a_walsender_subscription_takes_turns_too(tmp_path: Path, source_db: Dat
                    "the native subscriber")
         wait_until(lambda: targets_match(source_db, target_db, native_db), 90,
                    "pgsieve's target to equal native's", env)
+
+
+def test_a_warm_shutdown_hands_its_subscriptions_over(
+        tmp_path: Path, source_db: Database, native_db: Database, subscriber: LocalCluster):
+    """SIGTERM (a drain, a deploy): the worker ends its turns, lets go of what it holds
+    and hands it over — the other worker applies them again within seconds, no takeover
+    time to wait out."""
+    with tenants(tmp_path, source_db, native_db, subscriber, count=6) as t:
+        leaving = t.env.start_worker("leaving")
+        t.env.start_worker("staying")
+        wait_until(t.all_held, 60, "the workers to hold every subscription", t.env)
+        wait_until(lambda: len(set(t.owners().values())) == 2, 30,
+                   "both workers to hold subscriptions", t.env)
+        with Watch(t) as watch, Load(source_db, tenants=range(6)):
+            time.sleep(2)
+            owners = t.owners()
+            mine = [sid for sid, o in owners.items() if f":{leaving.pid}:" in o]
+            assert mine
+            leaving.terminate()
+            stopped = time.monotonic()
+            wait_until(lambda: all(
+                watch.first_move_after(sid, stopped) is not None for sid in mine), 30,
+                "the handed-over subscriptions to apply again", t.env, interval=0.25)
+            assert leaving.wait(30) == 0
+        moved = {sid: watch.first_move_after(sid, stopped) for sid in mine}
+        assert max(v or 0.0 for v in moved.values()) <= 5.0, moved
+        wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
