@@ -192,7 +192,10 @@ class Scheduler:
             sub = session.get(Subscription, subscription_id)
             if sub is None or not sub.enabled or sub.state != "streaming":
                 return "not_running"
-        source_dsn, slot = cycle.source_and_slot()
+        try:
+            source_dsn, slot = cycle.source_and_slot()
+        except AssertionError:  # deleted meanwhile
+            return "not_running"
         try:
             state = self._source(source_dsn)
             got = state.locks.try_lock(slot)
@@ -203,7 +206,12 @@ class Scheduler:
             cycle._bump_stat("lock_refusals")
             return "locked"
         takeover = timedelta(seconds=self.settings.consumer_takeover_seconds)
-        if not try_acquire(self.sessions, subscription_id, self.owner, takeover):
+        try:
+            taken = try_acquire(self.sessions, subscription_id, self.owner, takeover)
+        except BaseException:
+            state.locks.unlock(slot)
+            raise
+        if not taken:
             # Its holder renewed the lease lately: it may be on its way out (a warm
             # shutdown) or starting; try again at a later sweep.
             state.locks.unlock(slot)
@@ -226,9 +234,14 @@ class Scheduler:
             return opened.outcome
         held.stream = opened
         with self._cond:
-            self._held[subscription_id] = held
-            self._retry_at.pop(subscription_id, None)
-            self._push(subscription_id, time.monotonic())
+            stopping = self._stopping.is_set()
+            if not stopping:
+                self._held[subscription_id] = held
+                self._retry_at.pop(subscription_id, None)
+                self._push(subscription_id, time.monotonic())
+        if stopping:  # stop() let go of everything meanwhile: this one too
+            self._let_go(held)
+            return "stopping"
         log.info("holding subscription %s (%d held)", subscription_id, len(self._held))
         return "adopted"
 
@@ -306,36 +319,50 @@ class Scheduler:
             picked = self._next()
             if picked is None:
                 return
-            held, due = picked
-            started = time.monotonic()
-            self._waits.append((started, max(0.0, started - due)))
-            self._turns += 1
             try:
-                with held.turn_mutex:
-                    if held.stream is None:  # let go of meanwhile
-                        continue
-                    worked = held.stream.run.turn(started + self.settings.turn_seconds)
-                self._durations.append((started, time.monotonic() - started, worked))
-            except _Stop as stop:
-                self._drop(held, stop.outcome)
-                continue
-            except (psycopg.OperationalError, TransportError) as exc:
-                self._drop(held, held.cycle.outcome_of(exc))
-                continue
-            except psycopg.errors.TransactionRollback as exc:  # deadlock, serialization
-                self._drop(held, held.cycle._transient(str(exc)))
-                continue
-            except Exception as exc:
+                self._take_turn(*picked)
+            except Exception:  # never lose a runner (a metadata store down, say)
+                log.exception("the scheduler failed around a turn")
+                time.sleep(1.0)
+
+    def _take_turn(self, held: _Held, due: float) -> None:
+        """One turn of ``held``, then back in the queue — or let go of it."""
+        started = time.monotonic()
+        self._waits.append((started, max(0.0, started - due)))
+        self._turns += 1
+        try:
+            with held.turn_mutex:
+                if held.stream is None:  # let go of meanwhile
+                    return
+                worked = held.stream.run.turn(started + self.settings.turn_seconds)
+            self._durations.append((started, time.monotonic() - started, worked))
+        except _Stop as stop:
+            self._drop(held, stop.outcome)
+            return
+        except Exception as exc:
+            self._drop(held, self._failure(held, exc))
+            return
+        if self._stopping.is_set() or WORKER_STOPPING.is_set():
+            return  # stop() lets go of it
+        now = time.monotonic()
+        with self._cond:
+            if held.subscription_id in self._held:
+                self._push(held.subscription_id,
+                           now if worked else now + self.settings.idle_poll_seconds)
+
+    def _failure(self, held: _Held, exc: Exception) -> CycleOutcome:
+        """What a turn's failure means (recorded on the subscription): the slot gone
+        stops it; connections, deadlocks and the rest are retried after a pause."""
+        try:
+            if isinstance(exc, psycopg.OperationalError | TransportError):
+                return held.cycle.outcome_of(exc)
+            if not isinstance(exc, psycopg.errors.TransactionRollback):
                 log.exception("subscription %s: a turn failed", held.subscription_id)
-                self._drop(held, held.cycle._transient(f"{type(exc).__name__}: {exc}"))
-                continue
-            if self._stopping.is_set() or WORKER_STOPPING.is_set():
-                continue  # stop() lets go of it
-            now = time.monotonic()
-            with self._cond:
-                if held.subscription_id in self._held:
-                    self._push(held.subscription_id,
-                               now if worked else now + self.settings.idle_poll_seconds)
+            return held.cycle._transient(f"{type(exc).__name__}: {exc}")
+        except Exception as inner:  # cannot even record it (the metadata store is down)
+            log.warning("subscription %s: %s (and cannot record it: %s)",
+                        held.subscription_id, exc, scrub_secrets(str(inner)))
+            return CycleOutcome("retry", str(exc))
 
     # -- leases --------------------------------------------------------------------------
     def _heartbeat(self) -> None:
