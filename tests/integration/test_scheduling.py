@@ -229,6 +229,7 @@ def test_one_worker_serves_twenty_subscriptions_fairly(tmp_path: Path, source_db
             ended = time.monotonic()
         # From 2 s into the load (the first transactions reach every tenant) to its end.
         stalls = {k: watch.longest_stall(sid, started + 2, ended) for k, sid in t.ids.items()}
+        print(f"longest stall per tenant: {stalls}")
         assert max(stalls.values()) <= 4.0, f"a subscription stood still: {stalls}"
         wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
         # Progress history kept its period for every subscription during the load.
@@ -273,6 +274,7 @@ def test_two_workers_share_and_a_killed_ones_subscriptions_move(
                 watch.first_move_after(sid, killed) is not None for sid in victims), 30,
                 "the killed worker's subscriptions to apply again", t.env, interval=0.25)
         moved = {sid: watch.first_move_after(sid, killed) for sid in victims}
+        print(f"applying again after the kill (s): {sorted(moved.values())}")
         assert max(v or 0.0 for v in moved.values()) <= 10.0, moved
         assert victim_owner not in t.owners().values()
         wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
@@ -295,6 +297,7 @@ def test_a_new_subscription_starts_at_once_among_twenty_streaming(
                 wait_until(lambda: bool(t.targets[TENANTS].query("SELECT 1 FROM ev LIMIT 1")),
                            30, "the new subscription's first batch", t.env, interval=0.2)
                 first_batch = time.monotonic() - created
+        print(f"the new subscription's first rows after {first_batch:.2f}s")
         assert first_batch <= 5.0, f"the first batch took {first_batch:.1f}s"
         wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
 
@@ -346,5 +349,6 @@ def test_a_warm_shutdown_hands_its_subscriptions_over(
                 "the handed-over subscriptions to apply again", t.env, interval=0.25)
             assert leaving.wait(30) == 0
         moved = {sid: watch.first_move_after(sid, stopped) for sid in mine}
+        print(f"applying again after the warm shutdown (s): {sorted(moved.values())}")
         assert max(v or 0.0 for v in moved.values()) <= 5.0, moved
         wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
