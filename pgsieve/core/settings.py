@@ -75,7 +75,7 @@ class Settings(BaseSettings):
         description="how often a worker renews all its consumer locks (one write)",
     )
     consumer_takeover_seconds: float = Field(
-        default=6.0, gt=0, le=3600,
+        default=4.0, gt=0, le=3600,
         description="a consumer lock not renewed for this long is tried by other workers "
         "(they take it only if its holder's advisory lock on the source is gone)",
     )
