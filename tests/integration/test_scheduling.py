@@ -349,6 +349,7 @@ def test_a_warm_shutdown_hands_its_subscriptions_over(
                 "the handed-over subscriptions to apply again", t.env, interval=0.25)
             assert leaving.wait(30) == 0
         moved = {sid: watch.first_move_after(sid, stopped) for sid in mine}
-        print(f"applying again after the warm shutdown (s): {sorted(v or 0.0 for v in moved.values())}")
+        print("applying again after the warm shutdown (s):",
+              sorted(v or 0.0 for v in moved.values()))
         assert max(v or 0.0 for v in moved.values()) <= 5.0, moved
         wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
