@@ -315,7 +315,8 @@ export async function subscriptionDetail(root, ctx, id) {
       w ? h("small", { class: "muted", "data-test": "scheduler",
         title: "the worker holding this subscription: how many it holds, and how long a "
           + "subscription that is due waits for its turn there (last minute)" },
-        h("br"), `on ${w.worker} · ${w.subscriptions_held} subscriptions · turn wait `
+        h("br"), `on ${w.worker} · ${w.subscriptions_held} subscription${w.subscriptions_held === 1 ? "" : "s"}`
+          + ` held · turn wait `
           + `p50 ${ms(w.turn_wait_p50_seconds)}, p99 ${ms(w.turn_wait_p99_seconds)}`) : "");
     numbers.commit.textContent = p.last_commit_ts ? fmt.time(p.last_commit_ts) : "—";
     renderLsns(p);

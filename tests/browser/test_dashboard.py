@@ -154,6 +154,10 @@ def test_publication_with_filter_subscription_and_lag_to_zero(
     expect(lag).to_have_attribute("data-value", "0", timeout=240_000)
     expect(page.get_by_test_id("lag-bytes")).to_have_attribute("data-value", "0")
     expect(page.get_by_test_id("consumer")).to_contain_text("running", timeout=30_000)
+    # The worker holding it and its scheduler: subscriptions held, turn wait p50/p99.
+    expect(page.get_by_test_id("scheduler")).to_contain_text("1 subscription held",
+                                                             timeout=30_000)
+    expect(page.get_by_test_id("scheduler")).to_contain_text("turn wait p50")
     eu = "region = 'eu' AND id > 1000"
     assert target_db.query("SELECT * FROM public.orders ORDER BY id") == \
         source_db.query(f"SELECT * FROM public.orders WHERE {eu} ORDER BY id")
