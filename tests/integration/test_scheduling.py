@@ -353,3 +353,29 @@ def test_a_warm_shutdown_hands_its_subscriptions_over(
               sorted(v or 0.0 for v in moved.values()))
         assert max(v or 0.0 for v in moved.values()) <= 5.0, moved
         wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
+
+
+def test_idle_subscriptions_still_confirm_so_their_slots_retain_no_wal(
+        tmp_path: Path, source_db: Database, native_db: Database, subscriber: LocalCluster):
+    """Subscriptions with nothing of theirs in the WAL take only short idle turns, and
+    still move their slots past the WAL others write (PostgreSQL can recycle it)."""
+    with tenants(tmp_path, source_db, native_db, subscriber, count=3) as t:
+        t.env.start_worker()
+        wait_until(t.all_held, 60, "the worker to hold every subscription", t.env)
+        source_db.execute("CREATE TABLE noise (id bigserial PRIMARY KEY, payload text)")
+        for _ in range(20):
+            source_db.execute("INSERT INTO noise (payload) SELECT repeat('x', 200) "
+                              "FROM generate_series(1, 500)")
+        written = source_lsn(source_db)
+        slots = [f"pgsieve_tenant{k}" for k in range(3)]
+
+        def confirmed_past() -> bool:
+            rows = source_db.query(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = ANY(%s) "
+                "AND confirmed_flush_lsn >= %s::pg_lsn", (slots, written))
+            return rows[0][0] == len(slots)
+
+        wait_until(confirmed_past, 20, "the idle slots to confirm past the others' WAL",
+                   t.env, interval=0.25)
+        assert all(not rows for rows in (target.query("SELECT 1 FROM ev")
+                                         for target in t.targets.values()))
