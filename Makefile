@@ -1,5 +1,5 @@
 # The two commands a newcomer needs: `make run` (the demo) and `make test` (everything).
-.PHONY: run test check lint typecheck deps lock bench clean
+.PHONY: run test test-slow check lint typecheck deps lock bench clean
 
 VENV := .venv
 BIN := $(VENV)/bin
@@ -30,6 +30,10 @@ test: deps
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/pytest
+
+# The randomized fault-injection runs at full size (make test runs 8 of them).
+test-slow: deps
+	PGSIEVE_TEST_CHAOS_RUNS=24 $(BIN)/pytest tests/integration/test_pipeline_faults.py
 
 # Re-resolve the lock after changing pyproject.toml's pins.
 lock:
