@@ -139,6 +139,10 @@ class MetadataCollector(Collector):
                                       "changes applied to the target", labels=sub_l)
         batches = CounterMetricFamily("pgsieve_subscription_applied_batches",
                                       "batches applied to the target", labels=sub_l)
+        paths = CounterMetricFamily(
+            "pgsieve_apply_batches", "batches applied, by where their plan and staging ran "
+            "(the driver, or Spark tasks: PGSIEVE_SPARK_APPLY_MIN_CHANGES)",
+            labels=["subscription", "path"])
         apply_h = HistogramMetricFamily("pgsieve_subscription_batch_apply_seconds",
                                         "time to apply one batch to the target", labels=sub_l)
         size_h = HistogramMetricFamily("pgsieve_subscription_batch_changes",
@@ -188,6 +192,9 @@ class MetadataCollector(Collector):
             stats = sub.stats or {}
             changes.add_metric(name, float(stats.get("changes", 0)))
             batches.add_metric(name, float(stats.get("batches", 0)))
+            by_path = stats.get("apply_paths") or {}
+            for path in ("driver", "spark"):
+                paths.add_metric([sub.name, path], float(by_path.get(path, 0)))
             for family, key in ((apply_h, APPLY_SECONDS_KEY), (size_h, BATCH_CHANGES_KEY)):
                 hist = stats.get(key)
                 if isinstance(hist, dict) and hist.get("le"):
@@ -208,8 +215,8 @@ class MetadataCollector(Collector):
                     total.add_metric(labels, float(table.rows_total))
                 sync_state.add_metric([*labels, table.sync_state], 1)
         yield from (state, enabled, lag_b, lag_s, sample_age, applied, changes, batches,
-                    apply_h, size_h, alive, hb_age, table_changes, conflicts, missing, copied,
-                    total, sync_state)
+                    paths, apply_h, size_h, alive, hb_age, table_changes, conflicts, missing,
+                    copied, total, sync_state)
 
         jobs = GaugeMetricFamily("pgsieve_jobs", "jobs by kind and state",
                                  labels=["kind", "state"])

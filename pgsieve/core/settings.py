@@ -13,6 +13,7 @@ import os
 import secrets
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,10 +44,23 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="extra Spark properties as a JSON object (PGSIEVE_SPARK_CONF)",
     )
-    spark_apply_min_changes: int = Field(
-        default=0, ge=0,
+    spark_apply_min_changes: int | Literal["auto"] = Field(
+        default="auto",
         description="batches with at least this many changes are planned and staged by "
-        "Spark tasks; 0: never (the driver does it; see docs/ARCHITECTURE.md)",
+        "Spark tasks; 0: never; auto: never in local mode, and on a cluster with more task "
+        "slots than this machine has cores from the measured crossover on "
+        "(see pgsieve/spark/apply.py choose_apply_path)",
+    )
+    spark_auth_secret: SecretStr | None = Field(
+        default=None,
+        description="shared secret for Spark's RPC authentication and encryption with a "
+        "standalone cluster (its master and workers run with the same "
+        "spark.authenticate.secret); Kubernetes and YARN generate one per application",
+    )
+    spark_allow_insecure: bool = Field(
+        default=False,
+        description="allow a standalone Spark master without PGSIEVE_SPARK_AUTH_SECRET: "
+        "database credentials then reach executors over unencrypted RPC",
     )
     pg_bindir: str | None = Field(default=None, description="PostgreSQL server binaries.")
     connect_timeout: int = Field(default=5, ge=1, le=120, description="Seconds, for DSNs.")

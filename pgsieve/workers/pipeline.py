@@ -589,6 +589,10 @@ class _StreamRun:
                              ("changes", result.changes), ("rows_written", result.rows_written),
                              ("apply_seconds_total", elapsed)):
                 stats[key] = stats.get(key, 0) + add
+            paths = dict(stats.get("apply_paths") or {})
+            path = "spark" if result.distributed else "driver"
+            paths[path] = paths.get(path, 0) + 1
+            stats["apply_paths"] = paths
             stats["last_batch"] = {
                 "changes": result.changes, "transactions": result.transactions,
                 "rows_written": result.rows_written, "seconds": round(elapsed, 4),
