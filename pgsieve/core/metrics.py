@@ -218,6 +218,29 @@ class MetadataCollector(Collector):
                     paths, apply_h, size_h, alive, hb_age, table_changes, conflicts, missing,
                     copied, total, sync_state)
 
+        failures = CounterMetricFamily(
+            "pgsieve_spark_task_failures", "Spark tasks that failed (and were retried or "
+            "failed their job) in sync jobs", labels=[])
+        executors = GaugeMetricFamily(
+            "pgsieve_spark_executors", "executors the last Spark job of a sync saw",
+            labels=[])
+        failed_total = 0
+        newest: tuple[Any, int] | None = None
+        for finished, details in session.execute(
+                select(Job.finished_at, Job.details).where(Job.kind.in_(
+                    ("initial_sync", "resync")))):
+            report = (details or {}).get("spark") or {}
+            if not report:
+                continue
+            failed_total += int(report.get("task_failures", 0))
+            if finished is not None and (newest is None or finished > newest[0]):
+                newest = (finished, int(report.get("executors", 0)))
+        failures.add_metric([], float(failed_total))
+        if newest is not None:
+            executors.add_metric([], float(newest[1]))
+        yield failures
+        yield executors
+
         jobs = GaugeMetricFamily("pgsieve_jobs", "jobs by kind and state",
                                  labels=["kind", "state"])
         for kind, job_state, count in session.execute(

@@ -160,4 +160,33 @@ def stop_spark() -> None:
                 _session, _key = None, None
 
 
+
+
+def job_group_report(spark: Any, group: str) -> dict[str, Any]:
+    """What Spark ran for one pgsieve job (its job group): Spark job ids with their
+    status, and per stage the tasks done and failed; plus the executors Spark has now.
+    Empty when the session cannot tell (Spark Connect, a stopped session)."""
+    try:
+        tracker = spark.sparkContext.statusTracker()
+        jobs = []
+        for job_id in sorted(tracker.getJobIdsForGroup(group)):
+            info = tracker.getJobInfo(job_id)
+            if info is None:
+                continue
+            stages = []
+            for stage_id in info.stageIds:
+                stage = tracker.getStageInfo(stage_id)
+                if stage is not None:
+                    stages.append({"stage_id": stage_id, "tasks": stage.numTasks,
+                                   "completed": stage.numCompletedTasks,
+                                   "failed": stage.numFailedTasks})
+            jobs.append({"spark_job_id": job_id, "status": str(info.status),
+                         "stages": stages})
+        executors = max(len(tracker.getExecutorInfos()) - 1, 0)  # less the driver
+    except Exception:
+        return {}
+    return {"job_group": group, "jobs": jobs, "executors": executors,
+            "task_failures": sum(s["failed"] for j in jobs for s in j["stages"])}
+
+
 atexit.register(stop_spark)

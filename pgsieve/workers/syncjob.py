@@ -64,6 +64,7 @@ from pgsieve.core.models import (
     utcnow,
 )
 from pgsieve.core.settings import Settings
+from pgsieve.spark.session import job_group_report
 from pgsieve.spark.sync import (
     CopyFailed,
     CopyPartition,
@@ -550,10 +551,21 @@ class SyncJobRunner:
                         ctx, names, c), job_group=self._group)
             except CopyFailed as exc:
                 raise _Retry(f"copy failed: {exc}") from None
+            finally:
+                self._record_spark(spark)
             fault_point("sync.after_copy")
             for name in names:
                 self._finish_table(ctx, snap, sources[name], targets[name], tgt,
                                    own_slot=own_slot)
+
+    def _record_spark(self, spark: Any) -> None:
+        """The Spark jobs of this pgsieve job (job group ``pgsieve-sync-<id>``), their
+        tasks and failures, for ``GET /jobs/{id}`` and ``/metrics``."""
+        report = job_group_report(spark, self._group)
+        if not report.get("jobs"):
+            return
+        with contextlib.suppress(_Lost), self._owned() as (_, job):
+            job.details = {**job.details, "spark": report}
 
     def _prepare(self, ctx: _Context, snap: ExportedSnapshot, source: SourceTable,
                  target: TargetTable, tgt: psycopg.Connection[Any], parallelism: int) -> bool:

@@ -112,6 +112,10 @@ def test_initial_sync_ranges_run_in_executors_and_match_native(
     finished = cluster.executor_logs().count("Finished task") - before
     assert finished >= 4, cluster.executor_logs()[-3000:]
     assert job["state"] == "done"
+    # The job view names the Spark jobs of the copy (job group pgsieve-sync-<job id>).
+    spark = job["spark"]
+    assert spark["job_group"] == f"pgsieve-sync-{job_id}" and spark["executors"] >= 1
+    assert sum(s["completed"] for j in spark["jobs"] for s in j["stages"]) >= 4
 
 
 def test_the_spark_apply_path_on_the_cluster_matches_native(pair: Pair, cluster_spark: Any):
@@ -178,8 +182,12 @@ def test_a_killed_executor_mid_sync_is_replaced_and_the_copy_matches_native(
                     killed.append(pid)
             time.sleep(0.1)
         runner.join(timeout=600)
+        job = env.job(job_id)
+        failures = env.client.get("/metrics").text
     assert killed, "the copy ended before an executor could be killed"
     assert outcome and outcome[0].outcome == "done", outcome
+    assert job["spark"]["task_failures"] >= 1  # the killed executor's tasks, retried
+    assert "pgsieve_spark_task_failures_total" in failures
     native_copy(source_db, native_db, "nat_kill", ["pkill"])
     for table in ("events_eu", "events_us"):
         assert rows(target_db, table) == rows(native_db, table), table
