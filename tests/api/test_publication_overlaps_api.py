@@ -67,7 +67,8 @@ def _sent(source: Database, slot: str, publications: str) -> list[tuple[str, str
     for (data,) in source.query(
             "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
             "'proto_version', '1', 'publication_names', %s)", (slot, publications)):
-        raw = bytes(data)  # type: ignore[arg-type]
+        assert isinstance(data, bytes)
+        raw = data
         kind = chr(raw[0])
         if kind == "R":  # 'R', relid (4 bytes), namespace\0, relation name\0, ...
             namespace, relname = raw[5:].split(b"\x00")[:2]
