@@ -267,6 +267,18 @@ def test_mixed_via_root_settings_copy_the_partition_once_through_its_root():
         assert plan["public.parent"].filter == "a < 5"
         assert plan["public.parent"].publications == ("vr",)
         assert plan["public.parent"].issues == ()
+    # TAP 028 viaroot_part: the partition's publication is via root too, which for a
+    # partition listed alone still publishes it as itself; the root still wins
+    leaf_via_root = Publication("lvr", (PublishedTable("child", "a >= 5"),),
+                                publish_via_partition_root=True)
+    (child,) = effective_filters([via_root, leaf_via_root], PARTITIONS)
+    assert (child.published_as, child.filter, child.publications) == (
+        "public.parent", "a < 5", ("vr",))
+    assert [s.relation for s in initial_sync_plan([leaf_via_root, via_root], PARTITIONS)] == [
+        "public.parent"]
+    # the partition's publication alone: the partition, with its own filter
+    (alone,) = initial_sync_plan([leaf_via_root], PARTITIONS)
+    assert (alone.relation, alone.filter) == ("public.child", "a >= 5")
 
 
 def test_overlapping_column_lists_on_a_partition_tree_use_the_roots():
