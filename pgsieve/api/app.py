@@ -9,9 +9,10 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from pgsieve.api.deps import require_token
+from pgsieve.api.deps import authorize
 from pgsieve.api.problems import install_problem_handlers
 from pgsieve.api.routers import (
+    audit,
     filters,
     health,
     jobs,
@@ -21,7 +22,9 @@ from pgsieve.api.routers import (
     sources,
     subscriptions,
     targets,
+    tokens,
 )
+from pgsieve.api.security import SecurityMiddleware
 from pgsieve.core.credentials import SecretBox, install_log_scrubber
 from pgsieve.core.db import session_factory
 from pgsieve.core.settings import Settings, get_settings
@@ -45,9 +48,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.api_token = settings.effective_api_token()
     install_problem_handlers(app)
 
-    authed = [Depends(require_token)]
+    authed = [Depends(authorize)]
     for module in (sources, targets, slots, publications, filters, subscriptions, progress,
-                   jobs):
+                   jobs, tokens, audit):
         app.include_router(module.router, prefix="/api/v1", dependencies=authed)
     # SPEC lists /healthz and /metrics beside the /api/v1 resources: serve both spellings.
     for prefix in ("", "/api/v1"):
@@ -66,4 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         def root() -> Response:
             return RedirectResponse("/docs")
 
+    app.add_middleware(SecurityMiddleware, sessions=app.state.sessionmaker,
+                       bootstrap_token=app.state.api_token,
+                       max_body_bytes=settings.max_body_bytes)
     return app

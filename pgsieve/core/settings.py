@@ -38,6 +38,19 @@ class Settings(BaseSettings):
     secret_key: SecretStr | None = Field(
         default=None, description="Key that encrypts stored credentials (DSN passwords)."
     )
+    secret_key_previous: SecretStr | None = Field(
+        default=None,
+        description="Earlier secret keys, comma-separated: stored credentials they "
+        "encrypted still decrypt (until `pgsieve secrets rotate` re-encrypts them).",
+    )
+    demo: bool = Field(
+        default=False,
+        description="set by `pgsieve run` for its own api/worker: generated secrets allowed",
+    )
+    max_body_bytes: int = Field(
+        default=1_048_576, ge=1024, le=1 << 30,
+        description="request bodies over this many bytes get 413 payload_too_large",
+    )
     spark_master: str = Field(default="local[*]", description="Spark master URL.")
     spark_conf: dict[str, str] = Field(
         default_factory=dict,
