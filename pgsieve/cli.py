@@ -24,6 +24,18 @@ secrets_app = typer.Typer(help="Stored credentials.", no_args_is_help=True)
 app.add_typer(secrets_app, name="secrets")
 
 
+def _require_secrets(command: str) -> None:
+    """`api` and `worker` outside the demo: refuse missing, placeholder or short secrets."""
+    problems = get_settings().secret_problems()
+    if problems:
+        typer.echo(
+            f"pgsieve {command}: refusing to start: {'; '.join(problems)}. Set both to long "
+            "random values (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            "), in the environment or .env; `pgsieve run` is the demo with generated ones.",
+            err=True)
+        raise typer.Exit(2)
+
+
 def _logging() -> None:
     logging.basicConfig(
         level=get_settings().log_level.upper(),
@@ -56,6 +68,7 @@ def api(
 
     from pgsieve.api.app import create_app
 
+    _require_secrets("api")
     _logging()
     uvicorn.run(create_app(), host=host, port=port, log_level="info", access_log=False)
 
@@ -66,6 +79,7 @@ def worker(ctx: typer.Context) -> None:
     from pgsieve.core.faults import arm
     from pgsieve.workers.celery_app import celery_app
 
+    _require_secrets("worker")
     _logging()
     arm()  # crash tests only (PGSIEVE_FAULTS); nothing otherwise
     # Workers coordinate through the metadata store (leases, jobs), never through Celery's
@@ -245,6 +259,25 @@ def token_revoke(name: Annotated[str, typer.Argument(help="the token's name")]) 
         typer.echo(f"pgsieve token revoke: {exc.detail}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"revoked token '{name}'")
+
+
+@secrets_app.command("rotate")
+def secrets_rotate() -> None:
+    """Re-encrypt every stored DSN with PGSIEVE_SECRET_KEY. Before: put the old key in
+    PGSIEVE_SECRET_KEY_PREVIOUS (comma-separated for several); after: drop it."""
+    from pgsieve.core.credentials import CredentialError
+    from pgsieve.core.db import session_scope
+    from pgsieve.core.rotation import rotate_credentials
+
+    _logging()
+    settings = get_settings()
+    try:
+        with session_scope(settings.effective_database_url) as session:
+            changed, total = rotate_credentials(session, settings.secret_box())
+    except CredentialError as exc:
+        typer.echo(f"pgsieve secrets rotate: {exc}; nothing was changed", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"re-encrypted {changed} of {total} stored credentials with the current key")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -25,7 +25,7 @@ from pgsieve.api.routers import (
     tokens,
 )
 from pgsieve.api.security import SecurityMiddleware
-from pgsieve.core.credentials import SecretBox, install_log_scrubber
+from pgsieve.core.credentials import install_log_scrubber
 from pgsieve.core.db import session_factory
 from pgsieve.core.settings import Settings, get_settings
 
@@ -44,7 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessionmaker = session_factory(settings.effective_database_url)
-    app.state.secret_box = SecretBox(settings.effective_secret_key())
+    app.state.secret_box = settings.secret_box()
     app.state.api_token = settings.effective_api_token()
     install_problem_handlers(app)
 
