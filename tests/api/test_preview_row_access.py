@@ -10,7 +10,7 @@ from tests.api.security_helpers import make_tokens
 from tests.conftest import Database
 
 SSN = "123-45-6789"
-EU = {"table": "public.people", "where": "region = 'eu'", "publish": ["insert"]}
+EU: dict[str, object] = {"table": "public.people", "where": "region = 'eu'", "publish": ["insert"]}
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ def test_columns_without_a_publication_and_the_default(client, source_id):
 
 
 def test_column_choices_that_are_refused(client, source_id):
-    cases = [
+    cases: list[tuple[dict[str, object], str]] = [
         ({"publication": "pub_cols", "columns": ["ssn"]}, "column_not_published"),
         ({"columns": ["nope"]}, "unknown_column"),
         ({"publication": "no_such_pub"}, "publication_not_found"),
