@@ -67,10 +67,14 @@ def api(
     import uvicorn
 
     from pgsieve.api.app import create_app
+    from pgsieve.api.security import ScrubbedErrors
 
     _require_secrets("api")
     _logging()
-    uvicorn.run(create_app(), host=host, port=port, log_level="info", access_log=False)
+    # log_config=None: uvicorn's own loggers propagate to the root handlers, which carry
+    # the password scrubber; tracebacks escaping the app are scrubbed by ScrubbedErrors.
+    uvicorn.run(ScrubbedErrors(create_app()), host=host, port=port, log_level="info",
+                access_log=False, log_config=None)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -10,6 +10,7 @@ from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
 from pgsieve.api.deps import authorize
+from pgsieve.api.docs import install_docs
 from pgsieve.api.problems import install_problem_handlers
 from pgsieve.api.routers import (
     audit,
@@ -41,12 +42,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="pgsieve",
         version="0.1.0",
         description="REST-controlled PostgreSQL logical replication with row filters.",
+        # /docs is served from the installed swagger-ui-bundle (pgsieve.api.docs), not
+        # FastAPI's default page, which loads its scripts from a CDN
+        docs_url=None,
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
     )
     app.state.settings = settings
     app.state.sessionmaker = session_factory(settings.effective_database_url)
     app.state.secret_box = settings.secret_box()
     app.state.api_token = settings.effective_api_token()
     install_problem_handlers(app)
+    install_docs(app)
 
     authed = [Depends(authorize)]
     for module in (sources, targets, slots, publications, filters, subscriptions, progress,

@@ -14,7 +14,10 @@ Order of checks for a request to ``/api/v1/…`` or ``/metrics`` (``/healthz`` i
 
 from __future__ import annotations
 
+import json
+import logging
 import re
+import traceback
 import uuid
 from typing import Any
 
@@ -25,7 +28,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pgsieve.api.problems import problem
 from pgsieve.core import audit
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.tokens import Principal, authenticate
+
+log = logging.getLogger(__name__)
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz", "/api/v1/healthz"})
@@ -186,8 +192,6 @@ class SecurityMiddleware:
 
 
 def _created_id(body: bytes) -> str | None:
-    import json
-
     try:
         data = json.loads(body)
     except ValueError:
@@ -198,3 +202,23 @@ def _created_id(body: bytes) -> str | None:
             if isinstance(value, str) and value:
                 return value
     return None
+
+
+class ScrubbedErrors:
+    """The outermost layer of ``pgsieve api``: an exception that escapes the app (after
+    its 500 problem answer was sent) is logged here, its traceback scrubbed of passwords,
+    instead of by uvicorn, which would print it raw."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            await self.app(scope, receive, send)
+        except Exception as exc:
+            text = "".join(traceback.format_exception(exc)).rstrip()
+            log.error("unhandled error on %s %s:\n%s", scope.get("method"), scope.get("path"),
+                      scrub_secrets(text))

@@ -307,3 +307,22 @@ def test_audit_page_and_content_security_policy(page: Page, live: LiveDeployment
     shot(page, "audit")
     assert "pw-77" not in page.content()
     assert not violations, violations
+
+
+def test_api_docs_load_from_this_server_under_csp(page: Page, live: LiveDeployment):
+    """Swagger UI comes from the installed package: every request stays on this origin,
+    and the page renders under its Content-Security-Policy."""
+    violations: list[str] = []
+    page.on("console", lambda msg: violations.append(msg.text)
+            if "Content Security Policy" in msg.text else None)
+    requests: list[str] = []
+    page.on("request", lambda req: requests.append(req.url))
+    response = page.goto("/docs")
+    assert response is not None
+    assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+    expect(page.locator(".swagger-ui .info .title")).to_contain_text("pgsieve")
+    expect(page.get_by_text("/api/v1/sources").first).to_be_visible()
+    shot(page, "api-docs")
+    assert requests and all(u.startswith(live.url) or u.startswith("data:")
+                            for u in requests), requests
+    assert not violations, violations
