@@ -36,8 +36,10 @@ test-slow: deps
 	PGSIEVE_TEST_CHAOS_RUNS=24 $(BIN)/pytest tests/integration/test_pipeline_faults.py
 
 # Re-resolve the lock after changing pyproject.toml's pins.
+# requirements-runtime.lock (no dev extra) is what the production image installs.
 lock:
 	$(BIN)/uv pip compile pyproject.toml --extra dev -o requirements.lock --python $(BIN)/python
+	$(BIN)/uv pip compile pyproject.toml -o requirements-runtime.lock --python $(BIN)/python
 
 bench: deps
 	$(BIN)/python -m bench

@@ -41,7 +41,7 @@ from pgsieve.core.apply.batch import (
     TableStopped,
 )
 from pgsieve.core.apply.batcher import BatchLimits, MicroBatcher
-from pgsieve.core.credentials import SecretBox, scrub_secrets
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.errors import describe_error
 from pgsieve.core.faults import fault_point
@@ -143,7 +143,7 @@ class ConsumeCycle:
         self.cycle_seconds = cycle_seconds
         self.sessions = sessions or session_factory(settings.effective_database_url)
         self._spark = spark
-        self._box = SecretBox(settings.effective_secret_key())
+        self._box = settings.secret_box()
 
     # -- entry point ---------------------------------------------------------------------
     def run(self) -> CycleOutcome:

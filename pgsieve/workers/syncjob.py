@@ -50,7 +50,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core import pgserver
-from pgsieve.core.credentials import SecretBox, scrub_secrets
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.faults import fault_point
 from pgsieve.core.models import (
@@ -261,7 +261,7 @@ class SyncJobRunner:
         self.partition_bytes = partition_bytes
         self.lease = timedelta(seconds=settings.consumer_lease_seconds)
         self._spark_factory = spark
-        self._box = SecretBox(settings.effective_secret_key())
+        self._box = settings.secret_box()
         self._keeper: LeaseKeeper | None = None
         self._after_copy = after_copy
         """Test hook: a table's rows are all at the target, the snapshot is still held."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -107,6 +107,7 @@ def preview_filter(
     count_timeout_ms: int = 1500,
     sample_rows: int = 200_000,
     sample_timeout_ms: int = SAMPLE_COUNT_TIMEOUT_MS,
+    columns: Sequence[str] | None = None,
 ) -> FilterPreview:
     """Validate ``where_text`` for ``table`` and, if valid — or refused only for the
     replica identity — measure it on the data.
@@ -137,7 +138,7 @@ def preview_filter(
         normalized = unqualified_filter(measurable.parsed).normalized
     expr = sql.SQL(normalized)
     sample_size = max(0, min(sample_size, MAX_SAMPLE_SIZE))
-    run = _Run(conn, target, expr, time.monotonic() + count_timeout_ms / 1000)
+    run = _Run(conn, target, expr, time.monotonic() + count_timeout_ms / 1000, columns)
     try:
         with read_only(conn):
             return run.measure(validation, schema, name, sample_size, exact_row_limit,
@@ -188,8 +189,10 @@ class _Run:
     """One preview's steps and the warnings they leave."""
 
     def __init__(self, conn: psycopg.Connection[Any], target: sql.Composable,
-                 expr: sql.Composable, deadline: float) -> None:
+                 expr: sql.Composable, deadline: float,
+                 columns: Sequence[str] | None = None) -> None:
         self.conn = conn
+        self.columns = None if columns is None else list(columns)
         self.target = target
         self.expr = expr
         self.deadline = deadline
@@ -297,9 +300,15 @@ class _Run:
         """Up to ``n`` matching rows; and whether the query was cut short."""
         if n == 0:
             return [], False
-        query = sql.SQL("SELECT to_jsonb(t) FROM {t} AS t{s} WHERE ({e}) LIMIT {n}").format(
-            t=self.target, e=self.expr, n=sql.Literal(n),
-            s=tablesample(percent) if percent is not None else sql.SQL(""))
+        # Only the published columns leave the source: the row is built from them alone.
+        projection: sql.Composable = sql.SQL("t.*") if self.columns is None else sql.SQL(
+            ", ").join(sql.SQL("t.{}").format(sql.Identifier(c)) for c in self.columns)
+        if self.columns == []:
+            projection = sql.SQL("")
+        query = sql.SQL(
+            "SELECT to_jsonb(r) FROM (SELECT {p} FROM {t} AS t{s} WHERE ({e}) LIMIT {n}) AS r"
+        ).format(p=projection, t=self.target, e=self.expr, n=sql.Literal(n),
+                 s=tablesample(percent) if percent is not None else sql.SQL(""))
         try:
             return [dict(r[0]) for r in run_step(self.conn, query, timeout_ms)], False
         except (StepCancelled, StepError):
