@@ -22,7 +22,7 @@ EXAMPLES = 10  # per operation and caller: ~45 operations x 4 callers x 10, ~20 
 
 
 def _documented_codes() -> set[str]:
-    text = "\n".join((ROOT / p).read_text() for p in ("README.md", "docs/security.md"))
+    text = "\n".join((ROOT / p).read_text() for p in ("docs/api.md", "docs/security.md"))
     return set(re.findall(r"`([a-z][a-z0-9_]+)`", text))
 
 
