@@ -1,0 +1,105 @@
+"""Issue 17, hole 1: SQL through a row filter.
+
+A filter is parsed with ``standard_conforming_strings = on``. A source session whose
+setting came from the server (``ALTER DATABASE … SET standard_conforming_strings = off``,
+a role setting, or ``options=-c …`` in the DSN) read ``'x\\'`` as an unterminated string
+and the rest of the filter as SQL. Every filter below must be refused or stored/evaluated
+as the expression it is, and the canary table must stay exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import quote
+
+import pytest
+
+from tests.conftest import Database
+
+CANARY_ROWS = [(1,), (2,), (3,)]
+
+# Each one, read by a session with standard_conforming_strings = off, closes a string
+# early and runs ``DROP TABLE canary``.
+INJECTIONS = [
+    r"note = 'x\' OR note = '); DROP TABLE canary; --'",
+    r"note = 'x\' OR note = '')); DROP TABLE canary; --'",
+    r"note = 'x\' /* c */ OR note = '); DROP TABLE canary; --'",
+    "note = $$x\\$$ OR note = $$'); DROP TABLE canary; --$$",
+    "note = $q$x\\$q$ OR note = $q$); DROP TABLE canary; --$q$",
+    r"note = E'x\\' OR note = '); DROP TABLE canary; --'",
+    r"note = U&'x\005C' OR note = '); DROP TABLE canary; --'",
+    "note = U&'x!005C' UESCAPE '!' OR note = '); DROP TABLE canary; --'",
+    r"note = 'x\' OR note = ';' OR note = '); DROP TABLE canary; --'",
+    r"note = 'x\'; DROP TABLE canary; --'",
+    r"note = 'x\') ; DROP TABLE canary; --'",
+    r"note = 'x\' -- ' ); DROP TABLE canary; --",
+]
+
+
+def _setup(db: Database, how: str) -> str:
+    db.execute(
+        "CREATE TABLE t (id int PRIMARY KEY, note text);"
+        "INSERT INTO t VALUES (1, 'x\\'), (2, '); DROP TABLE canary; --'), (3, 'plain');"
+        "CREATE TABLE canary (id int PRIMARY KEY);"
+        "INSERT INTO canary VALUES (1), (2), (3)"
+    )
+    if how == "database":
+        db.execute(f'ALTER DATABASE "{db.name}" SET standard_conforming_strings = off')
+        db.execute(f'ALTER DATABASE "{db.name}" SET escape_string_warning = off')
+    if how == "dsn":
+        return db.dsn + "?options=" + quote("-c standard_conforming_strings=off")
+    return db.dsn
+
+
+def _canary(db: Database) -> list[tuple[object, ...]]:
+    return db.query("SELECT id FROM public.canary ORDER BY id")
+
+
+@pytest.fixture(params=["database", "dsn", "on"])
+def hostile(request: Any, client: Any, source_db: Database) -> tuple[str, Database]:
+    dsn = _setup(source_db, request.param)
+    r = client.post("/api/v1/sources", json={"name": "src", "dsn": dsn})
+    assert r.status_code == 201, r.text
+    return str(r.json()["id"]), source_db
+
+
+@pytest.mark.parametrize("where", INJECTIONS)
+def test_publication_filter_cannot_run_sql(client, hostile, where):
+    sid, db = hostile
+    r = client.post(f"/api/v1/sources/{sid}/publications",
+                    json={"name": "p", "tables": [{"table": "public.t", "where": where}],
+                          "publish": ["insert"]})
+    assert r.status_code in (201, 422), r.text
+    assert _canary(db) == CANARY_ROWS
+    if r.status_code == 201:
+        # Stored as the expression it is: evaluated on the source, it matches the rows
+        # whose note is one of the literals (rows 1 and 2), not some other statement.
+        # (pg_get_expr writes literals for the session's own setting: read it back there.)
+        with db.connect() as conn:
+            stored = conn.execute(
+                "SELECT pg_get_expr(prqual, prrelid) FROM pg_publication_rel").fetchall()
+            assert len(stored) == 1
+            expr = str(stored[0][0])
+            ids = conn.execute(f"SELECT id FROM public.t WHERE {expr} ORDER BY id".encode()
+                               ).fetchall()
+        assert ids and {i for (i,) in ids} <= {1, 2}
+        # A PATCH to the same filter goes through ALTER PUBLICATION: just as harmless.
+        r = client.patch(f"/api/v1/sources/{sid}/publications/p",
+                         json={"tables": [{"table": "public.t", "where": where}]})
+        assert r.status_code in (200, 422), r.text
+        assert _canary(db) == CANARY_ROWS
+
+
+@pytest.mark.parametrize("where", INJECTIONS)
+def test_preview_filter_cannot_run_sql(client, hostile, where):
+    sid, db = hostile
+    r = client.post(f"/api/v1/sources/{sid}/filter-preview",
+                    json={"table": "public.t", "where": where, "publish": ["insert"],
+                          "sample_size": 5})
+    assert r.status_code == 200, r.text
+    assert _canary(db) == CANARY_ROWS
+    body = r.json()
+    if body["valid"]:
+        assert body["total_rows"] == 3
+        assert {row["id"] for row in body["sample"]} <= {1, 2}
+        assert body["matching_rows"] == len(body["sample"]) >= 1
