@@ -117,7 +117,9 @@ def _parse_ports(text: str, entry: str) -> tuple[int, int]:
 def _parse_rule(entry: str) -> _Rule:
     text, ports = entry.strip(), None
     if text.startswith("["):  # [v6addr or v6cidr]:port
-        inner, _, rest = text[1:].partition("]")
+        inner, closed, rest = text[1:].partition("]")
+        if not closed:
+            raise ValueError(f"PGSIEVE_ALLOWED_HOSTS: unclosed '[' in {entry!r}")
         if rest.startswith(":"):
             ports = _parse_ports(rest[1:], entry)
         elif rest:
@@ -289,6 +291,11 @@ def check_dsn(dsn: str, policy: ConnectionPolicy) -> str:
     pinned_addrs: list[str] = []
     pinned_ports: list[str] = []
     for host, port in zip(hosts, ports, strict=True):
+        if _is_socket(host):  # allowed by PGSIEVE_DSN_ALLOW (checked above)
+            pinned_hosts.append(host)
+            pinned_addrs.append("")
+            pinned_ports.append(str(port))
+            continue
         addresses = _resolve(host, port, policy.connect_timeout)
         if policy.allow_any_host and not addresses:
             # No address: let libpq report "no such host" in its uniform way.
