@@ -219,18 +219,20 @@ def _structural_checks(params: dict[str, str], features: frozenset[str]) -> list
                       "pgsieve host's tickets (PGSIEVE_DSN_ALLOW: gss)")
     if "host" not in params or not params["host"].strip():
         if "unix_socket" not in features:
-            raise _refuse("the DSN must name a host: pgsieve does not connect through local "
-                          "Unix sockets (the server would see pgsieve's OS user)")
+            raise _refuse("the DSN must name a host: connections through local Unix sockets "
+                          "are not allowed (the server would see pgsieve's OS user; "
+                          "PGSIEVE_DSN_ALLOW: unix_socket)")
         return []
     hosts = [h.strip() for h in params["host"].split(",")]
     if len(hosts) > MAX_HOSTS:
         raise _refuse(f"the DSN names {len(hosts)} hosts; at most {MAX_HOSTS} are allowed")
     if any(_is_socket(h) for h in hosts) and "unix_socket" not in features:
-        raise _refuse("the DSN names a Unix socket directory: pgsieve does not connect "
-                      "through local sockets (the server would see pgsieve's OS user)")
+        raise _refuse("the DSN names a Unix socket: connections through local sockets are "
+                      "not allowed (the server would see pgsieve's OS user; "
+                      "PGSIEVE_DSN_ALLOW: unix_socket)")
     if "user" not in params or not params["user"].strip():
-        raise _refuse("the DSN must name a user: pgsieve does not fall back to its own OS "
-                      "user name or to PGUSER")
+        raise _refuse("the DSN must name a user: falling back to pgsieve's own OS user name "
+                      "or to PGUSER is not allowed")
     return hosts
 
 

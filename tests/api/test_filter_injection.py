@@ -9,11 +9,15 @@ as the expression it is, and the canary table must stay exactly as it was.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import quote
 
 import pytest
+from fastapi.testclient import TestClient
 
+from pgsieve.api.app import create_app
+from tests.api.conftest import TOKEN
 from tests.conftest import Database
 
 CANARY_ROWS = [(1,), (2,), (3,)]
@@ -103,3 +107,54 @@ def test_preview_filter_cannot_run_sql(client, hostile, where):
         assert body["total_rows"] == 3
         assert {row["id"] for row in body["sample"]} <= {1, 2}
         assert body["matching_rows"] == len(body["sample"]) >= 1
+
+
+# -- expensive but legal filters: every evaluation is under a statement timeout -------------
+
+EXPENSIVE = "length(repeat(note, 100000000)) > 0"
+
+
+@pytest.fixture
+def heavy(settings: Any, metadata_engine: Any, source_db: Database) -> Iterator[Any]:
+    # Each row costs a 100 MB string: 400 rows take tens of seconds without a timeout.
+    source_db.execute(
+        "CREATE TABLE t (id int PRIMARY KEY, note text NOT NULL);"
+        "INSERT INTO t SELECT g, 'x' FROM generate_series(1, 400) g; ANALYZE t")
+    # PGSIEVE_STATEMENT_TIMEOUT_MS bounds every step of an evaluation
+    short = settings.model_copy(update={"statement_timeout_ms": 2000})
+    with TestClient(create_app(short), raise_server_exceptions=False) as client:
+        client.headers["Authorization"] = f"Bearer {TOKEN}"
+        r = client.post("/api/v1/sources", json={"name": "src", "dsn": source_db.dsn})
+        assert r.status_code == 201, r.text
+        yield client, str(r.json()["id"]), source_db
+
+
+def test_expensive_filter_preview_is_bounded(heavy):
+    import time
+
+    client, sid, db = heavy
+    started = time.monotonic()
+    r = client.post(f"/api/v1/sources/{sid}/filter-preview",
+                    json={"table": "public.t", "where": EXPENSIVE, "publish": ["insert"],
+                          "sample_size": 5})
+    elapsed = time.monotonic() - started
+    assert r.status_code == 200, r.text
+    assert elapsed < 8, elapsed
+    # nothing left running on the source
+    assert db.query("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND query LIKE '%repeat(note%' AND pid <> pg_backend_pid()") == [(0,)]
+
+
+def test_expensive_filter_publication_is_bounded(heavy):
+    import time
+
+    client, sid, db = heavy
+    started = time.monotonic()
+    r = client.post(f"/api/v1/sources/{sid}/publications",
+                    json={"name": "p", "tables": [{"table": "public.t", "where": EXPENSIVE}],
+                          "publish": ["insert"]})
+    elapsed = time.monotonic() - started
+    assert r.status_code in (201, 422), r.text
+    assert elapsed < 8, elapsed
+    assert db.query("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND query LIKE '%repeat(note%' AND pid <> pg_backend_pid()") == [(0,)]
