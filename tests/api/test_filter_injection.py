@@ -158,3 +158,27 @@ def test_expensive_filter_publication_is_bounded(heavy):
     assert elapsed < 8, elapsed
     assert db.query("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
                     " AND query LIKE '%repeat(note%' AND pid <> pg_backend_pid()") == [(0,)]
+
+
+@pytest.mark.parametrize("where", INJECTIONS)
+def test_rendered_filter_reads_the_same_under_either_setting(source_db: Database, where):
+    """The text that reaches PostgreSQL (publication DDL, preview, the sync planner's and
+    Spark's COPY queries all use the parse tree's rendering) means one thing whatever the
+    session's standard_conforming_strings: the second wall behind the pinned setting."""
+    from pgsieve.core.rowfilter.parse import FilterParseError, parse_filter
+
+    _setup(source_db, "on")
+    try:
+        rendered = parse_filter(where).normalized
+    except FilterParseError:
+        return  # refused before any SQL
+    results = []
+    for setting in ("on", "off"):
+        with source_db.connect() as conn:
+            conn.execute(f"SET standard_conforming_strings = {setting}")
+            conn.execute("SET escape_string_warning = off")
+            rows = conn.execute(
+                f"SELECT id FROM public.t WHERE ({rendered}) ORDER BY id".encode()).fetchall()
+            results.append(rows)
+    assert results[0] == results[1]
+    assert _canary(source_db) == CANARY_ROWS
