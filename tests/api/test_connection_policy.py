@@ -268,3 +268,12 @@ def test_server_answers_are_still_explained(client, publisher):
         client.post("/api/v1/sources", json={"name": "x", "dsn": publisher.dsn("no_such_db")}),
         422, "source_unreachable")
     assert "does not exist" in body["detail"]
+
+
+def test_invalid_dsn_answer_echoes_no_fragment(client):
+    for dsn in ("host=127.0.0.1 user=u s3cr3tfragment", "host=h password='s3cr3tfragment",
+                "postgresql://u:s3cr3tfragment@[::1/db"):
+        for path, extra in (("/api/v1/sources", {}), ("/api/v1/targets", {"kind": "postgres"})):
+            body = assert_problem(client.post(path, json={"name": "x", "dsn": dsn, **extra}),
+                                  422, "invalid_dsn")
+            assert "s3cr3t" not in str(body)
