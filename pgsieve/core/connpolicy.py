@@ -197,7 +197,8 @@ def _uses_gss(params: dict[str, str]) -> bool:
     return any(m in ("gss", "sspi") for m in methods)
 
 
-def _structural_checks(params: dict[str, str], features: frozenset[str]) -> list[str]:
+def _structural_checks(params: dict[str, str], features: frozenset[str],
+                       max_hosts: int = MAX_HOSTS) -> list[str]:
     """The hosts of a DSN after refusing what the policy does not allow (no DNS here)."""
     for key in sorted(_NEVER & params.keys()):
         raise _refuse(f"the DSN may not set '{key}': pgsieve sets it for each session")
@@ -224,8 +225,8 @@ def _structural_checks(params: dict[str, str], features: frozenset[str]) -> list
                           "PGSIEVE_DSN_ALLOW: unix_socket)")
         return []
     hosts = [h.strip() for h in params["host"].split(",")]
-    if len(hosts) > MAX_HOSTS:
-        raise _refuse(f"the DSN names {len(hosts)} hosts; at most {MAX_HOSTS} are allowed")
+    if len(hosts) > max_hosts:
+        raise _refuse(f"the DSN names {len(hosts)} hosts; at most {max_hosts} are allowed")
     if any(_is_socket(h) for h in hosts) and "unix_socket" not in features:
         raise _refuse("the DSN names a Unix socket: connections through local sockets are "
                       "not allowed (the server would see pgsieve's OS user; "
@@ -375,6 +376,13 @@ def _forget_unoverridable_environment() -> None:
         os.environ.pop(name, None)
 
 
+def _session_features() -> frozenset[str]:
+    """``PGSIEVE_DSN_ALLOW`` of this process (settings import this module: imported late)."""
+    from pgsieve.core.settings import get_settings
+
+    return get_settings().connection_policy().features
+
+
 def secure_conninfo(
     dsn: str,
     *,
@@ -382,8 +390,12 @@ def secure_conninfo(
     statement_timeout_ms: int = 15_000,
     connect_timeout: int = 5,
     application_name: str = "pgsieve",
+    features: frozenset[str] | None = None,
 ) -> str:
-    """The conninfo pgsieve really connects with (see the module docstring).
+    """The conninfo pgsieve really connects with (see the module docstring); raises
+    :class:`ConnectionNotAllowed` for a DSN that breaks the policy's structural rules
+    (sockets, password/service/key files, GSS — unless ``features``, by default this
+    process's ``PGSIEVE_DSN_ALLOW``, allows them).
 
     Only absent parameters are filled in (a DSN's own ``sslmode`` or password stays), with
     three exceptions pgsieve always decides: the session settings in ``options`` (appended
@@ -391,6 +403,11 @@ def secure_conninfo(
     DSN's own value is kept only when it is smaller).
     """
     params = parse_dsn(dsn)
+    # A DSN stored before the policy (or under a looser one) cannot open a socket or read
+    # the host's files either. hostaddr is fine here: check_dsn pins connections with it,
+    # and with no password file or PG* variables it can no longer carry credentials.
+    allowed = _session_features() if features is None else features
+    _structural_checks(params, allowed | {"hostaddr"}, max_hosts=MAX_HOSTS * 2)
     _forget_unoverridable_environment()
     bound = min(max(1, int(connect_timeout)), MAX_CONNECT_TIMEOUT)
     try:

@@ -86,7 +86,8 @@ def connect(
         statement_timeout_ms = get_settings().statement_timeout_ms
     conninfo = secure_conninfo(dsn, purpose=purpose, statement_timeout_ms=statement_timeout_ms,
                                connect_timeout=connect_timeout,
-                               application_name=application_name)
+                               application_name=application_name,
+                               features=None if policy is None else policy.features)
     try:
         conn = psycopg.connect(conninfo, autocommit=autocommit, row_factory=row_factory, **kwargs)
     except psycopg.Error as exc:

@@ -77,3 +77,17 @@ def test_pinning_to_checked_addresses() -> None:
     assert check_dsn("host=10.1.1.1 user=u", ConnectionPolicy.parse("*"))
     with pytest.raises(ConnectionNotAllowed):
         check_dsn("host=/tmp user=u", ConnectionPolicy.parse("*"))
+
+
+def test_sessions_refuse_what_the_policy_refuses_even_for_stored_dsns() -> None:
+    """A DSN stored before the policy existed cannot open a socket or read host files."""
+    for dsn in ("host=/var/run/postgresql user=postgres", "port=5432 user=postgres",
+                "host=h user=u passfile=/home/x/.pgpass", "host=h user=u service=prod",
+                "host=h user=u sslkey=/k", "host=h user=u gssencmode=require", "host=h"):
+        for purpose in Purpose:
+            with pytest.raises(ConnectionNotAllowed):
+                secure_conninfo(dsn, purpose=purpose)
+    # allowed explicitly; and the hostaddr pinning check_dsn adds is fine
+    assert secure_conninfo("host=/tmp user=u", purpose=Purpose.STREAM,
+                           features=frozenset({"unix_socket"}))
+    assert secure_conninfo("host=h hostaddr=10.0.0.1 user=u", purpose=Purpose.STREAM)
