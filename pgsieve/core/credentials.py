@@ -1,21 +1,25 @@
 """Connection strings: parsing, masking, and encryption at rest.
 
 DSNs carry passwords. They are stored encrypted (Fernet, key derived from
-``PGSIEVE_SECRET_KEY``), decrypted only to connect, and shown only masked. A logging filter
-masks anything that looks like a password in log records as a second line of defence.
+``PGSIEVE_SECRET_KEY`` by scrypt; earlier keys still decrypt), decrypted only to connect,
+and shown only masked. A logging filter masks anything that looks like a password in log
+records as a second line of defence.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import hashlib
 import logging
 import re
 import traceback
+from collections.abc import Sequence
 from urllib.parse import quote, urlsplit
 
-from cryptography.fernet import Fernet, InvalidToken
+from cryptography.fernet import Fernet, InvalidToken, MultiFernet
+from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 MASK = "********"
@@ -125,23 +129,71 @@ def to_uri(dsn: str) -> str:
     return f"postgresql://{auth + '@' if auth else ''}{host}{port}/{quote(p.get('dbname', ''))}"
 
 
-class SecretBox:
-    """Symmetric encryption of credentials with a key derived from the settings."""
+#: scrypt parameters for the credential key (about 16 MiB and tens of milliseconds, once
+#: per process and key: derivations are cached). The salt is fixed so that every process
+#: of a deployment derives the same key from PGSIEVE_SECRET_KEY alone.
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
+_KDF_SALT = b"pgsieve-credentials-v2"
 
-    def __init__(self, secret_key: str) -> None:
-        digest = hashlib.sha256(("pgsieve-credentials:" + secret_key).encode()).digest()
-        self._fernet = Fernet(base64.urlsafe_b64encode(digest))
+
+@functools.lru_cache(maxsize=16)
+def derive_key(secret_key: str) -> bytes:
+    """The Fernet key for ``secret_key``: scrypt (memory-hard), so a weak secret is slow
+    to guess from a stolen metadata store."""
+    raw = Scrypt(salt=_KDF_SALT, length=32, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P).derive(
+        secret_key.encode())
+    return base64.urlsafe_b64encode(raw)
+
+
+def legacy_key(secret_key: str) -> bytes:
+    """The key of pgsieve before 0007 (one SHA-256): decrypts what it stored, never used
+    to encrypt."""
+    digest = hashlib.sha256(("pgsieve-credentials:" + secret_key).encode()).digest()
+    return base64.urlsafe_b64encode(digest)
+
+
+class SecretBox:
+    """Symmetric encryption of credentials (Fernet: AES-128-CBC + HMAC-SHA256) with a key
+    derived from ``PGSIEVE_SECRET_KEY`` by scrypt.
+
+    Decryption also accepts the keys of ``previous`` secret keys (rotation) and the legacy
+    SHA-256 derivation of every key (credentials stored before the KDF); encryption
+    always uses the current key. :meth:`rotate` re-encrypts a token with the current key.
+    """
+
+    def __init__(self, secret_key: str, previous: Sequence[str] = ()) -> None:
+        keys = [derive_key(secret_key)]
+        for old in previous:
+            if old and old != secret_key:
+                keys.append(derive_key(old))
+        keys.append(legacy_key(secret_key))
+        keys += [legacy_key(old) for old in previous if old and old != secret_key]
+        self._primary = Fernet(keys[0])
+        self._fernet = MultiFernet([Fernet(k) for k in keys])
 
     def encrypt(self, plaintext: str) -> str:
-        return self._fernet.encrypt(plaintext.encode()).decode()
+        return self._primary.encrypt(plaintext.encode()).decode()
 
     def decrypt(self, token: str) -> str:
         try:
             return self._fernet.decrypt(token.encode()).decode()
         except InvalidToken as exc:
             raise CredentialError(
-                "stored credentials cannot be decrypted: PGSIEVE_SECRET_KEY changed?"
+                "stored credentials cannot be decrypted: PGSIEVE_SECRET_KEY changed? "
+                "(an earlier key goes in PGSIEVE_SECRET_KEY_PREVIOUS)"
             ) from exc
+
+    def is_current(self, token: str) -> bool:
+        """Whether ``token`` is encrypted with the current key."""
+        try:
+            self._primary.decrypt(token.encode())
+        except InvalidToken:
+            return False
+        return True
+
+    def rotate(self, token: str) -> str:
+        """``token`` re-encrypted with the current key (CredentialError if no key fits)."""
+        return self.encrypt(self.decrypt(token))
 
 
 def _key_pattern(word: str) -> str:

@@ -81,6 +81,8 @@ def _tables(sub: Subscription) -> list[dict[str, Any]]:
             "deletes": t.deletes,
             "truncates": t.truncates,
             "conflicts": t.conflicts,
+            "missing_skipped": t.missing_skipped,
+            "last_missing": t.last_missing,
             "rows_copied": t.rows_copied,
             "rows_total": t.rows_total,
             "error": t.error,
@@ -169,6 +171,7 @@ def observe_subscription(
             "cycles": lock.cycles if lock is not None else None,
         },
         "stats": {k: v for k, v in (sub.stats or {}).items() if not isinstance(v, dict)},
+        "missing_skipped": sum(t.missing_skipped for t in sub.tables),
         "tables": _tables(sub),
         # raw ints for the sampler (not part of the API body)
         "_source_lsn": source_lsn,

@@ -51,7 +51,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core import pgserver
 from pgsieve.core.connpolicy import Purpose, secure_conninfo
-from pgsieve.core.credentials import SecretBox, scrub_secrets
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.faults import fault_point
 from pgsieve.core.models import (
@@ -65,6 +65,7 @@ from pgsieve.core.models import (
     utcnow,
 )
 from pgsieve.core.settings import Settings
+from pgsieve.spark.session import job_group_report
 from pgsieve.spark.sync import (
     CopyFailed,
     CopyPartition,
@@ -261,7 +262,7 @@ class SyncJobRunner:
         self.partition_bytes = partition_bytes
         self.lease = timedelta(seconds=settings.consumer_lease_seconds)
         self._spark_factory = spark
-        self._box = SecretBox(settings.effective_secret_key())
+        self._box = settings.secret_box()
         self._keeper: LeaseKeeper | None = None
         self._after_copy = after_copy
         """Test hook: a table's rows are all at the target, the snapshot is still held."""
@@ -552,10 +553,21 @@ class SyncJobRunner:
                         ctx, names, c), job_group=self._group)
             except CopyFailed as exc:
                 raise _Retry(f"copy failed: {exc}") from None
+            finally:
+                self._record_spark(spark)
             fault_point("sync.after_copy")
             for name in names:
                 self._finish_table(ctx, snap, sources[name], targets[name], tgt,
                                    own_slot=own_slot)
+
+    def _record_spark(self, spark: Any) -> None:
+        """The Spark jobs of this pgsieve job (job group ``pgsieve-sync-<id>``), their
+        tasks and failures, for ``GET /jobs/{id}`` and ``/metrics``."""
+        report = job_group_report(spark, self._group)
+        if not report.get("jobs"):
+            return
+        with contextlib.suppress(_Lost), self._owned() as (_, job):
+            job.details = {**job.details, "spark": report}
 
     def _prepare(self, ctx: _Context, snap: ExportedSnapshot, source: SourceTable,
                  target: TargetTable, tgt: psycopg.Connection[Any], parallelism: int) -> bool:

@@ -2,8 +2,10 @@
 
 Source side (read inside the exported snapshot, so the catalog is the one the copy sees):
 which relations the subscription's publications make the initial copy read, with their
-effective filter (ORed over the publications, publish operations ignored — PostgreSQL's
-tablesync) and column list (:func:`~pgsieve.core.rowfilter.effective.initial_sync_plan`);
+effective filter (ORed over the publications, publish operations ignored, a member's WHERE
+voided by its publication's FOR TABLES IN SCHEMA — PostgreSQL's tablesync) and column
+list (:func:`~pgsieve.core.rowfilter.effective.initial_sync_plan`); a partition whose
+ancestor is copied is copied with it, once (PostgreSQL 16; 15 copies it twice);
 each relation's leaves and sizes, cut into ctid block ranges; a row estimate from the
 planner (``reltuples`` times the filter's selectivity).
 

@@ -11,8 +11,8 @@ from sqlalchemy import Engine
 
 from pgsieve.api.app import create_app
 from pgsieve.core.db import engine_for
-from pgsieve.core.migrate import upgrade
 from pgsieve.core.settings import Settings
+from tests.metadata_template import migrated_sqlite
 
 TOKEN = "test-token-1234"
 
@@ -31,7 +31,7 @@ def settings(tmp_path: Path) -> Settings:
 
 @pytest.fixture
 def metadata_engine(settings: Settings) -> Engine:
-    upgrade(settings.effective_database_url)
+    migrated_sqlite(Path(settings.effective_database_url.removeprefix("sqlite:///")))
     return engine_for(settings.effective_database_url)
 
 

@@ -21,9 +21,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pgsieve.api.app import create_app
-from pgsieve.core.migrate import upgrade
 from pgsieve.core.settings import Settings
 from tests.conftest import Database
+from tests.metadata_template import migrated_sqlite
 
 REDIS_DB = 14
 TOKEN = "pipeline-test-token"
@@ -112,8 +112,7 @@ def pipeline_env(tmp: Path, **settings_over: Any) -> Iterator[PipelineEnv]:
     broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
     # A queue of its own: suites running side by side on one Redis never share tasks.
     queue = f"pgsieve-test-{uuid.uuid4().hex[:12]}"
-    db_url = f"sqlite:///{tmp / 'meta.db'}"
-    upgrade(db_url)
+    db_url = migrated_sqlite(tmp / "meta.db")
     knobs = {"consume_cycle_seconds": 8.0, "consumer_lease_seconds": 6.0,
              "consumer_heartbeat_seconds": 1.0, "restart_pipelines_seconds": 2.0,
              **settings_over}

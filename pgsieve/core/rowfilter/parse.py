@@ -204,6 +204,8 @@ class IssueCode(StrEnum):
     # combining publications (effective.py)
     CONFLICTING_COLUMN_LISTS = "conflicting_column_lists"
     INVALID_ROW_FILTER = "invalid_row_filter"
+    #: no longer reported: pgsieve copies a partition published through an ancestor once,
+    #: with the ancestor (PostgreSQL 16's rule); kept so the code keeps its meaning
     INITIAL_SYNC_OVERLAP = "initial_sync_overlap"
     UNKNOWN_PUBLISHED_TABLE = "unknown_published_table"
     # warnings
