@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -102,9 +105,30 @@ def beat(ctx: typer.Context) -> None:
     celery_app.start(["beat", "--loglevel=INFO", *ctx.args])
 
 
+class _BadDsnSource(ValueError):
+    pass
+
+
+def _read_dsn(given: str | None, path: Path | None) -> str:
+    """The DSN from --dsn/$PGSIEVE_TAIL_DSN or from a file (its first non-empty line)."""
+    if path is not None:
+        if given is not None and "PGSIEVE_TAIL_DSN" not in os.environ:
+            raise _BadDsnSource("give the DSN once: --dsn or --dsn-file")
+        try:
+            text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise _BadDsnSource(f"cannot read --dsn-file: {exc.strerror}") from None
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise _BadDsnSource("--dsn-file is empty")
+        return lines[0]
+    if not given:
+        raise _BadDsnSource("no DSN: give --dsn-file, set PGSIEVE_TAIL_DSN, or --dsn")
+    return given
+
+
 @app.command()
 def tail(
-    dsn: Annotated[str, typer.Option(help="source database (libpq URI or key=value)")],
     slot: Annotated[str, typer.Option(help="logical replication slot (pgoutput)")],
     publication: Annotated[
         list[str], typer.Option(help="publication name (repeat for several)")
@@ -121,20 +145,36 @@ def tail(
     messages: Annotated[bool, typer.Option(help="include logical messages")] = True,
     limit: Annotated[int | None, typer.Option(help="stop after N changes")] = None,
     timeout: Annotated[float | None, typer.Option(help="stop after N seconds")] = None,
+    dsn: Annotated[
+        str | None,
+        typer.Option(help="source database (libpq URI or key=value); visible to other "
+                     "users in `ps`: prefer $PGSIEVE_TAIL_DSN or --dsn-file",
+                     envvar="PGSIEVE_TAIL_DSN", show_envvar=True),
+    ] = None,
+    dsn_file: Annotated[
+        Path | None,
+        typer.Option(help="read the DSN from this file ('-': standard input)"),
+    ] = None,
 ) -> None:
-    """Print a slot's decoded changes as JSON lines (the slot is not moved unless --confirm)."""
-    import sys
+    """Print a slot's decoded changes as JSON lines (the slot is not moved unless --confirm).
 
+    The DSN comes from --dsn, --dsn-file or $PGSIEVE_TAIL_DSN (exactly one), and must pass
+    the same connection policy as the API's (PGSIEVE_ALLOWED_HOSTS, PGSIEVE_DSN_ALLOW).
+    """
+    from pgsieve.core.connpolicy import ConnectionNotAllowed, check_dsn
     from pgsieve.core.credentials import InvalidDsn, parse_dsn
     from pgsieve.core.lsn import InvalidLsn, Lsn
+    from pgsieve.core.settings import get_settings
     from pgsieve.workers.tail import TailOptions, run_tail
     from pgsieve.workers.transports import TransportError
 
     _logging()
     try:
+        dsn = _read_dsn(dsn, dsn_file)
         parse_dsn(dsn)
         start = Lsn.parse(from_lsn) if from_lsn else None
-    except (InvalidDsn, InvalidLsn) as exc:
+        dsn = check_dsn(dsn, get_settings().connection_policy())
+    except (InvalidDsn, InvalidLsn, ConnectionNotAllowed, _BadDsnSource) as exc:
         typer.echo(f"pgsieve tail: {exc}", err=True)
         raise typer.Exit(2) from None
     if transport not in ("sql", "walsender"):

@@ -219,8 +219,14 @@ def run_demo(port: int = 8000, exit_after: float | None = None) -> int:
     token = settings.effective_api_token()
     settings.effective_secret_key()  # created now so API and worker share it
 
+    # The demo's own clusters, and only them (their ports on loopback), join whatever
+    # allow-list the environment gives: PGSIEVE_ALLOWED_HOSTS is empty by default.
+    allowed = ",".join(filter(None, [settings.allowed_hosts,
+                                     f"127.0.0.1:{demo.source.port}",
+                                     f"127.0.0.1:{demo.target.port}"]))
     # PGSIEVE_DEMO: the api and worker may use the secrets generated in PGSIEVE_HOME
-    env = {**os.environ, "PGSIEVE_HOME": str(home), "PGSIEVE_DEMO": "1"}
+    env = {**os.environ, "PGSIEVE_HOME": str(home), "PGSIEVE_ALLOWED_HOSTS": allowed,
+           "PGSIEVE_DEMO": "1"}
     exe = [sys.executable, "-m", "pgsieve.cli"]
     url = f"http://127.0.0.1:{port}"
     logs = home / "logs"

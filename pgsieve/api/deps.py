@@ -112,7 +112,9 @@ def source_connection(
 ) -> Iterator[psycopg.Connection[Any]]:
     """A short-lived connection to a registered source (4xx ``source_unreachable``)."""
     with pgserver.connect(
-        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout, **kwargs
+        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout,
+        policy=settings.connection_policy(), statement_timeout_ms=settings.statement_timeout_ms,
+        **kwargs,
     ) as conn:
         yield conn
 

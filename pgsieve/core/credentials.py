@@ -40,35 +40,66 @@ def parse_dsn(dsn: str) -> dict[str, str]:
     try:
         params = conninfo_to_dict(dsn)
     except Exception as exc:  # psycopg raises ProgrammingError with libpq's message
-        raise InvalidDsn(f"not a valid PostgreSQL connection string: {_scrub(str(exc))}") from exc
+        raise InvalidDsn(f"not a valid PostgreSQL connection string: {_dsn_problem(exc)}"
+                         ) from None
     return {k: str(v) for k, v in params.items() if v is not None}
 
 
+# libpq's parse errors quote the text around the mistake ('missing "=" after "hunter2"'),
+# which can be a piece of the password: say what kind of mistake it is, never the text.
+_DSN_PROBLEMS = (
+    ("invalid connection option", "an unknown parameter name"),
+    ('missing "="', "a parameter without '=' and a value"),
+    ("unterminated quoted string", "an unterminated quoted value"),
+    ("invalid URI", "a malformed URI"),
+    ("invalid percent-encoded", "a malformed percent-encoding"),
+    ("forbidden value %00", "a NUL character"),
+    ("unexpected spaces", "spaces inside an IPv6 host"),
+    ("end of string reached when looking for matching", "an unclosed IPv6 bracket"),
+    ("unexpected character", "an unexpected character"),
+    ("invalid integer value", "a parameter that must be a number"),
+)
+
+
+def _dsn_problem(exc: Exception) -> str:
+    text = str(exc)
+    for marker, kind in _DSN_PROBLEMS:
+        if marker in text:
+            return f"{kind} (libpq URI or key=value pairs)"
+    return "expected a libpq URI (postgresql://…) or key=value pairs"
+
+
+#: DSN parameters that hold secrets (libpq's "password" and the client key's passphrase).
+SECRET_KEYS = frozenset({"password", "sslpassword"})
+
+
 def mask_dsn(dsn: str) -> str:
-    """The DSN with its password replaced by ``********``, in the form it was given."""
+    """The DSN with every secret replaced by ``********``, in the form it was given.
+
+    Secrets are the URI's userinfo password and the ``password``/``sslpassword``
+    parameters, however spelled (``?%70assword=``, ``PASSWORD``). The result is checked by
+    parsing it back; when any secret survives, a rebuilt key=value string is returned.
+    """
     params = parse_dsn(dsn)
-    if dsn.strip().startswith(("postgresql://", "postgres://")):
-        parts = urlsplit(dsn.strip())
-        netloc = parts.netloc
-        if "@" in netloc:
-            userinfo, hostinfo = netloc.rsplit("@", 1)
-            if ":" in userinfo:
-                userinfo = userinfo.split(":", 1)[0] + ":" + MASK
-            netloc = f"{userinfo}@{hostinfo}"
-        query = re.sub(r"(?i)(^|&)(password=)[^&]*", lambda m: m.group(1) + m.group(2) + MASK,
-                       parts.query)
-        masked = f"{parts.scheme}://{netloc}{parts.path}"
-        return masked + (f"?{query}" if query else "")
-    if "password" not in params:
-        return dsn.strip()
-    # Keep the user's own spelling and order; fall back to a rebuilt string if the text
-    # form was unusual enough that the pattern missed the password.
-    masked = _scrub(dsn.strip())
+    text = dsn.strip()
+    if not SECRET_KEYS & params.keys() and not _uri_password(text):
+        return text
+    masked = _scrub(text)
     with contextlib.suppress(InvalidDsn):
-        if parse_dsn(masked).get("password") == MASK:
+        again = parse_dsn(masked)
+        if all(again.get(k) == MASK for k in SECRET_KEYS & params.keys()) \
+                and again.keys() == params.keys():
             return masked
-    params["password"] = MASK
+    for key in SECRET_KEYS & params.keys():
+        params[key] = MASK
     return make_conninfo(**params)
+
+
+def _uri_password(text: str) -> bool:
+    if not text.startswith(("postgresql://", "postgres://")):
+        return False
+    netloc = urlsplit(text).netloc
+    return "@" in netloc and ":" in netloc.rsplit("@", 1)[0]
 
 
 def dsn_summary(dsn: str) -> dict[str, str | None]:
@@ -165,18 +196,95 @@ class SecretBox:
         return self.encrypt(self.decrypt(token))
 
 
-_PASSWORD_PATTERNS = [
-    # URI userinfo: scheme://user:secret@host
-    (re.compile(r"(\b[a-z][a-z0-9+.-]*://[^:/@\s]*:)([^@\s]+)(@)", re.I), r"\1" + MASK + r"\3"),
-    # key=value and query parameters
-    (re.compile(r"(?i)(\bpassword\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]+)"), r"\1" + MASK),
-]
+def _key_pattern(word: str) -> str:
+    """``word`` with any of its letters possibly percent-encoded (``%70assword``)."""
+    return "".join(f"(?:{re.escape(c)}|%{ord(c):02x})" for c in word)
+
+
+# Where a secret may start: a URI's "://" (its userinfo may hold a password) or a
+# password parameter's "=" (key=value, or a URI query). Possessive quantifiers: the
+# pattern never backtracks, so finding every anchor is one pass over the text.
+_ANCHOR = re.compile(
+    r"://|(?<![a-z0-9_%])(?:" + _key_pattern("ssl") + ")?" + _key_pattern("password")
+    + r"\s*+=\s*+",
+    re.IGNORECASE,
+)
+_SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
+_AUTHORITY_END = re.compile(r"[/?#\s]")
+_VALUE_END = re.compile(r"\s")
+_QUERY_VALUE_END = re.compile(r"[\s&#]")
+
+
+class _Cost:
+    """Characters examined by the last :func:`_scrub` (tests bound it: linear, not n²)."""
+
+    chars = 0
 
 
 def _scrub(text: str) -> str:
-    for pattern, repl in _PASSWORD_PATTERNS:
-        text = pattern.sub(repl, text)
-    return text
+    """Mask passwords in free text (log lines, error messages) in one linear pass.
+
+    The old pair of regular expressions backtracked over every ``scheme://`` without an
+    ``@`` and every unterminated ``password='``: quadratic (0.37 s for 8 KB). Here each
+    anchor's scan ends where the next one can begin, so the text is read a bounded number
+    of times.
+    """
+    out: list[str] = []
+    pos = 0  # everything before pos is already in out
+    cost = 0
+    for m in _ANCHOR.finditer(text):
+        start, end = m.span()
+        if start < pos:
+            continue
+        if m.group(0) == "://":
+            # the scheme: letters just before "://" (looked at, at most 32 of them)
+            lo = start
+            while lo > 0 and start - lo < 32 and text[lo - 1] in _SCHEME_CHARS:
+                lo -= 1
+            cost += start - lo
+            if lo == start or not text[lo].isalpha():
+                continue
+            stop = _AUTHORITY_END.search(text, end)
+            auth_end = stop.start() if stop else len(text)
+            cost += auth_end - end
+            at = text.rfind("@", end, auth_end)
+            if at < 0:
+                continue
+            colon = text.find(":", end, at)
+            if colon < 0:
+                continue
+            out.append(text[pos:colon + 1])
+            out.append(MASK)
+            pos = at
+            continue
+        # a password parameter: the value is quoted ('…' with \ escapes) or a bare word
+        if end < len(text) and text[end] == "'":
+            i = end + 1
+            while i < len(text):
+                c = text[i]
+                if c == "\\":
+                    i += 2
+                    continue
+                if c == "'":
+                    i += 1
+                    break
+                i += 1
+            value_end = min(i, len(text))
+        else:
+            # "&" ends a value only in a URI query (?password=…&…); in key=value text it
+            # may be part of the password
+            in_query = start > 0 and text[start - 1] in "?&"
+            stop = (_QUERY_VALUE_END if in_query else _VALUE_END).search(text, end)
+            value_end = stop.start() if stop else len(text)
+        cost += value_end - end
+        if value_end == end:
+            continue
+        out.append(text[pos:end])
+        out.append(MASK)
+        pos = value_end
+    out.append(text[pos:])
+    _Cost.chars = cost + len(text)
+    return "".join(out)
 
 
 scrub_secrets = _scrub

@@ -15,9 +15,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pgsieve.core.connpolicy import ConnectionPolicy
 from pgsieve.core.credentials import SecretBox
 
 #: The shortest PGSIEVE_API_TOKEN / PGSIEVE_SECRET_KEY `pgsieve api` and `worker` accept.
@@ -86,8 +87,29 @@ class Settings(BaseSettings):
         "database credentials then reach executors over unencrypted RPC",
     )
     pg_bindir: str | None = Field(default=None, description="PostgreSQL server binaries.")
-    connect_timeout: int = Field(default=5, ge=1, le=120, description="Seconds, for DSNs.")
-    statement_timeout_ms: int = Field(default=15_000, ge=100)
+    connect_timeout: int = Field(
+        default=5, ge=1, le=120,
+        description="Seconds, for DSNs (a connection attempt is capped at 30 whatever this "
+        "or the DSN says)")
+    statement_timeout_ms: int = Field(
+        default=15_000, ge=100,
+        description="statement_timeout of control-plane sessions on sources and targets "
+        "(API calls, filter previews and validation, inspections); streaming sessions "
+        "(initial-sync COPY, decoding, replication, apply) run with 0 and bound their work "
+        "otherwise",
+    )
+    allowed_hosts: str = Field(
+        default="",
+        description="comma-separated host names, IP addresses or CIDRs (each optionally "
+        "with :port or :low-high) that sources and targets may be on; '*' allows any host. "
+        "Empty (the default): none — a DSN outside the list is refused with "
+        "connection_not_allowed. The demo allows its own local clusters.",
+    )
+    dsn_allow: str = Field(
+        default="",
+        description="DSN features refused unless listed here (comma-separated): "
+        "unix_socket, hostaddr, passfile, service, ssl_files, gss",
+    )
     preview_exact_row_limit: int = Field(
         default=2_000_000, ge=0,
         description="filter preview counts exactly up to this many (estimated) rows",
@@ -114,7 +136,21 @@ class Settings(BaseSettings):
     )
     log_level: str = "INFO"
 
+    @field_validator("allowed_hosts", "dsn_allow")
+    @classmethod
+    def _readable_policy(cls, value: str, info: ValidationInfo) -> str:
+        # Refuse an unreadable list when the process starts, not at the first request.
+        if info.field_name == "allowed_hosts":
+            ConnectionPolicy.parse(value)
+        else:
+            ConnectionPolicy.parse("", value)
+        return value
+
     # -- derived values -----------------------------------------------------------------
+    def connection_policy(self) -> ConnectionPolicy:
+        """``allowed_hosts`` and ``dsn_allow`` as a policy (ValueError when unreadable)."""
+        return ConnectionPolicy.parse(self.allowed_hosts, self.dsn_allow, self.connect_timeout)
+
     @property
     def state_dir(self) -> Path:
         return self.home.absolute()

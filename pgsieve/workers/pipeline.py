@@ -41,6 +41,7 @@ from pgsieve.core.apply.batch import (
     TableStopped,
 )
 from pgsieve.core.apply.batcher import BatchLimits, MicroBatcher
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.errors import describe_error
@@ -385,8 +386,11 @@ class _StreamRun:
         if now - self._source_lsn_at >= SOURCE_LSN_EVERY:
             self._source_lsn_at = now
             try:
-                with psycopg.connect(self.source_dsn, autocommit=True,
-                                     connect_timeout=self.cycle.settings.connect_timeout) as c:
+                settings = self.cycle.settings
+                conninfo = secure_conninfo(self.source_dsn, purpose=Purpose.CONTROL,
+                                           statement_timeout_ms=settings.statement_timeout_ms)
+                with psycopg.connect(conninfo, autocommit=True,
+                                     connect_timeout=settings.connect_timeout) as c:
                     row = c.execute("SELECT pg_current_wal_lsn()::text").fetchone()
                     self._source_lsn = Lsn.parse(row[0]) if row else self._source_lsn
             except psycopg.Error as exc:

@@ -50,6 +50,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core import pgserver
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.faults import fault_point
@@ -527,7 +528,8 @@ class SyncJobRunner:
         parallelism = task_slots(spark)
         copies: dict[str, TableCopy] = {}
         targets: dict[str, TargetTable] = {}
-        with psycopg.connect(ctx.target_dsn, autocommit=True,
+        with psycopg.connect(secure_conninfo(ctx.target_dsn, purpose=Purpose.STREAM),
+                             autocommit=True,
                              connect_timeout=self.settings.connect_timeout) as tgt:
             ensure_marker_table(tgt)
             for name in names:
@@ -792,7 +794,8 @@ class SyncJobRunner:
             with self.sessions() as session:
                 job = session.get(Job, self.job_id)
                 states = dict((job.details.get("table_state") or {}) if job else {})
-            with psycopg.connect(ctx.target_dsn, autocommit=True,
+            with psycopg.connect(secure_conninfo(ctx.target_dsn, purpose=Purpose.STREAM),
+                                 autocommit=True,
                                  connect_timeout=self.settings.connect_timeout) as tgt:
                 for name, state in states.items():
                     if state.get("deferred_indexes"):
@@ -840,7 +843,8 @@ class SyncJobRunner:
         if not self._deferred or self._target_dsn is None:
             return
         try:
-            with psycopg.connect(self._target_dsn, autocommit=True,
+            with psycopg.connect(secure_conninfo(self._target_dsn, purpose=Purpose.STREAM),
+                                 autocommit=True,
                                  connect_timeout=self.settings.connect_timeout) as tgt:
                 for name, defs in self._deferred.items():
                     restore_indexes(tgt, name, defs)

@@ -25,6 +25,7 @@ def settings(tmp_path: Path) -> Settings:
         api_token=TOKEN,
         secret_key="unit-test-secret",
         connect_timeout=3,
+        allowed_hosts="127.0.0.1",  # the test clusters (the default allows no host)
     )
 
 

@@ -118,12 +118,14 @@ def pipeline_env(tmp: Path, **settings_over: Any) -> Iterator[PipelineEnv]:
              **settings_over}
     settings = Settings(home=tmp / "home", database_url=db_url, broker_url=broker,
                         api_token=TOKEN, secret_key="pipeline-test-secret",
+                        allowed_hosts="127.0.0.1",
                         celery_queue=queue, **knobs)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGSIEVE_")}
     env.update({
         "PGSIEVE_HOME": str(tmp / "home"), "PGSIEVE_DATABASE_URL": db_url,
         "PGSIEVE_BROKER_URL": broker, "PGSIEVE_API_TOKEN": TOKEN,
         "PGSIEVE_SECRET_KEY": "pipeline-test-secret", "PGSIEVE_CELERY_QUEUE": queue,
+        "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1",
         "PGSIEVE_SPARK_MASTER": os.environ.get("PGSIEVE_SPARK_MASTER", "local[2]"),
         # Small batches apply in the driver; a JVM per worker start would only cost CPU.
         "PGSIEVE_SPARK_WARMUP": "false",

@@ -65,7 +65,7 @@ def make_settings(tmp: Path, **over: Any) -> Settings:
     knobs: dict[str, Any] = {"consumer_lease_seconds": 10.0, "consumer_heartbeat_seconds": 1.0,
                              "consume_cycle_seconds": 5.0, "spark_master": "local[2]", **over}
     return Settings(home=tmp / "home", database_url=db_url, api_token=TOKEN,
-                    secret_key="sync-test-secret", **knobs)
+                    secret_key="sync-test-secret", allowed_hosts="127.0.0.1", **knobs)
 
 
 @contextlib.contextmanager

@@ -40,7 +40,11 @@ from pgsieve.core.pubcatalog import (
 from pgsieve.core.rowfilter.catalog import SourceConnectionError, read_table_facts
 from pgsieve.core.rowfilter.effective import effective_filters
 from pgsieve.core.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
-from pgsieve.core.rowfilter.preview import FilterPreview, preview_filter
+from pgsieve.core.rowfilter.preview import (
+    SAMPLE_COUNT_TIMEOUT_MS,
+    FilterPreview,
+    preview_filter,
+)
 from pgsieve.core.rowfilter.rules import normalize_publish
 from pgsieve.core.rowfilter.updates import RowImages, evaluate_updates
 
@@ -234,6 +238,10 @@ def filter_preview(
                 publish_via_partition_root=body.publish_via_partition_root,
                 sample_size=body.sample_size,
                 exact_row_limit=settings.preview_exact_row_limit,
+                # no step of a preview may outlast the control-plane statement timeout,
+                # whatever the filter costs per row (repeat(note, 100000000) …)
+                count_timeout_ms=min(1500, settings.statement_timeout_ms),
+                sample_timeout_ms=min(SAMPLE_COUNT_TIMEOUT_MS, settings.statement_timeout_ms),
                 columns=columns,
             )
             updates = (_update_transformations(conn, session, sub, body, preview)
