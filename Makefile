@@ -1,5 +1,5 @@
 # The two commands a newcomer needs: `make run` (the demo) and `make test` (everything).
-.PHONY: run test lint typecheck deps lock bench clean
+.PHONY: run test test-slow check lint typecheck deps lock bench clean
 
 VENV := .venv
 BIN := $(VENV)/bin
@@ -17,15 +17,29 @@ lint: deps
 typecheck: deps
 	$(BIN)/mypy
 
+# The fast lane: lint, import contracts, types and the pure unit tests (no clusters,
+# no Spark, no Redis) — under two minutes; `make test` runs everything.
+check: deps
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+	$(BIN)/pytest tests/unit -q
+
 test: deps
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/pytest
 
+# The randomized fault-injection runs at full size (make test runs 8 of them).
+test-slow: deps
+	PGSIEVE_TEST_CHAOS_RUNS=24 $(BIN)/pytest tests/integration/test_pipeline_faults.py
+
 # Re-resolve the lock after changing pyproject.toml's pins.
+# requirements-runtime.lock (no dev extra) is what the production image installs.
 lock:
 	$(BIN)/uv pip compile pyproject.toml --extra dev -o requirements.lock --python $(BIN)/python
+	$(BIN)/uv pip compile pyproject.toml -o requirements-runtime.lock --python $(BIN)/python
 
 bench: deps
 	$(BIN)/python -m bench

@@ -163,7 +163,8 @@ export async function subscriptionDetail(root, ctx, id) {
       h("h3", {}, "Tables"),
       h("table", { class: "grid-table", "data-test": "tables" },
         h("thead", {}, h("tr", {}, ["Table", "Sync", "Initial copy", "Inserts", "Updates",
-          "Deletes", "Truncates", "Conflicts", ""].map((c) => h("th", {}, c)))),
+          "Deletes", "Truncates", "Conflicts", "Missing rows skipped", ""].map((c) =>
+            h("th", {}, c)))),
         tablesBody),
       jobs));
 
@@ -238,10 +239,19 @@ export async function subscriptionDetail(root, ctx, id) {
         : h("span", { class: "muted" }, "—")),
       ...["inserts", "updates", "deletes", "truncates", "conflicts"].map((k) =>
         h("td", { class: "num" }, fmt.count(t[k]))),
+      h("td", { class: "num", "data-test": "missing-skipped",
+        title: t.last_missing
+          ? `last: ${t.last_missing.op} of ${JSON.stringify(t.last_missing.key)} ` +
+            `(commit ${t.last_missing.lsn}); skipped as PostgreSQL's subscriber does`
+          : "UPDATEs/DELETEs whose target row was missing (skipped, as PostgreSQL does)" },
+        fmt.count(t.missing_skipped || 0),
+        t.last_missing ? h("div", { class: "muted mono small", "data-test": "last-missing" },
+          `${t.last_missing.op} ${JSON.stringify(t.last_missing.key)} @ ${t.last_missing.lsn}`)
+          : null),
       h("td", {}, h("button", { type: "button", class: "small", "data-test": "resync",
         onclick: () => resync(t.table) }, "Resync")))));
     if (!p.tables.length) {
-      tablesBody.append(h("tr", {}, h("td", { colspan: 9, class: "muted" }, "no tables")));
+      tablesBody.append(h("tr", {}, h("td", { colspan: 10, class: "muted" }, "no tables")));
     }
   }
 

@@ -139,6 +139,10 @@ class MetadataCollector(Collector):
                                       "changes applied to the target", labels=sub_l)
         batches = CounterMetricFamily("pgsieve_subscription_applied_batches",
                                       "batches applied to the target", labels=sub_l)
+        paths = CounterMetricFamily(
+            "pgsieve_apply_batches", "batches applied, by where their plan and staging ran "
+            "(the driver, or Spark tasks: PGSIEVE_SPARK_APPLY_MIN_CHANGES)",
+            labels=["subscription", "path"])
         apply_h = HistogramMetricFamily("pgsieve_subscription_batch_apply_seconds",
                                         "time to apply one batch to the target", labels=sub_l)
         size_h = HistogramMetricFamily("pgsieve_subscription_batch_changes",
@@ -153,6 +157,10 @@ class MetadataCollector(Collector):
                                             labels=[*tab_l, "op"])
         conflicts = CounterMetricFamily("pgsieve_table_conflicts",
                                         "conflicts met while applying, per table", labels=tab_l)
+        missing = CounterMetricFamily(
+            "pgsieve_table_missing_rows_skipped",
+            "UPDATEs/DELETEs skipped because the target row was missing (on_conflict native, "
+            "as PostgreSQL's subscriber does), per table", labels=tab_l)
         copied = GaugeMetricFamily("pgsieve_sync_rows_copied",
                                    "rows copied by the table's initial sync", labels=tab_l)
         total = GaugeMetricFamily("pgsieve_sync_rows_total",
@@ -184,6 +192,9 @@ class MetadataCollector(Collector):
             stats = sub.stats or {}
             changes.add_metric(name, float(stats.get("changes", 0)))
             batches.add_metric(name, float(stats.get("batches", 0)))
+            by_path = stats.get("apply_paths") or {}
+            for path in ("driver", "spark"):
+                paths.add_metric([sub.name, path], float(by_path.get(path, 0)))
             for family, key in ((apply_h, APPLY_SECONDS_KEY), (size_h, BATCH_CHANGES_KEY)):
                 hist = stats.get(key)
                 if isinstance(hist, dict) and hist.get("le"):
@@ -198,13 +209,37 @@ class MetadataCollector(Collector):
                 for op in ("inserts", "updates", "deletes", "truncates"):
                     table_changes.add_metric([*labels, op[:-1]], float(getattr(table, op)))
                 conflicts.add_metric(labels, float(table.conflicts))
+                missing.add_metric(labels, float(table.missing_skipped))
                 copied.add_metric(labels, float(table.rows_copied))
                 if table.rows_total is not None:
                     total.add_metric(labels, float(table.rows_total))
                 sync_state.add_metric([*labels, table.sync_state], 1)
         yield from (state, enabled, lag_b, lag_s, sample_age, applied, changes, batches,
-                    apply_h, size_h, alive, hb_age, table_changes, conflicts, copied, total,
-                    sync_state)
+                    paths, apply_h, size_h, alive, hb_age, table_changes, conflicts, missing,
+                    copied, total, sync_state)
+
+        failures = CounterMetricFamily(
+            "pgsieve_spark_task_failures", "Spark tasks that failed (and were retried or "
+            "failed their job) in sync jobs", labels=[])
+        executors = GaugeMetricFamily(
+            "pgsieve_spark_executors", "executors the last Spark job of a sync saw",
+            labels=[])
+        failed_total = 0
+        newest: tuple[Any, int] | None = None
+        for finished, details in session.execute(
+                select(Job.finished_at, Job.details).where(Job.kind.in_(
+                    ("initial_sync", "resync")))):
+            report = (details or {}).get("spark") or {}
+            if not report:
+                continue
+            failed_total += int(report.get("task_failures", 0))
+            if finished is not None and (newest is None or finished > newest[0]):
+                newest = (finished, int(report.get("executors", 0)))
+        failures.add_metric([], float(failed_total))
+        if newest is not None:
+            executors.add_metric([], float(newest[1]))
+        yield failures
+        yield executors
 
         jobs = GaugeMetricFamily("pgsieve_jobs", "jobs by kind and state",
                                  labels=["kind", "state"])

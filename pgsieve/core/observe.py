@@ -83,6 +83,8 @@ def _tables(sub: Subscription) -> list[dict[str, Any]]:
             "deletes": t.deletes,
             "truncates": t.truncates,
             "conflicts": t.conflicts,
+            "missing_skipped": t.missing_skipped,
+            "last_missing": t.last_missing,
             "rows_copied": t.rows_copied,
             "rows_total": t.rows_total,
             "error": t.error,
@@ -172,6 +174,7 @@ def observe_subscription(
             "worker": _holder(session, lock.owner) if lock is not None and alive else None,
         },
         "stats": {k: v for k, v in (sub.stats or {}).items() if not isinstance(v, dict)},
+        "missing_skipped": sum(t.missing_skipped for t in sub.tables),
         "tables": _tables(sub),
         # raw ints for the sampler (not part of the API body)
         "_source_lsn": source_lsn,

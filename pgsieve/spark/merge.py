@@ -98,8 +98,14 @@ def merge(
                     continue
                 except _Conflict:
                     reason = f"conflicts under on_conflict={batch.on_conflict}"
-                    if batch.on_conflict == "error":
-                        _raise_first_conflict(conn, tp, st)
+                    native = batch.on_conflict == "native"
+                    merged = _native_merge(conn, tp, st, counts) if native else None
+                    if merged is not None:
+                        outcome.rows_written += merged
+                        continue
+                    if batch.on_conflict == "error" or (native and not _moved_orphans(
+                            conn, tp, st)):
+                        _raise_first_conflict(conn, tp, st, missing_ok=native)
                         # No key conflict after all (e.g. duplicates in a target without
                         # a unique key): change by change finds exactly what fails.
                         reason = "the target's rows do not match the batch's keys one to one"
@@ -286,9 +292,94 @@ def _updates(conn: psycopg.Connection[Any], table: TargetTable, target: sql.Comp
     return written
 
 
+def _native_merge(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable,
+                  counts: dict[str, TableCounts]) -> int | None:
+    """Policy ``native`` after a set-based conflict: merge again without the keys whose
+    row is missing (:func:`_merge_skipping_missing`), counting them. None when that does
+    not settle it (a key already there, a moved row whose origin is missing); the
+    caller then names the conflict or applies the table change by change."""
+    try:
+        with conn.transaction():
+            written, missing = _merge_skipping_missing(conn, tp, st)
+    except (_Conflict, psycopg.errors.IntegrityError):
+        return None
+    table_counts = counts.setdefault(tp.source_table, TableCounts())
+    for kind, key, lsn in missing:
+        table_counts.skip_missing(kind, key, lsn)
+    return written
+
+
+def _moved_orphans(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable) -> bool:
+    """Whether a row moved by a key-changing UPDATE has no origin row in the target."""
+    if not st.summary.moved:
+        return False
+    table = tp.target
+    found = conn.execute(sql.SQL(
+        "SELECT 1 FROM {stage} s WHERE s._op IN (2, 3) AND s.o0 IS NOT NULL AND NOT EXISTS "
+        "(SELECT 1 FROM {target} t WHERE {ojoin}) LIMIT 1").format(
+        stage=sql.Identifier(SCHEMA, st.name),
+        target=sql.Identifier(table.schema, table.name),
+        ojoin=_key_join(table, tp.key_positions or (), "t", "s", "o"))).fetchone()
+    return found is not None
+
+
+def _merge_skipping_missing(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable
+                            ) -> tuple[int, list[tuple[str, dict[str, Any], Lsn]]]:
+    """Policy ``native``, set-based: leave out the keys whose first change is an UPDATE or
+    DELETE of a row the target does not have — PostgreSQL's apply worker skips such a
+    change, and every later change of the key misses too until an INSERT brings the key
+    back (then only the batch's final row is written: ``REPLACE`` becomes ``INSERT``) —
+    then merge the rest. Returns the rows written and the keys skipped (kind, key, commit
+    LSN of the first change). Moved rows whose origin is missing raise :class:`_Conflict`:
+    only the change-by-change path can tell what a native subscriber would keep of them."""
+    table = tp.target
+    target = sql.Identifier(table.schema, table.name)
+    stage = sql.Identifier(SCHEMA, st.name)
+    kp = tp.key_positions or ()
+    join = _key_join(table, kp, "t", "s")
+    summary = st.summary
+    if _moved_orphans(conn, tp, st):
+        raise _Conflict
+    keys = sql.SQL(", ").join(sql.SQL("s.{}::text").format(sql.Identifier(f"c{p}"))
+                              for p in kp)
+    missing_where = sql.SQL("NOT EXISTS (SELECT 1 FROM {target} t WHERE {join})").format(
+        target=target, join=join)
+    dropped = conn.execute(sql.SQL(
+        "DELETE FROM {stage} s WHERE s._op IN (0, 1) AND {missing} "
+        "RETURNING s._first, s._lsn, s._op, s._m, {keys}").format(
+        stage=stage, missing=missing_where, keys=keys)).fetchall()
+    reinserted = conn.execute(sql.SQL(
+        "UPDATE {stage} s SET _op = 2 WHERE s._op = 3 AND {missing} "
+        "RETURNING s._first, s._lsn, 3, s._m, {keys}").format(
+        stage=stage, missing=missing_where, keys=keys)).fetchall()
+    if not dropped and not reinserted:
+        raise _Conflict  # nothing was missing: the conflict is of another kind
+    pruned = StageSummary(summary.rows, dict(summary.ops), set(summary.insert_masks),
+                          dict(summary.update_masks), summary.moved)
+    names = [table.columns[p].name for p in kp]
+    skipped: list[tuple[str, dict[str, Any], Lsn]] = []
+    for first, lsn, op, mtext, *key in dropped + reinserted:
+        pruned.ops[op] -= 1
+        if op == OP_REPLACE:
+            pruned.ops[OP_INSERT] = pruned.ops.get(OP_INSERT, 0) + 1
+        elif op == OP_UPDATE:
+            m = sum(1 << j for j, ch in enumerate(mtext) if ch == "1")
+            pruned.update_masks[m] -= 1
+            if not pruned.update_masks[m]:
+                del pruned.update_masks[m]
+        if op != OP_REPLACE:
+            pruned.rows -= 1
+        kind = "delete" if first == "D" else "update"
+        skipped.append((kind, dict(zip(names, key, strict=True)), Lsn(int(lsn))))
+    written = _set_based(conn, tp, StagedTable(st.name, pruned))
+    skipped.sort(key=lambda item: item[2])
+    return written, skipped
+
+
 def _raise_first_conflict(conn: psycopg.Connection[Any], tp: TablePlan,
-                          st: StagedTable) -> None:
-    """Policy ``error``: name the first change (by commit LSN) whose key conflicts."""
+                          st: StagedTable, missing_ok: bool = False) -> None:
+    """Policy ``error``: name the first change (by commit LSN) whose key conflicts.
+    ``missing_ok`` (policy ``native``): only a key that is already there conflicts."""
     table = tp.target
     target = sql.Identifier(table.schema, table.name)
     stage = sql.Identifier(SCHEMA, st.name)
@@ -299,17 +390,20 @@ def _raise_first_conflict(conn: psycopg.Connection[Any], tp: TablePlan,
                               for p in kp)
     okeys = sql.SQL(", ").join(sql.SQL("s.{}::text").format(sql.Identifier(f"o{i}"))
                                for i in range(len(kp)))
+    missing = sql.SQL(
+        "  (s._op IN (0, 1, 3) AND NOT EXISTS (SELECT 1 FROM {target} t WHERE {join})) "
+        "  OR (s._op IN (2, 3) AND s.o0 IS NOT NULL AND NOT EXISTS "
+        "     (SELECT 1 FROM {target} t WHERE {ojoin})) OR ").format(
+        target=target, join=join, ojoin=ojoin)
     row = conn.execute(sql.SQL(
         "SELECT s._first, s._lsn, s._op, {keys}, {okeys}, "
         "  (s._op IN (2, 3) AND s.o0 IS NOT NULL AND NOT EXISTS "
         "     (SELECT 1 FROM {target} t WHERE {ojoin})) AS origin_missing "
-        "FROM {stage} s WHERE "
-        "  (s._op IN (0, 1, 3) AND NOT EXISTS (SELECT 1 FROM {target} t WHERE {join})) "
-        "  OR (s._op IN (2, 4) AND EXISTS (SELECT 1 FROM {target} t WHERE {join})) "
-        "  OR (s._op IN (2, 3) AND s.o0 IS NOT NULL AND NOT EXISTS "
-        "     (SELECT 1 FROM {target} t WHERE {ojoin})) "
+        "FROM {stage} s WHERE {missing}"
+        "  (s._op IN (2, 4) AND EXISTS (SELECT 1 FROM {target} t WHERE {join})) "
         "ORDER BY s._lsn LIMIT 1").format(
-        keys=keys, okeys=okeys, target=target, ojoin=ojoin, stage=stage, join=join)
+        keys=keys, okeys=okeys, target=target, ojoin=ojoin, stage=stage, join=join,
+        missing=sql.SQL("") if missing_ok else missing)
     ).fetchone()
     names = [table.columns[p].name for p in kp]
     if row is None:

@@ -76,13 +76,13 @@ class _RowApplier:
         self.policy = policy
         self.counts = counts
         self.ident = sql.Identifier(tp.target.schema, tp.target.name)
-        self.key_positions = tuple(tp.key_positions or ())
-        self.key_names = [self.table.columns[p].name for p in self.key_positions]
+        self.key_names: list[str] = []
+        """Key columns of the change being applied (its relation's, see RowChange.mode)."""
         self.written = 0
 
     # -- helpers -----------------------------------------------------------------------
     def _key_tuple(self, key: Any) -> tuple[Any, ...]:
-        return (key,) if len(self.key_positions) == 1 else tuple(key)
+        return (key,) if len(self.key_names) == 1 else tuple(key)
 
     def _key_where(self, key: Any) -> tuple[sql.Composable, list[Any]]:
         parts = [sql.SQL("{} = %s").format(sql.Identifier(n)) for n in self.key_names]
@@ -91,13 +91,20 @@ class _RowApplier:
     def _key_dict(self, key: Any) -> dict[str, Any]:
         return dict(zip(self.key_names, [_text(v) for v in self._key_tuple(key)], strict=True))
 
-    def _conflict(self, rc: RowChange, kind: str, key: dict[str, Any], detail: str) -> None:
-        if self.policy == "error":
+    def _conflict(self, rc: RowChange, kind: str, key: dict[str, Any], detail: str,
+                  missing: bool = False) -> None:
+        """A change that does not fit the target. ``missing``: the row an UPDATE or DELETE
+        is for is not there — policy ``native`` skips it and counts it, as PostgreSQL's
+        apply worker does (everything else under ``native`` stops, as there)."""
+        if self.policy == "error" or (self.policy == "native" and not missing):
             raise ApplyConflict(rc.source_table, kind, key, rc.commit_lsn, detail)
         counts = self.counts.get(rc.source_table)
         if counts is None:
             counts = self.counts[rc.source_table] = TableCounts()
-        counts.conflicts += 1
+        if self.policy == "native":
+            counts.skip_missing(kind, key, rc.commit_lsn)
+        else:
+            counts.conflicts += 1
 
     def _exists(self, key: Any) -> bool:
         where, params = self._key_where(key)
@@ -136,7 +143,7 @@ class _RowApplier:
 
     def _set(self, rc: RowChange, include_keys: bool) -> tuple[sql.Composable | None, list[Any]]:
         assert rc.row is not None
-        keyset = set(self.key_positions)
+        keyset = set(rc.key_positions)
         positions = [j for j in mask_positions(rc.mask) if include_keys or j not in keyset]
         if not positions:
             return None, []
@@ -147,9 +154,10 @@ class _RowApplier:
 
     # -- keyed tables ------------------------------------------------------------------
     def apply(self, rc: RowChange) -> None:
-        if self.tp.mode == "full":
+        self.key_names = [self.table.columns[p].name for p in rc.key_positions]
+        if rc.mode == "full":
             self._apply_full(rc)
-        elif self.tp.mode == "keyless":
+        elif rc.mode == "keyless":
             self._apply_keyless(rc)
         elif rc.kind == "insert":
             self._insert_keyed(rc)
@@ -194,7 +202,7 @@ class _RowApplier:
         if found:
             return
         self._conflict(rc, "update", self._key_dict(rc.old_key),
-                       "the row to update is missing in the target")
+                       "the row to update is missing in the target", missing=True)
         if self.policy == "upsert":
             self._insert(*self._full_row(rc, rc.key))
 
@@ -206,7 +214,7 @@ class _RowApplier:
             self.written += cur.rowcount
             return
         self._conflict(rc, "delete", self._key_dict(rc.old_key),
-                       "the row to delete is missing in the target")
+                       "the row to delete is missing in the target", missing=True)
 
     # -- tables without a key ------------------------------------------------------------
     def _apply_keyless(self, rc: RowChange) -> None:
@@ -215,7 +223,7 @@ class _RowApplier:
                                f"an {rc.kind.upper()} arrived for a table without a replica "
                                "identity key: the row cannot be found")
         positions, values = self._full_row(rc, None)
-        if self.policy == "error":
+        if self.policy in ("error", "native"):
             self._insert(positions, values)
             return
         try:
@@ -270,7 +278,7 @@ class _RowApplier:
             self.written += cur.rowcount
             return
         self._conflict(rc, rc.kind, self._old_dict(rc),
-                       f"no row in the target equals the old row to {rc.kind}")
+                       f"no row in the target equals the old row to {rc.kind}", missing=True)
         if rc.kind == "update" and self.policy == "upsert":
             self._insert(*self._full_row(rc, None))
 

@@ -193,8 +193,13 @@ class AdvisoryLocks:
     def __init__(self, dsn: str, connect_timeout: int = 5) -> None:
         import psycopg
 
-        self._conn = psycopg.connect(dsn, autocommit=True, connect_timeout=connect_timeout,
-                                     application_name="pgsieve-lock")
+        from pgsieve.core.connpolicy import Purpose, secure_conninfo
+
+        # Pinned like every session on a source (connection policy, no credentials from
+        # the environment); no statement timeout: it only ever takes and frees locks.
+        self._conn = psycopg.connect(
+            secure_conninfo(dsn, purpose=Purpose.STREAM, connect_timeout=connect_timeout,
+                            application_name="pgsieve-lock"), autocommit=True)
         self._mutex = threading.Lock()
         self.slots: set[str] = set()
 

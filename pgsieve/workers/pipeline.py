@@ -33,6 +33,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core.apply.batch import (
+    DEFAULT_CONFLICT_POLICY,
     ApplyBatch,
     ApplyConflict,
     ApplyFenced,
@@ -41,7 +42,8 @@ from pgsieve.core.apply.batch import (
     TableStopped,
 )
 from pgsieve.core.apply.batcher import BatchLimits, MicroBatcher
-from pgsieve.core.credentials import SecretBox, scrub_secrets
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.errors import describe_error
 from pgsieve.core.faults import fault_point
@@ -168,7 +170,7 @@ class ConsumeCycle:
         self.cycle_seconds = cycle_seconds
         self.sessions = sessions or session_factory(settings.effective_database_url)
         self._spark = spark
-        self._box = SecretBox(settings.effective_secret_key())
+        self._box = settings.secret_box()
 
     # -- entry point ---------------------------------------------------------------------
     def run(self) -> CycleOutcome:
@@ -340,7 +342,7 @@ class ConsumeCycle:
             tables = list(sub.tables)
             catchup = any(t.sync_state == "catchup" for t in tables)
             return (table_routes(tables), sub.enabled and sub.state == "streaming",
-                    str(sub.options.get("on_conflict", "error")),
+                    str(sub.options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),
                     None if sub.skip_lsn is None else Lsn(sub.skip_lsn), catchup)
 
     def _bump_stat(self, key: str) -> None:
@@ -512,8 +514,11 @@ class _StreamRun:
         if now - self._source_lsn_at >= SOURCE_LSN_EVERY:
             self._source_lsn_at = now
             try:
-                with psycopg.connect(self.source_dsn, autocommit=True,
-                                     connect_timeout=self.cycle.settings.connect_timeout) as c:
+                settings = self.cycle.settings
+                conninfo = secure_conninfo(self.source_dsn, purpose=Purpose.CONTROL,
+                                           statement_timeout_ms=settings.statement_timeout_ms)
+                with psycopg.connect(conninfo, autocommit=True,
+                                     connect_timeout=settings.connect_timeout) as c:
                     row = c.execute("SELECT pg_current_wal_lsn()::text").fetchone()
                     self._source_lsn = Lsn.parse(row[0]) if row else self._source_lsn
             except psycopg.Error as exc:
@@ -716,6 +721,10 @@ class _StreamRun:
                              ("changes", result.changes), ("rows_written", result.rows_written),
                              ("apply_seconds_total", elapsed)):
                 stats[key] = stats.get(key, 0) + add
+            paths = dict(stats.get("apply_paths") or {})
+            path = "spark" if result.distributed else "driver"
+            paths[path] = paths.get(path, 0) + 1
+            stats["apply_paths"] = paths
             stats["last_batch"] = {
                 "changes": result.changes, "transactions": result.transactions,
                 "rows_written": result.rows_written, "seconds": round(elapsed, 4),
@@ -734,6 +743,17 @@ class _StreamRun:
                 table.deletes += counts.deletes
                 table.truncates += counts.truncates
                 table.conflicts += counts.conflicts
+                if counts.missing_skipped:
+                    table.missing_skipped += counts.missing_skipped
+                    last = counts.last_missing
+                    log.info("%s: skipped %d UPDATE/DELETE whose row is missing in the "
+                             "target (as PostgreSQL does); last: %s at %s", name,
+                             counts.missing_skipped, last and last.op,
+                             last and last.commit_lsn)
+                    if last is not None:
+                        table.last_missing = {
+                            "op": last.op, "key": last.key, "lsn": str(last.commit_lsn),
+                            "at": datetime.now(UTC).isoformat()}
             self._keep_update_images(session, result)
             # The batch-apply histogram for /metrics, kept in the metadata store so any
             # API process can serve it.

@@ -27,8 +27,14 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core import pgserver
-from pgsieve.core.apply.batch import ApplyBatch, ApplyConflict, TableRoute, TableStopped
-from pgsieve.core.credentials import SecretBox, scrub_secrets
+from pgsieve.core.apply.batch import (
+    DEFAULT_CONFLICT_POLICY,
+    ApplyBatch,
+    ApplyConflict,
+    TableRoute,
+    TableStopped,
+)
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.errors import PgsieveError
 from pgsieve.core.lsn import Lsn
@@ -57,7 +63,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
     from pgsieve.workers.target import TargetWriter
 
     sessions = session_factory(settings.effective_database_url)
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     with sessions() as session:
         sub = session.get(Subscription, subscription_id)
         table = session.scalar(select(SubscriptionTable).where(
@@ -102,7 +108,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
                 return
             batch = ApplyBatch(subscription_id=subscription_id, transactions=list(pending),
                                routes=routes,
-                               on_conflict=str(options.get("on_conflict", "error")),  # type: ignore[arg-type]
+                               on_conflict=str(options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),  # type: ignore[arg-type]
                                skip_lsn=skip_lsn)
             try:
                 result = apply_batch(spark, batch, writer)
@@ -247,7 +253,7 @@ def drop_leftover_sync_slots(settings: Settings,
     cycle may hand a table over without dropping its slot), of tables or subscriptions
     that were removed, of jobs that died between creating a slot and recording it."""
     sessions = sessions or session_factory(settings.effective_database_url)
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     dropped: list[str] = []
     with sessions() as session:
         sources = [(s.id, box.decrypt(s.dsn_encrypted)) for s in session.scalars(select(Source))]

@@ -27,7 +27,6 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pgsieve.core.apply.columns import (
     SourceTable,
@@ -36,6 +35,7 @@ from pgsieve.core.apply.columns import (
     describe_mismatch,
 )
 from pgsieve.core.apply.staging import META_COLUMNS
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.errors import Unprocessable, Unreachable
 from pgsieve.core.lsn import Lsn
@@ -97,6 +97,19 @@ WHERE i.indrelid = %s AND i.indisunique AND i.indisvalid AND i.indpred IS NULL
 GROUP BY i.indexrelid
 """
 
+_IDENTITY_SQL = """
+SELECT array_agg(a.attname::text ORDER BY k.ord)
+FROM pg_index i
+CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+WHERE i.indrelid = %s AND (i.indisreplident OR i.indisprimary) AND i.indisvalid
+GROUP BY i.indexrelid, i.indisreplident
+ORDER BY i.indisreplident DESC
+LIMIT 1
+"""
+"""The replica identity index (``indisreplident`` is set only under REPLICA IDENTITY
+USING INDEX), else the primary key: the index PostgreSQL's apply worker looks rows up by."""
+
 
 class TableMissing(LookupError):
     pass
@@ -112,10 +125,11 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def _connect(dsn: str, connect_timeout: int, application_name: str) -> psycopg.Connection[Any]:
-    params = conninfo_to_dict(dsn)
-    extra = {k: v for k, v in (("connect_timeout", str(connect_timeout)),
-                               ("application_name", application_name)) if k not in params}
-    return psycopg.connect(make_conninfo(dsn, **extra), autocommit=True)
+    # Applying a batch and fetching unchanged values can take long: no statement timeout.
+    return psycopg.connect(secure_conninfo(dsn, purpose=Purpose.STREAM,
+                                           connect_timeout=connect_timeout,
+                                           application_name=application_name),
+                           autocommit=True)
 
 
 class TargetWriter:
@@ -250,8 +264,9 @@ class TargetWriter:
             columns.append(TargetColumn(name_, type_name, stage_type, collation, False,
                                         bool(not_null), bool(has_def), bool(has_eq)))
         unique = tuple(frozenset(r[0]) for r in self.conn.execute(_UNIQUE_SQL, (oid,)))
+        ident = self.conn.execute(_IDENTITY_SQL, (oid,)).fetchone()
         table = TargetTable(nsp, relname, int(oid), relkind, tuple(columns), tuple(generated),
-                            unique)
+                            unique, tuple(ident[0]) if ident else ())
         self._tables[name] = table
         return table
 

@@ -37,6 +37,7 @@ import psycopg2.extensions
 import psycopg2.extras
 from psycopg import pq, sql
 
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.lsn import Lsn
 from pgsieve.core.pgoutput.batch import MessageBatch
@@ -187,7 +188,8 @@ class SqlTransport:
         self._check_slot()
 
     def _open(self) -> psycopg.Connection[tuple[Any, ...]]:
-        conn = psycopg.connect(self._dsn, autocommit=True, application_name="pgsieve-consumer")
+        conn = psycopg.connect(secure_conninfo(self._dsn, purpose=Purpose.STREAM),
+                               autocommit=True, application_name="pgsieve-consumer")
         if self._aggregate:
             # Aggregating a window holds its output in the server's memory (it is bounded
             # by aggregate_bytes of WAL); without this the hash aggregate would spill to
@@ -584,7 +586,7 @@ class WalsenderTransport:
         # per session), so that one goes first.
         self._disconnect()
         self._conn = psycopg2.connect(
-            self.dsn,
+            secure_conninfo(self.dsn, purpose=Purpose.STREAM),
             connection_factory=psycopg2.extras.LogicalReplicationConnection,
             application_name="pgsieve-consumer",
         )

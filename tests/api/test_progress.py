@@ -218,14 +218,21 @@ def test_counters_and_sync_state_per_table(client, sub, metadata_engine):
         session.execute(update(SubscriptionTable).where(
             SubscriptionTable.subscription_id == sub["id"]).values(
             inserts=10, updates=4, deletes=2, truncates=1, conflicts=0, rows_copied=500,
-            rows_total=800, sync_state="catchup"))
+            rows_total=800, sync_state="catchup", missing_skipped=3,
+            last_missing={"op": "delete", "key": {"id": "7"}, "lsn": "0/16B3748",
+                          "at": "2026-01-02T03:04:05+00:00"}))
         session.commit()
     _edit(metadata_engine, sub["id"], last_commit_ts=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
           stats={"batches": 3, "changes": 17, "last_batch": {"changes": 5}})
     p = _progress(client, sub["id"])
     assert p["tables"] == [{"table": "public.orders", "sync_state": "catchup", "inserts": 10,
                             "updates": 4, "deletes": 2, "truncates": 1, "conflicts": 0,
+                            "missing_skipped": 3,
+                            "last_missing": {"op": "delete", "key": {"id": "7"},
+                                             "lsn": "0/16B3748",
+                                             "at": "2026-01-02T03:04:05+00:00"},
                             "rows_copied": 500, "rows_total": 800, "error": None}]
+    assert p["missing_skipped"] == 3
     assert datetime.fromisoformat(p["last_commit_ts"]) == datetime(2026, 1, 2, 3, 4, 5,
                                                                    tzinfo=UTC)
     assert p["stats"] == {"batches": 3, "changes": 17}

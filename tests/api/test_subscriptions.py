@@ -114,7 +114,7 @@ def test_delete_with_an_unreachable_source(client, env, source_db, metadata_engi
 
 def test_patch_options(client, env):
     sub = client.post("/api/v1/subscriptions", json=_body(env, enabled=False)).json()
-    assert sub["options"]["on_conflict"] == "error"
+    assert sub["options"]["on_conflict"] == "native"
     r = client.patch(f"/api/v1/subscriptions/{sub['id']}",
                      json={"options": {"on_conflict": "skip", "batch_max_wait_ms": 100}})
     assert r.status_code == 200, r.text

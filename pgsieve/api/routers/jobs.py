@@ -93,6 +93,7 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
         "verify": job.details.get("verify_result"),
         "attempts": int(job.details.get("attempts", 0)),
         "last_error": job.details.get("last_error"),
+        "spark": job.details.get("spark"),
         "created_at": job.created_at,
         "started_at": job.started_at,
         "finished_at": job.finished_at,

@@ -102,10 +102,13 @@ def subscription_out(session: Session, sub: Subscription) -> dict[str, Any]:
                 "deletes": t.deletes,
                 "truncates": t.truncates,
                 "conflicts": t.conflicts,
+                "missing_skipped": t.missing_skipped,
+                "last_missing": t.last_missing,
                 "error": t.error,
             }
             for t in sub.tables
         ],
+        "missing_skipped": sum(t.missing_skipped for t in sub.tables),
         "created_at": sub.created_at,
         "updated_at": sub.updated_at,
     }
@@ -119,13 +122,16 @@ def default_slot_name(subscription_name: str) -> str:
 
 def published_relations(conn: Any, publications: list[str]) -> list[str]:
     """The relations the stream will name (``published_as``), after PostgreSQL's rules;
-    a combination PostgreSQL refuses (conflicting column lists, ...) is a 422."""
+    a combination PostgreSQL refuses (conflicting column lists, ...) is a 422.
+
+    Publications overlapping on one partition tree (a root published via root, one of its
+    partitions on its own) are accepted, as PostgreSQL accepts them: the partition's rows
+    travel, and are copied once, under the root (PostgreSQL 16's initial copy)."""
     pubs = read_publications(conn, publications)
     filters = effective_filters(pubs, read_tables(conn))
     for f in filters:
         for issue in f.issues:
-            if str(issue.code) in {"conflicting_column_lists", "initial_sync_overlap",
-                                   "invalid_row_filter"}:
+            if str(issue.code) in {"conflicting_column_lists", "invalid_row_filter"}:
                 raise Unprocessable(f"{f.table}: {issue.message}", code=str(issue.code))
     return sorted({f.published_as for f in filters})
 

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pgsieve.api.schemas.slots import SlotOut
+from pgsieve.api.schemas.subscriptions import MissingRowOut
 
 
 class TableProgress(BaseModel):
@@ -17,6 +18,9 @@ class TableProgress(BaseModel):
     deletes: int
     truncates: int
     conflicts: int
+    missing_skipped: int = Field(
+        description="UPDATEs/DELETEs skipped because the target row was missing")
+    last_missing: MissingRowOut | None
     rows_copied: int
     rows_total: int | None
     error: str | None
@@ -69,6 +73,7 @@ class ProgressOut(BaseModel):
     caught_up_at: str | None
     consumer: ConsumerOut
     stats: dict[str, Any] = Field(description="the consume cycle's running counters")
+    missing_skipped: int = Field(description="sum of the tables' missing_skipped")
     tables: list[TableProgress]
 
 

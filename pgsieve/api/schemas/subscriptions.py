@@ -15,10 +15,11 @@ PublicationName = Field(min_length=1, max_length=63)
 class SubscriptionOptions(StrictModel):
     """Per-subscription settings (all optional; the defaults suit most pipelines)."""
 
-    on_conflict: Literal["error", "skip", "upsert"] = Field(
-        default="error",
+    on_conflict: Literal["native", "error", "skip", "upsert"] = Field(
+        default="native",
         description="a target row missing for UPDATE/DELETE or present for INSERT: "
-        "error (pause the pipeline), skip the change, or upsert",
+        "native (as PostgreSQL: skip and count a missing row, pause on a duplicate key), "
+        "error (pause the pipeline on both), skip the change, or upsert",
     )
     batch_max_changes: int = Field(default=200_000, ge=1, le=10_000_000)
     batch_max_bytes: int = Field(default=128 << 20, ge=1 << 10, le=4 << 30)
@@ -46,7 +47,7 @@ class SubscriptionCreate(StrictModel):
 class SubscriptionOptionsPatch(StrictModel):
     """Options to change; those left out keep their value."""
 
-    on_conflict: Literal["error", "skip", "upsert"] | None = None
+    on_conflict: Literal["native", "error", "skip", "upsert"] | None = None
     batch_max_changes: int | None = Field(default=None, ge=1, le=10_000_000)
     batch_max_bytes: int | None = Field(default=None, ge=1 << 10, le=4 << 30)
     batch_max_wait_ms: int | None = Field(default=None, ge=0, le=600_000)
@@ -77,7 +78,19 @@ class SubscriptionTableOut(BaseModel):
     deletes: int
     truncates: int
     conflicts: int
+    missing_skipped: int = Field(
+        description="UPDATEs/DELETEs skipped because the target row was missing "
+        "(on_conflict native, as PostgreSQL's subscriber does)")
+    last_missing: MissingRowOut | None = Field(description="the last of them")
     error: str | None
+
+
+class MissingRowOut(BaseModel):
+    op: Literal["update", "delete"]
+    key: dict[str, Any] = Field(description="the row's key as text (REPLICA IDENTITY FULL "
+                                "without a target key: the old row)")
+    lsn: str = Field(description="commit LSN of the transaction the change belongs to")
+    at: str = Field(description="when it was skipped")
 
 
 class SubscriptionOut(BaseModel):
@@ -105,5 +118,6 @@ class SubscriptionOut(BaseModel):
         description="the conflict that stopped the pipeline: table, kind, key, commit_lsn"
     )
     tables: list[SubscriptionTableOut]
+    missing_skipped: int = Field(description="sum of the tables' missing_skipped")
     created_at: datetime
     updated_at: datetime

@@ -24,7 +24,13 @@ from typing import Any, Literal
 from pgsieve.core.lsn import Lsn
 from pgsieve.core.pgoutput.assembler import Transaction
 
-ConflictPolicy = Literal["error", "skip", "upsert"]
+ConflictPolicy = Literal["native", "error", "skip", "upsert"]
+"""What a change that does not fit the target does (the subscription option
+``on_conflict``). ``native`` (the default) is PostgreSQL's apply worker: an UPDATE or
+DELETE whose row is missing is skipped and counted (row filters make that normal), a
+duplicate key stops the pipeline. ``error`` stops on both; ``skip`` skips both; ``upsert``
+writes the change anyway."""
+DEFAULT_CONFLICT_POLICY: ConflictPolicy = "native"
 SyncState = Literal["init", "copy", "catchup", "ready"]
 
 
@@ -55,7 +61,7 @@ class ApplyBatch:
     transactions: Sequence[Transaction]
     routes: Mapping[str, TableRoute]
     """By source table; changes of tables without a route are skipped (and counted)."""
-    on_conflict: ConflictPolicy = "error"
+    on_conflict: ConflictPolicy = DEFAULT_CONFLICT_POLICY
     skip_lsn: Lsn | None = None
 
     @property
@@ -85,6 +91,28 @@ class TableCounts:
     truncates: int = 0
     conflicts: int = 0
     """Conflicting changes resolved by the ``skip``/``upsert`` policy."""
+    missing_skipped: int = 0
+    """UPDATEs/DELETEs skipped under policy ``native`` because their target row was
+    missing. Counted per change where the table is applied change by change, per key
+    where it is merged set-based (a key's later changes in the same batch miss with it)."""
+    last_missing: MissingRow | None = None
+
+    def skip_missing(self, kind: str, key: Mapping[str, Any], commit_lsn: Lsn) -> None:
+        self.missing_skipped += 1
+        if self.last_missing is None or commit_lsn >= self.last_missing.commit_lsn:
+            self.last_missing = MissingRow(kind, dict(key), commit_lsn)
+
+
+@dataclass(frozen=True, slots=True)
+class MissingRow:
+    """The last change skipped because its target row was missing (as PostgreSQL logs
+    "logical replication did not find row to be updated/deleted")."""
+
+    op: str
+    """``update`` or ``delete``."""
+    key: dict[str, Any]
+    """The key (or, for REPLICA IDENTITY FULL without a target key, the old row) as text."""
+    commit_lsn: Lsn
 
 
 @dataclass(frozen=True, slots=True)

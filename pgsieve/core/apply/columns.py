@@ -48,6 +48,11 @@ class TargetTable:
     generated: tuple[str, ...] = ()
     unique: tuple[frozenset[str], ...] = ()
     """Column sets of the table's unique indexes (plain, valid, not partial)."""
+    identity: tuple[str, ...] = ()
+    """The columns PostgreSQL's apply worker finds a row by: the target's replica
+    identity index, else its primary key (``GetRelationIdentityOrPK``); empty when it has
+    neither. A source table with REPLICA IDENTITY FULL is matched on these, not on every
+    old value, when they are all published."""
     index: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:

@@ -86,9 +86,19 @@ class RelationMap:
             self.given_mask |= 1 << p
         keys = sorted((target.index[c.name], i) for i, c in enumerate(relation.columns)
                       if c.is_key)
+        full = relation.replica_identity == "f"
+        if full and target.identity:
+            # As PostgreSQL's apply worker: a source with REPLICA IDENTITY FULL sends
+            # every old value, and the subscriber finds the row by ITS OWN replica
+            # identity index or primary key when those columns are all published — a
+            # target row whose other columns differ is still the row to change.
+            by_name = {c.name: i for i, c in enumerate(relation.columns)}
+            if all(n in by_name and n in target.index for n in target.identity):
+                keys = sorted((target.index[n], by_name[n]) for n in target.identity)
+                full = False
         self.key_positions = tuple(p for p, _ in keys)
         self.key_rel = tuple(i for _, i in keys)
-        if relation.replica_identity == "f":
+        if full:
             self.mode: TableMode = "full"
         elif not keys:
             self.mode = "keyless"
@@ -692,6 +702,11 @@ class RowChange:
     key: Any
     relation_name: tuple[str, str]
     """(namespace, name) of the source relation, to read it back (see README)."""
+    mode: TableMode = "key"
+    """How THIS change's relation finds rows: the replica identity as the stream had it
+    at this change (an ALTER TABLE … REPLICA IDENTITY sends a new Relation mid-stream)."""
+    key_positions: tuple[int, ...] = ()
+    """Target positions of the key columns of ``old_key``/``key`` (mode ``key``)."""
 
 
 def table_changes(batch: ApplyBatch, plan: BatchPlan, tp: TablePlan) -> Iterator[RowChange]:
@@ -753,4 +768,5 @@ def _row_change(rm: RelationMap, ch: Change, msg: Insert | Update | Delete,
         "insert" if isinstance(msg, Insert) else "update" if isinstance(msg, Update)
         else "delete")
     return RowChange(kind, commit_lsn, ch.lsn, rm.source_table, old_key, old_row, old_mask,
-                     row, mask, umask, key, (rm.relation.namespace, rm.relation.name))
+                     row, mask, umask, key, (rm.relation.namespace, rm.relation.name),
+                     rm.mode, rm.key_positions)
