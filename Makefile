@@ -1,5 +1,5 @@
 # The two commands a newcomer needs: `make run` (the demo) and `make test` (everything).
-.PHONY: run test check lint typecheck deps lock bench clean
+.PHONY: run test test-slow check lint typecheck deps lock bench clean
 
 VENV := .venv
 BIN := $(VENV)/bin
@@ -31,9 +31,15 @@ test: deps
 	$(BIN)/mypy
 	$(BIN)/pytest
 
+# The randomized fault-injection runs at full size (make test runs 8 of them).
+test-slow: deps
+	PGSIEVE_TEST_CHAOS_RUNS=24 $(BIN)/pytest tests/integration/test_pipeline_faults.py
+
 # Re-resolve the lock after changing pyproject.toml's pins.
+# requirements-runtime.lock (no dev extra) is what the production image installs.
 lock:
 	$(BIN)/uv pip compile pyproject.toml --extra dev -o requirements.lock --python $(BIN)/python
+	$(BIN)/uv pip compile pyproject.toml -o requirements-runtime.lock --python $(BIN)/python
 
 bench: deps
 	$(BIN)/python -m bench

@@ -131,11 +131,12 @@ def main() -> None:
         db_url = f"sqlite:///{root / 'meta.db'}"
         upgrade(db_url)
         settings = Settings(home=root / "home", database_url=db_url, broker_url=REDIS_URL,
-                            api_token=TOKEN, secret_key=SECRET_KEY)
+                            api_token=TOKEN, secret_key=SECRET_KEY,
+                            allowed_hosts="127.0.0.1")  # the bench's local clusters
         env = {k: v for k, v in os.environ.items() if not k.startswith("PGSIEVE_")}
         env.update({"PGSIEVE_HOME": str(root / "home"), "PGSIEVE_DATABASE_URL": db_url,
                     "PGSIEVE_BROKER_URL": REDIS_URL, "PGSIEVE_API_TOKEN": TOKEN,
-                    "PGSIEVE_SECRET_KEY": SECRET_KEY})
+                    "PGSIEVE_SECRET_KEY": SECRET_KEY, "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1"})
         with TestClient(create_app(settings)) as client:
             client.headers["Authorization"] = f"Bearer {TOKEN}"
             sid = client.post("/api/v1/sources", json={"name": "s", "dsn": src}).json()["id"]

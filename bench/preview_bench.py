@@ -144,7 +144,8 @@ def run(rows: int, phase_seconds: float) -> None:
         load(dsn, rows)
         token = secrets.token_urlsafe(16)
         settings = Settings(home=root / "home", database_url=f"sqlite:///{root / 'meta.db'}",
-                            api_token=token, secret_key=secrets.token_urlsafe(16))
+                            api_token=token, secret_key=secrets.token_urlsafe(16),
+                            allowed_hosts="127.0.0.1")  # the bench's local cluster
         upgrade(settings.effective_database_url)
         with TestClient(create_app(settings)) as client:
             client.headers["Authorization"] = f"Bearer {token}"

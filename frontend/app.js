@@ -3,6 +3,7 @@
 
 import { get, getToken, onUnauthorized, setToken } from "./api.js";
 import { errorBox, h } from "./dom.js";
+import { auditView } from "./views/audit.js";
 import { publicationsView } from "./views/publications.js";
 import { sourcesView } from "./views/sources.js";
 import { subscriptionDetail, subscriptionsView } from "./views/subscriptions.js";
@@ -14,9 +15,10 @@ const routes = [
   [/^#\/sources$/, sourcesView],
   [/^#\/publications$/, publicationsView],
   [/^#\/targets$/, targetsView],
+  [/^#\/audit$/, auditView],
 ];
 const NAV = [["#/subscriptions", "Subscriptions"], ["#/sources", "Sources & slots"],
-  ["#/publications", "Publications"], ["#/targets", "Targets"]];
+  ["#/publications", "Publications"], ["#/targets", "Targets"], ["#/audit", "Audit"]];
 
 const main = document.getElementById("main");
 const nav = document.getElementById("nav");

@@ -11,6 +11,9 @@ export function h(tag, attrs = {}, ...children) {
     if (value == null || value === false) continue;
     if (key.startsWith("on") && typeof value === "function") {
       node.addEventListener(key.slice(2), value);
+    } else if (key === "style") {
+      // CSSOM, not a style attribute: the Content-Security-Policy forbids inline styles
+      node.style.cssText = String(value);
     } else if (key === "value") {
       node.value = value;
     } else if (key === "checked" || key === "disabled" || key === "selected") {

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -17,6 +20,23 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Metadata store maintenance.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+token_app = typer.Typer(help="Named API tokens with roles (viewer, operator, admin).",
+                        no_args_is_help=True)
+app.add_typer(token_app, name="token")
+secrets_app = typer.Typer(help="Stored credentials.", no_args_is_help=True)
+app.add_typer(secrets_app, name="secrets")
+
+
+def _require_secrets(command: str) -> None:
+    """`api` and `worker` outside the demo: refuse missing, placeholder or short secrets."""
+    problems = get_settings().secret_problems()
+    if problems:
+        typer.echo(
+            f"pgsieve {command}: refusing to start: {'; '.join(problems)}. Set both to long "
+            "random values (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+            "), in the environment or .env; `pgsieve run` is the demo with generated ones.",
+            err=True)
+        raise typer.Exit(2)
 
 
 def _logging() -> None:
@@ -50,9 +70,14 @@ def api(
     import uvicorn
 
     from pgsieve.api.app import create_app
+    from pgsieve.api.security import ScrubbedErrors
 
+    _require_secrets("api")
     _logging()
-    uvicorn.run(create_app(), host=host, port=port, log_level="info", access_log=False)
+    # log_config=None: uvicorn's own loggers propagate to the root handlers, which carry
+    # the password scrubber; tracebacks escaping the app are scrubbed by ScrubbedErrors.
+    uvicorn.run(ScrubbedErrors(create_app()), host=host, port=port, log_level="info",
+                access_log=False, log_config=None)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -61,6 +86,7 @@ def worker(ctx: typer.Context) -> None:
     from pgsieve.core.faults import arm
     from pgsieve.workers.celery_app import celery_app
 
+    _require_secrets("worker")
     _logging()
     arm()  # crash tests only (PGSIEVE_FAULTS); nothing otherwise
     # Workers coordinate through the metadata store (leases, jobs), never through Celery's
@@ -79,9 +105,30 @@ def beat(ctx: typer.Context) -> None:
     celery_app.start(["beat", "--loglevel=INFO", *ctx.args])
 
 
+class _BadDsnSource(ValueError):
+    pass
+
+
+def _read_dsn(given: str | None, path: Path | None) -> str:
+    """The DSN from --dsn/$PGSIEVE_TAIL_DSN or from a file (its first non-empty line)."""
+    if path is not None:
+        if given is not None and "PGSIEVE_TAIL_DSN" not in os.environ:
+            raise _BadDsnSource("give the DSN once: --dsn or --dsn-file")
+        try:
+            text = sys.stdin.read() if str(path) == "-" else path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise _BadDsnSource(f"cannot read --dsn-file: {exc.strerror}") from None
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        if not lines:
+            raise _BadDsnSource("--dsn-file is empty")
+        return lines[0]
+    if not given:
+        raise _BadDsnSource("no DSN: give --dsn-file, set PGSIEVE_TAIL_DSN, or --dsn")
+    return given
+
+
 @app.command()
 def tail(
-    dsn: Annotated[str, typer.Option(help="source database (libpq URI or key=value)")],
     slot: Annotated[str, typer.Option(help="logical replication slot (pgoutput)")],
     publication: Annotated[
         list[str], typer.Option(help="publication name (repeat for several)")
@@ -98,20 +145,36 @@ def tail(
     messages: Annotated[bool, typer.Option(help="include logical messages")] = True,
     limit: Annotated[int | None, typer.Option(help="stop after N changes")] = None,
     timeout: Annotated[float | None, typer.Option(help="stop after N seconds")] = None,
+    dsn: Annotated[
+        str | None,
+        typer.Option(help="source database (libpq URI or key=value); visible to other "
+                     "users in `ps`: prefer $PGSIEVE_TAIL_DSN or --dsn-file",
+                     envvar="PGSIEVE_TAIL_DSN", show_envvar=True),
+    ] = None,
+    dsn_file: Annotated[
+        Path | None,
+        typer.Option(help="read the DSN from this file ('-': standard input)"),
+    ] = None,
 ) -> None:
-    """Print a slot's decoded changes as JSON lines (the slot is not moved unless --confirm)."""
-    import sys
+    """Print a slot's decoded changes as JSON lines (the slot is not moved unless --confirm).
 
+    The DSN comes from --dsn, --dsn-file or $PGSIEVE_TAIL_DSN (exactly one), and must pass
+    the same connection policy as the API's (PGSIEVE_ALLOWED_HOSTS, PGSIEVE_DSN_ALLOW).
+    """
+    from pgsieve.core.connpolicy import ConnectionNotAllowed, check_dsn
     from pgsieve.core.credentials import InvalidDsn, parse_dsn
     from pgsieve.core.lsn import InvalidLsn, Lsn
+    from pgsieve.core.settings import get_settings
     from pgsieve.workers.tail import TailOptions, run_tail
     from pgsieve.workers.transports import TransportError
 
     _logging()
     try:
+        dsn = _read_dsn(dsn, dsn_file)
         parse_dsn(dsn)
         start = Lsn.parse(from_lsn) if from_lsn else None
-    except (InvalidDsn, InvalidLsn) as exc:
+        dsn = check_dsn(dsn, get_settings().connection_policy())
+    except (InvalidDsn, InvalidLsn, ConnectionNotAllowed, _BadDsnSource) as exc:
         typer.echo(f"pgsieve tail: {exc}", err=True)
         raise typer.Exit(2) from None
     if transport not in ("sql", "walsender"):
@@ -184,6 +247,81 @@ def db_downgrade(revision: Annotated[str, typer.Argument()]) -> None:
     _logging()
     downgrade(get_settings().effective_database_url, revision)
     typer.echo(f"metadata store at revision {revision}")
+
+
+@token_app.command("create")
+def token_create(
+    name: Annotated[str, typer.Option(help="the token's name (shown in the audit log)")],
+    role: Annotated[str, typer.Option(help="viewer, operator or admin")],
+) -> None:
+    """Create a token; it is printed alone on the last line, this once (only its hash is
+    stored)."""
+    from pgsieve.core.db import session_scope
+    from pgsieve.core.errors import PgsieveError
+    from pgsieve.core.tokens import create_token
+
+    _logging()
+    try:
+        with session_scope(get_settings().effective_database_url) as session:
+            row, token = create_token(session, name, role)
+    except PgsieveError as exc:
+        typer.echo(f"pgsieve token create: {exc.detail}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"created token '{row.name}' with role {row.role}; it is shown only now:")
+    typer.echo(token)
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """The tokens by name and role (never the tokens themselves)."""
+    from pgsieve.core.db import session_scope
+    from pgsieve.core.tokens import list_tokens
+
+    _logging()
+    with session_scope(get_settings().effective_database_url) as session:
+        rows = list_tokens(session)
+        typer.echo(f"{'NAME':<30} {'ROLE':<9} {'CREATED':<26} LAST USED")
+        typer.echo(f"{'bootstrap':<30} {'admin':<9} {'(PGSIEVE_API_TOKEN)':<26} -")
+        for row in rows:
+            used = row.last_used_at.isoformat(timespec="seconds") if row.last_used_at else "-"
+            typer.echo(f"{row.name:<30} {row.role:<9} "
+                       f"{row.created_at.isoformat(timespec='seconds'):<26} {used}")
+
+
+@token_app.command("revoke")
+def token_revoke(name: Annotated[str, typer.Argument(help="the token's name")]) -> None:
+    """Revoke a token: it stops working at once."""
+    from pgsieve.core.db import session_scope
+    from pgsieve.core.errors import PgsieveError
+    from pgsieve.core.tokens import revoke_token
+
+    _logging()
+    try:
+        with session_scope(get_settings().effective_database_url) as session:
+            revoke_token(session, name)
+    except PgsieveError as exc:
+        typer.echo(f"pgsieve token revoke: {exc.detail}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"revoked token '{name}'")
+
+
+@secrets_app.command("rotate")
+def secrets_rotate() -> None:
+    """Re-encrypt every stored DSN with PGSIEVE_SECRET_KEY. Before: put the old key in
+    PGSIEVE_SECRET_KEY_PREVIOUS (comma-separated for several); after: drop it."""
+    from pgsieve.core.credentials import CredentialError
+    from pgsieve.core.db import session_scope
+    from pgsieve.core.rotation import rotate_credentials
+
+    _logging()
+    settings = get_settings()
+    try:
+        with session_scope(settings.effective_database_url) as session:
+            changed, total = rotate_credentials(session, settings.secret_box())
+    except CredentialError as exc:
+        typer.echo(f"pgsieve secrets rotate: {exc}; nothing was changed", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"re-encrypted {changed} of {total} stored credentials with the current key")
 
 
 if __name__ == "__main__":  # pragma: no cover

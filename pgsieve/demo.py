@@ -95,8 +95,10 @@ def _port(preferred: int, datadir: Path) -> int:
 
 
 def start_clusters(home: Path) -> DemoClusters:
-    home.mkdir(parents=True, exist_ok=True)
-    home.chmod(0o755)
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Run as root, the clusters run as an unprivileged user who must reach their datadirs
+    # through home: it may traverse (x), not list or read; the secret files stay 0600.
+    home.chmod(0o711 if os.geteuid() == 0 else 0o700)
     clusters = []
     for name, preferred in (("source", SOURCE_PORT), ("target", TARGET_PORT)):
         datadir = home / name
@@ -217,7 +219,14 @@ def run_demo(port: int = 8000, exit_after: float | None = None) -> int:
     token = settings.effective_api_token()
     settings.effective_secret_key()  # created now so API and worker share it
 
-    env = {**os.environ, "PGSIEVE_HOME": str(home)}
+    # The demo's own clusters, and only them (their ports on loopback), join whatever
+    # allow-list the environment gives: PGSIEVE_ALLOWED_HOSTS is empty by default.
+    allowed = ",".join(filter(None, [settings.allowed_hosts,
+                                     f"127.0.0.1:{demo.source.port}",
+                                     f"127.0.0.1:{demo.target.port}"]))
+    # PGSIEVE_DEMO: the api and worker may use the secrets generated in PGSIEVE_HOME
+    env = {**os.environ, "PGSIEVE_HOME": str(home), "PGSIEVE_ALLOWED_HOSTS": allowed,
+           "PGSIEVE_DEMO": "1"}
     exe = [sys.executable, "-m", "pgsieve.cli"]
     url = f"http://127.0.0.1:{port}"
     logs = home / "logs"

@@ -66,7 +66,8 @@ export function renderPreview(panel, result) {
       result.replica_identity.kind,
       result.replica_identity.columns?.length ? ` (${result.replica_identity.columns.join(", ")})` : "")
       : null,
-    result.valid ? sampleTable(result.sample || []) : null,
+    // counted despite an error (a filter invalid only for the replica identity): show its rows too
+    result.valid || result.total_rows != null ? sampleTable(result.sample || []) : null,
     updateTable(result.update_transformations));
 }
 

@@ -355,9 +355,17 @@ export async function subscriptionDetail(root, ctx, id) {
     numbers.lag.className = `big ${p.lag_seconds === 0 ? "good" : p.lag_seconds > 60 ? "bad" : ""}`;
     numbers.bytes.textContent = fmt.bytes(p.lag_bytes);
     numbers.bytes.dataset.value = p.lag_bytes == null ? "" : String(p.lag_bytes);
+    const w = p.consumer.worker;
+    const ms = (s) => `${Math.round(s * 1000)} ms`;
     fill(numbers.consumer, p.consumer.alive
       ? badge("running", "ok") : badge("stopped", "idle"),
-      h("small", {}, p.consumer.heartbeat_at ? ` heartbeat ${fmt.ago(p.consumer.heartbeat_at)}` : ""));
+      h("small", {}, p.consumer.heartbeat_at ? ` heartbeat ${fmt.ago(p.consumer.heartbeat_at)}` : ""),
+      w ? h("small", { class: "muted", "data-test": "scheduler",
+        title: "the worker holding this subscription: how many it holds, and how long a "
+          + "subscription that is due waits for its turn there (last minute)" },
+        h("br"), `on ${w.worker} · ${w.subscriptions_held} subscription${w.subscriptions_held === 1 ? "" : "s"}`
+          + ` held · turn wait `
+          + `p50 ${ms(w.turn_wait_p50_seconds)}, p99 ${ms(w.turn_wait_p99_seconds)}`) : "");
     numbers.commit.textContent = p.last_commit_ts ? fmt.time(p.last_commit_ts) : "—";
     renderLsns(p);
     renderTables(p);

@@ -9,9 +9,11 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import FileResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from pgsieve.api.deps import require_token
+from pgsieve.api.deps import authorize
+from pgsieve.api.docs import install_docs
 from pgsieve.api.problems import install_problem_handlers
 from pgsieve.api.routers import (
+    audit,
     filters,
     health,
     jobs,
@@ -21,8 +23,10 @@ from pgsieve.api.routers import (
     sources,
     subscriptions,
     targets,
+    tokens,
 )
-from pgsieve.core.credentials import SecretBox, install_log_scrubber
+from pgsieve.api.security import SecurityMiddleware
+from pgsieve.core.credentials import install_log_scrubber
 from pgsieve.core.db import session_factory
 from pgsieve.core.settings import Settings, get_settings
 
@@ -38,16 +42,22 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="pgsieve",
         version="0.1.0",
         description="REST-controlled PostgreSQL logical replication with row filters.",
+        # /docs is served from the installed swagger-ui-bundle (pgsieve.api.docs), not
+        # FastAPI's default page, which loads its scripts from a CDN
+        docs_url=None,
+        redoc_url=None,
+        swagger_ui_oauth2_redirect_url=None,
     )
     app.state.settings = settings
     app.state.sessionmaker = session_factory(settings.effective_database_url)
-    app.state.secret_box = SecretBox(settings.effective_secret_key())
+    app.state.secret_box = settings.secret_box()
     app.state.api_token = settings.effective_api_token()
     install_problem_handlers(app)
+    install_docs(app)
 
-    authed = [Depends(require_token)]
+    authed = [Depends(authorize)]
     for module in (sources, targets, slots, publications, filters, subscriptions, progress,
-                   jobs):
+                   jobs, tokens, audit):
         app.include_router(module.router, prefix="/api/v1", dependencies=authed)
     # SPEC lists /healthz and /metrics beside the /api/v1 resources: serve both spellings.
     for prefix in ("", "/api/v1"):
@@ -66,4 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         def root() -> Response:
             return RedirectResponse("/docs")
 
+    app.add_middleware(SecurityMiddleware, sessions=app.state.sessionmaker,
+                       bootstrap_token=app.state.api_token,
+                       max_body_bytes=settings.max_body_bytes)
     return app

@@ -1,8 +1,12 @@
-"""FastAPI dependencies: settings, metadata session, bearer-token auth, lookups."""
+"""FastAPI dependencies: settings, metadata session, authorization by role, lookups.
+
+Authentication happens before routing, in :mod:`pgsieve.api.security` (so a request
+without a valid token is refused before its body is read); :func:`authorize`, on every
+``/api/v1`` route, checks the caller's role against :data:`pgsieve.api.roles.ROLE_MATRIX`.
+"""
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -12,13 +16,19 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from pgsieve.api.roles import required_role
 from pgsieve.core import pgserver
 from pgsieve.core.credentials import SecretBox
 from pgsieve.core.errors import NotFound, PgsieveError
 from pgsieve.core.models import Source, Subscription, Target
 from pgsieve.core.settings import Settings
+from pgsieve.core.tokens import Principal, Role
 
-_bearer = HTTPBearer(auto_error=False, description="PGSIEVE_API_TOKEN")
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="PGSIEVE_API_TOKEN (the bootstrap admin token) or a token from "
+                "`pgsieve token create` / `POST /api/v1/tokens`",
+)
 
 
 def get_settings(request: Request) -> Settings:
@@ -39,24 +49,54 @@ def get_secret_box(request: Request) -> SecretBox:
     return box
 
 
-def require_token(
+def unauthorized() -> PgsieveError:
+    return PgsieveError(
+        "a valid 'Authorization: Bearer <token>' header is required",
+        code="unauthorized",
+        status=401,
+        title="Unauthorized",
+    )
+
+
+def current_principal(request: Request) -> Principal:
+    """Who is calling (set by the authentication middleware)."""
+    principal = request.scope.get("state", {}).get("principal")
+    if not isinstance(principal, Principal):
+        raise unauthorized()
+    return principal
+
+
+def authorize(
     request: Request,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> None:
-    expected: str = request.app.state.api_token
-    given = credentials.credentials if credentials else ""
-    if not given or not secrets.compare_digest(given.encode(), expected.encode()):
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    """The one authorization check: the caller's role against the route's in the matrix
+    (403 ``forbidden`` when it is lower)."""
+    principal = current_principal(request)
+    route = request.scope.get("route")
+    needed = required_role(request.method, str(getattr(route, "path", request.url.path)))
+    if principal.role < needed:
         raise PgsieveError(
-            "a valid 'Authorization: Bearer <token>' header is required",
-            code="unauthorized",
-            status=401,
-            title="Unauthorized",
+            f"this needs the '{needed.name}' role; token '{principal.name}' has "
+            f"'{principal.role.name}'",
+            code="forbidden", status=403, title="Forbidden",
+            required_role=needed.name, role=principal.role.name,
         )
+    return principal
+
+
+require_token = authorize  # the name routers were wired with before roles existed
+
+
+def may_see_rows(principal: Principal) -> bool:
+    """Sample rows (row data) are for operators and admins."""
+    return principal.role >= Role.operator
 
 
 SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SecretBoxDep = Annotated[SecretBox, Depends(get_secret_box)]
+PrincipalDep = Annotated[Principal, Depends(current_principal)]
 
 
 def load_source(session: Session, source_id: str) -> Source:
@@ -72,7 +112,9 @@ def source_connection(
 ) -> Iterator[psycopg.Connection[Any]]:
     """A short-lived connection to a registered source (4xx ``source_unreachable``)."""
     with pgserver.connect(
-        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout, **kwargs
+        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout,
+        policy=settings.connection_policy(), statement_timeout_ms=settings.statement_timeout_ms,
+        **kwargs,
     ) as conn:
         yield conn
 

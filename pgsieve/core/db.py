@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
@@ -15,15 +17,34 @@ from sqlalchemy.orm import Session, sessionmaker
 def make_engine(url: str) -> Engine:
     kwargs: dict[str, Any] = {"future": True, "pool_pre_ping": True}
     if url.startswith("sqlite"):
-        db_path = url.split("///", 1)[-1]
-        if db_path and db_path != ":memory:":
-            Path(db_path).parent.mkdir(parents=True, exist_ok=True)
+        private_sqlite_file(url)
         # API threads, workers and the CLI share the file: wait for locks instead of failing.
         kwargs["connect_args"] = {"timeout": 30, "check_same_thread": False}
     engine = create_engine(url, **kwargs)
     if url.startswith("sqlite"):
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine
+
+
+def private_sqlite_file(url: str) -> None:
+    """The SQLite file holds encrypted DSNs and token hashes: this user only (0600; its
+    directory 0700 when created here). SQLite gives its -wal/-shm files the same mode."""
+    if not url.startswith("sqlite"):
+        return
+    db_path = url.split("///", 1)[-1].split("?", 1)[0]
+    if not db_path or db_path == ":memory:":
+        return
+    path = Path(db_path)
+    if not path.parent.exists():
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except FileExistsError:
+        with contextlib.suppress(OSError):
+            if path.stat().st_mode & 0o077:
+                path.chmod(0o600)
+    else:
+        os.close(fd)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:

@@ -139,6 +139,10 @@ class MetadataCollector(Collector):
                                       "changes applied to the target", labels=sub_l)
         batches = CounterMetricFamily("pgsieve_subscription_applied_batches",
                                       "batches applied to the target", labels=sub_l)
+        paths = CounterMetricFamily(
+            "pgsieve_apply_batches", "batches applied, by where their plan and staging ran "
+            "(the driver, or Spark tasks: PGSIEVE_SPARK_APPLY_MIN_CHANGES)",
+            labels=["subscription", "path"])
         apply_h = HistogramMetricFamily("pgsieve_subscription_batch_apply_seconds",
                                         "time to apply one batch to the target", labels=sub_l)
         size_h = HistogramMetricFamily("pgsieve_subscription_batch_changes",
@@ -188,6 +192,9 @@ class MetadataCollector(Collector):
             stats = sub.stats or {}
             changes.add_metric(name, float(stats.get("changes", 0)))
             batches.add_metric(name, float(stats.get("batches", 0)))
+            by_path = stats.get("apply_paths") or {}
+            for path in ("driver", "spark"):
+                paths.add_metric([sub.name, path], float(by_path.get(path, 0)))
             for family, key in ((apply_h, APPLY_SECONDS_KEY), (size_h, BATCH_CHANGES_KEY)):
                 hist = stats.get(key)
                 if isinstance(hist, dict) and hist.get("le"):
@@ -208,8 +215,31 @@ class MetadataCollector(Collector):
                     total.add_metric(labels, float(table.rows_total))
                 sync_state.add_metric([*labels, table.sync_state], 1)
         yield from (state, enabled, lag_b, lag_s, sample_age, applied, changes, batches,
-                    apply_h, size_h, alive, hb_age, table_changes, conflicts, missing, copied,
-                    total, sync_state)
+                    paths, apply_h, size_h, alive, hb_age, table_changes, conflicts, missing,
+                    copied, total, sync_state)
+
+        failures = CounterMetricFamily(
+            "pgsieve_spark_task_failures", "Spark tasks that failed (and were retried or "
+            "failed their job) in sync jobs", labels=[])
+        executors = GaugeMetricFamily(
+            "pgsieve_spark_executors", "executors the last Spark job of a sync saw",
+            labels=[])
+        failed_total = 0
+        newest: tuple[Any, int] | None = None
+        for finished, details in session.execute(
+                select(Job.finished_at, Job.details).where(Job.kind.in_(
+                    ("initial_sync", "resync")))):
+            report = (details or {}).get("spark") or {}
+            if not report:
+                continue
+            failed_total += int(report.get("task_failures", 0))
+            if finished is not None and (newest is None or finished > newest[0]):
+                newest = (finished, int(report.get("executors", 0)))
+        failures.add_metric([], float(failed_total))
+        if newest is not None:
+            executors.add_metric([], float(newest[1]))
+        yield failures
+        yield executors
 
         jobs = GaugeMetricFamily("pgsieve_jobs", "jobs by kind and state",
                                  labels=["kind", "state"])
@@ -268,6 +298,30 @@ class MetadataCollector(Collector):
         now = utcnow()
         age = GaugeMetricFamily("pgsieve_worker_heartbeat_age_seconds",
                                 "seconds since the worker's last heartbeat", labels=["worker"])
+        held = GaugeMetricFamily("pgsieve_worker_subscriptions_held",
+                                 "subscriptions the worker's scheduler holds", labels=["worker"])
+        wait = GaugeMetricFamily(
+            "pgsieve_worker_turn_wait_seconds",
+            "how long a subscription that was due waited for its turn on the worker "
+            "(over the last minute)", labels=["worker", "quantile"])
+        turns = CounterMetricFamily("pgsieve_worker_turns",
+                                    "turns the worker's scheduler ran since it started",
+                                    labels=["worker"])
         for beat in session.scalars(select(WorkerHeartbeat).order_by(WorkerHeartbeat.worker)):
             age.add_metric([beat.worker], _age(now, beat.beat_at) or 0.0)
-        yield age
+            report = scheduler_report(beat)
+            if report is None:
+                continue
+            held.add_metric([beat.worker], float(report.get("held", 0)))
+            wait.add_metric([beat.worker, "0.5"], float(report.get("turn_wait_p50", 0.0)))
+            wait.add_metric([beat.worker, "0.99"], float(report.get("turn_wait_p99", 0.0)))
+            turns.add_metric([beat.worker], float(report.get("turns", 0)))
+        yield from (age, held, wait, turns)
+
+
+def scheduler_report(beat: WorkerHeartbeat) -> dict[str, Any] | None:
+    """What a worker's scheduler last reported with its heartbeat (subscriptions held,
+    turn wait p50/p99), or None for a worker that runs none."""
+    details = beat.details if isinstance(beat.details, dict) else {}
+    report = details.get("scheduler")
+    return report if isinstance(report, dict) else None

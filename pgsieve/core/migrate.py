@@ -20,6 +20,9 @@ def alembic_config(database_url: str) -> Config:
 
 
 def upgrade(database_url: str, revision: str = "head") -> None:
+    from pgsieve.core.db import private_sqlite_file
+
+    private_sqlite_file(database_url)
     command.upgrade(alembic_config(database_url), revision)
 
 

@@ -372,3 +372,38 @@ class SyncPartition(Base):
     rows: Mapped[int] = mapped_column(BigInteger, default=0)
     snapshot_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class ApiToken(Base):
+    """A named API token with a role (``viewer`` < ``operator`` < ``admin``). Only the
+    SHA-256 of the token is kept: the token itself is shown once, when it is created."""
+
+    __tablename__ = "api_tokens"
+
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class AuditEvent(Base):
+    """One control-plane change (any outcome), refused request or failed authentication.
+    Never a secret: no request body, no query string, no token, no DSN."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    actor: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    """The token's name (``bootstrap`` for PGSIEVE_API_TOKEN); None: not authenticated."""
+    role: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    method: Mapped[str] = mapped_column(String(10))
+    route: Mapped[str] = mapped_column(String(300))
+    """The route template, e.g. ``/api/v1/subscriptions/{subscription_id}/enable``."""
+    path: Mapped[str] = mapped_column(String(1000))
+    resource_type: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    resource_id: Mapped[str | None] = mapped_column(String(300), nullable=True, index=True)
+    request_id: Mapped[str] = mapped_column(String(64))
+    status: Mapped[int] = mapped_column(Integer)
+    client: Mapped[str | None] = mapped_column(String(64), nullable=True)

@@ -21,6 +21,7 @@ from pgsieve.core import pgserver
 from pgsieve.core.credentials import SecretBox, scrub_secrets
 from pgsieve.core.errors import PgsieveError
 from pgsieve.core.lsn import format_lsn
+from pgsieve.core.metrics import scheduler_report
 from pgsieve.core.models import (
     ConsumerLock,
     Job,
@@ -29,6 +30,7 @@ from pgsieve.core.models import (
     Source,
     SourceSample,
     Subscription,
+    WorkerHeartbeat,
     utcnow,
 )
 from pgsieve.core.progress import (
@@ -169,6 +171,7 @@ def observe_subscription(
             "heartbeat_at": _iso(beat),
             "heartbeat_age_seconds": None if beat is None else (now - beat).total_seconds(),
             "cycles": lock.cycles if lock is not None else None,
+            "worker": _holder(session, lock.owner) if lock is not None and alive else None,
         },
         "stats": {k: v for k, v in (sub.stats or {}).items() if not isinstance(v, dict)},
         "missing_skipped": sum(t.missing_skipped for t in sub.tables),
@@ -176,6 +179,20 @@ def observe_subscription(
         # raw ints for the sampler (not part of the API body)
         "_source_lsn": source_lsn,
     }
+
+
+def _holder(session: Session, owner: str) -> dict[str, Any] | None:
+    """The worker whose scheduler holds the lock ``owner`` names, with what it last
+    reported: how many subscriptions it holds, how long a due turn waits there."""
+    for beat in session.scalars(select(WorkerHeartbeat)):
+        report = scheduler_report(beat)
+        if report is not None and report.get("owner") == owner:
+            return {"worker": beat.worker,
+                    "subscriptions_held": int(report.get("held", 0)),
+                    "turn_wait_p50_seconds": float(report.get("turn_wait_p50", 0.0)),
+                    "turn_wait_p99_seconds": float(report.get("turn_wait_p99", 0.0)),
+                    "reported_at": _iso(beat.beat_at)}
+    return None
 
 
 # -- slots and their health ------------------------------------------------------------

@@ -15,14 +15,15 @@ from datetime import datetime
 from typing import Any
 
 import psycopg
-from psycopg.conninfo import make_conninfo
 from psycopg.rows import dict_row
 
-from pgsieve.core.credentials import parse_dsn, scrub_secrets
+from pgsieve.core.connpolicy import ConnectionPolicy, Purpose, check_dsn, secure_conninfo
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.errors import Conflict, NotFound, PgsieveError, Unprocessable, Unreachable
 from pgsieve.core.lsn import format_lsn
 from pgsieve.core.pgoutput.decoder import decode_message
 from pgsieve.core.pgoutput.messages import Begin
+from pgsieve.core.settings import get_settings
 
 MIN_SERVER_VERSION_NUM = 150000
 SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
@@ -37,11 +38,26 @@ class ServerInfo:
     can_replicate: bool
 
 
+# What libpq says when the server spoke PostgreSQL and refused us (these name the user's own
+# mistake: wrong password, unknown database, no pg_hba.conf entry) ...
+_SERVER_ANSWERS = ("FATAL:", "fe_sendauth:", "SCRAM", "server does not support SSL",
+                   "server requested", "channel binding")
+#: ... and what it says otherwise (refused, timed out, no such host, not PostgreSQL): one
+#: sentence for all, so that error texts cannot map what is listening where.
+NOT_REACHED = ("the server could not be reached (connection refused, timed out, no such "
+               "host, or not a PostgreSQL server)")
+
+
 def _connect_error(exc: psycopg.Error, code: str) -> PgsieveError:
-    # libpq's message says what failed (host, auth, database) but never the password;
-    # scrub anyway in case a future libpq echoes the conninfo.
-    message = scrub_secrets(str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc))
-    return Unreachable(f"cannot connect: {message}", code=code)
+    text = str(exc).strip()
+    for line in text.splitlines():
+        for marker in _SERVER_ANSWERS:
+            if marker in line:
+                # libpq's message says what failed (auth, database) but never the
+                # password; scrub anyway in case a future libpq echoes the conninfo.
+                answer = line[line.index(marker):].removeprefix("FATAL:").strip()
+                return Unreachable(f"cannot connect: {scrub_secrets(answer)}", code=code)
+    return Unreachable(f"cannot connect: {NOT_REACHED}", code=code)
 
 
 @contextmanager
@@ -52,12 +68,26 @@ def connect(
     connect_timeout: int = 5,
     autocommit: bool = True,
     row_factory: Any = dict_row,
+    purpose: Purpose = Purpose.CONTROL,
+    statement_timeout_ms: int | None = None,
+    policy: ConnectionPolicy | None = None,
+    application_name: str = "pgsieve",
     **kwargs: Any,
 ) -> Iterator[psycopg.Connection[Any]]:
-    """Open a connection or raise a 4xx error with ``unreachable_code``."""
-    params = parse_dsn(dsn)
-    defaults = {"connect_timeout": str(connect_timeout), "application_name": "pgsieve"}
-    conninfo = make_conninfo(dsn, **{k: v for k, v in defaults.items() if k not in params})
+    """Open a connection or raise a 4xx error with ``unreachable_code``.
+
+    With a ``policy`` the DSN is checked against it first (``connection_not_allowed``) and
+    the connection pinned to the addresses checked; every session is opened by
+    :func:`secure_conninfo` (settings pinned, nothing taken from the environment).
+    """
+    if policy is not None:
+        dsn = check_dsn(dsn, policy)
+    if statement_timeout_ms is None:
+        statement_timeout_ms = get_settings().statement_timeout_ms
+    conninfo = secure_conninfo(dsn, purpose=purpose, statement_timeout_ms=statement_timeout_ms,
+                               connect_timeout=connect_timeout,
+                               application_name=application_name,
+                               features=None if policy is None else policy.features)
     try:
         conn = psycopg.connect(conninfo, autocommit=autocommit, row_factory=row_factory, **kwargs)
     except psycopg.Error as exc:

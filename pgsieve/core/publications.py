@@ -91,6 +91,7 @@ __all__ = [
     "normalize_definition",
     "publication_lock",
     "restore",
+    "unapplied_filters",
     "validate_definition",
 ]
 
@@ -339,12 +340,7 @@ def _validate_member(
             if check.warning is not None:
                 warnings.append(_member_issue(check.warning, table, f"{where_field}.where"))
         if in_schema:
-            errors.append(PublicationIssue(
-                IssueCode.NOT_ALLOWED_FOR_PUBLICATION_KIND,
-                f"schema {key[0]} is also published FOR TABLES IN SCHEMA, which covers "
-                f"{table} without a filter: PostgreSQL would store this filter and never "
-                "apply it. Remove the schema or list its tables one by one",
-                table, f"{where_field}.where"))
+            errors.append(_schema_wins(key, table, f"{where_field}.where"))
     if member.columns is not None:
         kind = "schemas" if in_schema else "tables"
         cols = validate_column_list(conn, table, member.columns, publish, via_root, kind)
@@ -382,6 +378,34 @@ def _validate_member(
                 f"{shadow} with {shadow}'s {what}, so this {what} is never used",
                 table, f"{where_field}.{'where' if member.where is not None else 'columns'}"))
     return PublishedTable(member.table, where, member.columns), errors, warnings
+
+
+def _schema_wins(key: tuple[str, str], table: str, field_name: str) -> PublicationIssue:
+    return PublicationIssue(
+        IssueCode.NOT_ALLOWED_FOR_PUBLICATION_KIND,
+        f"schema {key[0]} is also published FOR TABLES IN SCHEMA, which covers {table} "
+        "without a filter: PostgreSQL stores this filter and never applies it (neither to "
+        "the changes nor to a subscriber's initial copy). Remove the schema or list its "
+        "tables one by one", table, field_name)
+
+
+def unapplied_filters(pub: Publication) -> list[PublicationIssue]:
+    """Members whose row filter PostgreSQL keeps but never applies, because the
+    publication also publishes the member's schema (``FOR TABLE s.t WHERE (…), TABLES IN
+    SCHEMA s``: the schema wins). pgsieve refuses to create this; a publication made by
+    hand, imported, or changed behind pgsieve's back can have it, and whoever reads its
+    definition should not believe the filter is in force."""
+    out: list[PublicationIssue] = []
+    for i, member in enumerate(pub.tables):
+        if member.where is None:
+            continue
+        try:
+            key = parse_table_name(member.table)
+        except TableNameError:
+            continue
+        if key[0] in pub.schemas:
+            out.append(_schema_wins(key, member.table, f"tables[{i}].where"))
+    return out
 
 
 def _identities(facts: TableFacts) -> list[tuple[str, ReplicaIdentity]]:

@@ -22,6 +22,7 @@ docs/ARCHITECTURE.md. With executors on other machines the tasks add real cores.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,14 +40,38 @@ from pgsieve.workers.target import TableMissing, TargetWriter
 
 log = logging.getLogger(__name__)
 
-def distribute_min_changes() -> int | None:
-    """Batches with at least this many changes run their plan and staging as Spark tasks
-    (``PGSIEVE_SPARK_APPLY_MIN_CHANGES``; 0, the default: never). See docs/ARCHITECTURE.md
-    ("Where Spark earns its place") for the measurement behind the default."""
+AUTO_SPARK_MIN_CHANGES = 200_000
+"""``PGSIEVE_SPARK_APPLY_MIN_CHANGES=auto`` on a cluster: from this batch size on, the plan
+and staging run as Spark tasks. Local mode on 2 cores never wins (``bench.apply_bench
+--compare-paths``, bench/RESULTS.md); on a cluster the tasks add cores this machine does
+not have, and a batch must be big enough to pay a job's fixed cost (~0.3 s warm)."""
+
+
+def choose_apply_path(spark: Any, changes: int) -> tuple[bool, str]:
+    """Whether a batch of ``changes`` runs its plan and staging as Spark tasks, and why
+    (``PGSIEVE_SPARK_APPLY_MIN_CHANGES``: a number, 0 for never, or ``auto``)."""
     from pgsieve.core.settings import get_settings
 
-    value = get_settings().spark_apply_min_changes
-    return value or None
+    settings = get_settings()
+    setting = settings.spark_apply_min_changes
+    if spark is None:
+        return False, "no SparkSession in this process"
+    if setting != "auto":
+        if not setting:
+            return False, "PGSIEVE_SPARK_APPLY_MIN_CHANGES=0 (never)"
+        if changes >= setting:
+            return True, f"{changes} changes >= PGSIEVE_SPARK_APPLY_MIN_CHANGES={setting}"
+        return False, f"{changes} changes < PGSIEVE_SPARK_APPLY_MIN_CHANGES={setting}"
+    if settings.spark_master.startswith("local"):
+        return False, "auto: local mode shares this machine's cores with the driver"
+    from pgsieve.spark.session import cluster_task_slots
+
+    slots, cores = cluster_task_slots(spark), os.cpu_count() or 1
+    if slots <= cores:
+        return False, f"auto: the cluster has {slots} task slots, this machine {cores} cores"
+    if changes < AUTO_SPARK_MIN_CHANGES:
+        return False, f"auto: {changes} changes < {AUTO_SPARK_MIN_CHANGES} (crossover)"
+    return True, f"auto: {changes} changes on {slots} task slots"
 
 
 def resolver(writer: TargetWriter, batch: ApplyBatch) -> Callable[[str], TargetTable]:
@@ -125,9 +150,9 @@ def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
     writer.invalidate()
     expected = writer.applied_lsn()
     if distributed is None:
-        threshold = distribute_min_changes()
-        distributed = spark is not None and threshold is not None and (
-            batch.change_count >= threshold)
+        distributed, why = choose_apply_path(spark, batch.change_count)
+        log.info("batch of %d changes applies through %s: %s", batch.change_count,
+                 "Spark tasks" if distributed else "the driver", why)
     if distributed:
         from pgsieve.spark.distributed import plan_and_stage
 

@@ -65,15 +65,54 @@ _ALWAYS = ("spark.app.name", "spark.sql.execution.arrow.pyspark.enabled",
            "spark.python.worker.reuse", "spark.ui.showConsoleProgress")
 
 
+class InsecureSparkCluster(RuntimeError):
+    """A standalone master without a shared secret: tasks carry database credentials."""
+
+
+SECURE_CLUSTER: dict[str, str] = {
+    "spark.authenticate": "true",
+    "spark.network.crypto.enabled": "true",
+    "spark.io.encryption.enabled": "true",
+}
+"""Where tasks leave this process (any master but local and Spark Connect): initial-sync
+and apply tasks carry DSNs with passwords, so RPC is authenticated and encrypted (AES)
+and spilled data is encrypted. Kubernetes and YARN generate the shared secret per
+application; a standalone cluster is started with one (``PGSIEVE_SPARK_AUTH_SECRET``)."""
+
+
 def spark_properties(settings: Settings) -> dict[str, str]:
-    """The Spark properties a session is built with, for ``settings``."""
+    """The Spark properties a session is built with, for ``settings``. Raises
+    :class:`InsecureSparkCluster` for a standalone master without a shared secret
+    (unless ``PGSIEVE_SPARK_ALLOW_INSECURE``)."""
     master = settings.spark_master
     if master.startswith("local"):
         props = dict(LOCAL_DEFAULTS)
     else:
         props = {k: LOCAL_DEFAULTS[k] for k in _ALWAYS}
+    if not master.startswith(("local", "sc://")):
+        secret = settings.spark_auth_secret
+        if secret is not None:
+            props.update(SECURE_CLUSTER)
+            props["spark.authenticate.secret"] = secret.get_secret_value()
+        elif master.startswith(("k8s://", "yarn")):
+            props.update(SECURE_CLUSTER)  # the resource manager generates the secret
+        elif not settings.spark_allow_insecure:
+            raise InsecureSparkCluster(
+                f"the Spark master {master} needs PGSIEVE_SPARK_AUTH_SECRET (the "
+                "spark.authenticate.secret its master and workers run with): executors "
+                "receive database credentials, which must not cross the network in clear. "
+                "Set PGSIEVE_SPARK_ALLOW_INSECURE=true to accept that risk")
     props.update({str(k): str(v) for k, v in (settings.spark_conf or {}).items()})
     return props
+
+
+def cluster_task_slots(spark: Any) -> int:
+    """Task slots Spark can run at once (its default parallelism): cores of all executors
+    on a cluster, N for ``local[N]``."""
+    try:
+        return int(spark.sparkContext.defaultParallelism)
+    except Exception:  # Spark Connect has no SparkContext
+        return 0
 
 
 def get_spark(settings: Settings) -> SparkSession:
@@ -119,6 +158,35 @@ def stop_spark() -> None:
                 _session.stop()
             finally:
                 _session, _key = None, None
+
+
+
+
+def job_group_report(spark: Any, group: str) -> dict[str, Any]:
+    """What Spark ran for one pgsieve job (its job group): Spark job ids with their
+    status, and per stage the tasks done and failed; plus the executors Spark has now.
+    Empty when the session cannot tell (Spark Connect, a stopped session)."""
+    try:
+        tracker = spark.sparkContext.statusTracker()
+        jobs = []
+        for job_id in sorted(tracker.getJobIdsForGroup(group)):
+            info = tracker.getJobInfo(job_id)
+            if info is None:
+                continue
+            stages = []
+            for stage_id in info.stageIds:
+                stage = tracker.getStageInfo(stage_id)
+                if stage is not None:
+                    stages.append({"stage_id": stage_id, "tasks": stage.numTasks,
+                                   "completed": stage.numCompletedTasks,
+                                   "failed": stage.numFailedTasks})
+            jobs.append({"spark_job_id": job_id, "status": str(info.status),
+                         "stages": stages})
+        executors = max(len(tracker.getExecutorInfos()) - 1, 0)  # less the driver
+    except Exception:
+        return {}
+    return {"job_group": group, "jobs": jobs, "executors": executors,
+            "task_failures": sum(s["failed"] for j in jobs for s in j["stages"])}
 
 
 atexit.register(stop_spark)

@@ -35,6 +35,7 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.faults import fault_point
 
 MARKER_SCHEMA = "pgsieve"
@@ -189,7 +190,8 @@ def forget_markers(conn: psycopg.Connection[Any], subscription_id: str, table: s
 
 
 def _connect(dsn: str, timeout: int) -> psycopg.Connection[Any]:
-    return psycopg.connect(dsn, autocommit=True, connect_timeout=timeout,
+    return psycopg.connect(secure_conninfo(dsn, purpose=Purpose.STREAM), autocommit=True,
+                           connect_timeout=timeout,
                            application_name="pgsieve-sync")
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery import Celery
 
-from pgsieve.core.settings import Settings, get_settings
+from pgsieve.core.settings import Settings, get_settings, private_dir
 
 HEARTBEAT_EVERY = timedelta(seconds=10)
 SAMPLE_PROGRESS_EVERY = timedelta(seconds=10)
@@ -25,7 +25,7 @@ SYNC_SLOT_CLEANUP_EVERY = timedelta(seconds=60)
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     # beat keeps its schedule file there; with a Redis broker nothing else creates it.
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(settings.state_dir)
     conf: dict[str, Any] = {
         "broker_url": settings.effective_broker_url,
         "task_acks_late": True,

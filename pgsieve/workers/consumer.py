@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 from pgsieve.core.lsn import Lsn
@@ -94,7 +94,8 @@ class SlotConsumer:
         """End LSN of the newest transaction handed out (or the resume point)."""
         return self._delivered
 
-    def items(self, deadline: float, *, quiet: bool = False) -> Iterator[ConsumerItem]:
+    def items(self, deadline: float, *, quiet: bool = False
+              ) -> Generator[ConsumerItem, None, None]:
         """Committed transactions and standalone messages, each exactly once, in order,
         and :class:`IdleProgress` when the stream is idle with nothing open.
 

@@ -37,6 +37,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.faults import fault_point
 from pgsieve.spark.sync import CopyPartition, TableCopy, _pipe, partition_query
 from pgsieve.workers.syncplan import SourceTable, SyncError, TargetTable, canonical
@@ -162,8 +163,9 @@ class _CopyProgress(threading.Thread):
 
     def run(self) -> None:
         try:
-            with psycopg.connect(self.dsn, autocommit=True, connect_timeout=self.connect_timeout,
-                                 application_name="pgsieve-diff-progress") as conn:
+            with psycopg.connect(secure_conninfo(
+                    self.dsn, purpose=Purpose.CONTROL, connect_timeout=self.connect_timeout,
+                    application_name="pgsieve-diff-progress"), autocommit=True) as conn:
                 while not self.stop.wait(PROGRESS_SECONDS):
                     row = conn.execute("SELECT tuples_processed FROM pg_stat_progress_copy "
                                        "WHERE pid = %s", (self.pid,)).fetchone()
@@ -181,10 +183,13 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
     in one target transaction of plain DML; ``on_progress(rows staged so far)`` about
     every second while the source's rows stream in."""
     columns = list(copy.columns)
-    with psycopg.connect(target_dsn, autocommit=True, connect_timeout=connect_timeout,
-                         application_name="pgsieve-diff") as tgt, \
-            psycopg.connect(source_dsn, autocommit=True, connect_timeout=connect_timeout,
-                            application_name="pgsieve-diff") as src:
+    # Both sessions pinned by the connection policy; no statement timeout (COPY streams).
+    with psycopg.connect(secure_conninfo(
+            target_dsn, purpose=Purpose.STREAM, connect_timeout=connect_timeout,
+            application_name="pgsieve-diff"), autocommit=True) as tgt, \
+            psycopg.connect(secure_conninfo(
+                source_dsn, purpose=Purpose.STREAM, connect_timeout=connect_timeout,
+                application_name="pgsieve-diff"), autocommit=True) as src:
         key = key_columns(tgt, target)
         missing = [c for c in key if c not in columns]
         if missing:

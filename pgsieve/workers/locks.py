@@ -18,11 +18,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Self, cast
 
-from sqlalchemy import delete, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.engine import CursorResult
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.core.lsn import Lsn
 from pgsieve.core.models import ConsumerLock, utcnow
 
 log = logging.getLogger(__name__)
@@ -142,3 +143,116 @@ class LockKeeper(LeaseKeeper):
     ) -> None:
         super().__init__(lambda: renew(sessions, subscription_id, owner),
                          f"the consumer lock of {subscription_id}", every, lease)
+
+
+def renew_owned(session: Session, owner: str, held: set[str]) -> set[str]:
+    """One heartbeat for every lease ``owner`` holds (one UPDATE, whatever their number:
+    hundreds of subscriptions on a worker must not mean hundreds of writes per period),
+    in the caller's transaction. Returns the subscriptions of ``held`` whose lock is no
+    longer ``owner``'s."""
+    count = rowcount(session, update(ConsumerLock).where(ConsumerLock.owner == owner)
+                     .values(heartbeat_at=utcnow()))
+    if count >= len(held):
+        return set()
+    still = set(session.scalars(select(ConsumerLock.subscription_id)
+                                .where(ConsumerLock.owner == owner)))
+    return held - still
+
+
+def touch(sessions: sessionmaker[Session], subscription_id: str, owner: str) -> None:
+    """Move ``acquired_at`` to now: the holder loaded the subscription's routes afresh
+    (a resync waits for a consumer that has seen its table leave ``ready``)."""
+    with sessions() as session:
+        session.execute(update(ConsumerLock)
+                        .where(ConsumerLock.subscription_id == subscription_id,
+                               ConsumerLock.owner == owner)
+                        .values(acquired_at=utcnow())
+                        .execution_options(synchronize_session=False))
+        session.commit()
+
+
+def advisory_key(slot: str) -> tuple[str, str]:
+    """The two texts whose ``hashtext`` make the slot's advisory-lock key: a namespace of
+    pgsieve's own and the slot name (unique per source database)."""
+    return ("pgsieve.consumer", slot)
+
+
+class AdvisoryLocks:
+    """Session-level advisory locks on a source, one per slot, held on one connection.
+
+    Why: the metadata lease can only *age* — after a kill -9 nobody may consume until its
+    heartbeat is old enough. PostgreSQL releases a session's advisory locks the moment its
+    connection ends, and the connection of a killed process ends with it, so a lock held
+    here says "its consumer lives" without waiting. Every consumer of a slot takes it
+    before reading (the scheduler and a legacy consume cycle alike): of two, exactly one
+    holds it. One connection per worker and source carries all the worker's locks there;
+    when it breaks, they are all gone and their subscriptions must stop (see
+    :meth:`alive`). Not on the ``pgsieve-consumer`` application name: it reads nothing.
+    """
+
+    def __init__(self, dsn: str, connect_timeout: int = 5) -> None:
+        import psycopg
+
+        from pgsieve.core.connpolicy import Purpose, secure_conninfo
+
+        # Pinned like every session on a source (connection policy, no credentials from
+        # the environment); no statement timeout: it only ever takes and frees locks.
+        self._conn = psycopg.connect(
+            secure_conninfo(dsn, purpose=Purpose.STREAM, connect_timeout=connect_timeout,
+                            application_name="pgsieve-lock"), autocommit=True)
+        self._mutex = threading.Lock()
+        self.slots: set[str] = set()
+
+    @property
+    def backend_pid(self) -> int:
+        return int(self._conn.info.backend_pid)
+
+    def try_lock(self, slot: str) -> bool:
+        with self._mutex:
+            if slot in self.slots:
+                return True
+            row = self._conn.execute(
+                "SELECT pg_try_advisory_lock(hashtext(%s), hashtext(%s))",
+                advisory_key(slot)).fetchone()
+            if row is not None and row[0]:
+                self.slots.add(slot)
+                return True
+            return False
+
+    def unlock(self, slot: str) -> None:
+        with self._mutex:
+            if slot not in self.slots:
+                return
+            self.slots.discard(slot)
+            try:
+                self._conn.execute("SELECT pg_advisory_unlock(hashtext(%s), hashtext(%s))",
+                                   advisory_key(slot))
+            except Exception as exc:  # the connection is gone, and the lock with it
+                log.debug("unlocking %s: %s", slot, exc)
+
+    def alive(self) -> bool:
+        """The connection (and so every lock on it) still stands."""
+        with self._mutex:
+            try:
+                self._conn.execute("SELECT 1")
+                return True
+            except Exception:
+                return False
+
+    def wal_lsn(self) -> Lsn | None:
+        """The source's WAL write position (for lag), or None when unreadable."""
+        with self._mutex:
+            try:
+                row = self._conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+            except Exception as exc:
+                log.debug("cannot read the source's WAL position: %s", exc)
+                return None
+        return Lsn.parse(row[0]) if row else None
+
+    def close(self) -> None:
+        with self._mutex:
+            self.slots.clear()
+            try:
+                self._conn.close()
+            except Exception as exc:
+                log.debug("closing an advisory-lock connection: %s", exc)

@@ -12,7 +12,6 @@ from typing import Any
 
 from celery import Task
 
-from pgsieve.core.credentials import SecretBox
 from pgsieve.core.db import session_scope
 from pgsieve.core.observe import sample_all
 from pgsieve.core.settings import Settings
@@ -21,7 +20,7 @@ from pgsieve.workers.celery_app import celery_app
 
 def run_sampler(settings: Settings) -> dict[str, int]:
     """One sampling round (also callable without Celery: tests, the CLI)."""
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     with session_scope(settings.effective_database_url) as session:
         return sample_all(session, box, connect_timeout=settings.connect_timeout,
                           lease=timedelta(seconds=settings.consumer_lease_seconds))

@@ -15,6 +15,7 @@ applies nothing twice.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -25,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import psycopg
 from sqlalchemy import delete, select
@@ -41,7 +42,8 @@ from pgsieve.core.apply.batch import (
     TableStopped,
 )
 from pgsieve.core.apply.batcher import BatchLimits, MicroBatcher
-from pgsieve.core.credentials import SecretBox, scrub_secrets
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.errors import describe_error
 from pgsieve.core.faults import fault_point
@@ -59,8 +61,8 @@ from pgsieve.core.models import (
 from pgsieve.core.pgoutput.assembler import Transaction
 from pgsieve.core.rowfilter.parse import parse_table_name
 from pgsieve.core.settings import Settings
-from pgsieve.workers.consumer import IdleProgress, SlotConsumer
-from pgsieve.workers.locks import LockKeeper, release, try_acquire
+from pgsieve.workers.consumer import IdleProgress, Quiet, SlotConsumer
+from pgsieve.workers.locks import AdvisoryLocks, LockKeeper, release, try_acquire
 from pgsieve.workers.transports import (
     PgoutputOptions,
     SqlTransport,
@@ -105,6 +107,31 @@ class CycleOutcome:
         return 5.0 if self.outcome == "retry" else 0.0
 
 
+class LeaseHolder(Protocol):
+    """What a stream needs of whoever keeps its lease: :attr:`lost` is set once the lease
+    is (or may be) someone else's, and nothing may be applied after that."""
+
+    @property
+    def lost(self) -> threading.Event: ...
+
+
+@dataclass
+class OpenStream:
+    """A subscription's open stream: the target writer, the slot's transport, the run."""
+
+    writer: Any
+    transport: Transport
+    run: _StreamRun
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        except Exception as exc:  # a connection already gone
+            log.debug("closing the transport: %s", exc)
+        finally:
+            self.writer.close()
+
+
 def worker_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{uuid.uuid4().hex[:6]}"
 
@@ -143,7 +170,7 @@ class ConsumeCycle:
         self.cycle_seconds = cycle_seconds
         self.sessions = sessions or session_factory(settings.effective_database_url)
         self._spark = spark
-        self._box = SecretBox(settings.effective_secret_key())
+        self._box = settings.secret_box()
 
     # -- entry point ---------------------------------------------------------------------
     def run(self) -> CycleOutcome:
@@ -156,19 +183,59 @@ class ConsumeCycle:
             self._bump_stat("lock_refusals")
             return CycleOutcome("locked", "another consumer holds the lock")
         try:
-            with LockKeeper(self.sessions, self.subscription_id, self.owner,
-                            every=self.settings.consumer_heartbeat_seconds,
-                            lease=lease) as keeper:
-                return self._run_locked(keeper)
+            source_dsn, slot = self.source_and_slot()
+            try:
+                advisory = AdvisoryLocks(source_dsn, self.settings.connect_timeout)
+            except psycopg.OperationalError as exc:
+                return self._transient(f"source unreachable: {exc}")
+            try:
+                if not advisory.try_lock(slot):
+                    self._bump_stat("lock_refusals")
+                    return CycleOutcome("locked", "another consumer reads the slot")
+                with LockKeeper(self.sessions, self.subscription_id, self.owner,
+                                every=self.settings.consumer_heartbeat_seconds,
+                                lease=lease) as keeper:
+                    return self._run_locked(keeper)
+            finally:
+                advisory.close()
         finally:
             release(self.sessions, self.subscription_id, self.owner)
 
-    def _run_locked(self, keeper: LockKeeper) -> CycleOutcome:
+    def source_and_slot(self) -> tuple[str, str]:
+        """The source's DSN (decrypted) and the subscription's slot."""
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            assert sub is not None
+            source = session.get(Source, sub.source_id)
+            assert source is not None
+            return self._box.decrypt(source.dsn_encrypted), sub.slot_name
+
+    def _run_locked(self, keeper: LeaseHolder) -> CycleOutcome:
+        opened = self.open_stream(keeper)
+        if isinstance(opened, CycleOutcome):
+            return opened
+        try:
+            return opened.run.stream(time.monotonic() + self.cycle_seconds)
+        except (psycopg.OperationalError, TransportError) as exc:
+            return self.outcome_of(exc)
+        finally:
+            opened.close()
+
+    def open_stream(self, keeper: LeaseHolder, *, window_bytes: int | None = None,
+                    control_every: float = CONTROL_EVERY,
+                    source_lsn: Callable[[], Lsn | None] | None = None,
+                    on_routes_changed: Callable[[], None] | None = None,
+                    ) -> OpenStream | CycleOutcome:
+        """Connect to the target and the slot and resume after the target's recorded LSN:
+        what a consume cycle (or a scheduler holding the subscription) streams with.
+        ``window_bytes`` bounds the WAL one read takes (a scheduler's turn); the default
+        is the transport's own. A failure is returned as the outcome it leads to."""
         from pgsieve.workers.target import TargetWriter
 
         with self.sessions() as session:
             sub = session.get(Subscription, self.subscription_id)
-            assert sub is not None
+            if sub is None:
+                return CycleOutcome("not_running", "deleted")
             source = session.get(Source, sub.source_id)
             target = session.get(Target, sub.target_id)
             assert source is not None
@@ -195,25 +262,28 @@ class ConsumeCycle:
                 streaming=bool(options.get("streaming", True)),
             )
             transport = self._transport(options.get("transport", "sql"), source_dsn, slot,
-                                        pg_options)
-            try:
-                consumer = SlotConsumer(
-                    transport, proto_version=proto, resume_after=applied,
-                    spill_dir=self._spill_dir(),
-                )
-                run = _StreamRun(self, consumer, writer, source_dsn, options, keeper)
-                return run.stream(time.monotonic() + self.cycle_seconds)
-            finally:
-                transport.close()
+                                        pg_options, window_bytes)
         except (psycopg.OperationalError, TransportError) as exc:
-            if isinstance(exc, TransportError) and "does not exist" in str(exc):
-                # A dropped slot or publication: no retry brings it back.
-                if re.search(r"replication slot \S+ does not exist", str(exc)):
-                    return self._fail(f"the replication slot is gone: {exc}")
-                return self._fail(str(exc))
-            return self._transient(str(exc))
-        finally:
             writer.close()
+            return self.outcome_of(exc)
+        except BaseException:
+            writer.close()
+            raise
+        consumer = SlotConsumer(transport, proto_version=proto, resume_after=applied,
+                                spill_dir=self._spill_dir())
+        run = _StreamRun(self, consumer, writer, source_dsn, options, keeper,
+                         control_every=control_every, source_lsn=source_lsn,
+                         on_routes_changed=on_routes_changed)
+        return OpenStream(writer, transport, run)
+
+    def outcome_of(self, exc: psycopg.OperationalError | TransportError) -> CycleOutcome:
+        """What a connection or transport failure means: the slot or a publication is
+        gone (no retry brings it back: the subscription stops), or try again later."""
+        if isinstance(exc, TransportError) and "does not exist" in str(exc):
+            if re.search(r"replication slot \S+ does not exist", str(exc)):
+                return self._fail(f"the replication slot is gone: {exc}")
+            return self._fail(str(exc))
+        return self._transient(str(exc))
 
     # -- helpers -------------------------------------------------------------------------
     def _spill_dir(self) -> str:
@@ -221,10 +291,15 @@ class ConsumeCycle:
         path.mkdir(parents=True, exist_ok=True)
         return str(path)
 
-    def _transport(self, kind: str, dsn: str, slot: str, options: PgoutputOptions) -> Transport:
+    def _transport(self, kind: str, dsn: str, slot: str, options: PgoutputOptions,
+                   window_bytes: int | None = None) -> Transport:
         if kind == "walsender":
             return WalsenderTransport(dsn, slot, options)
-        return SqlTransport(dsn, slot, options)
+        if window_bytes is None:
+            return SqlTransport(dsn, slot, options)
+        # A turn reads one bounded window: no second backend for it (a split window is
+        # read in two parts, and a turn ends after the first).
+        return SqlTransport(dsn, slot, options, window_bytes=window_bytes, split_bytes=0)
 
     def spark(self) -> Any:
         """The worker's SparkSession, started only when a job really needs it: small
@@ -318,8 +393,14 @@ class _StreamRun:
     """The streaming loop of one cycle (state that lives only while it streams)."""
 
     def __init__(self, cycle: ConsumeCycle, consumer: SlotConsumer, writer: Any,
-                 source_dsn: str, options: dict[str, Any], keeper: LockKeeper) -> None:
+                 source_dsn: str, options: dict[str, Any], keeper: LeaseHolder, *,
+                 control_every: float = CONTROL_EVERY,
+                 source_lsn: Callable[[], Lsn | None] | None = None,
+                 on_routes_changed: Callable[[], None] | None = None) -> None:
         self.cycle = cycle
+        self.control_every = control_every
+        self._read_source_lsn = source_lsn
+        self._on_routes_changed = on_routes_changed
         self.consumer = consumer
         self.writer = writer
         self.source_dsn = source_dsn
@@ -353,7 +434,7 @@ class _StreamRun:
                     self._record_idle(item.lsn, now)
                 if self.batcher.due(now):
                     self._flush()
-                if now - self._control_at >= CONTROL_EVERY:
+                if now - self._control_at >= self.control_every:
                     self._control(now)
                 if (not self.enabled or self.keeper.lost.is_set()
                         or WORKER_STOPPING.is_set()):
@@ -371,6 +452,48 @@ class _StreamRun:
             return CycleOutcome("stopped", "disabled", self.batches, self.changes)
         return CycleOutcome("done", "", self.batches, self.changes)
 
+    def turn(self, deadline: float) -> bool:
+        """One turn of a scheduler holding many subscriptions: read at most one window
+        of the slot (the transport's ``window_bytes``; the read stops at ``deadline``),
+        apply what it held in one batch and confirm it. Returns whether anything of ours
+        was in it (work waits behind: take another turn soon). Raises :class:`_Stop`
+        when the subscription must be let go (error, disabled, lease lost)."""
+        now = time.monotonic()
+        if now - self._control_at >= self.control_every:
+            self._control(now)
+        if not self.enabled:
+            raise _Stop(CycleOutcome("stopped", "disabled", self.batches, self.changes))
+        worked = False
+        try:
+            with contextlib.closing(self.consumer.items(deadline, quiet=True)) as items:
+                for item in items:
+                    now = time.monotonic()
+                    if isinstance(item, Transaction):
+                        worked = True
+                        self.batcher.add(item, now)
+                        fault_point("cycle.decoded")
+                        if self.batcher.full:
+                            self._flush()
+                        continue
+                    if isinstance(item, IdleProgress):
+                        if len(self.batcher):
+                            self._flush()
+                        self._record_idle(item.lsn, now)
+                        break
+                    if isinstance(item, Quiet):  # the window is read: the turn is over
+                        break
+                    if self.keeper.lost.is_set() or WORKER_STOPPING.is_set():
+                        break
+            if len(self.batcher) and not self.keeper.lost.is_set():
+                self._flush()
+        finally:
+            for txn in self.batcher.take():
+                txn.close()
+        if self.keeper.lost.is_set():
+            raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
+                                     self.changes))
+        return worked
+
     # -- between batches ---------------------------------------------------------------
     def _control(self, now: float) -> None:
         self._control_at = now
@@ -379,14 +502,23 @@ class _StreamRun:
         if catchup and not len(self.batcher):
             self.cycle._catch_up_tables(self.writer.applied_lsn())
             routes = self.cycle.load_routes()[0]
+        changed = routes != self.routes
         self.routes = routes
+        if changed and self._on_routes_changed is not None:
+            # Batches from now on use the new routes: say so (a resync waits for it).
+            self._on_routes_changed()
 
     def _current_source_lsn(self, now: float) -> Lsn | None:
+        if self._read_source_lsn is not None:
+            return self._read_source_lsn()
         if now - self._source_lsn_at >= SOURCE_LSN_EVERY:
             self._source_lsn_at = now
             try:
-                with psycopg.connect(self.source_dsn, autocommit=True,
-                                     connect_timeout=self.cycle.settings.connect_timeout) as c:
+                settings = self.cycle.settings
+                conninfo = secure_conninfo(self.source_dsn, purpose=Purpose.CONTROL,
+                                           statement_timeout_ms=settings.statement_timeout_ms)
+                with psycopg.connect(conninfo, autocommit=True,
+                                     connect_timeout=settings.connect_timeout) as c:
                     row = c.execute("SELECT pg_current_wal_lsn()::text").fetchone()
                     self._source_lsn = Lsn.parse(row[0]) if row else self._source_lsn
             except psycopg.Error as exc:
@@ -397,7 +529,7 @@ class _StreamRun:
         """Nothing is pending: record the idle position at the target, confirm it (so the
         slot releases WAL), and show lag 0."""
         if now - self._idle_recorded_at < IDLE_RECORD_EVERY:
-            if now - self._noted_at >= CONTROL_EVERY:
+            if now - self._noted_at >= self.control_every:
                 self._note_caught_up(now, None)
             return
         self._idle_recorded_at = now
@@ -608,6 +740,10 @@ class _StreamRun:
                              ("changes", result.changes), ("rows_written", result.rows_written),
                              ("apply_seconds_total", elapsed)):
                 stats[key] = stats.get(key, 0) + add
+            paths = dict(stats.get("apply_paths") or {})
+            path = "spark" if result.distributed else "driver"
+            paths[path] = paths.get(path, 0) + 1
+            stats["apply_paths"] = paths
             stats["last_batch"] = {
                 "changes": result.changes, "transactions": result.transactions,
                 "rows_written": result.rows_written, "seconds": round(elapsed, 4),

@@ -39,6 +39,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.lsn import Lsn
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ def create_slot_with_snapshot(
 def snapshot_alive(dsn: str, name: str, connect_timeout: int = 10) -> bool:
     """Whether a transaction can still import the snapshot (its exporter is alive)."""
     try:
-        with psycopg.connect(dsn, autocommit=True, connect_timeout=connect_timeout,
+        with psycopg.connect(secure_conninfo(dsn, purpose=Purpose.CONTROL), autocommit=True,
+                             connect_timeout=connect_timeout,
                              application_name="pgsieve-sync") as conn:
             conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             try:
@@ -296,7 +298,8 @@ def _helper_main() -> int:
     # connection close, drops the snapshot. SIGINT (a terminal's Ctrl-C) is not for us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        conn = psycopg.connect(request["dsn"], autocommit=True, replication="database",
+        conn = psycopg.connect(secure_conninfo(request["dsn"], purpose=Purpose.STREAM),
+                               autocommit=True, replication="database",
                                application_name="pgsieve-snapshot")
         lsn, name = create_slot_with_snapshot(conn, slot)
     except psycopg.errors.DuplicateObject:

@@ -51,7 +51,8 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.core import pgserver
-from pgsieve.core.credentials import SecretBox, scrub_secrets
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.faults import fault_point
 from pgsieve.core.models import (
@@ -65,6 +66,7 @@ from pgsieve.core.models import (
     utcnow,
 )
 from pgsieve.core.settings import Settings
+from pgsieve.spark.session import job_group_report
 from pgsieve.spark.sync import (
     CopyFailed,
     CopyPartition,
@@ -264,7 +266,7 @@ class SyncJobRunner:
         self.partition_bytes = partition_bytes
         self.lease = timedelta(seconds=settings.consumer_lease_seconds)
         self._spark_factory = spark
-        self._box = SecretBox(settings.effective_secret_key())
+        self._box = settings.secret_box()
         self._keeper: LeaseKeeper | None = None
         self._after_copy = after_copy
         """Test hook: a table's rows are all at the target, the snapshot is still held."""
@@ -534,7 +536,8 @@ class SyncJobRunner:
         parallelism = task_slots(spark)
         copies: dict[str, TableCopy] = {}
         targets: dict[str, TargetTable] = {}
-        with psycopg.connect(ctx.target_dsn, autocommit=True,
+        with psycopg.connect(secure_conninfo(ctx.target_dsn, purpose=Purpose.STREAM),
+                             autocommit=True,
                              connect_timeout=self.settings.connect_timeout) as tgt:
             ensure_marker_table(tgt)
             for name in names:
@@ -558,6 +561,8 @@ class SyncJobRunner:
                         ctx, names, c), job_group=self._group)
             except CopyFailed as exc:
                 raise _Retry(f"copy failed: {exc}") from None
+            finally:
+                self._record_spark(spark)
             fault_point("sync.after_copy")
             for name in names:
                 self._finish_table(ctx, snap, sources[name], targets[name], tgt,
@@ -574,8 +579,9 @@ class SyncJobRunner:
             sources = read_source_tables(src, ctx.publications, names)
         for name in names:
             source = sources[name]
-            with psycopg.connect(ctx.target_dsn, autocommit=True,
-                                 connect_timeout=self.settings.connect_timeout) as tgt:
+            with psycopg.connect(secure_conninfo(
+                    ctx.target_dsn, purpose=Purpose.STREAM,
+                    connect_timeout=self.settings.connect_timeout), autocommit=True) as tgt:
                 target = read_target_table(tgt, name)
             copy = table_copy(source, target)
             with self._owned() as (session, job):
@@ -625,6 +631,15 @@ class SyncJobRunner:
             if table is not None and table.sync_state == "copy":
                 table.rows_copied = staged
                 self._update_totals(session, job, ctx)
+
+    def _record_spark(self, spark: Any) -> None:
+        """The Spark jobs of this pgsieve job (job group ``pgsieve-sync-<id>``), their
+        tasks and failures, for ``GET /jobs/{id}`` and ``/metrics``."""
+        report = job_group_report(spark, self._group)
+        if not report.get("jobs"):
+            return
+        with contextlib.suppress(_Lost), self._owned() as (_, job):
+            job.details = {**job.details, "spark": report}
 
     def _prepare(self, ctx: _Context, snap: ExportedSnapshot, source: SourceTable,
                  target: TargetTable, tgt: psycopg.Connection[Any], parallelism: int) -> bool:
@@ -851,7 +866,8 @@ class SyncJobRunner:
             with self.sessions() as session:
                 job = session.get(Job, self.job_id)
                 states = dict((job.details.get("table_state") or {}) if job else {})
-            with psycopg.connect(ctx.target_dsn, autocommit=True,
+            with psycopg.connect(secure_conninfo(ctx.target_dsn, purpose=Purpose.STREAM),
+                                 autocommit=True,
                                  connect_timeout=self.settings.connect_timeout) as tgt:
                 for name, state in states.items():
                     if state.get("deferred_indexes"):
@@ -899,7 +915,8 @@ class SyncJobRunner:
         if not self._deferred or self._target_dsn is None:
             return
         try:
-            with psycopg.connect(self._target_dsn, autocommit=True,
+            with psycopg.connect(secure_conninfo(self._target_dsn, purpose=Purpose.STREAM),
+                                 autocommit=True,
                                  connect_timeout=self.settings.connect_timeout) as tgt:
                 for name, defs in self._deferred.items():
                     restore_indexes(tgt, name, defs)

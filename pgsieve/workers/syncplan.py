@@ -2,8 +2,10 @@
 
 Source side (read inside the exported snapshot, so the catalog is the one the copy sees):
 which relations the subscription's publications make the initial copy read, with their
-effective filter (ORed over the publications, publish operations ignored — PostgreSQL's
-tablesync) and column list (:func:`~pgsieve.core.rowfilter.effective.initial_sync_plan`);
+effective filter (ORed over the publications, publish operations ignored, a member's WHERE
+voided by its publication's FOR TABLES IN SCHEMA — PostgreSQL's tablesync) and column
+list (:func:`~pgsieve.core.rowfilter.effective.initial_sync_plan`); a partition whose
+ancestor is copied is copied with it, once (PostgreSQL 16; 15 copies it twice);
 each relation's leaves and sizes, cut into ctid block ranges; a row estimate from the
 planner (``reltuples`` times the filter's selectivity).
 
@@ -31,6 +33,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.pubcatalog import read_publications, read_tables
 from pgsieve.core.rowfilter.effective import initial_sync_plan
 from pgsieve.core.rowfilter.parse import parse_table_name, quote_qualified
@@ -375,7 +378,8 @@ def verify_table(
 
     def scan(which: str, dsn: str, query: sql.Composed, snap: str | None) -> None:
         try:
-            with psycopg.connect(dsn, autocommit=True, connect_timeout=connect_timeout,
+            with psycopg.connect(secure_conninfo(dsn, purpose=Purpose.STREAM), autocommit=True,
+                                 connect_timeout=connect_timeout,
                                  application_name="pgsieve-verify") as conn:
                 for setting in _FORMAT_SETTINGS:
                     conn.execute(setting)
@@ -416,7 +420,8 @@ def verify_table(
 def snapshot_transaction(dsn: str, snapshot: str, connect_timeout: int = 10
                          ) -> Any:
     """A read-only REPEATABLE READ transaction on the source that imported ``snapshot``."""
-    with psycopg.connect(dsn, autocommit=True, connect_timeout=connect_timeout,
+    with psycopg.connect(secure_conninfo(dsn, purpose=Purpose.STREAM), autocommit=True,
+                         connect_timeout=connect_timeout,
                          application_name="pgsieve-sync") as conn:
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))

@@ -34,7 +34,7 @@ from pgsieve.core.apply.batch import (
     TableRoute,
     TableStopped,
 )
-from pgsieve.core.credentials import SecretBox, scrub_secrets
+from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.db import session_factory
 from pgsieve.core.errors import PgsieveError
 from pgsieve.core.lsn import Lsn
@@ -63,7 +63,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
     from pgsieve.workers.target import TargetWriter
 
     sessions = session_factory(settings.effective_database_url)
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     with sessions() as session:
         sub = session.get(Subscription, subscription_id)
         table = session.scalar(select(SubscriptionTable).where(
@@ -253,7 +253,7 @@ def drop_leftover_sync_slots(settings: Settings,
     cycle may hand a table over without dropping its slot), of tables or subscriptions
     that were removed, of jobs that died between creating a slot and recording it."""
     sessions = sessions or session_factory(settings.effective_database_url)
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     dropped: list[str] = []
     with sessions() as session:
         sources = [(s.id, box.decrypt(s.dsn_encrypted)) for s in session.scalars(select(Source))]

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import psycopg
 
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.lsn import Lsn
 from pgsieve.core.pgoutput.assembler import Change, Item, StandaloneMessage, Transaction
 from pgsieve.core.pgoutput.messages import (
@@ -146,7 +147,9 @@ class TailOptions:
 
 def _prepare(opts: TailOptions) -> int:
     """Create the slot when asked; return the protocol version to use."""
-    with psycopg.connect(opts.dsn, autocommit=True) as conn:
+    conninfo = secure_conninfo(opts.dsn, purpose=Purpose.STREAM,
+                               application_name="pgsieve-tail")
+    with psycopg.connect(conninfo, autocommit=True) as conn:
         version_row = conn.execute("SELECT current_setting('server_version_num')::int").fetchone()
         assert version_row is not None
         if opts.create_slot:

@@ -27,7 +27,6 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from pgsieve.core.apply.columns import (
     SourceTable,
@@ -36,6 +35,7 @@ from pgsieve.core.apply.columns import (
     describe_mismatch,
 )
 from pgsieve.core.apply.staging import META_COLUMNS
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.errors import Unprocessable, Unreachable
 from pgsieve.core.lsn import Lsn
@@ -125,10 +125,11 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def _connect(dsn: str, connect_timeout: int, application_name: str) -> psycopg.Connection[Any]:
-    params = conninfo_to_dict(dsn)
-    extra = {k: v for k, v in (("connect_timeout", str(connect_timeout)),
-                               ("application_name", application_name)) if k not in params}
-    return psycopg.connect(make_conninfo(dsn, **extra), autocommit=True)
+    # Applying a batch and fetching unchanged values can take long: no statement timeout.
+    return psycopg.connect(secure_conninfo(dsn, purpose=Purpose.STREAM,
+                                           connect_timeout=connect_timeout,
+                                           application_name=application_name),
+                           autocommit=True)
 
 
 class TargetWriter:

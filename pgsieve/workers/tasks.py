@@ -58,6 +58,20 @@ def worker_heartbeat(self: Task[Any, Any]) -> str:
 
 
 _heartbeat_stop = threading.Event()
+_in_worker = False
+"""Set when this process is a Celery worker: consume cycles go to its scheduler."""
+
+
+@worker_ready.connect
+def start_scheduler(sender: Any = None, **_: Any) -> None:
+    """The worker's scheduler starts with the worker: it adopts the enabled subscriptions
+    nobody holds even when no task names them (a worker killed, a task lost)."""
+    global _in_worker
+    from pgsieve.workers import scheduler
+
+    _in_worker = True
+    worker = getattr(sender, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
+    scheduler.ensure_started(celery_app.conf.pgsieve_settings, worker)
 
 
 @worker_ready.connect
@@ -82,13 +96,22 @@ def start_heartbeat(sender: Any = None, **_: Any) -> None:
 
 @celery_app.task(name="pgsieve.consume_cycle", bind=True, acks_late=True)
 def consume_cycle(self: Task[Any, Any], subscription_id: str) -> str:
-    """Stream and apply one subscription for a bounded time, then re-enqueue (see
-    :mod:`pgsieve.workers.pipeline`). Safe to deliver twice: the consumer lock admits one."""
+    """Have this worker's scheduler hold the subscription (see
+    :mod:`pgsieve.workers.scheduler`): it returns at once, and the subscription takes
+    turns with the others the worker holds. Safe to deliver twice: the locks admit one
+    holder. Outside a worker process (no scheduler), one bounded consume cycle that
+    re-enqueues itself (:mod:`pgsieve.workers.pipeline`)."""
     from pgsieve.spark.session import get_spark
-    from pgsieve.workers import dispatch
+    from pgsieve.workers import dispatch, scheduler
     from pgsieve.workers.pipeline import ConsumeCycle
 
     settings = _settings(self)
+    if _in_worker:
+        running = scheduler.ensure_started(settings, self.request.hostname)
+        if running is None:  # this worker is shutting down: for another one
+            dispatch.consume_cycle(settings, subscription_id, countdown=1)
+            return "stopping"
+        return running.adopt(subscription_id)
     outcome = ConsumeCycle(settings, subscription_id, spark=lambda: get_spark(settings),
                            cycle_seconds=settings.consume_cycle_seconds).run()
     if outcome.requeue:
@@ -133,8 +156,13 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
 @worker_shutting_down.connect
 def stop_consume_cycles(**_: Any) -> None:
     """A warm shutdown waits for running tasks: tell consume cycles to finish now (they
-    apply what they hold and re-enqueue themselves for another worker)."""
+    apply what they hold and re-enqueue themselves for another worker), and the scheduler
+    to end its turns, let go of its subscriptions and hand them over."""
+    from pgsieve.workers import scheduler
     from pgsieve.workers.pipeline import WORKER_STOPPING
 
     WORKER_STOPPING.set()
+    handed = scheduler.stop_current()
+    if handed:
+        log.info("handed %d subscriptions over to other workers", len(handed))
     _heartbeat_stop.set()

@@ -37,6 +37,7 @@ import psycopg2.extensions
 import psycopg2.extras
 from psycopg import pq, sql
 
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.lsn import Lsn
 from pgsieve.core.pgoutput.batch import MessageBatch
@@ -187,7 +188,8 @@ class SqlTransport:
         self._check_slot()
 
     def _open(self) -> psycopg.Connection[tuple[Any, ...]]:
-        conn = psycopg.connect(self._dsn, autocommit=True, application_name="pgsieve-consumer")
+        conn = psycopg.connect(secure_conninfo(self._dsn, purpose=Purpose.STREAM),
+                               autocommit=True, application_name="pgsieve-consumer")
         if self._aggregate:
             # Aggregating a window holds its output in the server's memory (it is bounded
             # by aggregate_bytes of WAL); without this the hash aggregate would spill to
@@ -246,7 +248,9 @@ class SqlTransport:
             start = self._confirmed or Lsn(0)
             end = self._wal_position()
             upto = min(end, max(start, read_upto) + self._window)
-            if last_read == (start, upto):
+            if last_read == (start, upto) or upto <= start:
+                # (upto <= start: no WAL past the confirmed position, so a peek could
+                # return nothing — an idle subscription's poll costs one query.)
                 # A peek is a function of (confirmed, upto): the same window again would
                 # only re-send what was read already. Wait for WAL or a confirmation
                 # instead of decoding it again in a busy loop.
@@ -572,12 +576,17 @@ class WalsenderTransport:
         self.max_attempts = max_attempts
         self._conn: Any = None
         self._cur: Any = None
+        self._previous_pid: int | None = None
         self._confirmed: Lsn | None = None
         self.reconnects = 0
 
     def _connect(self) -> None:
+        # A caller that stopped reading mid-session (a scheduler's turn ends) left its
+        # connection open: this call starts a new session (Relation messages come once
+        # per session), so that one goes first.
+        self._disconnect()
         self._conn = psycopg2.connect(
-            self.dsn,
+            secure_conninfo(self.dsn, purpose=Purpose.STREAM),
             connection_factory=psycopg2.extras.LogicalReplicationConnection,
             application_name="pgsieve-consumer",
         )
@@ -594,8 +603,16 @@ class WalsenderTransport:
     def _disconnect(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(Exception):
+                self._previous_pid = self._conn.get_backend_pid()
+            with contextlib.suppress(Exception):
                 self._conn.close()
         self._conn = self._cur = None
+
+    def _own_previous(self, message: str) -> bool:
+        """The slot is still held by our own session that just ended (its walsender
+        has not exited yet): worth a moment's wait, unlike another process's."""
+        return (self._previous_pid is not None
+                and f"is active for PID {self._previous_pid}" in message)
 
     def sessions(self, deadline: float) -> Iterator[Iterator[SessionEntry]]:
         attempt = 0
@@ -603,8 +620,11 @@ class WalsenderTransport:
             try:
                 self._connect()
             except psycopg2.Error as exc:
-                attempt += 1
                 message = scrub_secrets(str(exc).strip())
+                if self._own_previous(message) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                attempt += 1
                 if _permanent(exc) or attempt >= self.max_attempts:
                     raise TransportError(f"cannot stream slot '{self.slot}': {message}") from None
                 delay = min(self.max_backoff, 0.25 * 2**attempt)

@@ -11,8 +11,8 @@ from sqlalchemy import Engine
 
 from pgsieve.api.app import create_app
 from pgsieve.core.db import engine_for
-from pgsieve.core.migrate import upgrade
 from pgsieve.core.settings import Settings
+from tests.metadata_template import migrated_sqlite
 
 TOKEN = "test-token-1234"
 
@@ -25,12 +25,13 @@ def settings(tmp_path: Path) -> Settings:
         api_token=TOKEN,
         secret_key="unit-test-secret",
         connect_timeout=3,
+        allowed_hosts="127.0.0.1",  # the test clusters (the default allows no host)
     )
 
 
 @pytest.fixture
 def metadata_engine(settings: Settings) -> Engine:
-    upgrade(settings.effective_database_url)
+    migrated_sqlite(Path(settings.effective_database_url.removeprefix("sqlite:///")))
     return engine_for(settings.effective_database_url)
 
 

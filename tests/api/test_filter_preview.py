@@ -62,11 +62,38 @@ def test_invalid_filters_are_explained_not_500(client, source_id, source_db: Dat
 
 
 def test_replica_identity_rule_for_update_and_delete(client, source_id):
+    """Invalid for UPDATE/DELETE, and still counted: someone about to change the replica
+    identity wants to see what the filter matches."""
     r = _preview(client, source_id, table="public.orders", where="region = 'eu'",
-                 publish=["insert", "update", "delete"])
+                 publish=["insert", "update", "delete"], sample_size=3)
+    assert r.status_code == 200, r.text
     body = r.json()
     assert body["valid"] is False
     assert [e["code"] for e in body["errors"]] == ["filter_column_not_in_replica_identity"]
+    assert (body["total_rows"], body["matching_rows"], body["null_rows"]) == (1000, 400, 100)
+    assert body["estimated"] is False
+    assert len(body["sample"]) == 3 and all(row["region"] == "eu" for row in body["sample"])
+    assert body["replica_identity"]["columns"] == ["id"]
+    assert body["normalized"] == "region = 'eu'"
+    # the expression's own warnings still explain the counts
+    assert any(w["code"] == "filter_nullable_column" for w in body["warnings"])
+
+
+def test_replica_identity_error_does_not_lift_the_expression_checks(client, source_id,
+                                                                    source_db: Database):
+    """Only the replica-identity error is overlooked for counting: a filter that is also
+    unsafe or unevaluable is never run."""
+    for where, code in {"region = 'eu' AND amount > random()": "filter_mutable_function",
+                        "region = 'eu' AND 100 / (id - 500) > 0": "filter_evaluation_error",
+                        "region = 'eu' AND nosuch = 1": "filter_unknown_column"}.items():
+        body = _preview(client, source_id, table="public.orders", where=where,
+                        publish=["update"]).json()
+        assert body["valid"] is False, where
+        codes = [e["code"] for e in body["errors"]]
+        assert "filter_column_not_in_replica_identity" in codes and code in codes, codes
+        assert body["total_rows"] is None and body["matching_rows"] is None, where
+        assert body["sample"] == [], where
+    assert source_db.query("SELECT count(*) FROM orders") == [(1000,)]
 
 
 def test_unknown_table_and_source(client, source_id):
@@ -297,9 +324,11 @@ def test_fuzz_preview_where_never_500(client, fuzz_source, where, table, publish
         return
     body = r.json()
     event(f"valid={body['valid']} {[e['code'] for e in body['errors']][:1]}")
-    if not body["valid"]:
+    codes = {e["code"] for e in body["errors"]}
+    if not body["valid"] and codes != {"filter_column_not_in_replica_identity"}:
         assert body["errors"] and body["total_rows"] is None and body["sample"] == []
         return
+    # valid, or refused only for the replica identity: counted either way
     # PostgreSQL itself is the oracle: the normalized filter counts the same rows
     assert body["estimated"] is False
     oracle = src.query(

@@ -31,7 +31,10 @@ def test_create_list_drop(client, source_id, source_db, metadata_engine):
     assert slot["plugin"] == "pgoutput" and slot["active"] is False and slot["managed"]
     assert slot["restart_lsn"] and "/" in slot["confirmed_flush_lsn"]
     assert slot["wal_status"] == "reserved"
-    assert slot["retained_wal_bytes"] >= 0
+    # what the slot holds back: from its restart_lsn to the source's WAL position now
+    held = source_db.query("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), %s::pg_lsn)",
+                           (slot["restart_lsn"],))[0][0]
+    assert 0 <= slot["retained_wal_bytes"] <= held < 1 << 20
     assert "safe_wal_size" in slot
     assert _live_slots(source_db) == ["s1"]
 

@@ -48,12 +48,15 @@ def page(browser: Browser, live: LiveDeployment,
     page = context.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # the dashboard runs under a strict Content-Security-Policy: nothing may break it
+    page.on("console", lambda msg: errors.append(msg.text)
+            if "Content Security Policy" in msg.text else None)
     yield page
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(SCREENSHOTS / f"{name}-final.png"), full_page=True)
     context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
+    assert not errors, f"JavaScript errors or CSP violations on the page: {errors}"
 
 
 def shot(page: Page, name: str) -> None:

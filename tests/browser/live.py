@@ -22,9 +22,9 @@ import pytest
 import uvicorn
 
 from pgsieve.api.app import create_app
-from pgsieve.core.migrate import upgrade
 from pgsieve.core.pgcluster import free_port
 from pgsieve.core.settings import Settings
+from tests.metadata_template import migrated_sqlite
 
 REDIS_DB = 13
 TOKEN = "browser-test-token"
@@ -96,16 +96,16 @@ class _Server(uvicorn.Server):
 def live_deployment(tmp: Path) -> Iterator[LiveDeployment]:
     broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
     queue = f"pgsieve-browser-{uuid.uuid4().hex[:12]}"  # never shared with another run
-    db_url = f"sqlite:///{tmp / 'meta.db'}"
-    upgrade(db_url)
+    db_url = migrated_sqlite(tmp / "meta.db")
     settings = Settings(home=tmp / "home", database_url=db_url, broker_url=broker,
                         api_token=TOKEN, secret_key=SECRET, connect_timeout=3,
+                        allowed_hosts="127.0.0.1",
                         celery_queue=queue, **KNOBS)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGSIEVE_")}
     env.update({
         "PGSIEVE_HOME": str(tmp / "home"), "PGSIEVE_DATABASE_URL": db_url,
         "PGSIEVE_BROKER_URL": broker, "PGSIEVE_API_TOKEN": TOKEN, "PGSIEVE_SECRET_KEY": SECRET,
-        "PGSIEVE_CELERY_QUEUE": queue,
+        "PGSIEVE_CELERY_QUEUE": queue, "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1",
         "PGSIEVE_SPARK_MASTER": os.environ.get("PGSIEVE_SPARK_MASTER", "local[2]"),
         **{f"PGSIEVE_{k.upper()}": str(v) for k, v in KNOBS.items()},
     })

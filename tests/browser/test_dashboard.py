@@ -154,6 +154,10 @@ def test_publication_with_filter_subscription_and_lag_to_zero(
     expect(lag).to_have_attribute("data-value", "0", timeout=240_000)
     expect(page.get_by_test_id("lag-bytes")).to_have_attribute("data-value", "0")
     expect(page.get_by_test_id("consumer")).to_contain_text("running", timeout=30_000)
+    # The worker holding it and its scheduler: subscriptions held, turn wait p50/p99.
+    expect(page.get_by_test_id("scheduler")).to_contain_text("1 subscription held",
+                                                             timeout=30_000)
+    expect(page.get_by_test_id("scheduler")).to_contain_text("turn wait p50")
     eu = "region = 'eu' AND id > 1000"
     assert target_db.query("SELECT * FROM public.orders ORDER BY id") == \
         source_db.query(f"SELECT * FROM public.orders WHERE {eu} ORDER BY id")
@@ -316,3 +320,54 @@ def test_filter_change_planned_in_the_editor_and_reconciled(
     shot(page, "subscription-reconcile-job")
     assert sorted(target_db.query("SELECT id FROM public.orders")) == sorted(
         source_db.query("SELECT id FROM public.orders WHERE region = 'us'"))
+
+
+def test_audit_page_and_content_security_policy(page: Page, live: LiveDeployment,
+                                                target_db: Database):
+    """The audit panel lists changes and refused logins, newest first; the dashboard runs
+    under its Content-Security-Policy without a violation (inline styles are set through
+    the CSSOM, not as attributes)."""
+    violations: list[str] = []
+    page.on("console", lambda msg: violations.append(msg.text)
+            if "Content Security Policy" in msg.text else None)
+    response = page.goto("/")
+    assert response is not None
+    csp = response.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp
+    login(page, "not-the-token")
+    expect(page.get_by_role("alert")).to_contain_text("not accepted")
+    login(page)
+    page.get_by_role("link", name="Targets").click()
+    form = page.get_by_test_id("create-target")
+    form.get_by_label("Name").fill("warehouse")
+    form.get_by_label("DSN").fill(target_db.dsn.replace("postgres@", "postgres:pw-77@", 1))
+    form.get_by_role("button", name="Add target").click()
+    expect(page.get_by_test_id("target-warehouse")).to_be_visible()
+    page.get_by_role("link", name="Audit").click()
+    events = page.get_by_test_id("audit-event")
+    expect(events.first).to_contain_text("POST /api/v1/targets")
+    expect(events.first).to_contain_text("201")
+    expect(events.nth(1)).to_contain_text("(no valid token)")
+    expect(events.nth(1)).to_contain_text("401")
+    shot(page, "audit")
+    assert "pw-77" not in page.content()
+    assert not violations, violations
+
+
+def test_api_docs_load_from_this_server_under_csp(page: Page, live: LiveDeployment):
+    """Swagger UI comes from the installed package: every request stays on this origin,
+    and the page renders under its Content-Security-Policy."""
+    violations: list[str] = []
+    page.on("console", lambda msg: violations.append(msg.text)
+            if "Content Security Policy" in msg.text else None)
+    requests: list[str] = []
+    page.on("request", lambda req: requests.append(req.url))
+    response = page.goto("/docs")
+    assert response is not None
+    assert "frame-ancestors 'none'" in response.headers["content-security-policy"]
+    expect(page.locator(".swagger-ui .info .title")).to_contain_text("pgsieve")
+    expect(page.get_by_text("/api/v1/sources").first).to_be_visible()
+    shot(page, "api-docs")
+    assert requests and all(u.startswith(live.url) or u.startswith("data:")
+                            for u in requests), requests
+    assert not violations, violations

@@ -21,9 +21,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pgsieve.api.app import create_app
-from pgsieve.core.migrate import upgrade
 from pgsieve.core.settings import Settings
 from tests.conftest import Database
+from tests.metadata_template import migrated_sqlite
 
 REDIS_DB = 14
 TOKEN = "pipeline-test-token"
@@ -112,19 +112,20 @@ def pipeline_env(tmp: Path, **settings_over: Any) -> Iterator[PipelineEnv]:
     broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
     # A queue of its own: suites running side by side on one Redis never share tasks.
     queue = f"pgsieve-test-{uuid.uuid4().hex[:12]}"
-    db_url = f"sqlite:///{tmp / 'meta.db'}"
-    upgrade(db_url)
+    db_url = migrated_sqlite(tmp / "meta.db")
     knobs = {"consume_cycle_seconds": 8.0, "consumer_lease_seconds": 6.0,
              "consumer_heartbeat_seconds": 1.0, "restart_pipelines_seconds": 2.0,
              **settings_over}
     settings = Settings(home=tmp / "home", database_url=db_url, broker_url=broker,
                         api_token=TOKEN, secret_key="pipeline-test-secret",
+                        allowed_hosts="127.0.0.1",
                         celery_queue=queue, **knobs)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGSIEVE_")}
     env.update({
         "PGSIEVE_HOME": str(tmp / "home"), "PGSIEVE_DATABASE_URL": db_url,
         "PGSIEVE_BROKER_URL": broker, "PGSIEVE_API_TOKEN": TOKEN,
         "PGSIEVE_SECRET_KEY": "pipeline-test-secret", "PGSIEVE_CELERY_QUEUE": queue,
+        "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1",
         "PGSIEVE_SPARK_MASTER": os.environ.get("PGSIEVE_SPARK_MASTER", "local[2]"),
         # Small batches apply in the driver; a JVM per worker start would only cost CPU.
         "PGSIEVE_SPARK_WARMUP": "false",

@@ -16,12 +16,12 @@ from fastapi.testclient import TestClient
 
 from pgsieve.api.app import create_app
 from pgsieve.core.db import session_factory
-from pgsieve.core.migrate import upgrade
 from pgsieve.core.models import Job
 from pgsieve.core.settings import Settings
 from pgsieve.spark.session import get_spark
 from pgsieve.workers.syncjob import RunOutcome, SyncJobRunner
 from tests.conftest import Database
+from tests.metadata_template import migrated_sqlite
 
 TOKEN = "sync-test-token"
 
@@ -61,12 +61,11 @@ class SyncEnv:
 
 def make_settings(tmp: Path, **over: Any) -> Settings:
     tmp.mkdir(parents=True, exist_ok=True)
-    db_url = f"sqlite:///{tmp / 'meta.db'}"
-    upgrade(db_url)
+    db_url = migrated_sqlite(tmp / "meta.db")
     knobs: dict[str, Any] = {"consumer_lease_seconds": 10.0, "consumer_heartbeat_seconds": 1.0,
                              "consume_cycle_seconds": 5.0, "spark_master": "local[2]", **over}
     return Settings(home=tmp / "home", database_url=db_url, api_token=TOKEN,
-                    secret_key="sync-test-secret", **knobs)
+                    secret_key="sync-test-secret", allowed_hosts="127.0.0.1", **knobs)
 
 
 @contextlib.contextmanager

@@ -439,17 +439,25 @@ def _applied_ids(path: Path) -> _Applied:
     return _Applied(ids, last)
 
 
+def _tail_env(**extra: str) -> dict[str, str]:
+    """The CLI applies the connection policy: the test clusters are on 127.0.0.1."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PGSIEVE_")}
+    return {**env, "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1", **extra}
+
+
 def test_tail_cli(source_db: Database):
     source_db.execute(SETUP)
     source_db.execute("INSERT INTO acct VALUES (1, 'ann', 1)")  # before the slot: not shown
     cmd = [sys.executable, "-m", "pgsieve.cli", "tail", "--dsn", source_db.dsn, "--slot", "t1",
            "--publication", "pub", "--create-slot", "--timeout", "2"]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False,
+                           env=_tail_env())
     assert first.returncode == 0, first.stderr
     assert first.stdout == ""
     source_db.execute("INSERT INTO acct VALUES (2, 'bob', 2); UPDATE acct SET owner = 'ann2' "
                       "WHERE id = 1; DELETE FROM acct WHERE id = 2")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False,
+                         env=_tail_env()).stdout
     lines = [json.loads(x) for x in out.splitlines()]
     assert [(r["op"], r["table"]) for r in lines] == [
         ("insert", "public.acct"), ("update", "public.acct"), ("delete", "public.acct")]
@@ -458,25 +466,69 @@ def test_tail_cli(source_db: Database):
     assert {"lsn", "xid", "commit_lsn", "table", "op", "new", "old"} <= set(lines[0])
     assert Lsn.parse(lines[0]["commit_lsn"]) == Lsn.parse(lines[2]["commit_lsn"])
     # Without --confirm the slot did not move: the same changes print again.
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False,
+                           env=_tail_env()).stdout
     assert again == out
     # With --confirm they are consumed.
-    subprocess.run([*cmd, "--confirm"], capture_output=True, text=True, timeout=60, check=True)
-    after = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False).stdout
+    subprocess.run([*cmd, "--confirm"], capture_output=True, text=True, timeout=60, check=True,
+                   env=_tail_env())
+    after = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False,
+                           env=_tail_env()).stdout
     assert after == ""
 
 
 def test_tail_cli_bad_input(source_db: Database):
     base = [sys.executable, "-m", "pgsieve.cli", "tail", "--slot", "x", "--publication", "p"]
     r = subprocess.run([*base, "--dsn", source_db.dsn, "--from", "nonsense"],
-                       capture_output=True, text=True, timeout=60, check=False)
+                       capture_output=True, text=True, timeout=60, check=False, env=_tail_env())
     assert r.returncode == 2 and "not an LSN" in r.stderr
     r = subprocess.run([*base, "--dsn", source_db.dsn, "--timeout", "1"],
-                       capture_output=True, text=True, timeout=60, check=False)
+                       capture_output=True, text=True, timeout=60, check=False, env=_tail_env())
     assert r.returncode == 1 and "does not exist" in r.stderr
     r = subprocess.run([*base, "--dsn", "postgresql://u:sekret@127.0.0.1:1/x", "--timeout", "1"],
-                       capture_output=True, text=True, timeout=60, check=False)
+                       capture_output=True, text=True, timeout=60, check=False, env=_tail_env())
     assert r.returncode == 1 and "sekret" not in r.stderr + r.stdout
+
+
+def test_tail_cli_dsn_from_environment_or_file(source_db: Database, tmp_path):
+    """The DSN (and its password) need not be on the command line, where `ps` shows it."""
+    source_db.execute(SETUP)
+    base = [sys.executable, "-m", "pgsieve.cli", "tail", "--slot", "t9", "--publication", "pub",
+            "--create-slot", "--timeout", "1"]
+    r = subprocess.run(base, capture_output=True, text=True, timeout=60, check=False,
+                       env=_tail_env(PGSIEVE_TAIL_DSN=source_db.dsn))
+    assert r.returncode == 0, r.stderr
+    assert source_db.query("SELECT count(*) FROM pg_replication_slots WHERE slot_name = 't9'"
+                           ) == [(1,)]
+    dsn_file = tmp_path / "dsn"
+    dsn_file.write_text(f"\n{source_db.dsn}\n")
+    r = subprocess.run([*base, "--dsn-file", str(dsn_file)], capture_output=True, text=True,
+                       timeout=60, check=False, env=_tail_env())
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([*base, "--dsn-file", "-"], input=source_db.dsn, capture_output=True,
+                       text=True, timeout=60, check=False, env=_tail_env())
+    assert r.returncode == 0, r.stderr
+    # none given, an unreadable file, both --dsn and --dsn-file: usage errors
+    for args in ([], ["--dsn-file", str(tmp_path / "missing")],
+                 ["--dsn", source_db.dsn, "--dsn-file", str(dsn_file)]):
+        r = subprocess.run([*base, *args], capture_output=True, text=True, timeout=60,
+                           check=False, env=_tail_env())
+        assert r.returncode == 2, (args, r.stderr)
+
+
+def test_tail_cli_applies_the_connection_policy(source_db: Database):
+    base = [sys.executable, "-m", "pgsieve.cli", "tail", "--slot", "x", "--publication", "p",
+            "--timeout", "1"]
+    sock = source_db.cluster.datadir
+    for dsn, env in (
+        (source_db.dsn, {k: v for k, v in _tail_env().items() if k != "PGSIEVE_ALLOWED_HOSTS"}),
+        (f"host={sock} port={source_db.cluster.port} user=postgres dbname={source_db.name}",
+         _tail_env()),
+        (source_db.dsn + "?passfile=/etc/passwd", _tail_env()),
+    ):
+        r = subprocess.run([*base, "--dsn", dsn], capture_output=True, text=True, timeout=60,
+                           check=False, env=env)
+        assert r.returncode == 2 and "not" in r.stderr and "allow" in r.stderr, r.stderr
 
 
 def test_streaming_proves_memory_bound(source_db: Database):

@@ -4,15 +4,24 @@ PostgreSQL metadata stores."""
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
+import sqlalchemy
 from sqlalchemy import update
 
 from pgsieve.core.db import session_factory
 from pgsieve.core.migrate import upgrade
 from pgsieve.core.models import ConsumerLock, Source, Subscription, Target, utcnow
-from pgsieve.workers.locks import LockKeeper, release, renew, try_acquire
+from pgsieve.workers.locks import (
+    AdvisoryLocks,
+    LockKeeper,
+    release,
+    renew,
+    renew_owned,
+    try_acquire,
+)
 from tests.integration.test_migrations import pg_metadata_url  # noqa: F401 - fixture
 
 
@@ -92,3 +101,73 @@ def test_keeper_renews_while_held(sessions):
         assert not keeper.lost.is_set()
     with sessions() as s:
         assert s.get(ConsumerLock, "sub1").heartbeat_at > before
+
+
+def test_one_heartbeat_renews_every_lock_of_a_worker(sessions):
+    """A worker holding hundreds of subscriptions renews them all with one statement, and
+    learns which were taken from it (SQLite and PostgreSQL alike)."""
+    with sessions() as s:
+        sub = s.get(Subscription, "sub1")
+        ids = [f"many{i}" for i in range(300)]
+        s.add_all(Subscription(id=i, name=i, source_id=sub.source_id, target_id=sub.target_id,
+                               slot_name=i, publications=["p"]) for i in ids)
+        s.commit()
+    old = utcnow() - timedelta(minutes=5)
+    for i in ids:
+        assert try_acquire(sessions, i, "w1")
+    with sessions() as s:
+        s.execute(update(ConsumerLock).values(heartbeat_at=old))
+        s.commit()
+    statements: list[str] = []
+    engine = sessions.kw["bind"]
+    listen = sqlalchemy.event.listen
+    remove = sqlalchemy.event.remove
+
+    def count(conn, cursor, statement, *args):
+        statements.append(statement)
+
+    listen(engine, "before_cursor_execute", count)
+    try:
+        with sessions() as s:
+            assert renew_owned(s, "w1", set(ids)) == set()
+            s.commit()
+    finally:
+        remove(engine, "before_cursor_execute", count)
+    assert len([st for st in statements if st.lstrip().upper().startswith("UPDATE")]) == 1
+    with sessions() as s:
+        beats = {lock.heartbeat_at for lock in s.query(ConsumerLock)}
+        assert min(beats) > old
+    # Two of them taken over meanwhile: the next heartbeat says which.
+    with sessions() as s:
+        s.execute(update(ConsumerLock).where(ConsumerLock.subscription_id.in_(ids[:2]))
+                  .values(owner="w2"))
+        s.commit()
+    with sessions() as s:
+        assert renew_owned(s, "w1", set(ids)) == set(ids[:2])
+        s.commit()
+
+
+def test_the_advisory_lock_dies_with_its_holder(source_db):
+    """One consumer per slot without waiting for anything to age: the lock lives exactly
+    as long as the holder's connection (a killed process's connection ends with it)."""
+    first = AdvisoryLocks(source_db.dsn)
+    second = AdvisoryLocks(source_db.dsn)
+    try:
+        assert first.try_lock("slot_a") and first.try_lock("slot_b")
+        assert not second.try_lock("slot_a")
+        assert second.try_lock("slot_c"), "other slots are free"
+        first.unlock("slot_b")
+        assert second.try_lock("slot_b")
+        # The holder dies: its backend goes, its locks with it.
+        source_db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                          "application_name = 'pgsieve-lock' AND pid <> %s",
+                          (second.backend_pid,))
+        deadline = time.monotonic() + 10
+        while not second.try_lock("slot_a"):
+            assert time.monotonic() < deadline, "the dead holder's lock stayed"
+            time.sleep(0.05)
+        assert not first.alive()
+        assert second.alive()
+    finally:
+        first.close()
+        second.close()

@@ -19,6 +19,9 @@ from pgsieve.core.settings import Settings
 from pgsieve.workers.celery_app import make_celery
 
 REDIS = "redis://127.0.0.1:6379/11"
+#: `pgsieve worker` refuses to start without real secrets (outside the demo).
+WORKER_SECRETS = {"PGSIEVE_API_TOKEN": "worker-test-token-0123",
+                  "PGSIEVE_SECRET_KEY": "worker-test-secret-0123"}
 
 
 def _heartbeats(url: str) -> dict[str, dict[str, object]]:
@@ -35,7 +38,8 @@ def _run_worker_and_send(tmp_path: Path, broker: str | None) -> dict[str, dict[s
     home = tmp_path / "home"
     db_url = f"sqlite:///{tmp_path / 'meta.db'}"
     upgrade(db_url)
-    env = {**os.environ, "PGSIEVE_HOME": str(home), "PGSIEVE_DATABASE_URL": db_url}
+    env = {**os.environ, "PGSIEVE_HOME": str(home), "PGSIEVE_DATABASE_URL": db_url,
+           **WORKER_SECRETS}
     env.pop("PGSIEVE_BROKER_URL", None)
     queue = f"q-{uuid.uuid4().hex[:8]}"
     if broker:
@@ -90,7 +94,7 @@ def test_every_worker_records_its_own_heartbeat(tmp_path):
     db_url = f"sqlite:///{tmp_path / 'meta.db'}"
     upgrade(db_url)
     env = {**os.environ, "PGSIEVE_HOME": str(tmp_path / "home"), "PGSIEVE_DATABASE_URL": db_url,
-           "PGSIEVE_BROKER_URL": REDIS}
+           "PGSIEVE_BROKER_URL": REDIS, **WORKER_SECRETS}
     queue = f"q-{uuid.uuid4().hex[:8]}"
     procs = [subprocess.Popen(
         [sys.executable, "-m", "pgsieve.cli", "worker", "-Q", queue, "--concurrency=1",

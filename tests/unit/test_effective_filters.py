@@ -147,6 +147,46 @@ def test_for_all_tables_and_schema_publications_make_filters_redundant():
     assert res["sales.o"].initial_sync_filter is None
 
 
+def test_a_filter_on_a_table_whose_schema_the_publication_also_publishes_is_ignored():
+    """``FOR TABLE s.t WHERE (x > 10), TABLES IN SCHEMA s`` (PostgreSQL 15 accepts and
+    stores the WHERE): the schema wins, the table is unfiltered in the stream and in the
+    initial copy, and the ignored filter is explained."""
+    tables = [TableInfo("s", "t", columns=("id", "x")), TableInfo("s", "u"),
+              TableInfo("public", "v")]
+    both = Publication("p", (PublishedTable("s.t", "x > 10"), PublishedTable("public.v", "x > 1")),
+                       schemas=("s",))
+    res = by_table(effective_filters([both], tables))
+    t = res["s.t"]
+    assert t.filter is None
+    assert t.filters == dict.fromkeys(("insert", "update", "delete"))
+    assert t.initial_sync_filter is None
+    assert t.publications == ("p",)
+    assert [(r.publication, r.reason) for r in t.redundant_because] == [
+        ("p", "for_tables_in_schema")]
+    assert res["s.u"].filter is None and res["s.u"].redundant_because == ()
+    assert res["public.v"].filter == "x > 1"  # not in the schema: its filter applies
+    plan = {s.relation: s for s in initial_sync_plan([both], tables)}
+    assert plan["s.t"].filter is None
+    assert plan["public.v"].filter == "x > 1"
+    # with another publication filtering the table, the OR has an unfiltered side
+    other = Publication("q", (PublishedTable("s.t", "x < 0"),))
+    for order in ([both, other], [other, both]):
+        (t2,) = [r for r in effective_filters(order, tables) if r.table == "s.t"]
+        assert t2.filter is None and t2.initial_sync_filter is None
+        assert [r.reason for r in t2.redundant_because] == ["for_tables_in_schema"]
+
+
+def test_redundancy_is_reported_whatever_the_publication_order():
+    t = [TableInfo("public", "t")]
+    filtered = Publication("f", (PublishedTable("t", "a > 1"),))
+    unfiltered = Publication("u", (PublishedTable("t"),))
+    for order in ([filtered, unfiltered], [unfiltered, filtered]):
+        (r,) = effective_filters(order, t)
+        assert r.filter is None
+        assert [(x.publication, x.reason) for x in r.redundant_because] == [
+            ("u", "no_row_filter")]
+
+
 def test_seed_partition_example_via_root_uses_parent_filter():
     p4 = Publication(
         "p4",
@@ -204,7 +244,9 @@ def test_multilevel_partitions_publish_as_topmost_published_ancestor():
     assert res["public.other"].published_as == "public.root"
 
 
-def test_mixed_via_root_settings_are_reported_for_the_initial_copy():
+def test_mixed_via_root_settings_copy_the_partition_once_through_its_root():
+    """TAP 028 parent_sync/child_sync: the child's own publication is overridden by the
+    root published via root, in the stream and (PostgreSQL 16's rule) in the copy."""
     via_root = Publication(
         "vr", (PublishedTable("parent", "a < 5"),), publish_via_partition_root=True
     )
@@ -212,11 +254,75 @@ def test_mixed_via_root_settings_are_reported_for_the_initial_copy():
     (child,) = effective_filters([via_root, leafwise], PARTITIONS)
     assert child.published_as == "public.parent"
     assert child.filter == "a < 5"
+    assert child.initial_sync_filter == "a < 5"
     assert child.publications == ("vr",)
-    assert IssueCode.INITIAL_SYNC_OVERLAP in {i.code for i in child.issues}
-    plan = {s.relation: s for s in initial_sync_plan([via_root, leafwise], PARTITIONS)}
-    assert set(plan) == {"public.parent", "public.child"}
-    assert plan["public.child"].issues[0].code == IssueCode.INITIAL_SYNC_OVERLAP
+    assert child.issues == ()
+    assert [(r.publication, r.reason) for r in child.redundant_because] == [
+        ("lw", "published_via_ancestor")]
+    assert "public.parent" in child.as_dict()["redundant_because"][0]  # type: ignore[index]
+    for order in ([via_root, leafwise], [leafwise, via_root]):
+        plan = {s.relation: s for s in initial_sync_plan(order, PARTITIONS)}
+        # PostgreSQL 15 would also copy public.child on its own (rows twice)
+        assert set(plan) == {"public.parent"}
+        assert plan["public.parent"].filter == "a < 5"
+        assert plan["public.parent"].publications == ("vr",)
+        assert plan["public.parent"].issues == ()
+    # TAP 028 viaroot_part: the partition's publication is via root too, which for a
+    # partition listed alone still publishes it as itself; the root still wins
+    leaf_via_root = Publication("lvr", (PublishedTable("child", "a >= 5"),),
+                                publish_via_partition_root=True)
+    (child,) = effective_filters([via_root, leaf_via_root], PARTITIONS)
+    assert (child.published_as, child.filter, child.publications) == (
+        "public.parent", "a < 5", ("vr",))
+    assert [s.relation for s in initial_sync_plan([leaf_via_root, via_root], PARTITIONS)] == [
+        "public.parent"]
+    # the partition's publication alone: the partition, with its own filter
+    (alone,) = initial_sync_plan([leaf_via_root], PARTITIONS)
+    assert (alone.relation, alone.filter) == ("public.child", "a >= 5")
+
+
+def test_overlapping_column_lists_on_a_partition_tree_use_the_roots():
+    """TAP 031 test_root: different column lists on the root (via root) and on a
+    partition (its own publication) are no conflict: only the root's list applies."""
+    tables = [
+        TableInfo("public", "root", partitioned=True, columns=("a", "b", "c")),
+        TableInfo("public", "root_1", parent="public.root", columns=("a", "b", "c")),
+        TableInfo("public", "root_2", parent="public.root", columns=("a", "b", "c")),
+    ]
+    on_root = Publication("pr", (PublishedTable("root", "a > 50", ("a", "b")),),
+                          publish_via_partition_root=True)
+    on_leaf = Publication("pl", (PublishedTable("root_1", "a < 30", ("a", "c")),))
+    res = by_table(effective_filters([on_root, on_leaf], tables))
+    for leaf in ("public.root_1", "public.root_2"):
+        assert res[leaf].published_as == "public.root"
+        assert res[leaf].columns == ("a", "b")
+        assert res[leaf].filter == "a > 50"
+        assert res[leaf].issues == ()
+    assert [r.reason for r in res["public.root_1"].redundant_because] == [
+        "published_via_ancestor"]
+    assert res["public.root_2"].redundant_because == ()
+    (plan,) = initial_sync_plan([on_root, on_leaf], tables)
+    assert (plan.relation, plan.filter, plan.columns) == ("public.root", "a > 50", ("a", "b"))
+
+
+def test_a_mid_level_via_root_publication_copies_only_its_subtree_once():
+    tables = [
+        TableInfo("public", "root", partitioned=True),
+        TableInfo("public", "mid", partitioned=True, parent="public.root"),
+        TableInfo("public", "leaf", parent="public.mid"),
+        TableInfo("public", "other", parent="public.root"),
+    ]
+    on_mid = Publication("m", (PublishedTable("mid", "a > 1"),), publish_via_partition_root=True)
+    on_root = Publication("r", (PublishedTable("root", None),))  # leafwise
+    plan = {s.relation: s for s in initial_sync_plan([on_mid, on_root], tables)}
+    assert set(plan) == {"public.mid", "public.other"}
+    assert plan["public.mid"].filter == "a > 1"
+    assert plan["public.other"].filter is None
+    res = by_table(effective_filters([on_mid, on_root], tables))
+    assert res["public.leaf"].published_as == "public.mid"
+    assert res["public.other"].published_as == "public.other"
+    # every relation the stream names is copied, and nothing else
+    assert {r.published_as for r in res.values()} == set(plan)
 
 
 def test_publish_operations_are_ored_over_all_levels():
@@ -377,3 +483,35 @@ def test_every_leaf_is_reported_once(via_root: bool):
     assert {r.published_as for r in res} == (
         {"public.root"} if via_root else {f"public.p{i}" for i in range(4)}
     )
+
+
+_TREE = [
+    TableInfo("public", "root", partitioned=True),
+    TableInfo("public", "mid", partitioned=True, parent="public.root"),
+    TableInfo("s", "leaf1", parent="public.mid"),
+    TableInfo("public", "leaf2", parent="public.mid"),
+    TableInfo("s", "leaf3", parent="public.root"),
+    TableInfo("public", "plain"),
+]
+_pub_def = st.tuples(
+    st.sets(st.sampled_from(["public.root", "public.mid", "s.leaf1", "public.leaf2",
+                             "s.leaf3", "public.plain"]), max_size=3),
+    st.sets(st.sampled_from(["public", "s"]), max_size=1),
+    st.booleans(),  # all tables
+    st.booleans(),  # via root
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_pub_def, min_size=1, max_size=3))
+def test_property_the_copy_reads_exactly_the_relations_the_stream_names(
+        defs: list[tuple[set[str], set[str], bool, bool]]):
+    """With PostgreSQL 16's copy, every relation a change is published as is copied, once,
+    and nothing else is: no partition twice (15), no partition's rows without its copy."""
+    pubs = [Publication(f"p{i}", () if every else tuple(PublishedTable(t) for t in sorted(m)),
+                        () if every else tuple(sorted(sch)), every,
+                        publish_via_partition_root=via)
+            for i, (m, sch, every, via) in enumerate(defs)]
+    named = {r.published_as for r in effective_filters(pubs, _TREE)}
+    copied = [s.relation for s in initial_sync_plan(pubs, _TREE)]
+    assert sorted(copied) == sorted(named)

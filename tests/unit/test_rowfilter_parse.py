@@ -67,7 +67,11 @@ def parse_error(text: str) -> tuple[str, int | None]:
         ("a /* ) ; */ > 1", "a > 1", {"a"}),
         ("b = $$x); DROP TABLE t; --$$", "b = 'x); DROP TABLE t; --'", {"b"}),
         ("b = 'it''s'", "b = 'it''s'", {"b"}),
-        ("b = E'a\\\\b'", "b = 'a\\b'", {"b"}),
+        # a backslash in a literal: E'' form, read the same whatever the session's
+        # standard_conforming_strings (issue 17)
+        ("b = E'a\\\\b'", "b = E'a\\\\b'", {"b"}),
+        ("b = 'a\\b'", "b = E'a\\\\b'", {"b"}),
+        ("b = 'it''s \\'", "b = E'it''s \\\\'", {"b"}),
         ("b = U&'\\0041'", "b = 'A'", {"b"}),
         ("true", "TRUE", set()),
         ("NOT flag", "NOT flag", {"flag"}),

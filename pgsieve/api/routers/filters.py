@@ -14,11 +14,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pgsieve.api.deps import (
+    PrincipalDep,
     SecretBoxDep,
     SessionDep,
     SettingsDep,
     load_source,
     load_subscription,
+    may_see_rows,
     source_connection,
 )
 from pgsieve.api.schemas.filters import (
@@ -38,7 +40,11 @@ from pgsieve.core.pubcatalog import (
 from pgsieve.core.rowfilter.catalog import SourceConnectionError, read_table_facts
 from pgsieve.core.rowfilter.effective import effective_filters
 from pgsieve.core.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
-from pgsieve.core.rowfilter.preview import FilterPreview, preview_filter
+from pgsieve.core.rowfilter.preview import (
+    SAMPLE_COUNT_TIMEOUT_MS,
+    FilterPreview,
+    preview_filter,
+)
 from pgsieve.core.rowfilter.rules import normalize_publish
 from pgsieve.core.rowfilter.updates import RowImages, evaluate_updates
 
@@ -139,6 +145,57 @@ def _update_transformations(
     return {**out, **result.as_dict(), "notes": [*result.notes, *notes]}
 
 
+def _sample_columns(conn: psycopg.Connection[Any], body: FilterPreviewRequest) -> list[str] | None:
+    """The columns the sample may show: the named publication's column list for the table
+    (as the source catalog has it), narrowed to ``body.columns``; None: every column."""
+    if body.publication is None and body.columns is None:
+        return None
+    try:
+        schema, name = parse_table_name(body.table)
+    except TableNameError:
+        return None  # the verdict refuses the table name; no sample is taken
+    facts = read_table_facts(conn, body.table)
+    if facts is None:
+        return None  # the verdict says the table does not exist
+    existing = [c.name for c in facts.columns]
+    published: list[str] | None = None
+    if body.publication is not None:
+        exists = conn.execute("SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = %s",
+                              (body.publication,)).fetchone()
+        if exists is None:
+            raise Unprocessable(f"the source has no publication '{body.publication}'",
+                                code="publication_not_found", field="publication")
+        row = conn.execute(
+            "SELECT attnames FROM pg_catalog.pg_publication_tables "
+            "WHERE pubname = %s AND schemaname = %s AND tablename = %s",
+            (body.publication, schema, name)).fetchone()
+        if row is None:
+            raise Unprocessable(
+                f"publication '{body.publication}' does not publish {body.table}",
+                code="table_not_in_publication", field="publication")
+        published = [str(c) for c in row[0]]
+    if body.columns is None:
+        return published
+    unknown = [c for c in body.columns if c not in existing]
+    if unknown:
+        raise Unprocessable(f"{body.table} has no column {', '.join(unknown)}",
+                            code="unknown_column", field="columns", columns=unknown)
+    if published is not None:
+        hidden = [c for c in body.columns if c not in published]
+        if hidden:
+            raise Unprocessable(
+                f"publication '{body.publication}' does not publish column(s) "
+                f"{', '.join(hidden)}", code="column_not_published", field="columns",
+                columns=hidden)
+    return list(dict.fromkeys(body.columns))
+
+
+def _only(columns: list[str] | None, image: Any) -> Any:
+    if columns is None or not isinstance(image, dict):
+        return image
+    return {k: v for k, v in image.items() if k in columns}
+
+
 @router.post("/sources/{source_id}/filter-preview", response_model=FilterPreviewResponse)
 def filter_preview(
     source_id: str,
@@ -146,13 +203,22 @@ def filter_preview(
     session: SessionDep,
     settings: SettingsDep,
     box: SecretBoxDep,
+    principal: PrincipalDep,
 ) -> dict[str, Any]:
     """Validation verdict (with PostgreSQL's own dry run), replica identity, row counts
     (true / NULL), sample rows; ``estimated`` when counted from a TABLESAMPLE. A filter
     PostgreSQL cannot evaluate on some existing row is ``valid: false`` with
     ``filter_evaluation_error``; a step out of time leaves a ``preview_incomplete``
     warning. With ``subscription_id``: ``update_transformations``, Table 31.1 over the
-    subscription's recent UPDATEs of the table, evaluated by PostgreSQL. Read-only."""
+    subscription's recent UPDATEs of the table, evaluated by PostgreSQL. Read-only.
+
+    Row data (``sample``, the UPDATE examples) is for operator and admin tokens; a viewer
+    gets the counts and a ``sample_withheld`` warning. With ``publication`` (or
+    ``columns``) the rows carry only the published (or named) columns; without either,
+    every column, as a publication without a column list would send them."""
+    rows_allowed = may_see_rows(principal)
+    if not rows_allowed:
+        body = body.model_copy(update={"sample_size": 0, "examples": 0})
     source = load_source(session, source_id)
     sub: Subscription | None = None
     if body.subscription_id is not None:
@@ -163,6 +229,7 @@ def filter_preview(
                 code="subscription_source_mismatch")
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         try:
+            columns = _sample_columns(conn, body)
             preview = preview_filter(
                 conn,
                 body.table,
@@ -171,14 +238,31 @@ def filter_preview(
                 publish_via_partition_root=body.publish_via_partition_root,
                 sample_size=body.sample_size,
                 exact_row_limit=settings.preview_exact_row_limit,
+                # no step of a preview may outlast the control-plane statement timeout,
+                # whatever the filter costs per row (repeat(note, 100000000) …)
+                count_timeout_ms=min(1500, settings.statement_timeout_ms),
+                sample_timeout_ms=min(SAMPLE_COUNT_TIMEOUT_MS, settings.statement_timeout_ms),
+                columns=columns,
             )
             updates = (_update_transformations(conn, session, sub, body, preview)
                        if sub is not None else None)
+            if updates is not None and columns is not None:
+                for shown in updates.get("examples", {}).values():
+                    for example in shown:
+                        example["old"] = _only(columns, example.get("old"))
+                        example["new"] = _only(columns, example.get("new"))
         except SourceConnectionError as exc:
             raise Unreachable(f"lost the connection to the source: {exc}") from None
         except TableNameError as exc:  # pragma: no cover - the verdict already refused it
             raise Unprocessable(str(exc), code="invalid_table_name") from None
-    return {**preview.as_dict(), "update_transformations": updates}
+    out = {**preview.as_dict(), "update_transformations": updates,
+           "sample_columns": columns}
+    if not rows_allowed:
+        out["warnings"] = [*out["warnings"], {
+            "code": "sample_withheld",
+            "message": f"sample rows are shown to operator and admin tokens; token "
+                       f"'{principal.name}' is a {principal.role.name}"}]
+    return out
 
 
 def _effective(conn: psycopg.Connection[Any], names: list[str]) -> dict[str, Any]:

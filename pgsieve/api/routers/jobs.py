@@ -97,6 +97,7 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
         "reason": job.details.get("reason"),
         "attempts": int(job.details.get("attempts", 0)),
         "last_error": job.details.get("last_error"),
+        "spark": job.details.get("spark"),
         "created_at": job.created_at,
         "started_at": job.started_at,
         "finished_at": job.finished_at,

@@ -50,6 +50,7 @@ from pgsieve.core.publications import (
     normalize_definition,
     publication_lock,
     restore,
+    unapplied_filters,
     validate_definition,
 )
 from pgsieve.core.rowfilter.effective import Publication, PublishedTable
@@ -146,6 +147,10 @@ def _out(
     shown = desired if desired is not None else live.definition if live else None
     assert shown is not None
     differences = drift(desired, live) if desired is not None else []
+    notes = list(warnings or [])
+    noted = {(w.code, w.table) for w in notes}
+    # filters the definition lists that PostgreSQL does not apply, on every read
+    notes += [w for w in unapplied_filters(shown) if (w.code, w.table) not in noted]
     return {
         "name": name,
         "managed": managed,
@@ -153,7 +158,7 @@ def _out(
         "live": _live_out(live),
         "drift": [d.as_dict() for d in differences],
         "in_sync": not differences,
-        "warnings": [w.as_dict() for w in warnings or []],
+        "warnings": [w.as_dict() for w in notes],
         "dry_run": dry_run,
     }
 

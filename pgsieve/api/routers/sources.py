@@ -42,7 +42,10 @@ def create_source(
     parse_dsn(body.dsn)  # InvalidDsn -> 422 invalid_dsn before any network traffic
     if session.scalar(select(Source.id).where(Source.name == body.name)):
         raise _name_taken(body.name)
-    with connect(body.dsn, connect_timeout=settings.connect_timeout) as conn:
+    # connection_not_allowed (422) before any traffic to a host outside the allow-list
+    with connect(body.dsn, connect_timeout=settings.connect_timeout,
+                 policy=settings.connection_policy(),
+                 statement_timeout_ms=settings.statement_timeout_ms) as conn:
         info = inspect_server(conn)
     check_source(info)
     source = Source(

@@ -122,13 +122,16 @@ def default_slot_name(subscription_name: str) -> str:
 
 def published_relations(conn: Any, publications: list[str]) -> list[str]:
     """The relations the stream will name (``published_as``), after PostgreSQL's rules;
-    a combination PostgreSQL refuses (conflicting column lists, ...) is a 422."""
+    a combination PostgreSQL refuses (conflicting column lists, ...) is a 422.
+
+    Publications overlapping on one partition tree (a root published via root, one of its
+    partitions on its own) are accepted, as PostgreSQL accepts them: the partition's rows
+    travel, and are copied once, under the root (PostgreSQL 16's initial copy)."""
     pubs = read_publications(conn, publications)
     filters = effective_filters(pubs, read_tables(conn))
     for f in filters:
         for issue in f.issues:
-            if str(issue.code) in {"conflicting_column_lists", "initial_sync_overlap",
-                                   "invalid_row_filter"}:
+            if str(issue.code) in {"conflicting_column_lists", "invalid_row_filter"}:
                 raise Unprocessable(f"{f.table}: {issue.message}", code=str(issue.code))
     return sorted({f.published_as for f in filters})
 

@@ -50,7 +50,8 @@ def create_target(
     if session.scalar(select(Target.id).where(Target.name == body.name)):
         raise _name_taken(body.name)
     with connect(
-        body.dsn, unreachable_code="target_unreachable", connect_timeout=settings.connect_timeout
+        body.dsn, unreachable_code="target_unreachable", connect_timeout=settings.connect_timeout,
+        policy=settings.connection_policy(), statement_timeout_ms=settings.statement_timeout_ms,
     ) as conn:
         info = inspect_server(conn)
     check_server_version(info)

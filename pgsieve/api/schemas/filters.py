@@ -30,7 +30,18 @@ class FilterPreviewRequest(StrictModel):
                     "false); a filter on a partitioned table needs true, and its counts then "
                     "cover every partition",
     )
-    sample_size: int = Field(default=10, ge=0, le=100)
+    sample_size: int = Field(
+        default=10, ge=0, le=100,
+        description="sample rows to return (operator and admin tokens; a viewer gets none)")
+    publication: Annotated[str, NoNul] | None = Field(
+        default=None, min_length=1, max_length=63,
+        description="a publication on the source that publishes the table: the sample shows "
+                    "only the columns it publishes (its column list)")
+    columns: list[Annotated[str, NoNul]] | None = Field(
+        default=None, min_length=1, max_length=1600,
+        description="show only these columns in the sample (within the publication's "
+                    "column list when both are given); default: the publication's column "
+                    "list, or every column without a publication")
     subscription_id: Annotated[str, NoNul] | None = Field(
         default=None, min_length=1, max_length=64,
         description="also try the filter on this subscription's recent UPDATEs of the table "
@@ -87,5 +98,7 @@ class FilterPreviewResponse(BaseModel):
     matching_rows: int | None
     null_rows: int | None = Field(description="rows where the filter is NULL: not replicated")
     sample: list[dict[str, Any]]
+    sample_columns: list[str] | None = Field(
+        default=None, description="the columns the sample rows carry (null: every column)")
     estimated: bool
     update_transformations: UpdateTransformations | None = None

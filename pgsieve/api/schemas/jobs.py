@@ -124,6 +124,12 @@ class JobOut(BaseModel):
         "publication change reconciled: reconcile; a failed table retried: retry)")
     attempts: int = 0
     last_error: str | None = None
+    spark: dict[str, Any] | None = Field(
+        default=None,
+        description="what Spark ran for this job (its job group pgsieve-sync-<id>): "
+        "{job_group, jobs: [{spark_job_id, status, stages: [{stage_id, tasks, completed, "
+        "failed}]}], executors, task_failures}; null when no Spark job ran (a table copied "
+        "in one stream is piped by the worker itself)")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -26,12 +26,23 @@ class TableProgress(BaseModel):
     error: str | None
 
 
+class ConsumerWorkerOut(BaseModel):
+    worker: str = Field(description="the Celery worker whose scheduler holds the subscription")
+    subscriptions_held: int = Field(description="subscriptions that worker holds")
+    turn_wait_p50_seconds: float = Field(
+        description="median wait of a due subscription for its turn there (last minute)")
+    turn_wait_p99_seconds: float
+    reported_at: str | None
+
+
 class ConsumerOut(BaseModel):
     alive: bool = Field(description="a consumer holds the lock with a heartbeat under 30 s old")
     owner: str | None
     heartbeat_at: str | None
     heartbeat_age_seconds: float | None
     cycles: int | None
+    worker: ConsumerWorkerOut | None = Field(
+        default=None, description="the worker holding it and its scheduler's report")
 
 
 class ProgressOut(BaseModel):

@@ -11,19 +11,29 @@ The rules mirrored here (PostgreSQL 15):
 * Changes are produced by leaf tables. A leaf is published *as* itself, or as its
   topmost ancestor that a ``publish_via_partition_root`` publication includes; the
   highest such ancestor over all publications wins, and only the publications that
-  publish it at that level contribute filters and column lists ("rel publications").
+  publish it at that level contribute filters and column lists ("rel publications");
+  the others' filters and lists for the leaf are never used (``published_via_ancestor``).
   Publish operations are ORed over *all* publications that publish the leaf.
 * Per DML operation (INSERT/UPDATE/DELETE), the filters of the rel publications that
   publish that operation are ORed. A rel publication without a filter for the relation,
   a FOR ALL TABLES publication, or a FOR TABLES IN SCHEMA publication covering the
   relation's schema makes the filter for its operations disappear (all rows).
   TRUNCATE is never filtered.
+* A publication that lists a table with a WHERE *and* publishes the table's schema
+  (``FOR TABLE s.t WHERE (…), TABLES IN SCHEMA s``, which PostgreSQL 15 accepts and
+  stores) publishes the table unfiltered: schema membership wins, in the stream and in
+  the initial copy alike (``pg_publication_tables`` shows no ``rowfilter`` for it).
 * Column lists: a FOR ALL TABLES / schema publication or a member without a list means
   "all columns"; a list naming every column is the same as none. Different lists across
   the rel publications are an error in PostgreSQL 15 (``conflicting_column_lists``).
 * Initial sync ignores publish operations: a relation is copied once per relation listed
   by ``pg_publication_tables`` for the publications, with the OR of the members'
-  filters, or no filter if any member has none.
+  filters, or no filter if any member has none. A relation whose ancestor is also
+  listed (publications that mix ``publish_via_partition_root`` true and false over one
+  partition tree) is *not* copied on its own: its rows come with the ancestor's copy,
+  under the ancestor's filter and column list — as its changes do. That is PostgreSQL
+  16's rule; PostgreSQL 15 copies such a partition a second time (a bug fixed in 16 and
+  not back-patched), which pgsieve deliberately does not reproduce.
 
 Unparseable filters (which PostgreSQL would never have stored) are combined as ``false``
 — fail closed, never leak rows a filter was meant to hide — and reported as
@@ -105,7 +115,9 @@ class TableInfo:
         return quote_qualified(self.schema, self.name)
 
 
-RedundancyReason = Literal["no_row_filter", "for_all_tables", "for_tables_in_schema"]
+RedundancyReason = Literal[
+    "no_row_filter", "for_all_tables", "for_tables_in_schema", "published_via_ancestor"
+]
 
 
 @dataclass(frozen=True)
@@ -115,8 +127,16 @@ class Redundancy:
     publication: str
     reason: RedundancyReason
     operations: tuple[str, ...]
+    #: for ``published_via_ancestor``: the relation the changes are published as
+    published_as: str | None = None
 
     def describe(self) -> str:
+        if self.reason == "published_via_ancestor":
+            return (f"publication {self.publication}'s own row filter / column list for the "
+                    f"table is not used: its changes are published as {self.published_as} "
+                    "(publish_via_partition_root of a publication including that ancestor), "
+                    "with that publication's filter and column list "
+                    f"({', '.join(self.operations)})")
         what = {
             "no_row_filter": "publishes the table without a row filter",
             "for_all_tables": "is FOR ALL TABLES",
@@ -273,6 +293,22 @@ class _Model:
     def member(self, pub: Publication, key: _Key) -> PublishedTable | None:
         return self.members[pub.name].get(key)
 
+    def covers_schema(self, pub: Publication, key: _Key) -> bool:
+        """FOR ALL TABLES, or FOR TABLES IN SCHEMA of the table's schema: PostgreSQL then
+        uses no row filter and no column list of the publication for the table, even one
+        stored for it in ``pg_publication_rel`` (``FOR TABLE s.t WHERE (…), TABLES IN
+        SCHEMA s`` is accepted and the WHERE is never applied)."""
+        return pub.all_tables or key[0] in pub.schemas
+
+    def declared_where(self, pub: Publication, key: _Key) -> str | None:
+        """The row filter stored for the table in the publication, applied or not."""
+        member = None if pub.all_tables else self.member(pub, key)
+        return member.where if member is not None else None
+
+    def applied_where(self, pub: Publication, key: _Key) -> str | None:
+        """The row filter PostgreSQL applies for the publication (None: all rows)."""
+        return None if self.covers_schema(pub, key) else self.declared_where(pub, key)
+
     def normalized(self, where: str, pub: Publication, key: _Key) -> str:
         """The filter's normalized text; ``false`` (fail closed) if it cannot be parsed."""
         if where not in self._normalized:
@@ -295,7 +331,7 @@ class _Model:
 
     def column_list(self, pub: Publication, key: _Key) -> tuple[str, ...] | None:
         """The member's column list, None for "all columns" (as pgoutput treats it)."""
-        if pub.all_tables:
+        if self.covers_schema(pub, key):
             return None
         member = self.member(pub, key)
         if member is None or member.columns is None:
@@ -395,28 +431,22 @@ def _initial_sync(model: _Model) -> dict[_Key, InitialSync]:
     for pub in model.publications:
         for key in _publication_relations(model, pub):
             listed.setdefault(key, []).append(pub)
+    # PostgreSQL 16's fetch_table_list (pg_get_publication_tables over all the
+    # publications, then filter_partitions): a relation with a listed ancestor is copied
+    # by that ancestor's copy, not on its own. Only publish_via_partition_root
+    # publications list partitioned tables, so this drops nothing otherwise.
+    listed = {k: pubs for k, pubs in listed.items()
+              if not any(a in listed for a in model.ancestors(k))}
     plan: dict[_Key, InitialSync] = {}
     for key, pubs in listed.items():
         quals: list[str | None] = []
         lists: list[tuple[str, tuple[str, ...] | None]] = []
         for pub in pubs:
-            member = None if pub.all_tables else model.member(pub, key)
-            where = member.where if member is not None else None
+            where = model.applied_where(pub, key)
             quals.append(None if where is None else model.normalized(where, pub, key))
             lists.append((pub.name, model.column_list(pub, key)))
         row_filter = None if any(q is None for q in quals) else _or([q for q in quals if q])
         columns, issues = _combine_columns(model, key, lists)
-        overlap = [a for a in model.ancestors(key) if a in listed]
-        if overlap:
-            issues.append(
-                FilterIssue(
-                    IssueCode.INITIAL_SYNC_OVERLAP,
-                    f"{quote_qualified(*key)} is copied on its own and again through "
-                    f"{quote_qualified(*overlap[-1])} (publications mix "
-                    "publish_via_partition_root true and false): PostgreSQL 15 would copy "
-                    "these rows twice",
-                )
-            )
         plan[key] = InitialSync(
             relation=quote_qualified(*key),
             filter=row_filter,
@@ -440,8 +470,9 @@ def initial_sync_plan(
 
 def _published_as(
     model: _Model, key: _Key
-) -> tuple[_Key, list[Publication], set[str]] | None:
-    """``get_rel_sync_entry``: the relation published as, rel publications, operations."""
+) -> tuple[_Key, list[Publication], set[str], list[tuple[Publication, _Key]]] | None:
+    """``get_rel_sync_entry``: the relation published as, rel publications, operations,
+    and the publications that publish the leaf at a lower level (with their relation)."""
     ancestors = model.ancestors(key)
     entries: list[tuple[Publication, _Key, int]] = []
     operations: set[str] = set()
@@ -466,7 +497,8 @@ def _published_as(
         return None
     best = max(level for _, _, level in entries)
     rel = next(r for _, r, level in entries if level == best)
-    return rel, [p for p, _, level in entries if level == best], operations
+    lower = [(p, r) for p, r, level in entries if level < best]
+    return rel, [p for p, _, level in entries if level == best], operations, lower
 
 
 def effective_filters(
@@ -482,21 +514,25 @@ def effective_filters(
         found = _published_as(model, key)
         if found is None:
             continue
-        rel, rel_pubs, operations = found
+        rel, rel_pubs, operations, lower = found
         no_filter = dict.fromkeys(DML_OPERATIONS, False)
         row_filters: dict[str, list[str]] = {op: [] for op in DML_OPERATIONS}
+        # operations for which some publication *declares* a filter for the table, used
+        # or not: those are the filters a reader expects and redundant_because explains
+        declared: set[str] = set()
         redundancies: list[Redundancy] = []
         for pub in rel_pubs:
             reason: RedundancyReason | None = None
-            member = model.member(pub, rel)
-            where = member.where if member is not None else None
+            pub_ops = tuple(op for op in DML_OPERATIONS if op in pub.publish)
+            if model.declared_where(pub, rel) is not None:
+                declared |= set(pub_ops)
+            where = model.applied_where(pub, rel)
             if pub.all_tables:
                 reason = "for_all_tables"
             elif rel[0] in pub.schemas:
                 reason = "for_tables_in_schema"
             elif where is None:
                 reason = "no_row_filter"
-            pub_ops = tuple(op for op in DML_OPERATIONS if op in pub.publish)
             if reason is not None or where is None:
                 for op in pub_ops:
                     no_filter[op] = True
@@ -505,16 +541,21 @@ def effective_filters(
                 continue
             text = model.normalized(where, pub, rel)
             for op in pub_ops:
-                if not no_filter[op]:
-                    row_filters[op].append(text)
+                row_filters[op].append(text)
+        for pub, pub_rel in lower:
+            member = None if pub.all_tables else model.member(pub, pub_rel)
+            pub_ops = tuple(op for op in DML_OPERATIONS if op in pub.publish)
+            if member is not None and (member.where is not None or member.columns is not None):
+                redundancies.append(Redundancy(pub.name, "published_via_ancestor", pub_ops,
+                                               quote_qualified(*rel)))
         filters = {
             op: None if no_filter[op] else _or(row_filters[op])
             for op in DML_OPERATIONS
             if op in operations
         }
-        filtered_ops = {op for op in DML_OPERATIONS if row_filters[op]}
         redundant = tuple(
-            r for r in redundancies if filtered_ops & set(r.operations)
+            r for r in redundancies
+            if r.reason == "published_via_ancestor" or declared & set(r.operations)
         )
         columns, issues = _combine_columns(
             model, rel, [(p.name, model.column_list(p, rel)) for p in rel_pubs]
@@ -523,10 +564,6 @@ def effective_filters(
         issues += list(model.issues.get(rel, []))
         if rel != key:
             issues += list(model.issues.get(key, []))
-        if plan is not None:
-            issues += [i for i in plan.issues if i.code == IssueCode.INITIAL_SYNC_OVERLAP]
-        if key in sync and rel != key:
-            issues += [i for i in sync[key].issues if i.code == IssueCode.INITIAL_SYNC_OVERLAP]
         results.append(
             EffectiveFilter(
                 table=quote_qualified(*key),

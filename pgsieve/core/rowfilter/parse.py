@@ -42,6 +42,7 @@ __all__ = [
     "IssueCode",
     "ParsedFilter",
     "TableNameError",
+    "deparse",
     "parse_filter",
     "parse_table_name",
     "quote_ident",
@@ -203,6 +204,8 @@ class IssueCode(StrEnum):
     # combining publications (effective.py)
     CONFLICTING_COLUMN_LISTS = "conflicting_column_lists"
     INVALID_ROW_FILTER = "invalid_row_filter"
+    #: no longer reported: pgsieve copies a partition published through an ancestor once,
+    #: with the ancestor (PostgreSQL 16's rule); kept so the code keeps its meaning
     INITIAL_SYNC_OVERLAP = "initial_sync_overlap"
     UNKNOWN_PUBLISHED_TABLE = "unknown_published_table"
     # warnings
@@ -532,10 +535,33 @@ def parse_filter(text: str) -> ParsedFilter:
     )
 
 
+class SafeStream(RawStream):
+    """pglast's deparser, with string constants that read the same under every setting.
+
+    ``'x\\'`` is the two characters ``x\\`` with ``standard_conforming_strings = on``; with
+    it off the backslash escapes the closing quote and the literal runs on into whatever
+    follows. So a literal containing a backslash is written ``E'…'`` (backslashes doubled),
+    which PostgreSQL reads the same way whatever the session's setting.
+    Sessions pin the setting too (:mod:`pgsieve.core.connpolicy`); this is the second wall.
+    """
+
+    def write_quoted_string(self, s: str) -> None:
+        if "\\" in s:
+            escaped = s.replace("\\", "\\\\").replace("'", "''")
+            self.write(f"E'{escaped}'")
+        else:
+            super().write_quoted_string(s)
+
+
+def deparse(node: ast.Node) -> str:
+    """The SQL text of an expression tree (see :class:`SafeStream`)."""
+    return str(SafeStream()(node)).strip()
+
+
 def _normalize(where: ast.Node) -> str:
     """Deparse and prove the deparse faithful by re-parsing it to an equal tree."""
     try:
-        normalized = str(RawStream()(where)).strip()
+        normalized = deparse(where)
         reparsed = _parse_wrapped(normalized)
         same = reparsed is not None and reparsed == where
     except RecursionError as exc:

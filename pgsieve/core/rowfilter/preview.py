@@ -1,10 +1,14 @@
 """Filter preview: what a candidate row filter would replicate, on the real data.
 
-Validation first (:func:`~.catalog.validate_filter`); then, only for a valid filter, counts
+Validation first (:func:`~.catalog.validate_filter`); then, for a valid filter, counts
 and a sample in a READ ONLY transaction under a statement timeout (the steps of
-:mod:`.evaluate`). Plain SELECTs take ACCESS SHARE locks only, so writers are never
-blocked. Counting a big table exactly can
-take long, so past ``exact_row_limit`` estimated rows, or when the exact count exceeds its
+:mod:`.evaluate`). A filter refused only because it uses columns outside the replica
+identity while UPDATE/DELETE are published is measured too (``valid: false`` with its
+errors, and the counts): the expression itself is sound — it validates in full for an
+insert-only publication, PostgreSQL's own dry run included — and someone about to fix
+their replica identity wants to see what the filter matches. Plain SELECTs take ACCESS
+SHARE locks only, so writers are never blocked. Counting a big table exactly can take
+long, so past ``exact_row_limit`` estimated rows, or when the exact count exceeds its
 time budget, the counts come from a ``TABLESAMPLE SYSTEM`` sample scaled to the table's
 current size (pages on disk times rows per page from the statistics), and ``estimated`` is
 true; when the planner can count the matching rows without reading the table (an index
@@ -28,7 +32,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -52,6 +56,7 @@ from pgsieve.core.rowfilter.evaluate import (
     tablesample,
 )
 from pgsieve.core.rowfilter.parse import FilterIssue, IssueCode, parse_table_name, quote_qualified
+from pgsieve.core.rowfilter.rules import normalize_publish
 from pgsieve.core.rowfilter.updates import unqualified_filter
 
 DEFAULT_SAMPLE_SIZE = 10
@@ -102,25 +107,38 @@ def preview_filter(
     count_timeout_ms: int = 1500,
     sample_rows: int = 200_000,
     sample_timeout_ms: int = SAMPLE_COUNT_TIMEOUT_MS,
+    columns: Sequence[str] | None = None,
 ) -> FilterPreview:
-    """Validate ``where_text`` for ``table`` and, if valid, measure it on the data.
+    """Validate ``where_text`` for ``table`` and, if valid — or refused only for the
+    replica identity — measure it on the data.
 
     ``publish_via_partition_root`` is the publication option the filter is meant for
     (a partitioned table's own filter needs it true; the counts then cover every
     partition). Raises only :class:`SourceConnectionError` (the connection was lost)."""
     validation = validate_filter(conn, table, where_text, publish, publish_via_partition_root)
-    if not validation.valid or validation.normalized is None:
+    measurable = _measurable(conn, table, where_text, publish, publish_via_partition_root,
+                             validation)
+    if measurable is not validation and measurable is not None:
+        if measurable.valid:
+            # the verdict stays the requested publication's; the expression's own
+            # warnings (NULL handling, constants) still help read the counts
+            validation = replace(validation, warnings=measurable.warnings)
+        else:
+            # what the replica-identity error had cut short found more wrong with it
+            validation = replace(validation, errors=tuple(dict.fromkeys(
+                (*validation.errors, *measurable.errors))))
+    if measurable is None or not measurable.valid or measurable.normalized is None:
         return FilterPreview(validation)
     schema, name = parse_table_name(table)
     target = sql.Identifier(schema, name)
     # Only the pglast-normalized single expression (re-parsed by validation) gets here,
     # without column qualifiers: the sample query aliases the table.
-    normalized = validation.normalized
-    if validation.parsed is not None:
-        normalized = unqualified_filter(validation.parsed).normalized
+    normalized = measurable.normalized
+    if measurable.parsed is not None:
+        normalized = unqualified_filter(measurable.parsed).normalized
     expr = sql.SQL(normalized)
     sample_size = max(0, min(sample_size, MAX_SAMPLE_SIZE))
-    run = _Run(conn, target, expr, time.monotonic() + count_timeout_ms / 1000)
+    run = _Run(conn, target, expr, time.monotonic() + count_timeout_ms / 1000, columns)
     try:
         with read_only(conn):
             return run.measure(validation, schema, name, sample_size, exact_row_limit,
@@ -134,6 +152,35 @@ def preview_filter(
         return FilterPreview(validation, notes=tuple(run.notes))
 
 
+#: Errors that concern the publication the filter would be in, not the expression: a filter
+#: refused only for these can still be evaluated on the table's rows.
+_PUBLICATION_ONLY_ERRORS = frozenset({IssueCode.COLUMN_NOT_IN_REPLICA_IDENTITY})
+
+
+def _measurable(
+    conn: psycopg.Connection[Any],
+    table: str,
+    where_text: str,
+    publish: Iterable[str] | str | None,
+    publish_via_partition_root: bool,
+    validation: FilterValidation,
+) -> FilterValidation | None:
+    """The validation of the expression to run on the rows: ``validation`` itself; for a
+    filter refused only for its replica identity, the same filter validated for the
+    operations that need none (insert, truncate), which also runs the checks the identity
+    error cut short (objects resolved, PostgreSQL's dry run). Only a valid result is
+    evaluated; None when nothing can be."""
+    if validation.valid:
+        return validation
+    if validation.parsed is None or not validation.errors or any(
+            e.code not in _PUBLICATION_ONLY_ERRORS for e in validation.errors):
+        return None
+    ops, _ = normalize_publish(publish)
+    without_identity = sorted(ops - {"update", "delete"}) or ["insert"]
+    return validate_filter(conn, table, where_text, without_identity,
+                           publish_via_partition_root)
+
+
 def _remaining_ms(deadline: float) -> int:
     return max(1, int((deadline - time.monotonic()) * 1000))
 
@@ -142,8 +189,10 @@ class _Run:
     """One preview's steps and the warnings they leave."""
 
     def __init__(self, conn: psycopg.Connection[Any], target: sql.Composable,
-                 expr: sql.Composable, deadline: float) -> None:
+                 expr: sql.Composable, deadline: float,
+                 columns: Sequence[str] | None = None) -> None:
         self.conn = conn
+        self.columns = None if columns is None else list(columns)
         self.target = target
         self.expr = expr
         self.deadline = deadline
@@ -251,9 +300,15 @@ class _Run:
         """Up to ``n`` matching rows; and whether the query was cut short."""
         if n == 0:
             return [], False
-        query = sql.SQL("SELECT to_jsonb(t) FROM {t} AS t{s} WHERE ({e}) LIMIT {n}").format(
-            t=self.target, e=self.expr, n=sql.Literal(n),
-            s=tablesample(percent) if percent is not None else sql.SQL(""))
+        # Only the published columns leave the source: the row is built from them alone.
+        projection: sql.Composable = sql.SQL("t.*") if self.columns is None else sql.SQL(
+            ", ").join(sql.SQL("t.{}").format(sql.Identifier(c)) for c in self.columns)
+        if self.columns == []:
+            projection = sql.SQL("")
+        query = sql.SQL(
+            "SELECT to_jsonb(r) FROM (SELECT {p} FROM {t} AS t{s} WHERE ({e}) LIMIT {n}) AS r"
+        ).format(p=projection, t=self.target, e=self.expr, n=sql.Literal(n),
+                 s=tablesample(percent) if percent is not None else sql.SQL(""))
         try:
             return [dict(r[0]) for r in run_step(self.conn, query, timeout_ms)], False
         except (StepCancelled, StepError):

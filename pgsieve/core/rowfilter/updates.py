@@ -35,7 +35,6 @@ from typing import Any, Literal
 import psycopg
 from pglast import ast
 from pglast.parser import ParseError, parse_sql
-from pglast.stream import RawStream
 from psycopg import sql
 
 from pgsieve.core.rowfilter.parse import (
@@ -44,6 +43,7 @@ from pgsieve.core.rowfilter.parse import (
     IssueCode,
     ParsedFilter,
     child_nodes,
+    deparse,
     parse_filter,
     parse_table_name,
 )
@@ -134,7 +134,7 @@ def unqualified_filter(parsed: ParsedFilter) -> ParsedFilter:
             node.fields = tuple(node.fields or ())[-1:]
         else:
             stack.extend(child_nodes(node))
-    return parse_filter(str(RawStream()(root)))
+    return parse_filter(deparse(root))
 
 
 # --------------------------------------------------------------------------------------

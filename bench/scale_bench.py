@@ -1,0 +1,464 @@
+"""Many filtered subscriptions on ONE pgsieve worker vs native replication (issue 16).
+
+Usage:  .venv/bin/python -m bench.scale_bench [--subscriptions 10,50,100] [--rate 2000]
+            [--seconds 60] [--warmup 10] [--idle 200] [--idle-seconds 60] [--no-native]
+
+Per N: one source with one publication per tenant (``ev`` and ``probe`` WHERE tenant =
+k), N pgsieve subscriptions (one target database each, ``copy_data: false``) served by
+ONE ``pgsieve worker`` at its defaults, and — side by side, fed the same stream — N
+native subscriptions (one database each on a cluster of their own, with
+``max_logical_replication_workers`` etc. raised as native needs). The workload commits
+``--rate`` changes/s in 10-change transactions on random tenants; each also stamps the
+tenant's ``probe`` row with its commit-time clock. Every 0.5 s each subscriber's probe
+row is read: lag = now − the commit time of the oldest transaction of that tenant the
+subscriber does not hold yet (0 when it holds them all). Reported per system: the worst
+subscription's p50 and p99 lag, the median subscription's p50; RSS of the pgsieve worker
+(its process group, Spark's JVM included) and of native's apply workers and walsenders;
+CPU of the source, the targets, and the source's decoding per subscription (every slot
+decodes all of the WAL, as native's walsenders do).
+
+``--idle M``: M subscriptions whose tenants get no changes while the source writes
+unrelated WAL at ``--rate``: the worker's CPU and the WAL each slot retains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import secrets
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+from fastapi.testclient import TestClient
+
+from pgsieve.api.app import create_app
+from pgsieve.core.migrate import upgrade
+from pgsieve.core.pgcluster import LocalCluster, free_port
+from pgsieve.core.settings import Settings
+
+SCHEMA = """
+CREATE TABLE ev (tenant int, id bigint, val text, PRIMARY KEY (tenant, id));
+CREATE TABLE probe (tenant int PRIMARY KEY, ts timestamptz NOT NULL);
+"""
+CHANGES_PER_TXN = 10
+REDIS_URL = "redis://127.0.0.1:6379/15"
+TOKEN = secrets.token_urlsafe(16)
+SECRET_KEY = secrets.token_urlsafe(16)
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+# -- processes: RSS and CPU from /proc ------------------------------------------------------
+
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgrp, cpu ticks) of a live process."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[2]), int(fields[11]) + int(fields[12])
+
+
+def _rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+class CpuMeter:
+    """CPU seconds of a set of processes, sampled: the growth of each process's ticks
+    between its first and last sighting (short-lived backends are missed)."""
+
+    def __init__(self) -> None:
+        self.first: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+
+    def see(self, pid: int, ticks: int) -> None:
+        self.first.setdefault(pid, ticks)
+        self.last[pid] = ticks
+
+    def seconds(self, pids: set[int] | None = None) -> float:
+        return sum(self.last[p] - self.first[p] for p in self.last
+                   if pids is None or p in pids) / TICK
+
+
+def postmaster_pid(cluster: LocalCluster) -> int:
+    return int((cluster.datadir / "postmaster.pid").read_text().split()[0])
+
+
+class Watcher:
+    """Samples every second: CPU of each cluster's processes and of the worker's process
+    group, the worker's RSS, and which backends serve whom (pg_stat_activity)."""
+
+    def __init__(self, clusters: dict[str, LocalCluster], source_dsn: str) -> None:
+        self.roots = {name: postmaster_pid(c) for name, c in clusters.items()}
+        self.cpu = {name: CpuMeter() for name in [*clusters, "worker"]}
+        self.worker_pgrp: int | None = None
+        self.worker_rss = 0
+        self.native_rss = 0
+        self.roles: dict[int, str] = {}  # source backend pid -> application_name
+        self.source_dsn = source_dsn
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def finish(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _run(self) -> None:
+        with psycopg.connect(self.source_dsn, autocommit=True) as conn:
+            while not self.stop.is_set():
+                for pid, app in conn.execute("SELECT pid, application_name "
+                                             "FROM pg_stat_activity").fetchall():
+                    self.roles[int(pid)] = str(app or "")
+                self.sample()
+                self.stop.wait(1.0)
+
+    def sample(self) -> None:
+        stats = {pid: s for pid in _pids() if (s := _stat(pid)) is not None}
+        for name, root in self.roots.items():
+            for pid, (ppid, _, ticks) in stats.items():
+                if pid == root or ppid == root:
+                    self.cpu[name].see(pid, ticks)
+        native_rss = 0
+        if "native" in self.roots:
+            native_rss = sum(_rss(pid) for pid, (ppid, _, _) in stats.items()
+                             if ppid == self.roots["native"])
+        self.native_rss = max(self.native_rss, native_rss)
+        if self.worker_pgrp is not None:
+            rss = 0
+            for pid, (_, pgrp, ticks) in stats.items():
+                if pgrp == self.worker_pgrp:
+                    self.cpu["worker"].see(pid, ticks)
+                    rss += _rss(pid)
+            self.worker_rss = max(self.worker_rss, rss)
+
+    def source_cpu_by(self, prefix: str) -> float:
+        pids = {pid for pid, app in self.roles.items() if app.startswith(prefix)}
+        return self.cpu["source"].seconds(pids)
+
+
+# -- the deployment ---------------------------------------------------------------------
+
+def cluster(root: Path, name: str, n: int) -> LocalCluster:
+    return LocalCluster(root / name, free_port(), settings={
+        "fsync": "off", "synchronous_commit": "off",
+        "max_connections": str(4 * n + 100), "max_wal_senders": str(2 * n + 20),
+        "max_replication_slots": str(2 * n + 20),
+        "max_logical_replication_workers": str(n + 8),
+        "max_worker_processes": str(n + 24), "wal_retrieve_retry_interval": "100ms",
+    }).start()
+
+
+def create_dbs(c: LocalCluster, names: list[str]) -> None:
+    with psycopg.connect(c.dsn("postgres"), autocommit=True) as conn:
+        for db in names:
+            conn.execute(f"CREATE DATABASE {db}")
+    for db in names:
+        with psycopg.connect(c.dsn(db), autocommit=True) as conn:
+            conn.execute(SCHEMA)
+
+
+def add_probe_rows(c: LocalCluster, prefix: str, tenants: list[int]) -> None:
+    for k in tenants:
+        with psycopg.connect(c.dsn(f"{prefix}{k}"), autocommit=True) as conn:
+            conn.execute("INSERT INTO probe VALUES (%s, 'epoch')", (k,))
+
+
+@contextlib.contextmanager
+def deployment(root: Path, tenants: list[int], native: bool) -> Iterator[dict[str, Any]]:
+    n = len(tenants)
+    clusters = {"source": cluster(root, "source", n), "target": cluster(root, "target", n)}
+    if native:
+        clusters["native"] = cluster(root, "native", n)
+    worker: subprocess.Popen[bytes] | None = None
+    try:
+        create_dbs(clusters["source"], ["src"])
+        src = clusters["source"].dsn("src")
+        with psycopg.connect(src, autocommit=True) as conn:
+            conn.execute("CREATE TABLE noise (id bigserial PRIMARY KEY, payload text)")
+            conn.execute("INSERT INTO probe SELECT g, 'epoch' "
+                         f"FROM generate_series(0, {max(tenants)}) g")
+            for k in tenants:
+                conn.execute(f"CREATE PUBLICATION pub_t{k} FOR TABLE ev WHERE (tenant = {k}), "
+                             f"probe WHERE (tenant = {k})")
+        # Each subscriber starts with its tenant's probe row, as the source has it.
+        create_dbs(clusters["target"], [f"t{k}" for k in tenants])
+        add_probe_rows(clusters["target"], "t", tenants)
+        if native:
+            create_dbs(clusters["native"], [f"n{k}" for k in tenants])
+            add_probe_rows(clusters["native"], "n", tenants)
+            for k in tenants:
+                with psycopg.connect(clusters["native"].dsn(f"n{k}"), autocommit=True) as nc:
+                    nc.execute(f"CREATE SUBSCRIPTION n{k} CONNECTION '{src}' "
+                              f"PUBLICATION pub_t{k} WITH (copy_data = false)")
+
+        assert redis.Redis.from_url(REDIS_URL).ping()
+        queue = f"pgsieve-scale-{secrets.token_hex(6)}"  # a queue of its own: no flush
+        db_url = f"sqlite:///{root / 'meta.db'}"
+        upgrade(db_url)
+        settings = Settings(home=root / "home", database_url=db_url, broker_url=REDIS_URL,
+                            api_token=TOKEN, secret_key=SECRET_KEY, celery_queue=queue,
+                            allowed_hosts="127.0.0.1")  # the bench's local clusters
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PGSIEVE_")}
+        env.update({"PGSIEVE_HOME": str(root / "home"), "PGSIEVE_DATABASE_URL": db_url,
+                    "PGSIEVE_BROKER_URL": REDIS_URL, "PGSIEVE_API_TOKEN": TOKEN,
+                    "PGSIEVE_SECRET_KEY": SECRET_KEY, "PGSIEVE_CELERY_QUEUE": queue,
+                    "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1"})
+        with TestClient(create_app(settings)) as client:
+            client.headers["Authorization"] = f"Bearer {TOKEN}"
+            sid = client.post("/api/v1/sources", json={"name": "s", "dsn": src}).json()["id"]
+            for k in tenants:
+                tid = client.post("/api/v1/targets", json={
+                    "name": f"t{k}", "dsn": clusters["target"].dsn(f"t{k}")}).json()["id"]
+                r = client.post("/api/v1/subscriptions", json={
+                    "name": f"t{k}", "source_id": sid, "target_id": tid,
+                    "publications": [f"pub_t{k}"], "copy_data": False})
+                assert r.status_code == 201, r.text
+        log = (root / "worker.log").open("ab")
+        worker = subprocess.Popen([sys.executable, "-m", "pgsieve.cli", "worker"], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        held = 0
+        while time.monotonic() < deadline:
+            with contextlib.closing(sqlite3.connect(root / "meta.db")) as db:
+                held = db.execute("SELECT count(*) FROM consumer_locks").fetchone()[0]
+            if held >= n:
+                break
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"the worker holds only {held} of {n} subscriptions "
+                               f"(log: {root / 'worker.log'})")
+        yield {"clusters": clusters, "src": src, "worker": worker}
+    finally:
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, 15)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, 9)
+        if native and "native" in clusters:
+            for k in tenants:
+                with contextlib.suppress(psycopg.Error), psycopg.connect(
+                        clusters["native"].dsn(f"n{k}"), autocommit=True) as nconn:
+                    nconn.execute(f"ALTER SUBSCRIPTION n{k} DISABLE")
+        for each in clusters.values():
+            each.destroy()
+
+
+def scheduler_report(root: Path) -> dict[str, Any]:
+    """What the worker's scheduler last reported with its heartbeat."""
+    import json
+
+    with contextlib.closing(sqlite3.connect(root / "meta.db")) as db:
+        for (details,) in db.execute("SELECT details FROM worker_heartbeats"):
+            report = json.loads(details).get("scheduler")
+            if report:
+                return dict(report)
+    return {}
+
+
+# -- workload and probes -----------------------------------------------------------------
+
+def drive(dsn: str, tenants: list[int], rate: float, seconds: float,
+          commits: dict[int, list[float]], noise: bool = False) -> int:
+    """``rate`` changes/s in CHANGES_PER_TXN-change transactions; returns changes done.
+    ``noise``: unrelated WAL only (a table no publication has)."""
+    rnd = random.Random(16)
+    every = CHANGES_PER_TXN / rate
+    done = 0
+    next_id = 1
+    with psycopg.connect(dsn) as conn:
+        start = time.perf_counter()
+        n = 0
+        while time.perf_counter() - start < seconds:
+            pause = start + n * every - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+            n += 1
+            if noise:
+                conn.execute("INSERT INTO noise (payload) SELECT repeat('x', 100) "
+                             "FROM generate_series(1, %s)", (CHANGES_PER_TXN,))
+                conn.commit()
+                done += CHANGES_PER_TXN
+                continue
+            k = rnd.choice(tenants)
+            conn.execute("INSERT INTO ev SELECT %s, g, 'v' FROM generate_series(%s::bigint, "
+                         "%s::bigint) g", (k, next_id, next_id + CHANGES_PER_TXN - 2))
+            next_id += CHANGES_PER_TXN - 1
+            row = conn.execute("UPDATE probe SET ts = clock_timestamp() WHERE tenant = %s "
+                               "RETURNING extract(epoch FROM ts)::float8", (k,)).fetchone()
+            conn.commit()
+            assert row is not None
+            commits[k].append(float(row[0]))
+            done += CHANGES_PER_TXN
+    return done
+
+
+def probe(dsns: dict[tuple[str, int], str], commits: dict[int, list[float]],
+          stop: threading.Event, lags: dict[tuple[str, int], list[float]],
+          warmup_until: float) -> None:
+    conns = {key: psycopg.connect(dsn, autocommit=True) for key, dsn in dsns.items()}
+    try:
+        while not stop.is_set():
+            for (system, k), conn in conns.items():
+                row = conn.execute("SELECT extract(epoch FROM ts)::float8 FROM probe "
+                                   "WHERE tenant = %s", (k,)).fetchone()
+                now = time.time()
+                if time.monotonic() < warmup_until:
+                    continue
+                held = float(row[0]) if row else 0.0
+                missing = [ts for ts in commits[k] if ts > held + 1e-6]
+                lags[(system, k)].append(max(0.0, now - missing[0]) if missing else 0.0)
+            stop.wait(0.5)
+    finally:
+        for conn in conns.values():
+            conn.close()
+
+
+# -- scenarios ---------------------------------------------------------------------------
+
+def busy(n: int, args: argparse.Namespace) -> None:
+    tenants = list(range(n))
+    root = Path(tempfile.mkdtemp(prefix=f"pgsieve-scale-{n}-"))
+    root.chmod(0o755)
+    try:
+        with deployment(root, tenants, not args.no_native) as d:
+            clusters = d["clusters"]
+            watcher = Watcher(clusters, d["src"])
+            watcher.worker_pgrp = d["worker"].pid
+            watcher.start()
+            commits: dict[int, list[float]] = {k: [] for k in tenants}
+            systems = ["pgsieve"] + ([] if args.no_native else ["native"])
+            dsns = {("pgsieve", k): clusters["target"].dsn(f"t{k}") for k in tenants}
+            if not args.no_native:
+                dsns.update({("native", k): clusters["native"].dsn(f"n{k}") for k in tenants})
+            lags: dict[tuple[str, int], list[float]] = {key: [] for key in dsns}
+            stop = threading.Event()
+            t0 = time.monotonic()
+            prober = threading.Thread(target=probe, args=(dsns, commits, stop, lags,
+                                                          t0 + args.warmup))
+            prober.start()
+            done = drive(d["src"], tenants, args.rate, args.seconds, commits)
+            elapsed = time.monotonic() - t0
+            stop.set()
+            prober.join()
+            watcher.finish()
+            report = scheduler_report(root)
+        print(f"\n### N = {n} subscriptions, {args.seconds:.0f} s at {args.rate:,.0f} "
+              f"changes/s ({done / elapsed:,.0f} achieved), warm-up {args.warmup:.0f} s "
+              "excluded\n")
+        print("| system | worst p50 lag (s) | median p50 (s) | worst p99 lag (s) | samples |")
+        print("|---|---:|---:|---:|---:|")
+        for system in systems:
+            p50s = [percentile(v, 0.5) for (s, _), v in lags.items() if s == system]
+            p99s = [percentile(v, 0.99) for (s, _), v in lags.items() if s == system]
+            count = sum(len(v) for (s, _), v in lags.items() if s == system)
+            print(f"| {system} | {max(p50s):.2f} | {statistics.median(p50s):.2f} | "
+                  f"{max(p99s):.2f} | {count} |")
+        print(f"\nthe worker's scheduler (last minute): {report}")
+        cpu = {name: m.seconds() / elapsed for name, m in watcher.cpu.items()}
+        print(f"\npgsieve worker RSS (max, process group incl. Spark): "
+              f"{watcher.worker_rss / 2**20:,.0f} MiB; CPU {cpu['worker']:.2f} cores")
+        if not args.no_native:
+            print(f"native subscriber cluster RSS (max, all its processes): "
+                  f"{watcher.native_rss / 2**20:,.0f} MiB; CPU {cpu['native']:.2f} cores")
+        print(f"source CPU {cpu['source']:.2f} cores; pgsieve target cluster CPU "
+              f"{cpu['target']:.2f} cores")
+        decode_pgsieve = watcher.source_cpu_by("pgsieve-consumer") / elapsed / n
+        print(f"source decode CPU per subscription: pgsieve {decode_pgsieve * 100:.1f} % "
+              "of a core", end="")
+        if not args.no_native:
+            decode_native = sum(watcher.source_cpu_by(f"n{k}") for k in tenants) / elapsed / n
+            print(f", native walsender {decode_native * 100:.1f} % of a core", end="")
+        print()
+    finally:
+        if os.environ.get("PGSIEVE_BENCH_KEEP") != "1":
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def idle(m: int, args: argparse.Namespace) -> None:
+    tenants = list(range(m))
+    root = Path(tempfile.mkdtemp(prefix=f"pgsieve-idle-{m}-"))
+    root.chmod(0o755)
+    try:
+        with deployment(root, tenants, native=False) as d:
+            watcher = Watcher(d["clusters"], d["src"])
+            watcher.worker_pgrp = d["worker"].pid
+            watcher.start()
+            # Past the worker's start (its Spark session warms up in the background).
+            time.sleep(max(args.warmup, 20))
+            watcher.cpu["worker"] = CpuMeter()  # from here on
+            watcher.sample()
+            t0 = time.monotonic()
+            done = drive(d["src"], tenants, args.rate, args.idle_seconds, {}, noise=True)
+            elapsed = time.monotonic() - t0
+            watcher.sample()
+            watcher.finish()
+            report = scheduler_report(root)
+            with psycopg.connect(d["src"], autocommit=True) as conn:
+                row = conn.execute(
+                    "SELECT max(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)), "
+                    "avg(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)), "
+                    "pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0') "
+                    "FROM pg_replication_slots WHERE slot_name LIKE 'pgsieve_%'").fetchone()
+        assert row is not None
+        print(f"\n### {m} idle subscriptions, {args.idle_seconds:.0f} s of unrelated WAL at "
+              f"{done / elapsed:,.0f} changes/s\n")
+        print(f"worker CPU {watcher.cpu['worker'].seconds() / elapsed * 100:.1f} % of a core; "
+              f"WAL retained per slot at the end: max {float(row[0] or 0) / 2**20:.1f} MiB, "
+              f"mean {float(row[1] or 0) / 2**20:.1f} MiB")
+        print(f"the worker's scheduler (last minute): {report}")
+    finally:
+        if os.environ.get("PGSIEVE_BENCH_KEEP") != "1":
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--subscriptions", default="10,50,100",
+                        help="comma-separated N to run (empty: none)")
+    parser.add_argument("--rate", type=float, default=2000, help="changes/s, all tenants")
+    parser.add_argument("--seconds", type=float, default=60)
+    parser.add_argument("--warmup", type=float, default=10)
+    parser.add_argument("--idle", type=int, default=200, help="idle subscriptions (0: skip)")
+    parser.add_argument("--idle-seconds", type=float, default=60)
+    parser.add_argument("--no-native", action="store_true")
+    args = parser.parse_args()
+    for n in [int(x) for x in args.subscriptions.split(",") if x.strip()]:
+        busy(n, args)
+    if args.idle:
+        idle(args.idle, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Every session pgsieve opens on a source or target starts with its own settings, whatever
+the database, the role or the DSN's options say (issue 17): psycopg 3 and psycopg2 (the
+walsender transport) alike, control-plane and streaming sessions each with their timeout."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+import psycopg
+import psycopg2
+import pytest
+
+from pgsieve.core.connpolicy import Purpose, secure_conninfo
+from pgsieve.core.pgserver import connect
+from tests.conftest import Database
+
+SHOW = ("SELECT current_setting('standard_conforming_strings'), current_setting('search_path'),"
+        " current_setting('statement_timeout'), current_setting('client_encoding')")
+
+
+@pytest.fixture
+def hostile(source_db: Database) -> Database:
+    for setting in ("standard_conforming_strings = off", "search_path = public, pg_catalog",
+                    "statement_timeout = '1ms'", "client_encoding = 'SQL_ASCII'"):
+        source_db.execute(f'ALTER DATABASE "{source_db.name}" SET {setting}')
+    return source_db
+
+
+@pytest.mark.parametrize(("purpose", "timeout"), [(Purpose.CONTROL, "1500ms"),
+                                                  (Purpose.STREAM, "0")])
+def test_settings_hold_from_the_first_statement(hostile: Database, purpose: Purpose,
+                                                timeout: str):
+    dsn = hostile.dsn + "?options=" + quote("-c standard_conforming_strings=off "
+                                            "-c statement_timeout=1")
+    conninfo = secure_conninfo(dsn, purpose=purpose, statement_timeout_ms=1500)
+    expected = ("on", "pg_catalog,pg_temp", timeout, "UTF8")
+    with psycopg.connect(conninfo) as conn:
+        assert conn.execute(SHOW).fetchone() == expected
+        if purpose is Purpose.STREAM:  # a long statement is not cut short
+            conn.execute("SELECT pg_sleep(0.2)")
+    raw = psycopg2.connect(conninfo)
+    try:
+        with raw.cursor() as cur:
+            cur.execute(SHOW)
+            assert cur.fetchone() == expected
+    finally:
+        raw.close()
+
+
+def test_control_sessions_time_out(hostile: Database):
+    with connect(hostile.dsn, statement_timeout_ms=200) as conn, \
+            pytest.raises(psycopg.errors.QueryCanceled):
+        conn.execute("SELECT pg_sleep(2)")
