@@ -105,6 +105,9 @@ def test_every_mutating_route_leaves_one_record_and_no_secret(
     ids["subscription_id"] = sub.json()["id"]
     call("PATCH", "/api/v1/subscriptions/{subscription_id}",
          {"options": {"on_conflict": "skip"}})
+    plan = call("POST", "/api/v1/sources/{source_id}/publications/{name}/plan",
+                {"tables": [{"table": "public.orders", "where": "id > 5"}]}, name="pub_eu")
+    assert plan.status_code == 200, plan.text
     call("POST", "/api/v1/subscriptions/{subscription_id}/enable")
     call("POST", "/api/v1/subscriptions/{subscription_id}/disable")
     call("POST", "/api/v1/subscriptions/{subscription_id}/skip", {"lsn": "0/1"})
