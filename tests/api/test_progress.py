@@ -301,3 +301,20 @@ def test_history_is_sampled_bounded_and_pruned(client, settings, sub, source_db,
     assert [s["sampled_at"] for s in newest] == [since]
     assert_problem(client.get(f"/api/v1/subscriptions/{sub['id']}/progress/history",
                               params={"since": "yesterday"}), 422, "validation_error")
+
+
+def test_the_subscription_and_its_progress_agree_on_the_consumer(client, settings, sub,
+                                                                  metadata_engine):
+    """One rule for "a consumer is alive" (PGSIEVE_CONSUMER_LEASE_SECONDS): the
+    subscription's ``consumer`` and the progress's ``consumer.alive`` never disagree —
+    GET /subscriptions/{id} once used a fixed 30 s."""
+    _hold_lock(metadata_engine, sub["id"], age=timedelta(seconds=45))
+
+    def both() -> tuple[bool, bool]:
+        detail = client.get(f"/api/v1/subscriptions/{sub['id']}").json()
+        return detail["consumer"] is not None, _progress(client, sub["id"])["consumer"]["alive"]
+
+    settings.consumer_lease_seconds = 60.0
+    assert both() == (True, True)
+    settings.consumer_lease_seconds = 10.0
+    assert both() == (False, False)

@@ -44,11 +44,11 @@ from pgsieve.core.credentials import scrub_secrets
 from pgsieve.core.errors import Conflict, Unprocessable, Unreachable
 from pgsieve.core.lsn import InvalidLsn, Lsn, format_lsn
 from pgsieve.core.models import ConsumerLock, Job, Subscription, SubscriptionTable, utcnow
+from pgsieve.core.progress import consumer_alive
 from pgsieve.core.pubcatalog import read_publications, read_tables
 from pgsieve.core.rowfilter.effective import effective_filters
 from pgsieve.core.settings import Settings
 from pgsieve.workers import dispatch
-from pgsieve.workers.locks import LEASE as DEFAULT_LEASE
 
 router = APIRouter(prefix="/subscriptions", tags=["subscriptions"])
 log = logging.getLogger(__name__)
@@ -56,16 +56,19 @@ log = logging.getLogger(__name__)
 STOP_WAIT_SECONDS = 20.0
 
 
-def _live_lock(session: Session, sub: Subscription,
-               lease: timedelta = DEFAULT_LEASE) -> ConsumerLock | None:
+def _live_lock(session: Session, sub: Subscription, lease: timedelta) -> ConsumerLock | None:
     lock = session.get(ConsumerLock, sub.id)
-    if lock is None or utcnow() - lock.heartbeat_at > lease:
+    if lock is None or not consumer_alive(lock.heartbeat_at, utcnow(), lease):
         return None
     return lock
 
 
-def subscription_out(session: Session, sub: Subscription) -> dict[str, Any]:
-    lock = _live_lock(session, sub)
+def subscription_out(session: Session, sub: Subscription, settings: Settings
+                     ) -> dict[str, Any]:
+    """The subscription as the API shows it; ``consumer`` is the live consumer by the same
+    rule as ``/progress`` and ``/metrics`` (a heartbeat within
+    ``PGSIEVE_CONSUMER_LEASE_SECONDS``), so the three never disagree."""
+    lock = _live_lock(session, sub, timedelta(seconds=settings.consumer_lease_seconds))
     conflict = sub.stats.get("last_conflict") if sub.state == "error" else None
     return {
         "id": sub.id,
@@ -229,18 +232,19 @@ def create_subscription(
     elif sub.enabled:
         dispatch.consume_cycle(settings, sub.id)
     session.refresh(sub)
-    return subscription_out(session, sub)
+    return subscription_out(session, sub, settings)
 
 
 @router.get("", response_model=list[SubscriptionOut])
-def list_subscriptions(session: SessionDep) -> list[dict[str, Any]]:
+def list_subscriptions(session: SessionDep, settings: SettingsDep) -> list[dict[str, Any]]:
     subs = session.scalars(select(Subscription).order_by(Subscription.created_at))
-    return [subscription_out(session, s) for s in subs]
+    return [subscription_out(session, s, settings) for s in subs]
 
 
 @router.get("/{subscription_id}", response_model=SubscriptionOut)
-def get_subscription(subscription_id: str, session: SessionDep) -> dict[str, Any]:
-    return subscription_out(session, load_subscription(session, subscription_id))
+def get_subscription(subscription_id: str, session: SessionDep, settings: SettingsDep
+                     ) -> dict[str, Any]:
+    return subscription_out(session, load_subscription(session, subscription_id), settings)
 
 
 def _clear_stream_errors(sub: Subscription) -> None:
@@ -261,7 +265,7 @@ def _resume_state(sub: Subscription) -> str:
 
 @router.patch("/{subscription_id}", response_model=SubscriptionOut)
 def patch_subscription(
-    subscription_id: str, body: SubscriptionPatch, session: SessionDep
+    subscription_id: str, body: SubscriptionPatch, session: SessionDep, settings: SettingsDep
 ) -> dict[str, Any]:
     """Change options (e.g. ``on_conflict`` after a conflict stopped the pipeline). A
     running consume cycle picks up ``on_conflict`` within a second, everything else at its
@@ -270,7 +274,7 @@ def patch_subscription(
     changes = body.options.model_dump(exclude_none=True)
     sub.options = SubscriptionOptions(**{**sub.options, **changes}).model_dump()
     session.commit()
-    return subscription_out(session, sub)
+    return subscription_out(session, sub, settings)
 
 
 @router.post("/{subscription_id}/enable", response_model=SubscriptionOut)
@@ -288,18 +292,19 @@ def enable_subscription(
     session.commit()
     if sub.state == "streaming":
         dispatch.consume_cycle(settings, sub.id)
-    return subscription_out(session, sub)
+    return subscription_out(session, sub, settings)
 
 
 @router.post("/{subscription_id}/disable", response_model=SubscriptionOut)
-def disable_subscription(subscription_id: str, session: SessionDep) -> dict[str, Any]:
+def disable_subscription(subscription_id: str, session: SessionDep, settings: SettingsDep
+                         ) -> dict[str, Any]:
     """Stop consuming; the running cycle notices within a second or two and lets go."""
     sub = load_subscription(session, subscription_id)
     sub.enabled = False
     if sub.state == "streaming":
         sub.state = "paused"
     session.commit()
-    return subscription_out(session, sub)
+    return subscription_out(session, sub, settings)
 
 
 @router.post("/{subscription_id}/skip", response_model=SubscriptionOut)
@@ -326,7 +331,7 @@ def skip_transaction(
     session.commit()
     if sub.state == "streaming" and sub.enabled:
         dispatch.consume_cycle(settings, sub.id)
-    return subscription_out(session, sub)
+    return subscription_out(session, sub, settings)
 
 
 def _wait_for_consumer_to_stop(session: Session, sub: Subscription, settings: Settings) -> None:
