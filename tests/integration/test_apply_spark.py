@@ -40,6 +40,7 @@ def test_one_warm_session_per_process(spark: Any):
     assert props["spark.sql.execution.arrow.pyspark.enabled"] == "true"
     assert props["spark.ui.enabled"] == "false"
     cluster = Settings(spark_master="spark://m:7077", _env_file=None,
+                       spark_auth_secret="cluster-secret",
                        spark_conf={"spark.executor.memory": "4g"})
     assert spark_properties(cluster)["spark.executor.memory"] == "4g"
     assert "spark.driver.bindAddress" not in spark_properties(cluster)
