@@ -40,6 +40,9 @@ from pgsieve.workers.target import TableMissing, TargetWriter
 
 log = logging.getLogger(__name__)
 
+_last_path: str | None = None
+"""The path of this process's previous batch (log noise: see apply_batch)."""
+
 AUTO_SPARK_MIN_CHANGES = 200_000
 """``PGSIEVE_SPARK_APPLY_MIN_CHANGES=auto`` on a cluster: from this batch size on, the plan
 and staging run as Spark tasks. Local mode on 2 cores never wins (``bench.apply_bench
@@ -151,8 +154,13 @@ def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
     expected = writer.applied_lsn()
     if distributed is None:
         distributed, why = choose_apply_path(spark, batch.change_count)
-        log.info("batch of %d changes applies through %s: %s", batch.change_count,
-                 "Spark tasks" if distributed else "the driver", why)
+        global _last_path
+        path = "Spark tasks" if distributed else "the driver"
+        # Each batch's path and reason is logged; at INFO when it changes, else DEBUG (a
+        # caught-up stream applies a batch every poll).
+        log.log(logging.INFO if path != _last_path else logging.DEBUG,
+                "batch of %d changes applies through %s: %s", batch.change_count, path, why)
+        _last_path = path
     if distributed:
         from pgsieve.spark.distributed import plan_and_stage
 

@@ -652,6 +652,9 @@ class _StreamRun:
         if fresh == self.routes:
             return None
         self.routes = fresh
+        if self._on_routes_changed is not None:
+            # Batches from now on use the new routes: say so (a resync waits for it).
+            self._on_routes_changed()
         return fresh
 
     def _isolate_failure(self, batch: ApplyBatch, error: Exception

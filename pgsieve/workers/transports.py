@@ -261,11 +261,13 @@ class SqlTransport:
             stats = _WindowStats()
             middle = self._split_window(start, upto)
             if middle is None:
-                yield self._read_window(start, upto, stats)
+                yield self._idle_at_end(self._read_window(start, upto, stats), stats, start,
+                                        upto)
             else:
                 try:
                     yield self._read_window(start, middle, stats)
-                    yield self._second_part(start, upto, stats)
+                    yield self._idle_at_end(self._second_part(start, upto, stats), stats,
+                                            start, upto)
                 finally:
                     if self._helper_busy:  # the caller stopped reading: drop the copy
                         self._close_helper()
@@ -273,17 +275,24 @@ class SqlTransport:
                 read_upto = max(read_upto, upto)
                 last_read = (start, upto)
             if stats.rows == 0:
-                # Nothing of ours commits in [confirmed, upto]: once recorded and confirmed,
-                # the slot can move there and stop retaining WAL (in-progress transactions
-                # keep restart_lsn behind them, so nothing is lost).
-                self._idle = upto if upto > start else None
-                yield iter((IDLE,))
                 time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
             elif not stats.complete and upto < end:
                 # A transaction larger than the window: widen it, or it never completes.
                 self._window *= 2
             else:
                 self._window = self.window_bytes
+
+    def _idle_at_end(self, session: Iterator[SessionEntry], stats: _WindowStats, start: Lsn,
+                     upto: Lsn) -> Iterator[SessionEntry]:
+        """The window's entries, then — when nothing of ours commits in [confirmed, upto] —
+        the idle marker, in the SAME session: once recorded and confirmed, the slot can
+        move there and stop retaining WAL (in-progress transactions keep restart_lsn behind
+        them, so nothing is lost). In the same session because a caller that takes one
+        window per turn (the scheduler) stops reading when a session ends."""
+        yield from session
+        if stats.rows == 0:
+            self._idle = upto if upto > start else None
+            yield IDLE
 
     def _read_window(self, start: Lsn, upto: Lsn, stats: _WindowStats) -> Iterator[
             MessageBatch | RawMessage]:

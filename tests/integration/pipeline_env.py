@@ -157,11 +157,21 @@ def table_rows(db: Database, table: str, order_by: str) -> list[tuple[Any, ...]]
 
 
 def source_lsn(db: Database) -> str:
-    """The end of everything committed so far: the WAL *insert* position. The test
-    clusters run with ``synchronous_commit = off``, so ``pg_current_wal_lsn()`` (the write
-    position) can trail the last commits by a WAL writer round — waiting for it let tests
-    compare tables before the final transactions were applied."""
-    return str(db.query("SELECT pg_current_wal_insert_lsn()::text")[0][0])
+    """A position every subscriber can reach once it holds everything committed so far:
+    a transaction that commits *synchronously* (an xid, so a commit record, flushed at
+    once) and the flushed end of WAL right after it. The test clusters run with
+    ``synchronous_commit = off``: the write position can trail the last commits by a WAL
+    writer round, and the insert position can stay ahead of what is flushed for good (the
+    WAL writer never writes a partial page that holds no commit, e.g. after a running-xacts
+    record), and logical decoding reads only flushed WAL."""
+    with db.connect(autocommit=False) as conn:
+        conn.execute("SET LOCAL synchronous_commit = on")
+        conn.execute("SELECT pg_current_xact_id()")
+        conn.commit()
+        row = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
+        conn.rollback()
+    assert row is not None
+    return str(row[0])
 
 
 def native_caught_up(source: Database, native: Database, name: str, lsn: str) -> bool:
