@@ -41,18 +41,7 @@ from pgsieve.core.connpolicy import Purpose, secure_conninfo
 from pgsieve.core.faults import fault_point
 from pgsieve.spark.sync import CopyPartition, TableCopy, _pipe, partition_query
 from pgsieve.workers.syncplan import SourceTable, SyncError, TargetTable, canonical
-
-_IDENTITY = """
-SELECT array_agg(a.attname::text ORDER BY k.ord)
-FROM pg_index i
-CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
-JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
-WHERE i.indrelid = %s AND (i.indisreplident OR i.indisprimary) AND i.indisvalid
-GROUP BY i.indexrelid, i.indisreplident
-ORDER BY i.indisreplident DESC
-LIMIT 1
-"""
-"""The replica identity index, else the primary key (what the apply looks rows up by)."""
+from pgsieve.workers.target import IDENTITY_SQL
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +78,7 @@ class DiffResult:
 def key_columns(conn: psycopg.Connection[Any], target: TargetTable) -> list[str]:
     """The target's replica-identity key (identity index, else primary key); a table
     without one cannot be compared row by row: ``diff_needs_key``."""
-    row = conn.execute(_IDENTITY, (target.oid,)).fetchone()
+    row = conn.execute(IDENTITY_SQL, (target.oid,)).fetchone()
     if not row or not row[0]:
         raise SyncError(f"{target.table} has no primary key or replica identity index at "
                         "the target: compare by key is impossible (use mode copy)",

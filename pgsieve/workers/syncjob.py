@@ -598,13 +598,7 @@ class SyncJobRunner:
                                     on_progress=partial(self._diff_progress, ctx, name))
             for phase, seconds in result.phases.items():
                 self.timings[phase] = self.timings.get(phase, 0.0) + seconds
-            if self._after_copy is not None:
-                self._after_copy(snap, name)
-            verify: dict[str, Any] | None = None
-            if ctx.verify:
-                with self._timed("verify"):
-                    verify = verify_table(ctx.source_dsn, snap.name, ctx.target_dsn, source,
-                                          target, self.settings.connect_timeout)
+            verify = self._after_table(ctx, snap, name, source, target)
             with self._owned() as (session, job):
                 table = self._tables(session, ctx)[name]
                 table.sync_state, table.error = "catchup", None
@@ -631,6 +625,18 @@ class SyncJobRunner:
             if table is not None and table.sync_state == "copy":
                 table.rows_copied = staged
                 self._update_totals(session, job, ctx)
+
+    def _after_table(self, ctx: _Context, snap: ExportedSnapshot, name: str,
+                     source: SourceTable, target: TargetTable) -> dict[str, Any] | None:
+        """A table's rows are all at the target (copied or diffed), the snapshot still
+        held: the test hook, then the verification if asked (its result)."""
+        if self._after_copy is not None:
+            self._after_copy(snap, name)
+        if not ctx.verify:
+            return None
+        with self._timed("verify"):
+            return verify_table(ctx.source_dsn, snap.name, ctx.target_dsn, source, target,
+                                self.settings.connect_timeout)
 
     def _record_spark(self, spark: Any) -> None:
         """The Spark jobs of this pgsieve job (job group ``pgsieve-sync-<id>``), their
@@ -757,13 +763,7 @@ class SyncJobRunner:
             raise SyncError(f"{name}: cannot rebuild a deferred index or constraint: "
                             f"{str(exc).strip()}", code="index_rebuild_failed") from None
         self._deferred.pop(name, None)
-        if self._after_copy is not None:
-            self._after_copy(snap, name)
-        verify: dict[str, Any] | None = None
-        if ctx.verify:
-            with self._timed("verify"):
-                verify = verify_table(ctx.source_dsn, snap.name, ctx.target_dsn, source,
-                                      target, self.settings.connect_timeout)
+        verify = self._after_table(ctx, snap, name, source, target)
         with self._owned() as (session, job):
             table = self._tables(session, ctx)[name]
             total = sum(p.rows for p in session.scalars(select(SyncPartition).where(

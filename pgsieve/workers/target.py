@@ -97,7 +97,7 @@ WHERE i.indrelid = %s AND i.indisunique AND i.indisvalid AND i.indpred IS NULL
 GROUP BY i.indexrelid
 """
 
-_IDENTITY_SQL = """
+IDENTITY_SQL = """
 SELECT array_agg(a.attname::text ORDER BY k.ord)
 FROM pg_index i
 CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
@@ -264,7 +264,7 @@ class TargetWriter:
             columns.append(TargetColumn(name_, type_name, stage_type, collation, False,
                                         bool(not_null), bool(has_def), bool(has_eq)))
         unique = tuple(frozenset(r[0]) for r in self.conn.execute(_UNIQUE_SQL, (oid,)))
-        ident = self.conn.execute(_IDENTITY_SQL, (oid,)).fetchone()
+        ident = self.conn.execute(IDENTITY_SQL, (oid,)).fetchone()
         table = TargetTable(nsp, relname, int(oid), relkind, tuple(columns), tuple(generated),
                             unique, tuple(ident[0]) if ident else ())
         self._tables[name] = table
