@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,10 @@ def _applied_past(env: PipelineEnv, target: Database, lsn: str) -> bool:
 def _native_past(native: Database, lsn: str) -> bool:
     return bool(native.query("SELECT latest_end_lsn >= %s::pg_lsn FROM pg_stat_subscription "
                              "WHERE relid IS NULL", (lsn,))[0][0])
+
+
+def _same(target: Database, native: Database, table: str) -> bool:
+    return rows(target, table) == rows(native, table)
 
 
 def _both_past(env: PipelineEnv, source: Database, target: Database,
@@ -188,7 +193,7 @@ def test_refresh_publication_on_a_running_subscription_ends_identical_to_native(
         for table in ("items", "extra", "gone", "late"):
             # both are past the same source position; give the last batch a moment to be
             # visible on both sides before the tables are compared
-            wait_until(lambda t=table: rows(target_db, t) == rows(native_db, t), 30,
+            wait_until(partial(_same, target_db, native_db, table), 30,
                        f"{table} to be equal on both sides", env)
             assert rows(target_db, table) == rows(native_db, table), table
         assert rows(target_db, "extra") == rows(source_db, "extra WHERE kind <> 'noise'")
