@@ -36,17 +36,17 @@ from typing import Any
 
 import psycopg
 
-from pgsieve.core.apply.batch import ApplyBatch, ApplyResult, TableRoute
-from pgsieve.core.apply.batcher import BatchLimits, MicroBatcher
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgcluster import LocalCluster, free_port
-from pgsieve.core.pgoutput.assembler import Transaction
-from pgsieve.core.pgoutput.batch import MessageBatch
-from pgsieve.core.settings import Settings
+from pgsieve.apply.batch import ApplyBatch, ApplyResult, TableRoute
+from pgsieve.apply.batcher import BatchLimits, MicroBatcher
+from pgsieve.apply.target import TargetWriter
+from pgsieve.platform.pgcluster import LocalCluster, free_port
+from pgsieve.platform.settings import Settings
 from pgsieve.spark.apply import BackgroundApplier, apply_batch
-from pgsieve.workers.consumer import IdleProgress, SlotConsumer
-from pgsieve.workers.target import TargetWriter
-from pgsieve.workers.transports import PgoutputOptions, SqlTransport
+from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.batch import MessageBatch
+from pgsieve.wire.lsn import Lsn
 
 PROTO = 2
 SETTINGS = {"max_wal_size": "8GB", "shared_buffers": "512MB",

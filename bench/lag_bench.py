@@ -30,9 +30,9 @@ import redis
 from fastapi.testclient import TestClient
 
 from pgsieve.api.app import create_app
-from pgsieve.core.migrate import upgrade
-from pgsieve.core.pgcluster import LocalCluster, free_port
-from pgsieve.core.settings import Settings
+from pgsieve.platform.migrate import upgrade
+from pgsieve.platform.pgcluster import LocalCluster, free_port
+from pgsieve.platform.settings import Settings
 
 SCHEMA = """
 CREATE TABLE items (id int PRIMARY KEY, grp int NOT NULL, val text NOT NULL);

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import psycopg
 
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgcluster import LocalCluster, free_port
-from pgsieve.core.pgoutput.assembler import Transaction, TransactionAssembler
-from pgsieve.core.pgoutput.decoder import Decoder
-from pgsieve.core.pgoutput.splitter import RawChanges, TransactionSplitter
-from pgsieve.workers.consumer import IdleProgress, SlotConsumer
-from pgsieve.workers.transports import PgoutputOptions, SqlTransport, WalsenderTransport
+from pgsieve.platform.pgcluster import LocalCluster, free_port
+from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.transports import PgoutputOptions, SqlTransport, WalsenderTransport
+from pgsieve.wire.assembler import Transaction, TransactionAssembler
+from pgsieve.wire.decoder import Decoder
+from pgsieve.wire.lsn import Lsn
+from pgsieve.wire.splitter import RawChanges, TransactionSplitter
 
 PROTO = 2
 OPTS = ("proto_version", str(PROTO), "publication_names", "pb")
@@ -252,9 +252,9 @@ def report(rows: int, nbytes: int, n_changes: int, times: dict[str, list[float]]
 
 MEMORY_CHILD = """
 import resource, sys, time
-from pgsieve.workers.consumer import IdleProgress, SlotConsumer
-from pgsieve.workers.transports import PgoutputOptions, {transport}
-from pgsieve.core.lsn import Lsn
+from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.transports import PgoutputOptions, {transport}
+from pgsieve.wire.lsn import Lsn
 dsn, end = sys.argv[1], Lsn.parse(sys.argv[2])
 opts = PgoutputOptions(publication_names=("pm",), proto_version=2, streaming=True)
 consumer = SlotConsumer({transport}(dsn, "s_mem_{kind}", opts), proto_version=2,

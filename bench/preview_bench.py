@@ -32,7 +32,7 @@ from typing import Any
 
 import psycopg
 
-from pgsieve.core.pgcluster import LocalCluster, free_port
+from pgsieve.platform.pgcluster import LocalCluster, free_port
 
 FILTERS: list[tuple[str, list[str]]] = [
     ("region = 'eu'", ["insert"]),
@@ -130,8 +130,8 @@ def run(rows: int, phase_seconds: float) -> None:
     from fastapi.testclient import TestClient
 
     from pgsieve.api.app import create_app
-    from pgsieve.core.migrate import upgrade
-    from pgsieve.core.settings import Settings
+    from pgsieve.platform.migrate import upgrade
+    from pgsieve.platform.settings import Settings
 
     root = Path(tempfile.mkdtemp(prefix="pgsieve-bench-"))
     root.chmod(0o755)

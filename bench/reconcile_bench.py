@@ -35,16 +35,16 @@ from typing import Any
 
 import psycopg
 
-from pgsieve.core.credentials import SecretBox
-from pgsieve.core.db import session_factory, session_scope
-from pgsieve.core.migrate import upgrade
-from pgsieve.core.models import Job, Source, Subscription, SubscriptionTable, Target
-from pgsieve.core.pgcluster import LocalCluster, free_port
-from pgsieve.core.settings import Settings
+from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.db import session_factory, session_scope
+from pgsieve.platform.migrate import upgrade
+from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable, Target
+from pgsieve.platform.pgcluster import LocalCluster, free_port
+from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark
 from pgsieve.spark.sync import warm_up
-from pgsieve.workers.snapshot import prestart_helper
-from pgsieve.workers.syncjob import SyncJobRunner
+from pgsieve.sync.snapshot import prestart_helper
+from pgsieve.sync.syncjob import SyncJobRunner
 
 TABLE = """
 CREATE TABLE big (id bigint PRIMARY KEY, grp int NOT NULL, name text NOT NULL,

@@ -45,9 +45,9 @@ import redis
 from fastapi.testclient import TestClient
 
 from pgsieve.api.app import create_app
-from pgsieve.core.migrate import upgrade
-from pgsieve.core.pgcluster import LocalCluster, free_port
-from pgsieve.core.settings import Settings
+from pgsieve.platform.migrate import upgrade
+from pgsieve.platform.pgcluster import LocalCluster, free_port
+from pgsieve.platform.settings import Settings
 
 SCHEMA = """
 CREATE TABLE ev (tenant int, id bigint, val text, PRIMARY KEY (tenant, id));

@@ -12,7 +12,7 @@ with exactly the filtered rows:
   psql -c "COPY big FROM STDIN (FORMAT binary)"``: one stream, no snapshot, no slot;
 * native — ``CREATE SUBSCRIPTION … WITH (copy_data = true)``, timed until the table is
   synchronized (``srsubstate`` 'r'/'s'), its slot and snapshot included;
-* pgsieve — a whole initial-sync job (:class:`~pgsieve.workers.syncjob.SyncJobRunner`)
+* pgsieve — a whole initial-sync job (:class:`~pgsieve.sync.syncjob.SyncJobRunner`)
   on a warm SparkSession as a worker keeps it: slot with exported snapshot, plan, the
   Spark copy (this table is one ``TRUNCATE`` + ``COPY … FREEZE`` stream), deferred index
   rebuild, metadata — and, for the record, once as parallel ctid ranges (``freeze``
@@ -33,16 +33,16 @@ from pathlib import Path
 
 import psycopg
 
-from pgsieve.core.credentials import SecretBox
-from pgsieve.core.db import session_scope
-from pgsieve.core.migrate import upgrade
-from pgsieve.core.models import Job, Source, Subscription, SubscriptionTable, Target
-from pgsieve.core.pgcluster import LocalCluster, free_port
-from pgsieve.core.settings import Settings
+from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.db import session_scope
+from pgsieve.platform.migrate import upgrade
+from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable, Target
+from pgsieve.platform.pgcluster import LocalCluster, free_port
+from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark
 from pgsieve.spark.sync import warm_up
-from pgsieve.workers.snapshot import prestart_helper
-from pgsieve.workers.syncjob import SyncJobRunner
+from pgsieve.sync.snapshot import prestart_helper
+from pgsieve.sync.syncjob import SyncJobRunner
 
 TABLE = """
 CREATE TABLE big (id bigint PRIMARY KEY, grp int NOT NULL, name text NOT NULL,

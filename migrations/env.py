@@ -7,8 +7,8 @@ from logging.config import fileConfig
 from alembic import context
 from sqlalchemy import engine_from_config, pool
 
-from pgsieve.core.models import Base
-from pgsieve.core.settings import get_settings
+from pgsieve.platform.models import Base
+from pgsieve.platform.settings import get_settings
 
 config = context.config
 if config.config_file_name is not None and config.attributes.get("configure_logging", True):

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from pgsieve.core.credentials import install_log_scrubber
-from pgsieve.core.settings import get_settings
+from pgsieve.platform.credentials import install_log_scrubber
+from pgsieve.platform.settings import get_settings
 
 app = typer.Typer(
     help="pgsieve: PostgreSQL logical replication with row filters, run over HTTP.",
@@ -83,7 +83,7 @@ def api(
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def worker(ctx: typer.Context) -> None:
     """A Celery worker (extra arguments go to ``celery worker``)."""
-    from pgsieve.core.faults import arm
+    from pgsieve.platform.faults import arm
     from pgsieve.workers.celery_app import celery_app
 
     _require_secrets("worker")
@@ -161,12 +161,12 @@ def tail(
     The DSN comes from --dsn, --dsn-file or $PGSIEVE_TAIL_DSN (exactly one), and must pass
     the same connection policy as the API's (PGSIEVE_ALLOWED_HOSTS, PGSIEVE_DSN_ALLOW).
     """
-    from pgsieve.core.connpolicy import ConnectionNotAllowed, check_dsn
-    from pgsieve.core.credentials import InvalidDsn, parse_dsn
-    from pgsieve.core.lsn import InvalidLsn, Lsn
-    from pgsieve.core.settings import get_settings
-    from pgsieve.workers.tail import TailOptions, run_tail
-    from pgsieve.workers.transports import TransportError
+    from pgsieve.platform.connpolicy import ConnectionNotAllowed, check_dsn
+    from pgsieve.platform.credentials import InvalidDsn, parse_dsn
+    from pgsieve.platform.settings import get_settings
+    from pgsieve.streaming.tail import TailOptions, run_tail
+    from pgsieve.streaming.transports import TransportError
+    from pgsieve.wire.lsn import InvalidLsn, Lsn
 
     _logging()
     try:
@@ -193,7 +193,7 @@ def tail(
         typer.echo(f"pgsieve tail: {exc}", err=True)
         raise typer.Exit(1) from None
     except Exception as exc:  # psycopg errors: say what PostgreSQL said, no traceback
-        from pgsieve.core.credentials import scrub_secrets
+        from pgsieve.platform.credentials import scrub_secrets
 
         typer.echo(f"pgsieve tail: {scrub_secrets(str(exc).strip())}", err=True)
         raise typer.Exit(1) from None
@@ -232,7 +232,7 @@ def sync(
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
     """Apply Alembic migrations to PGSIEVE_DATABASE_URL."""
-    from pgsieve.core.migrate import upgrade
+    from pgsieve.platform.migrate import upgrade
 
     _logging()
     upgrade(get_settings().effective_database_url, revision)
@@ -242,7 +242,7 @@ def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
 @db_app.command("downgrade")
 def db_downgrade(revision: Annotated[str, typer.Argument()]) -> None:
     """Revert Alembic migrations down to REVISION (``base`` for an empty store)."""
-    from pgsieve.core.migrate import downgrade
+    from pgsieve.platform.migrate import downgrade
 
     _logging()
     downgrade(get_settings().effective_database_url, revision)
@@ -256,9 +256,9 @@ def token_create(
 ) -> None:
     """Create a token; it is printed alone on the last line, this once (only its hash is
     stored)."""
-    from pgsieve.core.db import session_scope
-    from pgsieve.core.errors import PgsieveError
-    from pgsieve.core.tokens import create_token
+    from pgsieve.platform.db import session_scope
+    from pgsieve.platform.errors import PgsieveError
+    from pgsieve.security.tokens import create_token
 
     _logging()
     try:
@@ -274,8 +274,8 @@ def token_create(
 @token_app.command("list")
 def token_list() -> None:
     """The tokens by name and role (never the tokens themselves)."""
-    from pgsieve.core.db import session_scope
-    from pgsieve.core.tokens import list_tokens
+    from pgsieve.platform.db import session_scope
+    from pgsieve.security.tokens import list_tokens
 
     _logging()
     with session_scope(get_settings().effective_database_url) as session:
@@ -291,9 +291,9 @@ def token_list() -> None:
 @token_app.command("revoke")
 def token_revoke(name: Annotated[str, typer.Argument(help="the token's name")]) -> None:
     """Revoke a token: it stops working at once."""
-    from pgsieve.core.db import session_scope
-    from pgsieve.core.errors import PgsieveError
-    from pgsieve.core.tokens import revoke_token
+    from pgsieve.platform.db import session_scope
+    from pgsieve.platform.errors import PgsieveError
+    from pgsieve.security.tokens import revoke_token
 
     _logging()
     try:
@@ -309,9 +309,9 @@ def token_revoke(name: Annotated[str, typer.Argument(help="the token's name")]) 
 def secrets_rotate() -> None:
     """Re-encrypt every stored DSN with PGSIEVE_SECRET_KEY. Before: put the old key in
     PGSIEVE_SECRET_KEY_PREVIOUS (comma-separated for several); after: drop it."""
-    from pgsieve.core.credentials import CredentialError
-    from pgsieve.core.db import session_scope
-    from pgsieve.core.rotation import rotate_credentials
+    from pgsieve.platform.credentials import CredentialError
+    from pgsieve.platform.db import session_scope
+    from pgsieve.security.rotation import rotate_credentials
 
     _logging()
     settings = get_settings()

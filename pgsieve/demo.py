@@ -26,9 +26,9 @@ from urllib.parse import quote
 import httpx
 import psycopg
 
-from pgsieve.core.migrate import upgrade
-from pgsieve.core.pgcluster import LocalCluster, free_port
-from pgsieve.core.settings import get_settings
+from pgsieve.platform.migrate import upgrade
+from pgsieve.platform.pgcluster import LocalCluster, free_port
+from pgsieve.platform.settings import get_settings
 
 log = logging.getLogger("pgsieve.demo")
 

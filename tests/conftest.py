@@ -19,7 +19,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pgsieve.core.pgcluster import LocalCluster, free_port
+from pgsieve.platform.pgcluster import LocalCluster, free_port
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 

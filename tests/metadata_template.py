@@ -14,7 +14,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from pgsieve.core.migrate import upgrade
+from pgsieve.platform.migrate import upgrade
 
 _lock = threading.Lock()
 _template: Path | None = None

@@ -19,8 +19,8 @@ import psycopg
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgcluster import free_port
+from pgsieve.platform.pgcluster import free_port
+from pgsieve.wire.lsn import Lsn
 
 
 @pytest.fixture

@@ -26,9 +26,9 @@ from pgsieve.api.routers import (
     tokens,
 )
 from pgsieve.api.security import SecurityMiddleware
-from pgsieve.core.credentials import install_log_scrubber
-from pgsieve.core.db import session_factory
-from pgsieve.core.settings import Settings, get_settings
+from pgsieve.platform.credentials import install_log_scrubber
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.settings import Settings, get_settings
 
 FRONTEND = Path(__file__).resolve().parents[2] / "frontend"
 

@@ -17,12 +17,12 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from pgsieve.api.roles import required_role
-from pgsieve.core import pgserver
-from pgsieve.core.credentials import SecretBox
-from pgsieve.core.errors import NotFound, PgsieveError
-from pgsieve.core.models import Source, Subscription, Target
-from pgsieve.core.settings import Settings
-from pgsieve.core.tokens import Principal, Role
+from pgsieve.platform import pgserver
+from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.errors import ErrorCode, NotFound, PgsieveError
+from pgsieve.platform.models import Source, Subscription, Target
+from pgsieve.platform.settings import Settings
+from pgsieve.security.tokens import Principal, Role
 
 _bearer = HTTPBearer(
     auto_error=False,
@@ -52,7 +52,7 @@ def get_secret_box(request: Request) -> SecretBox:
 def unauthorized() -> PgsieveError:
     return PgsieveError(
         "a valid 'Authorization: Bearer <token>' header is required",
-        code="unauthorized",
+        code=ErrorCode.UNAUTHORIZED,
         status=401,
         title="Unauthorized",
     )
@@ -79,7 +79,7 @@ def authorize(
         raise PgsieveError(
             f"this needs the '{needed.name}' role; token '{principal.name}' has "
             f"'{principal.role.name}'",
-            code="forbidden", status=403, title="Forbidden",
+            code=ErrorCode.FORBIDDEN, status=403, title="Forbidden",
             required_role=needed.name, role=principal.role.name,
         )
     return principal
@@ -102,7 +102,7 @@ PrincipalDep = Annotated[Principal, Depends(current_principal)]
 def load_source(session: Session, source_id: str) -> Source:
     source = session.get(Source, source_id)
     if source is None:
-        raise NotFound(f"no source with id '{source_id}'", code="source_not_found")
+        raise NotFound(f"no source with id '{source_id}'", code=ErrorCode.SOURCE_NOT_FOUND)
     return source
 
 
@@ -122,7 +122,7 @@ def source_connection(
 def load_target(session: Session, target_id: str) -> Target:
     target = session.get(Target, target_id)
     if target is None:
-        raise NotFound(f"no target with id '{target_id}'", code="target_not_found")
+        raise NotFound(f"no target with id '{target_id}'", code=ErrorCode.TARGET_NOT_FOUND)
     return target
 
 
@@ -130,5 +130,5 @@ def load_subscription(session: Session, subscription_id: str) -> Subscription:
     sub = session.get(Subscription, subscription_id)
     if sub is None:
         raise NotFound(f"no subscription with id '{subscription_id}'",
-                       code="subscription_not_found")
+                       code=ErrorCode.SUBSCRIPTION_NOT_FOUND)
     return sub

@@ -14,25 +14,25 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pgsieve.core.credentials import CredentialError, InvalidDsn, scrub_secrets
-from pgsieve.core.errors import PgsieveError
+from pgsieve.platform.credentials import CredentialError, InvalidDsn, scrub_secrets
+from pgsieve.platform.errors import ErrorCode, PgsieveError
 
 log = logging.getLogger(__name__)
 
 PROBLEM_JSON = "application/problem+json"
 
 _HTTP_CODES = {
-    400: "bad_request",
-    401: "unauthorized",
-    403: "forbidden",
-    404: "not_found",
-    405: "method_not_allowed",
-    406: "not_acceptable",
-    409: "conflict",
-    413: "payload_too_large",
-    415: "unsupported_media_type",
-    422: "validation_error",
-    429: "too_many_requests",
+    400: ErrorCode.BAD_REQUEST,
+    401: ErrorCode.UNAUTHORIZED,
+    403: ErrorCode.FORBIDDEN,
+    404: ErrorCode.NOT_FOUND,
+    405: ErrorCode.METHOD_NOT_ALLOWED,
+    406: ErrorCode.NOT_ACCEPTABLE,
+    409: ErrorCode.CONFLICT,
+    413: ErrorCode.PAYLOAD_TOO_LARGE,
+    415: ErrorCode.UNSUPPORTED_MEDIA_TYPE,
+    422: ErrorCode.VALIDATION_ERROR,
+    429: ErrorCode.TOO_MANY_REQUESTS,
 }
 
 
@@ -77,7 +77,7 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
     if any(e.get("type") == "json_invalid" for e in exc.errors()):
         return problem(
             400,
-            "malformed_json",
+            ErrorCode.MALFORMED_JSON,
             "Malformed JSON",
             "the request body is not valid JSON",
             request.url.path,
@@ -105,7 +105,7 @@ async def _on_domain(request: Request, exc: Exception) -> JSONResponse:
 
 async def _on_http(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    code = _HTTP_CODES.get(exc.status_code, ErrorCode.HTTP_ERROR)
     detail = exc.detail if isinstance(exc.detail, str) else code.replace("_", " ")
     return problem(
         exc.status_code,

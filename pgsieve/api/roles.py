@@ -11,7 +11,7 @@ test checks that every route of the OpenAPI schema is listed.
 
 from __future__ import annotations
 
-from pgsieve.core.tokens import Role
+from pgsieve.security.tokens import Role
 
 V, OP, A = Role.viewer, Role.operator, Role.admin
 

@@ -3,7 +3,7 @@ body is read, the request-body cap, security headers, and the audit log.
 
 Order of checks for a request to ``/api/v1/…`` or ``/metrics`` (``/healthz`` is open):
 
-1. the bearer token is resolved to a :class:`~pgsieve.core.tokens.Principal`; without a
+1. the bearer token is resolved to a :class:`~pgsieve.security.tokens.Principal`; without a
    valid one the answer is 401 ``unauthorized`` and the body is never read;
 2. a body over ``PGSIEVE_MAX_BODY_BYTES`` (by ``Content-Length``, or counted while it is
    read) is refused with 413 ``payload_too_large``;
@@ -27,9 +27,10 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pgsieve.api.problems import problem
-from pgsieve.core import audit
-from pgsieve.core.credentials import scrub_secrets
-from pgsieve.core.tokens import Principal, authenticate
+from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.errors import ErrorCode
+from pgsieve.security import audit
+from pgsieve.security.tokens import Principal, authenticate
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class SecurityMiddleware:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         await problem(
-            413, "payload_too_large", "Payload too large",
+            413, ErrorCode.PAYLOAD_TOO_LARGE, "Payload too large",
             f"the request body is over {self.max_body_bytes} bytes "
             "(PGSIEVE_MAX_BODY_BYTES)", scope["path"], headers={"Connection": "close"},
         )(scope, receive, send)

@@ -2,7 +2,7 @@
 
 ``apply_batch(spark, batch, writer)`` is a function of the SparkSession and its inputs:
 
-1. **plan** — one pass over the batch in commit order (:mod:`pgsieve.core.apply.plan`):
+1. **plan** — one pass over the batch in commit order (:mod:`pgsieve.apply.plan`):
    routes, skip_lsn, counts, UPDATE images, the net effect per target table and key;
 2. **fetch** — unchanged-TOAST values the stream did not carry (an UPDATE a row filter
    turned into an INSERT) are read from the source by key, or the table stops;
@@ -24,19 +24,16 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
-from pgsieve.core.apply.batch import ApplyBatch, ApplyResult, TableStopped
-from pgsieve.core.apply.columns import TargetTable
-from pgsieve.core.apply.copytext import finish
-from pgsieve.core.apply.net_effect import MASK, ROW, SOURCE, UMASK, mask_positions
-from pgsieve.core.apply.plan import BatchPlan, RelationMap, build_plan
-from pgsieve.core.apply.staging import StageEncoder
-from pgsieve.core.lsn import Lsn
-from pgsieve.spark.merge import StagedTable, merge
-from pgsieve.spark.sequential import fetch_unchanged
-from pgsieve.workers.target import TableMissing, TargetWriter
+from pgsieve.apply.batch import ApplyBatch, ApplyResult
+from pgsieve.apply.driver import fetch_pending, resolver, stage_in_driver
+from pgsieve.apply.merge import merge
+from pgsieve.apply.plan import build_plan
+from pgsieve.apply.target import TargetWriter
+from pgsieve.platform.settings import get_settings
+from pgsieve.spark.distributed import plan_and_stage
+from pgsieve.spark.session import cluster_task_slots
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +50,6 @@ not have, and a batch must be big enough to pay a job's fixed cost (~0.3 s warm)
 def choose_apply_path(spark: Any, changes: int) -> tuple[bool, str]:
     """Whether a batch of ``changes`` runs its plan and staging as Spark tasks, and why
     (``PGSIEVE_SPARK_APPLY_MIN_CHANGES``: a number, 0 for never, or ``auto``)."""
-    from pgsieve.core.settings import get_settings
 
     settings = get_settings()
     setting = settings.spark_apply_min_changes
@@ -67,7 +63,6 @@ def choose_apply_path(spark: Any, changes: int) -> tuple[bool, str]:
         return False, f"{changes} changes < PGSIEVE_SPARK_APPLY_MIN_CHANGES={setting}"
     if settings.spark_master.startswith("local"):
         return False, "auto: local mode shares this machine's cores with the driver"
-    from pgsieve.spark.session import cluster_task_slots
 
     slots, cores = cluster_task_slots(spark), os.cpu_count() or 1
     if slots <= cores:
@@ -77,75 +72,13 @@ def choose_apply_path(spark: Any, changes: int) -> tuple[bool, str]:
     return True, f"auto: {changes} changes on {slots} task slots"
 
 
-def resolver(writer: TargetWriter, batch: ApplyBatch) -> Callable[[str], TargetTable]:
-    by_target = {r.target_table: r.source_table for r in batch.routes.values()}
-
-    def resolve(name: str) -> TargetTable:
-        try:
-            return writer.table(name)
-        except TableMissing:
-            raise TableStopped(by_target.get(name, name), batch.commit_lsn,
-                               f"the target table {name} does not exist") from None
-
-    return resolve
-
-
-def fetch_pending(writer: TargetWriter, plan: BatchPlan) -> int:
-    """Fill the ``'u'`` columns of inserted rows from the source (see module doc)."""
-    fetched = 0
-    for tp in plan.tables.values():
-        if tp.reason() is not None:
-            continue
-        pending = list(tp.effect.pending_fetches())
-        if not pending:
-            continue
-        kp = tp.key_positions or ()
-        key_names = [tp.target.columns[p].name for p in kp]
-        groups: dict[tuple[int, int], list[tuple[Any, list[Any]]]] = {}
-        for key, e in pending:
-            groups.setdefault((id(e[SOURCE]), e[UMASK]), []).append((key, e))
-        for items in groups.values():
-            rm: RelationMap = items[0][1][SOURCE]
-            umask = items[0][1][UMASK]
-            cols = list(mask_positions(umask))
-            keys = [k if isinstance(k, tuple) else (k,) for k, _ in items]
-            found = fetch_unchanged(
-                writer, (rm.relation.namespace, rm.relation.name), rm.source_table,
-                key_names, keys, [tp.target.columns[j].name for j in cols],
-                Lsn(items[0][1][2]))
-            for kt, (_, e) in zip(keys, items, strict=True):
-                row = list(e[ROW])
-                for j, v in zip(cols, found[kt], strict=True):
-                    row[j] = v
-                e[ROW] = row
-                e[MASK] |= umask
-                e[UMASK] = 0
-                fetched += 1
-    return fetched
-
-
-def stage_in_driver(writer: TargetWriter, plan: BatchPlan) -> dict[str, StagedTable]:
-    """COPY each table's net effect into its staging table from this process."""
-    staged: dict[str, StagedTable] = {}
-    for name, tp in plan.tables.items():
-        if tp.reason() is not None or not len(tp.effect):
-            continue
-        kp = tp.key_positions if tp.mode == "key" else ()
-        stage = writer.staging_table(tp.target, kp or ())
-        encoder = StageEncoder(tp.target.width, kp)
-        payload = finish(encoder.encode(tp.effect))
-        writer.copy_in(stage, writer.staging_columns(tp.target, kp or ()), payload)
-        staged[name] = StagedTable(stage, encoder.summary)
-    return staged
-
-
 def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
                 distributed: bool | None = None) -> ApplyResult:
     """Apply ``batch`` to the target in one transaction (see the module doc).
 
-    Raises :class:`~pgsieve.core.apply.batch.ApplyConflict` (policy ``error``),
-    :class:`~pgsieve.core.apply.batch.TableStopped` or
-    :class:`~pgsieve.core.apply.batch.ApplyFenced`; nothing is committed then.
+    Raises :class:`~pgsieve.apply.batch.ApplyConflict` (policy ``error``),
+    :class:`~pgsieve.apply.batch.TableStopped` or
+    :class:`~pgsieve.apply.batch.ApplyFenced`; nothing is committed then.
     ``distributed`` forces (True) or forbids (False) the Spark path; None chooses by size.
     """
     timings: dict[str, float] = {}
@@ -162,7 +95,6 @@ def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
                 "batch of %d changes applies through %s: %s", batch.change_count, path, why)
         _last_path = path
     if distributed:
-        from pgsieve.spark.distributed import plan_and_stage
 
         plan, staged, fetched = plan_and_stage(spark, batch, writer, expected, timings)
         t = time.perf_counter()

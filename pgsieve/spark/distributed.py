@@ -5,7 +5,7 @@ only its key to pick a partition (a hash of the key; a table with an UPDATE that
 a key goes to one partition whole, because a moved row links two keys). Each partition's
 share — raw pgoutput bytes, in commit order — becomes one row of a DataFrame with one row
 per partition; ``mapInArrow`` runs :func:`stage_partition` on each: the same pure net
-effect as the driver path (:mod:`pgsieve.core.apply.plan`), then a COPY of its rows into
+effect as the driver path (:mod:`pgsieve.apply.plan`), then a COPY of its rows into
 the shared staging tables over its own target connection. Keys never span partitions, so
 the staged rows are exactly what the driver path would stage. The merge is the driver's,
 as for small batches.
@@ -25,10 +25,12 @@ from typing import Any, cast
 
 import pyarrow as pa  # type: ignore[import-untyped]
 
-from pgsieve.core.apply.batch import ApplyBatch, TableRoute
-from pgsieve.core.apply.columns import TargetTable
-from pgsieve.core.apply.copytext import finish
-from pgsieve.core.apply.plan import (
+from pgsieve.apply.batch import ApplyBatch, TableRoute
+from pgsieve.apply.columns import TargetTable
+from pgsieve.apply.copytext import finish
+from pgsieve.apply.driver import fetch_pending, resolver
+from pgsieve.apply.merge import StagedTable
+from pgsieve.apply.plan import (
     BatchPlan,
     RawView,
     RelationMap,
@@ -36,13 +38,13 @@ from pgsieve.core.apply.plan import (
     _Builder,
     raw_view,
 )
-from pgsieve.core.apply.staging import StageEncoder, StageSummary
-from pgsieve.core.faults import fault_point
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgoutput.assembler import Change
-from pgsieve.core.pgoutput.decoder import Decoder
-from pgsieve.core.pgoutput.messages import Delete, Insert, Relation, Truncate, Update
-from pgsieve.spark.merge import StagedTable
+from pgsieve.apply.staging import StageEncoder, StageSummary
+from pgsieve.apply.target import TargetWriter
+from pgsieve.platform.faults import fault_point
+from pgsieve.wire.assembler import Change
+from pgsieve.wire.decoder import Decoder
+from pgsieve.wire.lsn import Lsn
+from pgsieve.wire.messages import Delete, Insert, Relation, Truncate, Update
 
 _I, _U, _D, _T, _K = 0x49, 0x55, 0x44, 0x54, 0x4B
 _U32 = struct.Struct("!I").unpack_from
@@ -256,8 +258,6 @@ def _raw_key(data: bytes, pos: int, rm: RelationMap) -> Any:
 
 def stage_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     """mapInArrow: plan and stage one partition's share; yields a JSON summary per table."""
-    from pgsieve.spark.apply import fetch_pending
-    from pgsieve.workers.target import TargetWriter
 
     for rb in batches:
         for payload in rb.column("payload").to_pylist():
@@ -336,7 +336,6 @@ def _stage_table(writer: Any, tp: TablePlan, staging: str | None) -> dict[str, A
 
 def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | None,
                    timings: dict[str, float]) -> tuple[BatchPlan, dict[str, StagedTable], int]:
-    from pgsieve.spark.apply import resolver
 
     t = time.perf_counter()
     partitions = max(2, int(spark.sparkContext.defaultParallelism))

@@ -26,11 +26,12 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pyspark.sql import SparkSession
+from pgsieve.platform.settings import Settings
 
-from pgsieve.core.settings import Settings
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,10 @@ def get_spark(settings: Settings) -> SparkSession:
             if key != _key:
                 log.warning("SparkSession already running with other settings; reusing it")
             return _session
+        # pyspark is imported on first use: processes that only read job state (the API)
+        # do not pay its import.
+        from pyspark.sql import SparkSession
+
         builder: Any = SparkSession.builder
         if settings.spark_master.startswith("sc://"):
             builder = builder.remote(settings.spark_master)

@@ -35,8 +35,8 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
-from pgsieve.core.connpolicy import Purpose, secure_conninfo
-from pgsieve.core.faults import fault_point
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.faults import fault_point
 
 MARKER_SCHEMA = "pgsieve"
 MARKER_TABLE = "sync_copied"
@@ -504,7 +504,7 @@ _PY_ERROR = re.compile(r"^(?:psycopg\.[\w.]+|[\w.]*Error|[\w.]*Exception): (.+)$
 def _own_message(exc: BaseException) -> str:
     """A copy's own exception as the Spark path reports it: the first line (PostgreSQL's
     message without DETAIL/CONTEXT), scrubbed."""
-    from pgsieve.core.credentials import scrub_secrets
+    from pgsieve.platform.credentials import scrub_secrets
 
     lines = str(exc).strip().splitlines()
     return scrub_secrets(lines[0].strip() if lines else type(exc).__name__)[:2000]
@@ -512,7 +512,7 @@ def _own_message(exc: BaseException) -> str:
 
 def spark_error_message(exc: BaseException) -> str:
     """The task's own error out of Spark's wrapping (Java and Python stack traces)."""
-    from pgsieve.core.credentials import scrub_secrets
+    from pgsieve.platform.credentials import scrub_secrets
 
     text = str(exc)
     matches = _PY_ERROR.findall(text)

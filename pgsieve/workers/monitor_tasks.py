@@ -12,9 +12,9 @@ from typing import Any
 
 from celery import Task
 
-from pgsieve.core.db import session_scope
-from pgsieve.core.observe import sample_all
-from pgsieve.core.settings import Settings
+from pgsieve.monitoring.observe import sample_all
+from pgsieve.platform.db import session_scope
+from pgsieve.platform.settings import Settings
 from pgsieve.workers.celery_app import celery_app
 
 

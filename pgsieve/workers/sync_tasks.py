@@ -9,7 +9,7 @@ target's markers say is done. A transient failure re-enqueues the task with a de
 delivery: the broker would redeliver a dead worker's task only after its visibility
 timeout (an hour on Redis). It also starts a sync job for tables left in ``init``/``copy``
 with none to copy them (a failed resync: retried after 10 s, 20 s, 40 s, ... up to 10
-minutes between attempts, see :func:`pgsieve.workers.syncjob.retry_delay`).
+minutes between attempts, see :func:`pgsieve.sync.syncjob.retry_delay`).
 ``pgsieve.sync_slot_cleanup`` (beat) drops sync slots that no table needs any more.
 """
 
@@ -19,7 +19,11 @@ from typing import Any
 
 from celery import Task
 
-from pgsieve.core.settings import Settings
+from pgsieve.platform import dispatch
+from pgsieve.platform.settings import Settings
+from pgsieve.spark.session import get_spark
+from pgsieve.sync.syncjob import SyncJobRunner
+from pgsieve.sync.tablesync import drop_leftover_sync_slots, retry_table_syncs, stale_sync_jobs
 from pgsieve.workers.celery_app import celery_app
 
 INITIAL_SYNC = "pgsieve.initial_sync"
@@ -33,8 +37,6 @@ def _settings(task: Task[Any, Any]) -> Settings:
 @celery_app.task(name=INITIAL_SYNC, bind=True, acks_late=True)
 def initial_sync(self: Task[Any, Any], job_id: str) -> str:
     """Run sync job ``job_id`` (initial sync or resync) to its end."""
-    from pgsieve.spark.session import get_spark
-    from pgsieve.workers.syncjob import SyncJobRunner
 
     settings = _settings(self)
     outcome = SyncJobRunner(settings, job_id, spark=lambda: get_spark(settings)).run()
@@ -46,8 +48,6 @@ def initial_sync(self: Task[Any, Any], job_id: str) -> str:
 def requeue_stale_jobs(settings: Settings) -> list[str]:
     """Release sync jobs whose runner died and enqueue them again; start jobs for failed
     table syncs that are due for a retry. Enqueued after their commits."""
-    from pgsieve.workers import dispatch
-    from pgsieve.workers.tablesync import retry_table_syncs, stale_sync_jobs
 
     jobs = stale_sync_jobs(settings) + retry_table_syncs(settings)
     for job_id in jobs:
@@ -65,6 +65,5 @@ def sync_watchdog(self: Task[Any, Any]) -> list[str]:
 @celery_app.task(name="pgsieve.sync_slot_cleanup", bind=True, acks_late=True, expires=120)
 def sync_slot_cleanup(self: Task[Any, Any]) -> list[str]:
     """Beat: drop sync slots no table needs any more."""
-    from pgsieve.workers.tablesync import drop_leftover_sync_slots
 
     return drop_leftover_sync_slots(_settings(self))

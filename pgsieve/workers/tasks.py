@@ -12,11 +12,12 @@ from celery import Task
 from celery.signals import worker_ready, worker_shutting_down
 from sqlalchemy.exc import IntegrityError
 
-from pgsieve.core.credentials import scrub_secrets
-from pgsieve.core.db import session_scope
-from pgsieve.core.models import WorkerHeartbeat, utcnow
-from pgsieve.core.settings import Settings
-from pgsieve.workers.celery_app import HEARTBEAT_EVERY, celery_app
+from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.db import session_scope
+from pgsieve.platform.models import WorkerHeartbeat, utcnow
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.taskqueue import HEARTBEAT_EVERY
+from pgsieve.workers.celery_app import celery_app
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +68,7 @@ def start_scheduler(sender: Any = None, **_: Any) -> None:
     """The worker's scheduler starts with the worker: it adopts the enabled subscriptions
     nobody holds even when no task names them (a worker killed, a task lost)."""
     global _in_worker
-    from pgsieve.workers import scheduler
-
+    from pgsieve.streaming import scheduler
     _in_worker = True
     worker = getattr(sender, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
     scheduler.ensure_started(celery_app.conf.pgsieve_settings, worker)
@@ -97,13 +97,14 @@ def start_heartbeat(sender: Any = None, **_: Any) -> None:
 @celery_app.task(name="pgsieve.consume_cycle", bind=True, acks_late=True)
 def consume_cycle(self: Task[Any, Any], subscription_id: str) -> str:
     """Have this worker's scheduler hold the subscription (see
-    :mod:`pgsieve.workers.scheduler`): it returns at once, and the subscription takes
+    :mod:`pgsieve.streaming.scheduler`): it returns at once, and the subscription takes
     turns with the others the worker holds. Safe to deliver twice: the locks admit one
     holder. Outside a worker process (no scheduler), one bounded consume cycle that
-    re-enqueues itself (:mod:`pgsieve.workers.pipeline`)."""
+    re-enqueues itself (:mod:`pgsieve.streaming.pipeline`)."""
+    from pgsieve.platform import dispatch
     from pgsieve.spark.session import get_spark
-    from pgsieve.workers import dispatch, scheduler
-    from pgsieve.workers.pipeline import ConsumeCycle
+    from pgsieve.streaming import scheduler
+    from pgsieve.streaming.pipeline import ConsumeCycle
 
     settings = _settings(self)
     if _in_worker:
@@ -122,8 +123,8 @@ def consume_cycle(self: Task[Any, Any], subscription_id: str) -> str:
 @celery_app.task(name="pgsieve.restart_pipelines", bind=True)
 def restart_pipelines(self: Task[Any, Any]) -> list[str]:
     """Beat: re-enqueue pipelines whose consumer died (no live lock)."""
-    from pgsieve.workers import dispatch
-    from pgsieve.workers.pipeline import restart_dead_pipelines
+    from pgsieve.platform import dispatch
+    from pgsieve.streaming.pipeline import restart_dead_pipelines
 
     settings = _settings(self)
     dead = restart_dead_pipelines(settings)
@@ -158,8 +159,8 @@ def stop_consume_cycles(**_: Any) -> None:
     """A warm shutdown waits for running tasks: tell consume cycles to finish now (they
     apply what they hold and re-enqueue themselves for another worker), and the scheduler
     to end its turns, let go of its subscriptions and hand them over."""
-    from pgsieve.workers import scheduler
-    from pgsieve.workers.pipeline import WORKER_STOPPING
+    from pgsieve.streaming import scheduler
+    from pgsieve.streaming.pipeline import WORKER_STOPPING
 
     WORKER_STOPPING.set()
     handed = scheduler.stop_current()

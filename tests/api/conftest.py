@@ -10,8 +10,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
 from pgsieve.api.app import create_app
-from pgsieve.core.db import engine_for
-from pgsieve.core.settings import Settings
+from pgsieve.platform.db import engine_for
+from pgsieve.platform.settings import Settings
 from tests.metadata_template import migrated_sqlite
 
 TOKEN = "test-token-1234"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from pgsieve.core.tokens import create_token
+from pgsieve.security.tokens import create_token
 
 
 def make_tokens(engine: Engine) -> dict[str, str]:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from sqlalchemy import func, select
 
-from pgsieve.core.models import AuditEvent
+from pgsieve.platform.models import AuditEvent
 from tests.api.conftest import TOKEN, assert_problem
 from tests.api.security_helpers import make_tokens
 from tests.conftest import Database

@@ -17,11 +17,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, func, select
 
 from pgsieve.api.app import create_app
-from pgsieve.core.connpolicy import ConnectionPolicy, check_dsn
-from pgsieve.core.models import Source, Target
-from pgsieve.core.pgcluster import LocalCluster, free_port
-from pgsieve.core.pgserver import NOT_REACHED
-from pgsieve.core.settings import Settings
+from pgsieve.platform.connpolicy import ConnectionPolicy, check_dsn
+from pgsieve.platform.models import Source, Target
+from pgsieve.platform.pgcluster import LocalCluster, free_port
+from pgsieve.platform.pgserver import NOT_REACHED
+from pgsieve.platform.settings import Settings
 from tests.api.conftest import TOKEN, assert_problem
 from tests.conftest import Database
 

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from pgsieve.core.models import Job, Subscription, SubscriptionTable, Target
+from pgsieve.platform.models import Job, Subscription, SubscriptionTable, Target
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 
@@ -153,7 +153,7 @@ def test_above_the_exact_threshold_the_counts_come_from_a_sample(source_db: Data
     ``TABLESAMPLE`` scaled to its size, and says so."""
     import psycopg
 
-    from pgsieve.core.rowfilter.change import count_change
+    from pgsieve.rowfilter.change import count_change
 
     source_db.execute(SCHEMA + "ANALYZE items;")
     with psycopg.connect(source_db.dsn, autocommit=True) as conn:

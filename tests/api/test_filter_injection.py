@@ -165,7 +165,7 @@ def test_rendered_filter_reads_the_same_under_either_setting(source_db: Database
     """The text that reaches PostgreSQL (publication DDL, preview, the sync planner's and
     Spark's COPY queries all use the parse tree's rendering) means one thing whatever the
     session's standard_conforming_strings: the second wall behind the pinned setting."""
-    from pgsieve.core.rowfilter.parse import FilterParseError, parse_filter
+    from pgsieve.rowfilter.parse import FilterParseError, parse_filter
 
     _setup(source_db, "on")
     try:

@@ -199,7 +199,7 @@ def test_filter_raising_is_found_on_the_estimated_path_too(settings, metadata_en
 
 
 def test_every_step_out_of_time_degrades_instead_of_failing(source_db: Database):
-    from pgsieve.core.rowfilter.preview import preview_filter
+    from pgsieve.rowfilter.preview import preview_filter
 
     source_db.execute(
         "CREATE TABLE big (id int PRIMARY KEY, k int);"

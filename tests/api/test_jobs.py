@@ -11,10 +11,11 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from pgsieve.core.models import Job
-from pgsieve.core.settings import Settings
+from pgsieve.platform.models import Job
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.states import JobState, SyncState
 from pgsieve.spark.session import get_spark
-from pgsieve.workers.syncjob import SyncJobRunner
+from pgsieve.sync.syncjob import SyncJobRunner
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 
@@ -160,7 +161,7 @@ def test_a_second_active_sync_job_is_refused_by_the_database(client, sub, metada
     "copy it again"): the partial unique index refuses the second job, a clean 409."""
     from sqlalchemy.exc import IntegrityError
 
-    import pgsieve.workers.syncjob as syncjob
+    from pgsieve.sync.syncjob import active_sync_job as real
 
     base = f"/api/v1/subscriptions/{sub['id']}/sync"
     first = client.post(base, json={"tables": ["orders"]}).json()["job_id"]
@@ -169,14 +170,14 @@ def test_a_second_active_sync_job_is_refused_by_the_database(client, sub, metada
         with pytest.raises(IntegrityError):
             session.commit()
     # The request's own check does not see the first job (it was inserted in between).
-    real = syncjob.active_sync_job
     calls: list[int] = []
 
     def racing(session, subscription_id):
         calls.append(1)
         return None if len(calls) == 1 else real(session, subscription_id)
 
-    monkeypatch.setattr(syncjob, "active_sync_job", racing)
+    # the router's own check (it imported the function)
+    monkeypatch.setattr("pgsieve.api.routers.jobs.active_sync_job", racing)
     body = assert_problem(client.post(base, json={"tables": ["notes"]}), 409,
                           "sync_in_progress")
     assert body["job_id"] == first
@@ -185,9 +186,9 @@ def test_a_second_active_sync_job_is_refused_by_the_database(client, sub, metada
     with Session(metadata_engine) as session:
         job = session.get(Job, first)
         assert job is not None
-        job.state = "failed"
+        job.state = JobState.FAILED
         session.commit()
-    monkeypatch.setattr(syncjob, "active_sync_job", real)
+    monkeypatch.setattr("pgsieve.api.routers.jobs.active_sync_job", real)
     assert client.post(base, json={"tables": ["notes"]}).status_code == 202
 
 
@@ -219,8 +220,8 @@ def test_refresh_checks_everything_before_it_writes(client, sub, metadata_engine
     assert_problem(client.post(base), 422, "target_column_mismatch")
     assert _tables(client, sub["id"]) == before and _jobs(metadata_engine) == 0
     # An unreachable source: nothing changes either (and no password in the answer).
-    from pgsieve.core.credentials import SecretBox
-    from pgsieve.core.models import Source
+    from pgsieve.platform.credentials import SecretBox
+    from pgsieve.platform.models import Source
 
     box = SecretBox(settings.effective_secret_key())
     with Session(metadata_engine) as session:
@@ -285,18 +286,18 @@ def test_copy_again_while_a_job_runs_waits_for_the_watchdog(client, sub, setting
     the unique index refuses a second one, so the table waits in init (with its reason)
     and the sync watchdog starts its copy once that job ended — at once, since it did
     not fail."""
-    from pgsieve.core.db import session_factory
-    from pgsieve.core.models import SubscriptionTable
-    from pgsieve.workers.tablesync import _resync_later, retry_table_syncs
+    from pgsieve.platform.db import session_factory
+    from pgsieve.platform.models import SubscriptionTable
+    from pgsieve.sync.tablesync import resync_later, retry_table_syncs
 
     sessions = session_factory(settings.effective_database_url)
     with sessions() as session:
         orders = session.query(SubscriptionTable).filter_by(table_name="public.orders").one()
-        orders.sync_state, orders.sync_lsn = "catchup", 1
+        orders.sync_state, orders.sync_lsn = SyncState.CATCHUP, 1
         session.commit()
     running = client.post(f"/api/v1/subscriptions/{sub['id']}/sync",
                           json={"tables": ["notes"]}).json()["job_id"]
-    _resync_later(sessions, settings, sub["id"], "public.orders", "its sync slot is gone")
+    resync_later(sessions, settings, sub["id"], "public.orders", "its sync slot is gone")
     detail = client.get(f"/api/v1/subscriptions/{sub['id']}").json()
     orders_out = next(t for t in detail["tables"] if t["table"] == "public.orders")
     assert (orders_out["sync_state"], orders_out["error"]) == ("init", "its sync slot is gone")
@@ -305,7 +306,7 @@ def test_copy_again_while_a_job_runs_waits_for_the_watchdog(client, sub, setting
     with Session(metadata_engine) as session:
         job = session.get(Job, running)
         assert job is not None
-        job.state = "done"
+        job.state = JobState.DONE
         session.commit()
     [again] = retry_table_syncs(settings)
     job = client.get(f"/api/v1/jobs/{again}").json()

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session
 
-from pgsieve.core.credentials import SecretBox
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.metrics import record_batch
-from pgsieve.core.models import (
+from pgsieve.monitoring.observe import sample_all
+from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.metrics import record_batch
+from pgsieve.platform.models import (
     ConsumerLock,
     Job,
     ProgressSample,
@@ -24,7 +24,7 @@ from pgsieve.core.models import (
     SubscriptionTable,
     WorkerHeartbeat,
 )
-from pgsieve.core.observe import sample_all
+from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 
 

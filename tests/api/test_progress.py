@@ -15,9 +15,9 @@ import pytest
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
-from pgsieve.core.credentials import SecretBox
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.models import (
+from pgsieve.monitoring.observe import sample_all
+from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.models import (
     ConsumerLock,
     ProgressSample,
     Source,
@@ -25,8 +25,8 @@ from pgsieve.core.models import (
     Subscription,
     SubscriptionTable,
 )
-from pgsieve.core.observe import sample_all
-from pgsieve.core.pgcluster import free_port
+from pgsieve.platform.pgcluster import free_port
+from pgsieve.wire.lsn import Lsn
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pgsieve.core.lsn import Lsn
+from pgsieve.wire.lsn import Lsn
 from tests.browser.live import LiveDeployment, live_deployment, wait_until
 from tests.conftest import Database
 

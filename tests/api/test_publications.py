@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from pgsieve.core.models import Publication as PublicationRow
-from pgsieve.core.models import Subscription, Target
+from pgsieve.platform.models import Publication as PublicationRow
+from pgsieve.platform.models import Subscription, Target
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 

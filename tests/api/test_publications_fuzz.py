@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from pgsieve.core.models import Publication as PublicationRow
+from pgsieve.platform.models import Publication as PublicationRow
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 

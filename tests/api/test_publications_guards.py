@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgsieve.core.publications import validate_definition
+from pgsieve.publications.service import validate_definition
 from tests.api.conftest import assert_problem
 from tests.api.test_publications import CATALOG, metadata, url
 from tests.conftest import Database
@@ -129,9 +129,9 @@ def test_nul_anywhere_is_a_422_and_changes_nothing(client, sid, src: Database,
 
 
 def test_core_treats_nul_names_as_absent(src: Database):
-    from pgsieve.core.errors import PgsieveError
-    from pgsieve.core.pubcatalog import existing_schemas, read_live_publications
-    from pgsieve.core.publications import normalize_definition
+    from pgsieve.platform.errors import PgsieveError
+    from pgsieve.publications.catalog import existing_schemas, read_live_publications
+    from pgsieve.publications.service import normalize_definition
 
     src.execute("CREATE PUBLICATION p FOR TABLE t2")
     with src.connect() as conn:
@@ -187,8 +187,7 @@ def test_concurrent_patches_take_turns_instead_of_undoing_each_other(
 
 def test_a_change_waiting_too_long_for_another_is_busy(client, sid, src: Database,
                                                        metadata_engine, monkeypatch):
-    from pgsieve.core import publications as core_publications
-
+    from pgsieve.publications import service as core_publications
     assert client.post(url(sid), json={"name": "p", "tables": [{"table": "t2"}]}
                        ).status_code == 201
     before, meta = src.query(CATALOG), metadata(metadata_engine)

@@ -14,7 +14,7 @@ from psycopg import sql
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from pgsieve.core.models import Subscription, Target
+from pgsieve.platform.models import Subscription, Target
 from tests.conftest import Database
 
 TABLES = """

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pgsieve.api.roles import ROLE_MATRIX
-from pgsieve.core.settings import Settings, get_settings
-from pgsieve.core.tokens import Role
+from pgsieve.platform.settings import Settings, get_settings
+from pgsieve.security.tokens import Role
 from tests.api.conftest import assert_problem
 from tests.api.security_helpers import make_tokens
 

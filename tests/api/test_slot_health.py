@@ -15,8 +15,9 @@ import psycopg
 import pytest
 from sqlalchemy.orm import Session
 
-from pgsieve.core.credentials import SecretBox
-from pgsieve.core.models import (
+from pgsieve.monitoring.observe import sample_all
+from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.models import (
     ConsumerLock,
     Job,
     Source,
@@ -24,8 +25,7 @@ from pgsieve.core.models import (
     Subscription,
     SubscriptionTable,
 )
-from pgsieve.core.observe import sample_all
-from pgsieve.core.pgcluster import LocalCluster, free_port
+from pgsieve.platform.pgcluster import LocalCluster, free_port
 from tests.conftest import Database
 
 MB = 1024 * 1024

@@ -6,7 +6,7 @@ import psycopg
 import pytest
 from sqlalchemy import select
 
-from pgsieve.core.models import Slot
+from pgsieve.platform.models import Slot
 from tests.api.conftest import assert_problem
 
 

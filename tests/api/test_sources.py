@@ -5,7 +5,7 @@ from __future__ import annotations
 import psycopg
 from sqlalchemy import Engine, func, select
 
-from pgsieve.core.models import Source
+from pgsieve.platform.models import Source
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 
@@ -72,7 +72,7 @@ def test_bad_credentials_are_unreachable(client, source_db: Database, metadata_e
 
 
 def test_unreachable_port(client, metadata_engine):
-    from pgsieve.core.pgcluster import free_port
+    from pgsieve.platform.pgcluster import free_port
 
     dsn = f"postgresql://postgres:hunter2@127.0.0.1:{free_port()}/postgres"
     body = assert_problem(
@@ -140,8 +140,8 @@ def test_server_version_check_refuses_old_servers():
     # and the live path (reading server_version_num) by the tests above.
     import pytest
 
-    from pgsieve.core.errors import PgsieveError
-    from pgsieve.core.pgserver import ServerInfo, check_source
+    from pgsieve.platform.errors import PgsieveError
+    from pgsieve.platform.pgserver import ServerInfo, check_source
 
     with pytest.raises(PgsieveError) as info:
         check_source(ServerInfo("14.11", 140011, "logical", True, True))

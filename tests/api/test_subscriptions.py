@@ -10,7 +10,7 @@ import psycopg
 import pytest
 from sqlalchemy import func, select
 
-from pgsieve.core.models import Job, Subscription, SubscriptionTable
+from pgsieve.platform.models import Job, Subscription, SubscriptionTable
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 

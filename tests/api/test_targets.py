@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from sqlalchemy import func, select
 
-from pgsieve.core.models import Target
-from pgsieve.core.pgcluster import free_port
+from pgsieve.platform.models import Target
+from pgsieve.platform.pgcluster import free_port
 from tests.api.conftest import assert_problem
 
 

@@ -17,16 +17,15 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.models import Subscription, Target, UpdateImage
-from pgsieve.core.pgoutput.assembler import Transaction
-from pgsieve.core.pgoutput.messages import UNCHANGED, Update
-from pgsieve.core.pgoutput.relations import text_row
-from pgsieve.core.rowfilter.parse import parse_filter
-from pgsieve.core.rowfilter.updates import transformation, unqualified_filter
-from pgsieve.workers.consumer import IdleProgress, SlotConsumer
-from pgsieve.workers.pipeline import UPDATE_IMAGE_WINDOW
-from pgsieve.workers.transports import PgoutputOptions, SqlTransport
+from pgsieve.platform.models import UPDATE_IMAGE_WINDOW, Subscription, Target, UpdateImage
+from pgsieve.rowfilter.parse import parse_filter
+from pgsieve.rowfilter.updates import transformation, unqualified_filter
+from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.lsn import Lsn
+from pgsieve.wire.messages import UNCHANGED, Update
+from pgsieve.wire.relations import text_row
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 
@@ -414,7 +413,7 @@ def test_estimates_key_ranges_exactly_and_finds_rare_sample_rows(settings, metad
 
 
 def test_never_analyzed_table_is_sampled_by_its_real_size(big: Database):
-    from pgsieve.core.rowfilter.preview import preview_filter
+    from pgsieve.rowfilter.preview import preview_filter
 
     assert big.query("SELECT reltuples FROM pg_class WHERE relname = 'big'") == [(-1.0,)]
     with big.connect() as conn:

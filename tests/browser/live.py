@@ -22,8 +22,8 @@ import pytest
 import uvicorn
 
 from pgsieve.api.app import create_app
-from pgsieve.core.pgcluster import free_port
-from pgsieve.core.settings import Settings
+from pgsieve.platform.pgcluster import free_port
+from pgsieve.platform.settings import Settings
 from tests.metadata_template import migrated_sqlite
 
 REDIS_DB = 13

@@ -9,8 +9,8 @@ import time
 from playwright.sync_api import Page, expect
 from sqlalchemy import update
 
-from pgsieve.core.db import session_factory
-from pgsieve.core.models import SubscriptionTable
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import SubscriptionTable
 from tests.browser.conftest import shot
 from tests.browser.live import TOKEN, LiveDeployment
 from tests.conftest import Database

@@ -28,7 +28,7 @@ from typing import Any
 
 import psycopg
 
-from pgsieve.core.pgcluster import LocalCluster, free_port
+from pgsieve.platform.pgcluster import LocalCluster, free_port
 
 GOLDEN_DIR = Path(__file__).resolve().parent
 CLUSTER_SETTINGS = {

@@ -12,16 +12,16 @@ import sys
 import time
 from pathlib import Path
 
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgoutput.assembler import Transaction
-from pgsieve.workers.consumer import IdleProgress, SlotConsumer
-from pgsieve.workers.tail import item_records
-from pgsieve.workers.transports import (
+from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.tail import item_records
+from pgsieve.streaming.transports import (
     PgoutputOptions,
     SqlTransport,
     Transport,
     WalsenderTransport,
 )
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.lsn import Lsn
 
 
 def last_applied(path: Path) -> Lsn | None:

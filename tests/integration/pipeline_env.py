@@ -21,7 +21,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pgsieve.api.app import create_app
-from pgsieve.core.settings import Settings
+from pgsieve.platform.settings import Settings
 from tests.conftest import Database
 from tests.metadata_template import migrated_sqlite
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pyspark
 
-from pgsieve.core.pgcluster import free_port
+from pgsieve.platform.pgcluster import free_port
 
 SPARK_HOME = Path(pyspark.__file__).resolve().parent
 

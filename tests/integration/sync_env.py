@@ -15,11 +15,11 @@ import psycopg
 from fastapi.testclient import TestClient
 
 from pgsieve.api.app import create_app
-from pgsieve.core.db import session_factory
-from pgsieve.core.models import Job
-from pgsieve.core.settings import Settings
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import Job
+from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark
-from pgsieve.workers.syncjob import RunOutcome, SyncJobRunner
+from pgsieve.sync.syncjob import RunOutcome, SyncJobRunner
 from tests.conftest import Database
 from tests.metadata_template import migrated_sqlite
 

@@ -20,15 +20,15 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgsieve.core.apply.batch import ApplyBatch, ApplyResult, ConflictPolicy, TableRoute
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgcluster import LocalCluster
-from pgsieve.core.pgoutput.assembler import Transaction
-from pgsieve.core.pgoutput.messages import LogicalMessage
+from pgsieve.apply.batch import ApplyBatch, ApplyResult, ConflictPolicy, TableRoute
+from pgsieve.apply.target import TargetWriter
+from pgsieve.platform.pgcluster import LocalCluster
 from pgsieve.spark.apply import BackgroundApplier, apply_batch
-from pgsieve.workers.consumer import SlotConsumer
-from pgsieve.workers.target import TargetWriter
-from pgsieve.workers.transports import PgoutputOptions, SqlTransport
+from pgsieve.streaming.consumer import SlotConsumer
+from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.lsn import Lsn
+from pgsieve.wire.messages import LogicalMessage
 from tests.conftest import Database, _fresh_db
 
 END_PREFIX = "pgsieve-test-end"

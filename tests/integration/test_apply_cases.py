@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pgsieve.core.apply.batch import TableStopped
+from pgsieve.apply.batch import TableStopped
 from tests.integration import test_apply as harness
 from tests.integration.test_apply import Pair
 

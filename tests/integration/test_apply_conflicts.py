@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from pgsieve.core.apply.batch import ApplyConflict, ApplyFenced, TableStopped
-from pgsieve.core.errors import Unprocessable
+from pgsieve.apply.batch import ApplyConflict, ApplyFenced, TableStopped
+from pgsieve.apply.target import TargetWriter, check_target_tables, read_source_columns
+from pgsieve.platform.errors import Unprocessable
 from pgsieve.spark.apply import apply_batch
-from pgsieve.workers.target import TargetWriter, check_target_tables, read_source_columns
 from tests.conftest import Database
 from tests.integration import test_apply as harness
 from tests.integration.test_apply import Pair

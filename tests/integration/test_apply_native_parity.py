@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from pgsieve.core.apply.batch import ApplyConflict, ApplyResult, MissingRow
+from pgsieve.apply.batch import ApplyConflict, ApplyResult, MissingRow
 from tests.integration import test_apply as harness
 from tests.integration.test_apply import Pair
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pgsieve.core.settings import Settings
+from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark, spark_properties
 from tests.integration import test_apply as harness
 from tests.integration.test_apply import Pair

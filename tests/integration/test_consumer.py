@@ -20,19 +20,19 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgoutput.assembler import StandaloneMessage, Transaction
-from pgsieve.core.pgoutput.batch import MessageBatch
-from pgsieve.core.pgoutput.splitter import RawChanges, TransactionSplitter
-from pgsieve.workers.consumer import IdleProgress, SlotConsumer
-from pgsieve.workers.tail import item_records
-from pgsieve.workers.transports import (
+from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.tail import item_records
+from pgsieve.streaming.transports import (
     PgoutputOptions,
     SqlTransport,
     Transport,
     TransportError,
     WalsenderTransport,
 )
+from pgsieve.wire.assembler import StandaloneMessage, Transaction
+from pgsieve.wire.batch import MessageBatch
+from pgsieve.wire.lsn import Lsn
+from pgsieve.wire.splitter import RawChanges, TransactionSplitter
 from tests.conftest import Database
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -555,7 +555,7 @@ def test_idle_progress_never_passes_a_commit_not_yet_flushed(cluster_root: Path)
     logical decoding reads only flushed WAL. An idle position past the flush point would
     be recorded and confirmed, and the transaction never sent. Every committed row must
     arrive even when the consumer confirms each idle position it is given."""
-    from pgsieve.core.pgcluster import LocalCluster, free_port
+    from pgsieve.platform.pgcluster import LocalCluster, free_port
 
     cluster = LocalCluster(cluster_root / "unflushed", free_port(), settings={
         "synchronous_commit": "off", "wal_writer_delay": "2000ms", "wal_buffers": "64kB",

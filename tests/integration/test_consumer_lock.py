@@ -11,10 +11,8 @@ import pytest
 import sqlalchemy
 from sqlalchemy import update
 
-from pgsieve.core.db import session_factory
-from pgsieve.core.migrate import upgrade
-from pgsieve.core.models import ConsumerLock, Source, Subscription, Target, utcnow
-from pgsieve.workers.locks import (
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.locks import (
     AdvisoryLocks,
     LockKeeper,
     release,
@@ -22,6 +20,8 @@ from pgsieve.workers.locks import (
     renew_owned,
     try_acquire,
 )
+from pgsieve.platform.migrate import upgrade
+from pgsieve.platform.models import ConsumerLock, Source, Subscription, Target, utcnow
 from tests.integration.test_migrations import pg_metadata_url  # noqa: F401 - fixture
 
 

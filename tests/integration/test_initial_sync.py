@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from pgsieve.core.db import session_factory
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.models import Subscription, SyncPartition
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import Subscription, SyncPartition
+from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 from tests.integration.sync_env import native_copy, rows, slots, sync_env
 
@@ -207,7 +207,7 @@ def test_deferred_indexes_come_back_and_referenced_tables_keep_theirs(tmp_path, 
     _, job_id, _job = _sync(tmp_path, source_db, target_db, ["pp"])
     assert (target_db.query(indexes), target_db.query(constraints)) == before
     with session_factory(f"sqlite:///{tmp_path / 'meta.db'}")() as session:
-        from pgsieve.core.models import Job
+        from pgsieve.platform.models import Job
 
         found = session.get(Job, job_id)
         assert found is not None
@@ -225,7 +225,7 @@ def test_verify_reports_differences_and_the_copy_is_the_snapshot(tmp_path, sourc
     not in it); a target that differs after the copy is reported by verify."""
     import psycopg
 
-    from pgsieve.workers.snapshot import ExportedSnapshot
+    from pgsieve.sync.snapshot import ExportedSnapshot
 
     source_db.execute(EXAMPLE + EXAMPLE_DATA + EXAMPLE_PUBS)
     target_db.execute(EXAMPLE)
@@ -247,7 +247,7 @@ def test_verify_reports_differences_and_the_copy_is_the_snapshot(tmp_path, sourc
     with sync_env(tmp_path) as env:
         _, job_id = env.subscribe(source_db, target_db, ["p2", "p3"])
         assert env.client.post(f"/api/v1/jobs/{job_id}").status_code == 405
-        from pgsieve.core.models import Job
+        from pgsieve.platform.models import Job
 
         with session_factory(env.settings.effective_database_url)() as session:
             job_row = session.get(Job, job_id)

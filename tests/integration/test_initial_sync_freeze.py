@@ -17,8 +17,8 @@ import psycopg
 import pytest
 from sqlalchemy import select
 
-from pgsieve.core.db import session_factory
-from pgsieve.core.models import Job, SyncPartition
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import Job, SyncPartition
 from pgsieve.spark.sync import (
     MARKER_SCHEMA,
     MARKER_TABLE,

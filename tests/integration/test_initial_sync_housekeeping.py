@@ -9,10 +9,11 @@ from pathlib import Path
 
 import psycopg
 
-from pgsieve.core.db import session_factory
-from pgsieve.core.models import Job, SubscriptionTable, utcnow
-from pgsieve.workers.syncjob import claim, sync_slot_name
-from pgsieve.workers.tablesync import drop_leftover_sync_slots, stale_sync_jobs
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import Job, SubscriptionTable, utcnow
+from pgsieve.platform.states import SyncState
+from pgsieve.sync.syncjob import claim, sync_slot_name
+from pgsieve.sync.tablesync import drop_leftover_sync_slots, stale_sync_jobs
 from tests.conftest import Database
 from tests.integration.sync_env import slots, sync_env
 
@@ -32,8 +33,8 @@ def test_leftover_sync_slots_are_dropped_and_needed_ones_kept(tmp_path: Path,
             a, b = tables["public.a"], tables["public.b"]
             needed = sync_slot_name(sub_id, a.id)
             done = sync_slot_name(sub_id, b.id)
-            a.sync_state, a.sync_slot = "catchup", needed
-            b.sync_state, b.sync_slot = "ready", done
+            a.sync_state, a.sync_slot = SyncState.CATCHUP, needed
+            b.sync_state, b.sync_slot = SyncState.READY, done
             session.commit()
         orphan = sync_slot_name("0" * 32, 7)  # of a subscription that no longer exists
         with psycopg.connect(source_db.dsn, autocommit=True) as conn:

@@ -15,12 +15,12 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgsieve.core.db import session_factory
-from pgsieve.core.models import Job, Subscription
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import Job, Subscription
 from pgsieve.spark.session import get_spark
-from pgsieve.workers.pipeline import ConsumeCycle
-from pgsieve.workers.syncjob import RunOutcome, retry_delay
-from pgsieve.workers.tablesync import retry_table_syncs
+from pgsieve.streaming.pipeline import ConsumeCycle
+from pgsieve.sync.syncjob import RunOutcome, retry_delay
+from pgsieve.sync.tablesync import retry_table_syncs
 from tests.conftest import Database
 from tests.integration.sync_env import SyncEnv, native_copy, rows, slots, sync_env
 

@@ -25,7 +25,7 @@ from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
 import tests.integration.pipeline_env as pipeline_env_module
-from pgsieve.core.models import Job, Subscription, SubscriptionTable, SyncPartition
+from pgsieve.platform.models import Job, Subscription, SubscriptionTable, SyncPartition
 from tests.conftest import Database
 from tests.integration.pipeline_env import PipelineEnv, pipeline_env, wait_until
 from tests.integration.sync_env import native_copy, rows

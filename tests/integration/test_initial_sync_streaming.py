@@ -15,11 +15,11 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgsieve.core.db import session_factory
-from pgsieve.core.models import Subscription
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import Subscription
 from pgsieve.spark.session import get_spark
-from pgsieve.workers.pipeline import ConsumeCycle
-from pgsieve.workers.tablesync import drop_leftover_sync_slots
+from pgsieve.streaming.pipeline import ConsumeCycle
+from pgsieve.sync.tablesync import drop_leftover_sync_slots
 from tests.conftest import Database
 from tests.integration.sync_env import SyncEnv, native_copy, rows, slots, sync_env
 
@@ -199,8 +199,8 @@ def test_catch_up_replays_the_sync_slot_up_to_the_stream_then_hands_over(
         tmp_path: Path, source_db: Database, target_db: Database, native_db: Database):
     """The stream is past a resynced table's snapshot: its changes in between come from
     its own slot (and only those), then the main stream applies it from ``upto`` on."""
-    from pgsieve.core.lsn import Lsn
-    from pgsieve.workers.tablesync import catch_up
+    from pgsieve.streaming.catchup import catch_up
+    from pgsieve.wire.lsn import Lsn
 
     source_db.execute(SCHEMA + IDENTITY + PUBLICATIONS + """
     INSERT INTO items SELECT n, n % 10, 'v' || n FROM generate_series(1, 2000) n;
@@ -231,7 +231,7 @@ def test_catch_up_replays_the_sync_slot_up_to_the_stream_then_hands_over(
         # Past the commit just made (the insert position: with synchronous_commit off the
         # write position may still be behind it).
         upto = Lsn.parse(str(source_db.query("SELECT pg_current_wal_insert_lsn()::text")[0][0]))
-        from pgsieve.workers.target import TargetWriter
+        from pgsieve.apply.target import TargetWriter
 
         # What the consume cycle does: stream (items skipped while in catchup), then, at a
         # batch boundary past the table's snapshot, call catch_up with what it applied.

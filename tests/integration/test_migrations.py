@@ -15,8 +15,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-from pgsieve.core.migrate import downgrade, upgrade
-from pgsieve.core.models import Base
+from pgsieve.platform.migrate import downgrade, upgrade
+from pgsieve.platform.models import Base
 
 SERVER_5432 = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -73,7 +73,7 @@ def test_cli_db_upgrade(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from pgsieve.cli import app
-    from pgsieve.core.settings import get_settings
+    from pgsieve.platform.settings import get_settings
 
     url = f"sqlite:///{tmp_path / 'cli.db'}"
     monkeypatch.setenv("PGSIEVE_DATABASE_URL", url)

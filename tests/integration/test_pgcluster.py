@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from pgsieve.core.pgcluster import ClusterError, LocalCluster, find_bindir, free_port
+from pgsieve.platform.pgcluster import ClusterError, LocalCluster, find_bindir, free_port
 
 
 @pytest.fixture

@@ -21,9 +21,8 @@ from uuid import UUID
 import psycopg
 import pytest
 
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgcluster import LocalCluster, free_port
-from pgsieve.core.pgoutput import (
+from pgsieve.platform.pgcluster import LocalCluster, free_port
+from pgsieve.wire import (
     UNCHANGED,
     Begin,
     BeginPrepare,
@@ -56,6 +55,7 @@ from pgsieve.core.pgoutput import (
     python_row,
     raw_row,
 )
+from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 from tests.golden.capture import BY_NAME, CLUSTER_SETTINGS, SCENARIOS, capture, load
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import psycopg
 
-from pgsieve.core.db import session_factory
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.models import Subscription
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import Subscription
+from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 from tests.integration.pipeline_env import (
     PipelineEnv,
@@ -138,8 +138,7 @@ def test_two_workers_only_one_consumes(tmp_path: Path, source_db, target_db, nat
         sub_id = create_subscription(env, source_db, target_db)
         native_subscription(source_db, native_db, "native_two", ["pub_items", "pub_events"])
         # Extra cycle tasks, as a redelivery or an eager beat would produce.
-        from pgsieve.workers import dispatch
-
+        from pgsieve.platform import dispatch
         for _ in range(3):
             dispatch.consume_cycle(env.settings, sub_id)
         env.start_worker("w1")

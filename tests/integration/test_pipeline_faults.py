@@ -19,7 +19,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgsieve.core.lsn import Lsn
+from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 from tests.integration.pipeline_env import (
     native_caught_up,

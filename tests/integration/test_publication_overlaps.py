@@ -23,7 +23,7 @@ import psycopg
 import pytest
 
 from pgsieve.spark.session import get_spark
-from pgsieve.workers.pipeline import ConsumeCycle
+from pgsieve.streaming.pipeline import ConsumeCycle
 from tests.conftest import Database
 from tests.integration.pipeline_env import native_caught_up, source_lsn
 from tests.integration.sync_env import SyncEnv, native_copy, rows, sync_env

@@ -18,14 +18,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
 
-from pgsieve.core.rowfilter import rules as rules_module
-from pgsieve.core.rowfilter.catalog import (
+from pgsieve.rowfilter import rules as rules_module
+from pgsieve.rowfilter.catalog import (
     SourceConnectionError,
     read_table_facts,
     validate_column_list,
     validate_filter,
 )
-from pgsieve.core.rowfilter.effective import (
+from pgsieve.rowfilter.effective import (
     Publication,
     PublishedTable,
     TableInfo,
@@ -33,7 +33,7 @@ from pgsieve.core.rowfilter.effective import (
     initial_sync_plan,
     publication_tables,
 )
-from pgsieve.core.rowfilter.parse import IssueCode, parse_filter
+from pgsieve.rowfilter.parse import IssueCode, parse_filter
 from tests.conftest import Database
 
 SCHEMA = """
@@ -777,7 +777,7 @@ def test_effective_filters_match_native_replication_partitions(source_db, target
 
 
 def test_filter_evaluation_check_is_exact_when_cheap_else_sampled(src, conn):
-    from pgsieve.core.rowfilter.evaluate import check_filter_on_rows
+    from pgsieve.rowfilter.evaluate import check_filter_on_rows
 
     src.execute("CREATE TABLE big (id int PRIMARY KEY, a int NOT NULL);"
                 "INSERT INTO big SELECT g, 1 + g % 10 FROM generate_series(1, 200000) g;"
@@ -807,7 +807,7 @@ def test_filter_evaluation_check_is_exact_when_cheap_else_sampled(src, conn):
 
 
 def test_filter_evaluation_check_never_raises_on_a_locked_table(src, conn):
-    from pgsieve.core.rowfilter.evaluate import check_filter_on_rows
+    from pgsieve.rowfilter.evaluate import check_filter_on_rows
 
     with src.connect(autocommit=False) as locker:
         locker.execute("LOCK TABLE t IN ACCESS EXCLUSIVE MODE")

@@ -23,9 +23,9 @@ import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import select
 
-from pgsieve.core.db import session_factory
-from pgsieve.core.models import ConsumerLock, ProgressSample, Subscription, utcnow
-from pgsieve.core.pgcluster import LocalCluster
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import ConsumerLock, ProgressSample, Subscription, utcnow
+from pgsieve.platform.pgcluster import LocalCluster
 from tests.conftest import Database, _fresh_db
 from tests.integration.pipeline_env import (
     PipelineEnv,

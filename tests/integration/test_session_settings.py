@@ -10,8 +10,8 @@ import psycopg
 import psycopg2
 import pytest
 
-from pgsieve.core.connpolicy import Purpose, secure_conninfo
-from pgsieve.core.pgserver import connect
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.pgserver import connect
 from tests.conftest import Database
 
 SHOW = ("SELECT current_setting('standard_conforming_strings'), current_setting('search_path'),"

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from pgsieve.core.settings import Settings
+from pgsieve.platform.settings import Settings
 from pgsieve.spark import apply as spark_apply
 from pgsieve.spark.session import InsecureSparkCluster, get_spark, spark_properties, stop_spark
-from pgsieve.workers.syncjob import RunOutcome
+from pgsieve.sync.syncjob import RunOutcome
 from tests.integration import test_apply as harness
 from tests.integration.spark_cluster import SparkCluster, spark_cluster
 from tests.integration.sync_env import native_copy, rows, sync_env
@@ -142,15 +142,13 @@ def test_auto_picks_spark_tasks_only_where_the_cluster_adds_cores(cluster_spark:
     """``PGSIEVE_SPARK_APPLY_MIN_CHANGES=auto`` (the default): the cluster's worker declares
     more cores than this machine has, so big batches go to Spark tasks, small ones stay
     in the driver; local mode never."""
-    from pgsieve.core import settings as settings_module
-
-    monkeypatch.setattr(settings_module, "get_settings", lambda: Settings(
+    monkeypatch.setattr(spark_apply, "get_settings", lambda: Settings(
         _env_file=None, spark_master="spark://127.0.0.1:7077", spark_auth_secret="x"))
     big, why = spark_apply.choose_apply_path(cluster_spark, spark_apply.AUTO_SPARK_MIN_CHANGES)
     assert big, why
     small, why = spark_apply.choose_apply_path(cluster_spark, 1000)
     assert not small and "crossover" in why
-    monkeypatch.setattr(settings_module, "get_settings", lambda: Settings(
+    monkeypatch.setattr(spark_apply, "get_settings", lambda: Settings(
         _env_file=None, spark_master="local[2]"))
     local, why = spark_apply.choose_apply_path(cluster_spark, 10_000_000)
     assert not local and "local mode" in why

@@ -13,10 +13,10 @@ import pytest
 import redis
 from sqlalchemy import create_engine, select
 
-from pgsieve.core.migrate import upgrade
-from pgsieve.core.models import WorkerHeartbeat
-from pgsieve.core.settings import Settings
-from pgsieve.workers.celery_app import make_celery
+from pgsieve.platform.migrate import upgrade
+from pgsieve.platform.models import WorkerHeartbeat
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.taskqueue import make_celery
 
 REDIS = "redis://127.0.0.1:6379/11"
 #: `pgsieve worker` refuses to start without real secrets (outside the demo).

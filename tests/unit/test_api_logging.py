@@ -10,7 +10,7 @@ import anyio
 from typer.testing import CliRunner
 
 from pgsieve.api.security import ScrubbedErrors
-from pgsieve.core.settings import get_settings
+from pgsieve.platform.settings import get_settings
 
 PASSWORD = "Pw-traceback-4242"
 

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgoutput import (
+from pgsieve.wire import (
     UNCHANGED,
     AssemblyError,
     Begin,
@@ -53,6 +52,7 @@ from pgsieve.core.pgoutput import (
     raw_row,
     text_row,
 )
+from pgsieve.wire.lsn import Lsn
 from tests.unit.test_pgoutput_decoder import encode
 
 T = datetime(2024, 1, 1, tzinfo=UTC)

@@ -6,10 +6,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from pgsieve.core.apply.batcher import BatchLimits, MicroBatcher, transaction_bytes
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgoutput.assembler import Changes, Transaction
-from pgsieve.core.pgoutput.splitter import RawChanges
+from pgsieve.apply.batcher import BatchLimits, MicroBatcher, transaction_bytes
+from pgsieve.wire.assembler import Changes, Transaction
+from pgsieve.wire.lsn import Lsn
+from pgsieve.wire.splitter import RawChanges
 
 
 def _txn(n_changes: int, end: int, raw_size: int | None = None) -> Transaction:

@@ -1,4 +1,4 @@
-"""The conninfo every session is opened with (pgsieve/core/connpolicy.py), without a server."""
+"""The conninfo every session is opened with (pgsieve/platform/connpolicy.py), without a server."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 from psycopg.conninfo import conninfo_to_dict
 
-from pgsieve.core.connpolicy import (
+from pgsieve.platform.connpolicy import (
     MAX_CONNECT_TIMEOUT,
     ConnectionNotAllowed,
     ConnectionPolicy,

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from pgsieve.core.credentials import (
+from pgsieve.platform.credentials import (
     MASK,
     CredentialError,
     InvalidDsn,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pgsieve.core.rowfilter.effective import (
+from pgsieve.rowfilter.effective import (
     EffectiveFilter,
     Publication,
     PublishedTable,
@@ -15,7 +15,7 @@ from pgsieve.core.rowfilter.effective import (
     initial_sync_plan,
     publication_tables,
 )
-from pgsieve.core.rowfilter.parse import IssueCode
+from pgsieve.rowfilter.parse import IssueCode
 
 ALL = frozenset({"insert", "update", "delete", "truncate"})
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pgsieve.core.rowfilter.change import table_changes
-from pgsieve.core.rowfilter.effective import Publication, PublishedTable, TableInfo
+from pgsieve.rowfilter.change import table_changes
+from pgsieve.rowfilter.effective import Publication, PublishedTable, TableInfo
 
 TABLES = [TableInfo("public", "items", columns=("id", "region", "val")),
           TableInfo("public", "other", columns=("id", "v"))]

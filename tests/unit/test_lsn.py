@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pgsieve.core.lsn import InvalidLsn, Lsn, format_lsn
+from pgsieve.wire.lsn import InvalidLsn, Lsn, format_lsn
 
 
 def test_parse_and_format():

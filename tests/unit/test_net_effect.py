@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from pgsieve.core.apply.copytext import decode_line, encode_rows, finish, line
-from pgsieve.core.apply.net_effect import (
+from pgsieve.apply.copytext import decode_line, encode_rows, finish, line
+from pgsieve.apply.net_effect import (
     EXPECT,
     MASK,
     OP_ABSENT,
@@ -24,8 +24,8 @@ from pgsieve.core.apply.net_effect import (
     TableEffect,
     operation,
 )
-from pgsieve.core.apply.staging import StageEncoder, mask_text
-from pgsieve.core.pgoutput.messages import UNCHANGED
+from pgsieve.apply.staging import StageEncoder, mask_text
+from pgsieve.wire.messages import UNCHANGED
 
 W = 3  # columns: key, v, big (a TOAST-able value)
 FULL = 0b111
@@ -161,7 +161,7 @@ Row = tuple[Any, ...]
 
 
 def merge_like_the_target(before: dict[bytes, Row], effect: TableEffect) -> dict[bytes, Row]:
-    """The set-based merge (pgsieve.spark.merge) on a dict, fed by the staging rows the
+    """The set-based merge (pgsieve.apply.merge) on a dict, fed by the staging rows the
     StageEncoder writes: ``_op, _first, _lsn, _m, o0, c0..c2`` (key = c0)."""
     after = dict(before)
     text = finish(StageEncoder(W, (0,)).encode(effect))

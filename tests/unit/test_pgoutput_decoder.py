@@ -22,8 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgoutput import (
+from pgsieve.wire import (
     UNCHANGED,
     Begin,
     BeginPrepare,
@@ -51,7 +50,8 @@ from pgsieve.core.pgoutput import (
     Update,
     decode_message,
 )
-from pgsieve.core.pgoutput.decoder import PG_EPOCH
+from pgsieve.wire.decoder import PG_EPOCH
+from pgsieve.wire.lsn import Lsn
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pgsieve.core.pgoutput import (
+from pgsieve.wire import (
     INFINITY,
     NEG_INFINITY,
     UNCHANGED,
@@ -29,7 +29,7 @@ from pgsieve.core.pgoutput import (
     python_row,
     text_row,
 )
-from pgsieve.core.pgoutput.values import to_pg_text
+from pgsieve.wire.values import to_pg_text
 from tests.conftest import Database
 
 # column name, SQL type, values (SQL literals) - the first row is the "typical" one.

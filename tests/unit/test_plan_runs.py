@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from pgsieve.core.apply.batch import ApplyBatch, TableRoute
-from pgsieve.core.apply.columns import TargetColumn, TargetTable
-from pgsieve.core.apply.plan import BatchPlan, RawView, _Builder
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgoutput import (
+from pgsieve.apply.batch import ApplyBatch, TableRoute
+from pgsieve.apply.columns import TargetColumn, TargetTable
+from pgsieve.apply.plan import BatchPlan, RawView, _Builder
+from pgsieve.platform.states import SyncState
+from pgsieve.wire import (
     Begin,
     Column,
     Commit,
@@ -31,8 +31,9 @@ from pgsieve.core.pgoutput import (
     TupleData,
     Update,
 )
-from pgsieve.core.pgoutput.batch import MessageBatch
-from pgsieve.core.pgoutput.splitter import RawChanges, TransactionSplitter
+from pgsieve.wire.batch import MessageBatch
+from pgsieve.wire.lsn import Lsn
+from pgsieve.wire.splitter import RawChanges, TransactionSplitter
 from tests.unit.test_pgoutput_decoder import encode
 
 T = datetime(2025, 1, 1, tzinfo=UTC)
@@ -139,7 +140,7 @@ def test_runs_plan_exactly_as_transactions_one_by_one(seed: int) -> None:
     routes = {
         "public.t": TableRoute("public.t", "public.t"),
         # u applies only from a commit LSN inside the run (a table after its copy)
-        "public.u": TableRoute("public.u", "public.u", "ready", middle.commit_lsn),
+        "public.u": TableRoute("public.u", "public.u", SyncState.READY, middle.commit_lsn),
     }
     batch = ApplyBatch("sub", txns, routes,
                        skip_lsn=txns[rng.randrange(len(txns))].commit_lsn)

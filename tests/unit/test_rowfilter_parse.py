@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pglast.parser import scan
 
-from pgsieve.core.rowfilter.catalog import parse_node_tree
-from pgsieve.core.rowfilter.parse import (
+from pgsieve.rowfilter.catalog import parse_node_tree
+from pgsieve.rowfilter.parse import (
     MAX_FILTER_LENGTH,
     FilterIssue,
     FilterParseError,
@@ -19,7 +19,7 @@ from pgsieve.core.rowfilter.parse import (
     parse_table_name,
     quote_qualified,
 )
-from pgsieve.core.rowfilter.rules import (
+from pgsieve.rowfilter.rules import (
     ColumnFacts,
     IndexFacts,
     PartitionFacts,

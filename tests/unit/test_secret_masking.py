@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from pgsieve.core import credentials
-from pgsieve.core.credentials import MASK, InvalidDsn, SecretsFilter, mask_dsn, parse_dsn
-from pgsieve.core.credentials import scrub_secrets as scrub
+from pgsieve.platform import credentials
+from pgsieve.platform.credentials import MASK, InvalidDsn, SecretsFilter, mask_dsn, parse_dsn
+from pgsieve.platform.credentials import scrub_secrets as scrub
 
 
 @pytest.mark.parametrize(

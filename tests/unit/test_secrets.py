@@ -12,11 +12,11 @@ from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
 from pgsieve.cli import app
-from pgsieve.core.credentials import CredentialError, SecretBox, legacy_key
-from pgsieve.core.db import engine_for
-from pgsieve.core.migrate import upgrade
-from pgsieve.core.models import Source, Target
-from pgsieve.core.settings import Settings, get_settings
+from pgsieve.platform.credentials import CredentialError, SecretBox, legacy_key
+from pgsieve.platform.db import engine_for
+from pgsieve.platform.migrate import upgrade
+from pgsieve.platform.models import Source, Target
+from pgsieve.platform.settings import Settings, get_settings
 
 OLD = "old-secret-key-0123456789"
 NEW = "new-secret-key-9876543210"

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pgsieve.core.settings import Settings
+from pgsieve.platform.settings import Settings
 
 
 def test_defaults_are_embedded(tmp_path: Path, monkeypatch):

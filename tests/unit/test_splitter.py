@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pgsieve.core.lsn import Lsn
-from pgsieve.core.pgoutput.assembler import StandaloneMessage, Transaction, TransactionAssembler
-from pgsieve.core.pgoutput.batch import MessageBatch
-from pgsieve.core.pgoutput.messages import ProtocolError
-from pgsieve.core.pgoutput.relations import UnknownRelationError
-from pgsieve.core.pgoutput.splitter import RawChanges, TransactionSplitter
+from pgsieve.wire.assembler import StandaloneMessage, Transaction, TransactionAssembler
+from pgsieve.wire.batch import MessageBatch
+from pgsieve.wire.lsn import Lsn
+from pgsieve.wire.messages import ProtocolError
+from pgsieve.wire.relations import UnknownRelationError
+from pgsieve.wire.splitter import RawChanges, TransactionSplitter
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 SCENARIOS = sorted(p.stem for p in GOLDEN.glob("*.json"))

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Query
 
 from pgsieve.api.deps import SessionDep
 from pgsieve.api.schemas.security import AuditPage
-from pgsieve.core import audit
-from pgsieve.core.models import AuditEvent
+from pgsieve.platform.models import AuditEvent
+from pgsieve.security import audit
 
 router = APIRouter(prefix="/audit", tags=["audit"])
 

@@ -29,24 +29,24 @@ from pgsieve.api.schemas.filters import (
     FilterPreviewResponse,
 )
 from pgsieve.api.schemas.publications import AnyPublicationName
-from pgsieve.core.errors import Unprocessable, Unreachable
-from pgsieve.core.models import Subscription, UpdateImage
-from pgsieve.core.pubcatalog import (
+from pgsieve.platform.errors import ErrorCode, Unprocessable, Unreachable
+from pgsieve.platform.models import Subscription, UpdateImage
+from pgsieve.publications.catalog import (
     catalog_snapshot,
     read_live_publications,
     read_publications,
     read_tables,
 )
-from pgsieve.core.rowfilter.catalog import SourceConnectionError, read_table_facts
-from pgsieve.core.rowfilter.effective import effective_filters
-from pgsieve.core.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
-from pgsieve.core.rowfilter.preview import (
+from pgsieve.rowfilter.catalog import SourceConnectionError, read_table_facts
+from pgsieve.rowfilter.effective import effective_filters
+from pgsieve.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
+from pgsieve.rowfilter.preview import (
     SAMPLE_COUNT_TIMEOUT_MS,
     FilterPreview,
     preview_filter,
 )
-from pgsieve.core.rowfilter.rules import normalize_publish
-from pgsieve.core.rowfilter.updates import RowImages, evaluate_updates
+from pgsieve.rowfilter.rules import normalize_publish
+from pgsieve.rowfilter.updates import RowImages, evaluate_updates
 
 router = APIRouter(tags=["row filters"])
 
@@ -164,7 +164,7 @@ def _sample_columns(conn: psycopg.Connection[Any], body: FilterPreviewRequest) -
                               (body.publication,)).fetchone()
         if exists is None:
             raise Unprocessable(f"the source has no publication '{body.publication}'",
-                                code="publication_not_found", field="publication")
+                                code=ErrorCode.PUBLICATION_NOT_FOUND, field="publication")
         row = conn.execute(
             "SELECT attnames FROM pg_catalog.pg_publication_tables "
             "WHERE pubname = %s AND schemaname = %s AND tablename = %s",
@@ -172,20 +172,20 @@ def _sample_columns(conn: psycopg.Connection[Any], body: FilterPreviewRequest) -
         if row is None:
             raise Unprocessable(
                 f"publication '{body.publication}' does not publish {body.table}",
-                code="table_not_in_publication", field="publication")
+                code=ErrorCode.TABLE_NOT_IN_PUBLICATION, field="publication")
         published = [str(c) for c in row[0]]
     if body.columns is None:
         return published
     unknown = [c for c in body.columns if c not in existing]
     if unknown:
         raise Unprocessable(f"{body.table} has no column {', '.join(unknown)}",
-                            code="unknown_column", field="columns", columns=unknown)
+                            code=ErrorCode.UNKNOWN_COLUMN, field="columns", columns=unknown)
     if published is not None:
         hidden = [c for c in body.columns if c not in published]
         if hidden:
             raise Unprocessable(
                 f"publication '{body.publication}' does not publish column(s) "
-                f"{', '.join(hidden)}", code="column_not_published", field="columns",
+                f"{', '.join(hidden)}", code=ErrorCode.COLUMN_NOT_PUBLISHED, field="columns",
                 columns=hidden)
     return list(dict.fromkeys(body.columns))
 
@@ -226,7 +226,7 @@ def filter_preview(
         if sub.source_id != source.id:
             raise Unprocessable(
                 f"subscription '{sub.name}' reads another source", field="subscription_id",
-                code="subscription_source_mismatch")
+                code=ErrorCode.SUBSCRIPTION_SOURCE_MISMATCH)
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         try:
             columns = _sample_columns(conn, body)
@@ -254,7 +254,7 @@ def filter_preview(
         except SourceConnectionError as exc:
             raise Unreachable(f"lost the connection to the source: {exc}") from None
         except TableNameError as exc:  # pragma: no cover - the verdict already refused it
-            raise Unprocessable(str(exc), code="invalid_table_name") from None
+            raise Unprocessable(str(exc), code=ErrorCode.INVALID_TABLE_NAME) from None
     out = {**preview.as_dict(), "update_transformations": updates,
            "sample_columns": columns}
     if not rows_allowed:

@@ -17,7 +17,7 @@ from prometheus_client import (
 from sqlalchemy import text
 
 from pgsieve.api.deps import SessionDep
-from pgsieve.core.metrics import MetadataCollector
+from pgsieve.platform.metrics import MetadataCollector
 
 router = APIRouter(tags=["health"])
 metrics_router = APIRouter(tags=["health"])

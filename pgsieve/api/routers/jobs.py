@@ -42,10 +42,15 @@ from pgsieve.api.schemas.jobs import (
     SyncAccepted,
     SyncRequest,
 )
-from pgsieve.core.errors import Conflict, NotFound, Unprocessable
-from pgsieve.core.models import Job, Subscription, SubscriptionTable, SyncPartition
-from pgsieve.core.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
-from pgsieve.core.settings import Settings
+from pgsieve.apply.target import check_target_tables
+from pgsieve.platform import dispatch
+from pgsieve.platform.errors import Conflict, ErrorCode, NotFound, Unprocessable
+from pgsieve.platform.models import Job, Subscription, SubscriptionTable, SyncPartition
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.states import JobState, SyncState
+from pgsieve.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
+from pgsieve.sync.syncjob import active_sync_job, add_sync_job, initial_sync_pending
+from pgsieve.sync.tablesync import drop_sync_slot
 
 router = APIRouter(tags=["jobs"])
 
@@ -70,7 +75,7 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
     for name in names:
         t = rows.get(name)
         done_parts, total_parts = partitions.get(name, [0, 0])
-        finished = t is not None and t.sync_state in ("catchup", "ready") and bool(
+        finished = t is not None and t.sync_state in (SyncState.CATCHUP, SyncState.READY) and bool(
             (states.get(name) or {}).get("finished"))
         tables.append({
             "table": name,
@@ -89,7 +94,7 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
         "state": job.state,
         "progress": {"done": job.progress_done, "total": job.progress_total, "unit": "rows"},
         "error": job.error,
-        "error_code": job.details.get("error_code") if job.state == "failed" else None,
+        "error_code": job.details.get("error_code") if job.state == JobState.FAILED else None,
         "tables": tables,
         "verify": job.details.get("verify_result"),
         "mode": job.details.get("mode") or "copy",
@@ -110,33 +115,30 @@ def _canonical(name: str) -> str:
     except TableNameError:
         raise Unprocessable(
             "tables are named schema.name (PostgreSQL identifier syntax)",
-            code="invalid_table_name") from None
+            code=ErrorCode.INVALID_TABLE_NAME) from None
 
 
 def _refuse_if_syncing(session: Session, sub: Subscription) -> None:
-    from pgsieve.workers.syncjob import active_sync_job
 
     running = active_sync_job(session, sub.id)
     if running is not None:
         raise Conflict(f"sync job {running} of this subscription has not finished yet",
-                       code="sync_in_progress", job_id=running)
+                       code=ErrorCode.SYNC_IN_PROGRESS, job_id=running)
 
 
 def _commit_job(session: Session, sub: Subscription, job: Job) -> str:
     """Commit the job (and what the session holds with it); a sync job of the
     subscription that got in first (the unique index) is a 409, nothing written."""
-    from pgsieve.workers.syncjob import add_sync_job
 
     job_id = add_sync_job(session, job)
     if job_id is None:
         _refuse_if_syncing(session, sub)
         raise Conflict("another sync job of this subscription has just started",
-                       code="sync_in_progress")
+                       code=ErrorCode.SYNC_IN_PROGRESS)
     return job_id
 
 
 def _job_kind(session: Session, sub: Subscription) -> str:
-    from pgsieve.workers.syncjob import initial_sync_pending
 
     return "initial_sync" if initial_sync_pending(session, sub) else "resync"
 
@@ -147,8 +149,6 @@ def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
                body: SyncRequest | None = None) -> dict[str, str]:
     """Copy all tables, or some, again (tablesync: each under a slot and snapshot of its
     own, then caught up to the stream); 202 with the job to follow."""
-    from pgsieve.workers import dispatch
-
     body = body or SyncRequest()
     sub = load_subscription(session, subscription_id)
     _refuse_if_syncing(session, sub)
@@ -161,7 +161,7 @@ def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
         unknown = [n for n in wanted if n not in by_canonical]
         if unknown:
             raise Unprocessable(
-                f"the subscription has no table {', '.join(unknown)}", code="unknown_table",
+                f"the subscription has no table {', '.join(unknown)}", code=ErrorCode.UNKNOWN_TABLE,
                 tables=unknown)
         names = [by_canonical[n] for n in wanted]
     job = Job(kind=_job_kind(session, sub), subscription_id=sub.id,
@@ -186,8 +186,6 @@ def refresh_publication(subscription_id: str, response: Response, session: Sessi
     """``ALTER SUBSCRIPTION … REFRESH PUBLICATION``: add the tables the publications
     publish now (copied, or ready at once with ``copy_data: false``), drop the ones they
     no longer publish. 202 with ``job_id`` when a copy job started, else 200."""
-    from pgsieve.workers import dispatch
-    from pgsieve.workers.target import check_target_tables
 
     body = body or RefreshRequest()
     sub = load_subscription(session, subscription_id)
@@ -212,11 +210,11 @@ def refresh_publication(subscription_id: str, response: Response, session: Sessi
         sub.tables.remove(table)  # delete-orphan: the row goes with the commit
     for name in added:
         sub.tables.append(SubscriptionTable(
-            table_name=name, sync_state="init" if body.copy_data else "ready"))
+            table_name=name, sync_state=SyncState.INIT if body.copy_data else "ready"))
     job_id: str | None = None
     if added and body.copy_data:
         job_id = _commit_job(session, sub, Job(
-            kind=kind, subscription_id=sub.id, state="queued",
+            kind=kind, subscription_id=sub.id, state=JobState.QUEUED,
             details={"tables": added, "verify": body.verify,
                      "defer_indexes": body.defer_indexes,
                      "partition_bytes": body.partition_mb << 20,
@@ -236,7 +234,6 @@ def refresh_publication(subscription_id: str, response: Response, session: Sessi
 def _drop_sync_slots(settings: Settings, source_dsn: str, slots: list[str]) -> None:
     """Sync slots of removed tables: dropped now unless in use (then by the
     ``pgsieve.sync_slot_cleanup`` beat task, which drops every slot no table needs)."""
-    from pgsieve.workers.tablesync import drop_sync_slot
 
     for slot in slots:
         drop_sync_slot(source_dsn, slot, settings, wait=0)
@@ -258,5 +255,5 @@ def get_job(job_id: str, session: SessionDep) -> dict[str, Any]:
     result when asked for."""
     job = session.get(Job, job_id)
     if job is None:
-        raise NotFound(f"no job with id '{job_id}'", code="job_not_found")
+        raise NotFound(f"no job with id '{job_id}'", code=ErrorCode.JOB_NOT_FOUND)
     return job_out(session, job)

@@ -15,10 +15,10 @@ from pgsieve.api.deps import (
     load_subscription,
 )
 from pgsieve.api.schemas.progress import ProgressHistory, ProgressOut, SourceHealthOut
-from pgsieve.core import observe
-from pgsieve.core.errors import Unprocessable
-from pgsieve.core.models import utcnow
-from pgsieve.core.progress import HISTORY_RESOLUTION, HISTORY_RETENTION
+from pgsieve.monitoring import observe
+from pgsieve.monitoring.progress import HISTORY_RESOLUTION, HISTORY_RETENTION
+from pgsieve.platform.errors import ErrorCode, Unprocessable
+from pgsieve.platform.models import utcnow
 
 router = APIRouter(tags=["progress"])
 
@@ -54,7 +54,7 @@ def subscription_progress_history(
         since = now - timedelta(hours=1)
     elif since.tzinfo is None:
         raise Unprocessable("'since' needs a time zone (e.g. 2026-01-01T00:00:00Z)",
-                            code="validation_error")
+                            code=ErrorCode.VALIDATION_ERROR)
     return {
         "subscription_id": sub.id,
         "resolution_seconds": HISTORY_RESOLUTION.total_seconds(),

@@ -1,7 +1,7 @@
 """``/sources/{id}/publications``: publications with row filters, desired state vs catalog.
 
 The desired state lives in the metadata store and is applied to the source in one
-transaction (:mod:`pgsieve.core.publications`); the metadata write happens inside that
+transaction (:mod:`pgsieve.publications.service`); the metadata write happens inside that
 transaction, so neither side keeps a change the other refused. Responses carry the live
 catalog state and the drift between the two.
 """
@@ -17,7 +17,6 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from pgsieve.api import filterchange
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source, source_connection
 from pgsieve.api.schemas.publications import (
     AnyPublicationName,
@@ -28,16 +27,17 @@ from pgsieve.api.schemas.publications import (
     PublicationPlanOut,
     PublicationTableIn,
 )
-from pgsieve.core.errors import Conflict, NotFound
-from pgsieve.core.models import Publication as PublicationRow
-from pgsieve.core.models import PublicationTable, Source, Subscription
-from pgsieve.core.pubcatalog import (
+from pgsieve.platform import dispatch
+from pgsieve.platform.errors import Conflict, ErrorCode, NotFound
+from pgsieve.platform.models import Publication as PublicationRow
+from pgsieve.platform.models import PublicationTable, Source, Subscription
+from pgsieve.publications.catalog import (
     LivePublication,
     catalog_snapshot,
     publication_names,
     read_live_publications,
 )
-from pgsieve.core.publications import (
+from pgsieve.publications.service import (
     ApplyResult,
     PublicationCode,
     PublicationInvalid,
@@ -53,13 +53,15 @@ from pgsieve.core.publications import (
     unapplied_filters,
     validate_definition,
 )
-from pgsieve.core.rowfilter.effective import Publication, PublishedTable
-from pgsieve.core.rowfilter.parse import (
+from pgsieve.rowfilter.effective import Publication, PublishedTable
+from pgsieve.rowfilter.parse import (
     IssueCode,
     TableNameError,
     parse_table_name,
     quote_qualified,
 )
+from pgsieve.sync import reconcile
+from pgsieve.sync.syncjob import active_sync_job
 
 router = APIRouter(prefix="/sources/{source_id}/publications", tags=["publications"])
 
@@ -421,10 +423,8 @@ def patch_publication(
         reconciling = body.reconcile == "diff" and not dry_run
         before = _before_reconcile(session, source, name, conn) if reconciling else None
         desired, live, warnings = _save(session, conn, source, pub, row, dry_run=dry_run)
-        reconciled = (filterchange.reconcile(session, source, name, before, conn)
+        reconciled = (reconcile.reconcile(session, source, name, before, conn)
                       if before is not None else None)
-    from pgsieve.workers import dispatch
-
     for item in reconciled or []:
         if item["job_id"] is not None:
             dispatch.initial_sync(settings, item["job_id"])
@@ -434,21 +434,20 @@ def patch_publication(
 
 
 def _before_reconcile(session: Session, source: Source, name: str,
-                      conn: psycopg.Connection[Any]) -> filterchange.Before:
+                      conn: psycopg.Connection[Any]) -> reconcile.Before:
     """Refuse a reconciling change while a subscription that would need a diff job
     already runs a sync (nothing is changed then: 409 ``sync_in_progress``); else the
     subscriptions' publications as the catalog has them before the change."""
-    from pgsieve.workers.syncjob import active_sync_job
 
-    subs = filterchange.users(session, source, name)
+    subs = reconcile.users(session, source, name)
     for sub in subs:
         running = active_sync_job(session, sub.id)
         if running is not None:
             raise Conflict(
                 f"sync job {running} of subscription {sub.name} has not finished yet; "
                 "change the publication once it has, or with reconcile: none",
-                code="sync_in_progress", job_id=running)
-    return filterchange.read_before(conn, subs)
+                code=ErrorCode.SYNC_IN_PROGRESS, job_id=running)
+    return reconcile.read_before(conn, subs)
 
 
 @router.post("/{name}/plan", response_model=PublicationPlanOut)
@@ -471,7 +470,7 @@ def plan_publication_change(
         row = _load_managed(session, source, name, conn)
         pub = _patched(row, body)
         desired, _, _ = _save(session, conn, source, pub, row, dry_run=True)
-        return filterchange.plan(conn, session, source, name, desired, settings)
+        return reconcile.plan(conn, session, source, name, desired, settings)
 
 
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)

@@ -17,10 +17,11 @@ from pgsieve.api.deps import (
 )
 from pgsieve.api.schemas.progress import SlotHealthOut
 from pgsieve.api.schemas.slots import SlotCreate, SlotOut
-from pgsieve.core import observe, pgserver
-from pgsieve.core.errors import NotFound
-from pgsieve.core.models import Slot
-from pgsieve.core.settings import Settings
+from pgsieve.monitoring import observe
+from pgsieve.platform import pgserver
+from pgsieve.platform.errors import ErrorCode, NotFound
+from pgsieve.platform.models import Slot
+from pgsieve.platform.settings import Settings
 
 router = APIRouter(prefix="/sources/{source_id}/slots", tags=["slots"])
 
@@ -51,7 +52,7 @@ def get_slot(
         slots, _facts = observe.slots_with_health(session, source, conn, _lease(settings))
     slot = next((s for s in slots if s["name"] == name), None)
     if slot is None:
-        raise NotFound(f"no replication slot named '{name}'", code="slot_not_found")
+        raise NotFound(f"no replication slot named '{name}'", code=ErrorCode.SLOT_NOT_FOUND)
     return slot
 
 

@@ -10,10 +10,10 @@ from sqlalchemy.exc import IntegrityError
 
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source
 from pgsieve.api.schemas.connections import SourceCreate, SourceOut
-from pgsieve.core.credentials import SecretBox, dsn_summary, mask_dsn, parse_dsn
-from pgsieve.core.errors import Conflict
-from pgsieve.core.models import Source, Subscription
-from pgsieve.core.pgserver import check_source, connect, inspect_server
+from pgsieve.platform.credentials import SecretBox, dsn_summary, mask_dsn, parse_dsn
+from pgsieve.platform.errors import Conflict, ErrorCode
+from pgsieve.platform.models import Source, Subscription
+from pgsieve.platform.pgserver import check_source, connect, inspect_server
 
 router = APIRouter(prefix="/sources", tags=["sources"])
 
@@ -32,7 +32,7 @@ def source_out(source: Source, box: SecretBox) -> dict[str, Any]:
 
 
 def _name_taken(name: str) -> Conflict:
-    return Conflict(f"a source named '{name}' already exists", code="duplicate_name")
+    return Conflict(f"a source named '{name}' already exists", code=ErrorCode.DUPLICATE_NAME)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SourceOut)
@@ -85,7 +85,7 @@ def delete_source(source_id: str, session: SessionDep) -> Response:
         raise Conflict(
             f"source '{source.name}' is used by subscriptions: {', '.join(users)}; "
             "delete them first",
-            code="source_in_use",
+            code=ErrorCode.SOURCE_IN_USE,
         )
     session.delete(source)
     session.commit()

@@ -39,16 +39,17 @@ from pgsieve.api.schemas.subscriptions import (
     SubscriptionOut,
     SubscriptionPatch,
 )
-from pgsieve.core import pgserver
-from pgsieve.core.credentials import scrub_secrets
-from pgsieve.core.errors import Conflict, Unprocessable, Unreachable
-from pgsieve.core.lsn import InvalidLsn, Lsn, format_lsn
-from pgsieve.core.models import ConsumerLock, Job, Subscription, SubscriptionTable, utcnow
-from pgsieve.core.progress import consumer_alive
-from pgsieve.core.pubcatalog import read_publications, read_tables
-from pgsieve.core.rowfilter.effective import effective_filters
-from pgsieve.core.settings import Settings
-from pgsieve.workers import dispatch
+from pgsieve.apply.target import TargetWriter, check_target_tables
+from pgsieve.platform import dispatch, pgserver
+from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.errors import Conflict, ErrorCode, Unprocessable, Unreachable
+from pgsieve.platform.locks import consumer_alive
+from pgsieve.platform.models import ConsumerLock, Job, Subscription, SubscriptionTable, utcnow
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.states import JobState, SubscriptionState, SyncState
+from pgsieve.publications.catalog import read_publications, read_tables
+from pgsieve.rowfilter.effective import effective_filters
+from pgsieve.wire.lsn import InvalidLsn, Lsn, format_lsn
 
 router = APIRouter(prefix="/subscriptions", tags=["subscriptions"])
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def subscription_out(session: Session, sub: Subscription, settings: Settings
     rule as ``/progress`` and ``/metrics`` (a heartbeat within
     ``PGSIEVE_CONSUMER_LEASE_SECONDS``), so the three never disagree."""
     lock = _live_lock(session, sub, timedelta(seconds=settings.consumer_lease_seconds))
-    conflict = sub.stats.get("last_conflict") if sub.state == "error" else None
+    conflict = sub.stats.get("last_conflict") if sub.state == SubscriptionState.ERROR else None
     return {
         "id": sub.id,
         "name": sub.name,
@@ -143,7 +144,6 @@ def _check_target(settings: Settings, source_conn: Any, target_dsn: str,
                   relations: list[str], publications: list[str] | None = None) -> None:
     """Every relation must exist in the target with columns compatible with what the
     publications send (their column lists; every column without ``publications``)."""
-    from pgsieve.workers.target import check_target_tables
 
     check_target_tables(source_conn, target_dsn, relations,
                         connect_timeout=settings.connect_timeout, publications=publications)
@@ -155,7 +155,7 @@ def create_subscription(
 ) -> dict[str, Any]:
     if session.scalar(select(Subscription.id).where(Subscription.name == body.name)):
         raise Conflict(f"a subscription named '{body.name}' already exists",
-                       code="duplicate_name")
+                       code=ErrorCode.DUPLICATE_NAME)
     source = load_source(session, body.source_id)
     target = load_target(session, body.target_id)
     slot_name = body.slot_name or default_slot_name(body.name)
@@ -164,7 +164,7 @@ def create_subscription(
         Subscription.source_id == source.id, Subscription.slot_name == slot_name))
     if taken:
         raise Conflict(f"slot '{slot_name}' already belongs to subscription '{taken}'",
-                       code="slot_in_use")
+                       code=ErrorCode.SLOT_IN_USE)
     publications = list(dict.fromkeys(body.publications))
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         relations = published_relations(conn, publications)
@@ -176,10 +176,10 @@ def create_subscription(
             if existing["plugin"] != "pgoutput":
                 raise Unprocessable(
                     f"slot '{slot_name}' uses the plugin {existing['plugin']}, not pgoutput",
-                    code="slot_plugin_mismatch")
+                    code=ErrorCode.SLOT_PLUGIN_MISMATCH)
             if existing["active"]:
                 raise Conflict(f"slot '{slot_name}' is in use by process "
-                               f"{existing['active_pid']}", code="slot_active")
+                               f"{existing['active_pid']}", code=ErrorCode.SLOT_ACTIVE)
 
         sub = Subscription(
             name=body.name,
@@ -199,7 +199,7 @@ def create_subscription(
             sub.consistent_lsn = int(Lsn.parse(existing["confirmed_flush_lsn"]))
         sub.tables = [
             SubscriptionTable(table_name=rel,
-                              sync_state="init" if body.copy_data else "ready")
+                              sync_state=SyncState.INIT if body.copy_data else "ready")
             for rel in relations
         ]
         session.add(sub)
@@ -208,7 +208,7 @@ def create_subscription(
         try:
             session.flush()
             if body.copy_data:
-                job = Job(kind="initial_sync", subscription_id=sub.id, state="queued",
+                job = Job(kind="initial_sync", subscription_id=sub.id, state=JobState.QUEUED,
                           details={"tables": relations})
                 session.add(job)
                 session.flush()
@@ -225,7 +225,7 @@ def create_subscription(
                 pgserver.drop_slot(conn, slot_name)
             if isinstance(exc, IntegrityError):
                 raise Conflict(f"a subscription named '{body.name}' already exists",
-                               code="duplicate_name") from None
+                               code=ErrorCode.DUPLICATE_NAME) from None
             raise
     if job is not None:
         dispatch.initial_sync(settings, job.id)
@@ -251,16 +251,15 @@ def _clear_stream_errors(sub: Subscription) -> None:
     """The stream's per-table errors go with the subscription's (a table whose copy
     failed keeps its own until its sync succeeds)."""
     for table in sub.tables:
-        if table.sync_state in ("ready", "catchup"):
+        if table.sync_state in (SyncState.READY, SyncState.CATCHUP):
             table.error = None
 
 
-def _resume_state(sub: Subscription) -> str:
-    if any(t.sync_state in ("init", "copy") for t in sub.tables) and sub.state in (
-        "initializing", "syncing"
-    ):
+def _resume_state(sub: Subscription) -> SubscriptionState:
+    copying = any(t.sync_state in (SyncState.INIT, SyncState.COPY) for t in sub.tables)
+    if copying and sub.state in (SubscriptionState.INITIALIZING, SubscriptionState.SYNCING):
         return sub.state
-    return "streaming"
+    return SubscriptionState.STREAMING
 
 
 @router.patch("/{subscription_id}", response_model=SubscriptionOut)
@@ -284,13 +283,13 @@ def enable_subscription(
     """Start (or restart after an error) the pipeline."""
     sub = load_subscription(session, subscription_id)
     sub.enabled = True
-    if sub.state in ("paused", "error"):
-        if sub.state == "error":
+    if sub.state in (SubscriptionState.PAUSED, SubscriptionState.ERROR):
+        if sub.state == SubscriptionState.ERROR:
             _clear_stream_errors(sub)
         sub.state = _resume_state(sub)
         sub.error = None
     session.commit()
-    if sub.state == "streaming":
+    if sub.state == SubscriptionState.STREAMING:
         dispatch.consume_cycle(settings, sub.id)
     return subscription_out(session, sub, settings)
 
@@ -301,8 +300,8 @@ def disable_subscription(subscription_id: str, session: SessionDep, settings: Se
     """Stop consuming; the running cycle notices within a second or two and lets go."""
     sub = load_subscription(session, subscription_id)
     sub.enabled = False
-    if sub.state == "streaming":
-        sub.state = "paused"
+    if sub.state == SubscriptionState.STREAMING:
+        sub.state = SubscriptionState.PAUSED
     session.commit()
     return subscription_out(session, sub, settings)
 
@@ -318,18 +317,19 @@ def skip_transaction(
         lsn = Lsn.parse(body.lsn)
     except InvalidLsn:
         raise Unprocessable("lsn must be an LSN in PostgreSQL's X/XXXXXXXX form",
-                            code="invalid_lsn") from None
+                            code=ErrorCode.INVALID_LSN) from None
     if sub.applied_lsn is not None and lsn.value < sub.applied_lsn:
         raise Unprocessable(
             f"the transaction committed at {lsn} is already applied "
-            f"(applied up to {format_lsn(sub.applied_lsn)})", code="skip_lsn_already_applied")
+            f"(applied up to {format_lsn(sub.applied_lsn)})",
+                code=ErrorCode.SKIP_LSN_ALREADY_APPLIED)
     sub.skip_lsn = lsn.value
-    if sub.state == "error" and sub.enabled:
+    if sub.state == SubscriptionState.ERROR and sub.enabled:
         _clear_stream_errors(sub)
         sub.state = _resume_state(sub)
         sub.error = None
     session.commit()
-    if sub.state == "streaming" and sub.enabled:
+    if sub.state == SubscriptionState.STREAMING and sub.enabled:
         dispatch.consume_cycle(settings, sub.id)
     return subscription_out(session, sub, settings)
 
@@ -340,7 +340,7 @@ def _wait_for_consumer_to_stop(session: Session, sub: Subscription, settings: Se
     while _live_lock(session, sub, lease) is not None:
         if time.monotonic() > deadline:
             raise Conflict("the subscription's consumer did not stop in time; retry",
-                           code="subscription_busy")
+                           code=ErrorCode.SUBSCRIPTION_BUSY)
         time.sleep(0.25)
         session.expire_all()
 
@@ -350,7 +350,6 @@ def _forget_target_record(
 ) -> None:
     """Drop the subscription's applied-LSN row in the target (best effort: an unreachable
     target keeps a harmless row naming a subscription that no longer exists)."""
-    from pgsieve.workers.target import TargetWriter
 
     target = load_target(session, sub.target_id)
     try:

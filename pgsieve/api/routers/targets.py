@@ -10,10 +10,10 @@ from sqlalchemy.exc import IntegrityError
 
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_target
 from pgsieve.api.schemas.connections import TargetCreate, TargetOut
-from pgsieve.core.credentials import SecretBox, dsn_summary, mask_dsn, parse_dsn
-from pgsieve.core.errors import Conflict, Unprocessable
-from pgsieve.core.models import Subscription, Target
-from pgsieve.core.pgserver import check_server_version, connect, inspect_server
+from pgsieve.platform.credentials import SecretBox, dsn_summary, mask_dsn, parse_dsn
+from pgsieve.platform.errors import Conflict, ErrorCode, Unprocessable
+from pgsieve.platform.models import Subscription, Target
+from pgsieve.platform.pgserver import check_server_version, connect, inspect_server
 
 router = APIRouter(prefix="/targets", tags=["targets"])
 
@@ -34,7 +34,7 @@ def target_out(target: Target, box: SecretBox) -> dict[str, Any]:
 
 
 def _name_taken(name: str) -> Conflict:
-    return Conflict(f"a target named '{name}' already exists", code="duplicate_name")
+    return Conflict(f"a target named '{name}' already exists", code=ErrorCode.DUPLICATE_NAME)
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=TargetOut)
@@ -44,13 +44,14 @@ def create_target(
     if body.kind not in SUPPORTED_KINDS:
         raise Unprocessable(
             f"target kind '{body.kind}' is not supported; use one of {', '.join(SUPPORTED_KINDS)}",
-            code="unsupported_target_kind",
+            code=ErrorCode.UNSUPPORTED_TARGET_KIND,
         )
     parse_dsn(body.dsn)
     if session.scalar(select(Target.id).where(Target.name == body.name)):
         raise _name_taken(body.name)
     with connect(
-        body.dsn, unreachable_code="target_unreachable", connect_timeout=settings.connect_timeout,
+        body.dsn, unreachable_code=ErrorCode.TARGET_UNREACHABLE,
+        connect_timeout=settings.connect_timeout,
         policy=settings.connection_policy(), statement_timeout_ms=settings.statement_timeout_ms,
     ) as conn:
         info = inspect_server(conn)
@@ -92,7 +93,7 @@ def delete_target(target_id: str, session: SessionDep) -> Response:
         raise Conflict(
             f"target '{target.name}' is used by subscriptions: {', '.join(users)}; "
             "delete them first",
-            code="target_in_use",
+            code=ErrorCode.TARGET_IN_USE,
         )
     session.delete(target)
     session.commit()

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Response, status
 
 from pgsieve.api.deps import SessionDep
 from pgsieve.api.schemas.security import TokenCreate, TokenCreated, TokenOut
-from pgsieve.core.tokens import BOOTSTRAP_NAME, create_token, list_tokens, revoke_token
+from pgsieve.security.tokens import BOOTSTRAP_NAME, create_token, list_tokens, revoke_token
 
 router = APIRouter(prefix="/tokens", tags=["tokens"])
 

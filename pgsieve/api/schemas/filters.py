@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 from pgsieve.api.schemas.common import StrictModel
 from pgsieve.api.schemas.publications import NoNul
-from pgsieve.workers.pipeline import UPDATE_IMAGE_WINDOW
+from pgsieve.platform.models import UPDATE_IMAGE_WINDOW
 
 Operation = Literal["insert", "update", "delete", "truncate"]
 

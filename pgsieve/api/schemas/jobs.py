@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pgsieve.api.schemas.common import StrictModel
+from pgsieve.platform.states import JobState
 
 
 class SyncRequest(StrictModel):
@@ -107,7 +108,7 @@ class JobOut(BaseModel):
     id: str
     kind: str
     subscription_id: str | None
-    state: Literal["queued", "running", "done", "failed", "cancelled"]
+    state: JobState
     progress: JobProgress
     error: str | None
     error_code: str | None = None

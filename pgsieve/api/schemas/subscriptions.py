@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pgsieve.api.schemas.common import Name, StrictModel
+from pgsieve.platform.states import SubscriptionState, SyncState
 
 PublicationName = Field(min_length=1, max_length=63)
 
@@ -69,7 +70,7 @@ class SkipRequest(StrictModel):
 
 class SubscriptionTableOut(BaseModel):
     table: str
-    sync_state: str
+    sync_state: SyncState
     sync_lsn: str | None
     rows_copied: int
     rows_total: int | None
@@ -96,7 +97,7 @@ class MissingRowOut(BaseModel):
 class SubscriptionOut(BaseModel):
     id: str
     name: str
-    state: Literal["initializing", "syncing", "streaming", "paused", "error"]
+    state: SubscriptionState
     error: str | None
     source_id: str
     target_id: str

@@ -1,0 +1,427 @@
+"""The one target transaction of a batch: from staging tables into the target tables.
+
+Per table, set-based: resolve moved rows' kept columns from their origin rows (before
+anything changes), DELETE, UPDATE in place, INSERT — each statement joining the staging
+table on the replica-identity key. Conflicts are caught without a separate pass: a DELETE
+or UPDATE that touches fewer rows than staged means a row was missing, a unique violation
+on INSERT (or, without a unique index on the key, an explicit check) means one was
+present; keys inserted and deleted inside the batch are checked explicitly.
+
+On a conflict the table's statements roll back to a savepoint. Policy ``error`` then
+names the first conflicting change; ``skip`` and ``upsert`` — whose outcome depends on the
+order of changes — re-apply the table change by change (:mod:`.sequential`), as does any
+constraint violation inside the set-based statements. Everything happens in the one
+transaction that also records the batch's end LSN.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from pgsieve.apply.batch import (
+    ApplyBatch,
+    ApplyConflict,
+    ApplyFenced,
+    TableCounts,
+    TableStopped,
+)
+from pgsieve.apply.columns import TargetTable
+from pgsieve.apply.net_effect import (
+    OP_ABSENT,
+    OP_DELETE,
+    OP_INSERT,
+    OP_REPLACE,
+    OP_UPDATE,
+)
+from pgsieve.apply.plan import BatchPlan, TablePlan, TruncateOp
+from pgsieve.apply.sequential import apply_sequential
+from pgsieve.apply.staging import StageSummary, mask_text
+from pgsieve.apply.target import SCHEMA, TargetWriter
+from pgsieve.platform.faults import fault_point
+from pgsieve.wire.lsn import Lsn
+
+log = logging.getLogger(__name__)
+
+CASE_FORM_MASKS = 4
+"""More distinct UPDATE masks than this: one UPDATE with a CASE per column."""
+
+
+@dataclass
+class StagedTable:
+    name: str
+    summary: StageSummary
+
+
+@dataclass
+class MergeOutcome:
+    rows_written: int = 0
+    sequential: dict[str, str] = field(default_factory=dict)
+
+
+class _Conflict(Exception):
+    """A set-based statement found the target not as the batch expects."""
+
+
+def merge(
+    writer: TargetWriter,
+    batch: ApplyBatch,
+    plan: BatchPlan,
+    staged: dict[str, StagedTable],
+    counts: dict[str, TableCounts],
+    expected_applied: Lsn | None,
+) -> MergeOutcome:
+    """Apply the plan in ONE transaction with the record of ``batch.end_lsn``."""
+    conn = writer.conn
+    outcome = MergeOutcome()
+    with conn.transaction():
+        recorded = writer.lock_applied(conn)
+        if recorded != expected_applied:
+            raise ApplyFenced(batch.subscription_id, expected_applied, recorded)
+        writer.replica_role(conn)
+        for op in plan.truncates:
+            _truncate(conn, writer, op, op.source_tables[0])
+        for name, tp in plan.tables.items():
+            reason = tp.reason()
+            if reason is None:
+                st = staged.get(name)
+                if st is None:
+                    continue
+                try:
+                    with conn.transaction():
+                        outcome.rows_written += _set_based(conn, tp, st)
+                    continue
+                except _Conflict:
+                    reason = f"conflicts under on_conflict={batch.on_conflict}"
+                    native = batch.on_conflict == "native"
+                    merged = _native_merge(conn, tp, st, counts) if native else None
+                    if merged is not None:
+                        outcome.rows_written += merged
+                        continue
+                    if batch.on_conflict == "error" or (native and not _moved_orphans(
+                            conn, tp, st)):
+                        _raise_first_conflict(conn, tp, st, missing_ok=native)
+                        # No key conflict after all (e.g. duplicates in a target without
+                        # a unique key): change by change finds exactly what fails.
+                        reason = "the target's rows do not match the batch's keys one to one"
+                except psycopg.errors.IntegrityError as exc:
+                    reason = f"a constraint violation in the set-based merge ({exc.sqlstate})"
+            outcome.sequential[name] = reason
+            log.info("applying %s change by change: %s", name, reason)
+            outcome.rows_written += apply_sequential(
+                conn, writer, batch, plan, tp, batch.on_conflict, counts)
+        end = batch.end_lsn
+        if recorded is None or end > recorded:
+            writer.write_applied(conn, end, batch.commit_lsn, batch.commit_time)
+        for st in staged.values():
+            conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(SCHEMA, st.name)))
+        # Everything is staged and merged, the applied LSN written: a crash now must
+        # leave the target exactly as before the batch (the crash tests stop here).
+        fault_point("apply.before_commit")
+    return outcome
+
+
+def _truncate(conn: psycopg.Connection[Any], writer: TargetWriter, op: TruncateOp,
+              source_table: str) -> None:
+    """As PostgreSQL's apply worker: the listed tables — a partitioned one with its
+    partitions, a plain one without inheritance children — RESTART IDENTITY as sent, and
+    no CASCADE at the target (the publisher's CASCADE already listed what it emptied)."""
+    names: list[sql.Composable] = []
+    for name in op.tables:
+        table = writer.table(name)
+        ident = sql.Identifier(table.schema, table.name)
+        names.append(ident if table.relkind == "p" else sql.SQL("ONLY {}").format(ident))
+    stmt = sql.SQL("TRUNCATE {}{}").format(
+        sql.SQL(", ").join(names),
+        sql.SQL(" RESTART IDENTITY") if op.restart_identity else sql.SQL(""))
+    try:
+        with conn.transaction():
+            conn.execute(stmt)
+    except psycopg.errors.FeatureNotSupported as exc:
+        why = exc.diag.message_detail or "a table only the target has references it"
+        raise TableStopped(
+            source_table, op.commit_lsn,
+            f"TRUNCATE {', '.join(op.tables)} failed at the target: "
+            f"{exc.diag.message_primary} ({why}). PostgreSQL's subscriber fails the same "
+            "way: truncate or drop the referencing table at the target, or skip the "
+            "transaction") from None
+
+
+# -- set-based ---------------------------------------------------------------------------------
+
+
+def _key_join(table: TargetTable, key_positions: Sequence[int], t: str, s: str,
+              staged_prefix: str = "c") -> sql.Composable:
+    parts = []
+    for i, p in enumerate(key_positions):
+        col = sql.Identifier(t, table.columns[p].name)
+        staged = sql.Identifier(s, f"{staged_prefix}{p if staged_prefix == 'c' else i}")
+        parts.append(sql.SQL("{} = {}").format(col, staged))
+    return sql.SQL(" AND ").join(parts)
+
+
+def _rowcount(cur: psycopg.Cursor[Any]) -> int:
+    return max(cur.rowcount, 0)
+
+
+def _set_based(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable) -> int:
+    table = tp.target
+    target = sql.Identifier(table.schema, table.name)
+    stage = sql.Identifier(SCHEMA, st.name)
+    ops = st.summary.ops
+    width = table.width
+    full = mask_text((1 << width) - 1, width)
+    written = 0
+    keyed = tp.mode == "key" and tp.key_positions
+    if keyed:
+        kp = tp.key_positions
+        assert kp is not None
+        join = _key_join(table, kp, "t", "s")
+        key_names = {table.columns[p].name for p in kp}
+        # 1. Moved rows take their kept columns from their origin row, before it changes.
+        if st.summary.moved:
+            sets = sql.SQL(", ").join(
+                sql.SQL("{c} = CASE WHEN substr(s._m, {n}, 1) = '1' THEN s.{c} ELSE o.{col} "
+                        "END").format(c=sql.Identifier(f"c{j}"), n=sql.Literal(j + 1),
+                                      col=sql.Identifier(col.name))
+                for j, col in enumerate(table.columns))
+            cur = conn.execute(sql.SQL(
+                "UPDATE {stage} s SET {sets}, _m = {full} FROM {target} o "
+                "WHERE s._op IN (2, 3) AND s.o0 IS NOT NULL AND {ojoin}").format(
+                stage=stage, sets=sets, full=sql.Literal(full), target=target,
+                ojoin=_key_join(table, kp, "o", "s", "o")))
+            if _rowcount(cur) != st.summary.moved:
+                raise _Conflict
+        # 2. Keys inserted and deleted within the batch must not exist before it.
+        if ops.get(OP_ABSENT):
+            found = conn.execute(sql.SQL(
+                "SELECT 1 FROM {stage} s WHERE s._op = 4 AND EXISTS "
+                "(SELECT 1 FROM {target} t WHERE {join}) LIMIT 1").format(
+                stage=stage, target=target, join=join)).fetchone()
+            if found:
+                raise _Conflict
+        # 3. Deletes (and the old rows of replaced keys).
+        expected = ops.get(OP_DELETE, 0) + ops.get(OP_REPLACE, 0)
+        if expected:
+            cur = conn.execute(sql.SQL(
+                "DELETE FROM {target} t USING {stage} s WHERE s._op IN (0, 3) AND {join}"
+            ).format(target=target, stage=stage, join=join))
+            if _rowcount(cur) != expected:
+                raise _Conflict
+            written += expected
+        # 4. Updates in place.
+        if ops.get(OP_UPDATE):
+            written += _updates(conn, table, target, stage, join, key_names, st.summary)
+        # 5. Inserts must not find their key (checked by the unique index when there is one).
+        if ops.get(OP_INSERT) and not table.unique_on(key_names):
+            found = conn.execute(sql.SQL(
+                "SELECT 1 FROM {stage} s WHERE s._op = 2 AND EXISTS "
+                "(SELECT 1 FROM {target} t WHERE {join}) LIMIT 1").format(
+                stage=stage, target=target, join=join)).fetchone()
+            if found:
+                raise _Conflict
+    masks = set(st.summary.insert_masks)
+    if st.summary.moved:
+        masks.add((1 << width) - 1)
+    if ops.get(OP_INSERT) or ops.get(OP_REPLACE):
+        for m in sorted(masks):
+            positions = [j for j in range(width) if m >> j & 1]
+            if not positions:
+                cur = conn.execute(sql.SQL(
+                    "INSERT INTO {target} SELECT FROM {stage} WHERE _op IN (2, 3) AND _m = {m}"
+                ).format(target=target, stage=stage, m=sql.Literal(mask_text(m, width))))
+                written += _rowcount(cur)
+                continue
+            cur = conn.execute(sql.SQL(
+                "INSERT INTO {target} ({cols}) OVERRIDING SYSTEM VALUE SELECT {vals} "
+                "FROM {stage} WHERE _op IN (2, 3) AND _m = {m}").format(
+                target=target,
+                cols=sql.SQL(", ").join(sql.Identifier(table.columns[j].name)
+                                        for j in positions),
+                vals=sql.SQL(", ").join(sql.Identifier(f"c{j}") for j in positions),
+                stage=stage, m=sql.Literal(mask_text(m, width))))
+            written += _rowcount(cur)
+    return written
+
+
+def _updates(conn: psycopg.Connection[Any], table: TargetTable, target: sql.Composable,
+             stage: sql.Composable, join: sql.Composable, key_names: set[str],
+             summary: StageSummary) -> int:
+    width = table.width
+    written = 0
+    masks = summary.update_masks
+    if len(masks) > CASE_FORM_MASKS:
+        sets = sql.SQL(", ").join(
+            sql.SQL("{col} = CASE WHEN substr(s._m, {n}, 1) = '1' THEN s.{c} ELSE t.{col} END"
+                    ).format(col=sql.Identifier(col.name), n=sql.Literal(j + 1),
+                             c=sql.Identifier(f"c{j}"))
+            for j, col in enumerate(table.columns) if col.name not in key_names)
+        cur = conn.execute(sql.SQL(
+            "UPDATE {target} t SET {sets} FROM {stage} s WHERE s._op = 1 AND {join}").format(
+            target=target, sets=sets, stage=stage, join=join))
+        if _rowcount(cur) != sum(masks.values()):
+            raise _Conflict
+        return sum(masks.values())
+    for m, expected in masks.items():
+        positions = [j for j in range(width)
+                     if m >> j & 1 and table.columns[j].name not in key_names]
+        mtext = sql.Literal(mask_text(m, width))
+        if not positions:  # only the key or kept columns: the row must exist, nothing to write
+            row = conn.execute(sql.SQL(
+                "SELECT count(*) FROM {stage} s JOIN {target} t ON {join} "
+                "WHERE s._op = 1 AND s._m = {m}").format(
+                stage=stage, target=target, join=join, m=mtext)).fetchone()
+            if row is None or row[0] != expected:
+                raise _Conflict
+            continue
+        sets = sql.SQL(", ").join(
+            sql.SQL("{} = s.{}").format(sql.Identifier(table.columns[j].name),
+                                        sql.Identifier(f"c{j}")) for j in positions)
+        cur = conn.execute(sql.SQL(
+            "UPDATE {target} t SET {sets} FROM {stage} s "
+            "WHERE s._op = 1 AND s._m = {m} AND {join}").format(
+            target=target, sets=sets, stage=stage, m=mtext, join=join))
+        if _rowcount(cur) != expected:
+            raise _Conflict
+        written += expected
+    return written
+
+
+def _native_merge(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable,
+                  counts: dict[str, TableCounts]) -> int | None:
+    """Policy ``native`` after a set-based conflict: merge again without the keys whose
+    row is missing (:func:`_merge_skipping_missing`), counting them. None when that does
+    not settle it (a key already there, a moved row whose origin is missing); the
+    caller then names the conflict or applies the table change by change."""
+    try:
+        with conn.transaction():
+            written, missing = _merge_skipping_missing(conn, tp, st)
+    except (_Conflict, psycopg.errors.IntegrityError):
+        return None
+    table_counts = counts.setdefault(tp.source_table, TableCounts())
+    for kind, key, lsn in missing:
+        table_counts.skip_missing(kind, key, lsn)
+    return written
+
+
+def _moved_orphans(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable) -> bool:
+    """Whether a row moved by a key-changing UPDATE has no origin row in the target."""
+    if not st.summary.moved:
+        return False
+    table = tp.target
+    found = conn.execute(sql.SQL(
+        "SELECT 1 FROM {stage} s WHERE s._op IN (2, 3) AND s.o0 IS NOT NULL AND NOT EXISTS "
+        "(SELECT 1 FROM {target} t WHERE {ojoin}) LIMIT 1").format(
+        stage=sql.Identifier(SCHEMA, st.name),
+        target=sql.Identifier(table.schema, table.name),
+        ojoin=_key_join(table, tp.key_positions or (), "t", "s", "o"))).fetchone()
+    return found is not None
+
+
+def _merge_skipping_missing(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable
+                            ) -> tuple[int, list[tuple[str, dict[str, Any], Lsn]]]:
+    """Policy ``native``, set-based: leave out the keys whose first change is an UPDATE or
+    DELETE of a row the target does not have — PostgreSQL's apply worker skips such a
+    change, and every later change of the key misses too until an INSERT brings the key
+    back (then only the batch's final row is written: ``REPLACE`` becomes ``INSERT``) —
+    then merge the rest. Returns the rows written and the keys skipped (kind, key, commit
+    LSN of the first change). Moved rows whose origin is missing raise :class:`_Conflict`:
+    only the change-by-change path can tell what a native subscriber would keep of them."""
+    table = tp.target
+    target = sql.Identifier(table.schema, table.name)
+    stage = sql.Identifier(SCHEMA, st.name)
+    kp = tp.key_positions or ()
+    join = _key_join(table, kp, "t", "s")
+    summary = st.summary
+    if _moved_orphans(conn, tp, st):
+        raise _Conflict
+    keys = sql.SQL(", ").join(sql.SQL("s.{}::text").format(sql.Identifier(f"c{p}"))
+                              for p in kp)
+    missing_where = sql.SQL("NOT EXISTS (SELECT 1 FROM {target} t WHERE {join})").format(
+        target=target, join=join)
+    dropped = conn.execute(sql.SQL(
+        "DELETE FROM {stage} s WHERE s._op IN (0, 1) AND {missing} "
+        "RETURNING s._first, s._lsn, s._op, s._m, {keys}").format(
+        stage=stage, missing=missing_where, keys=keys)).fetchall()
+    reinserted = conn.execute(sql.SQL(
+        "UPDATE {stage} s SET _op = 2 WHERE s._op = 3 AND {missing} "
+        "RETURNING s._first, s._lsn, 3, s._m, {keys}").format(
+        stage=stage, missing=missing_where, keys=keys)).fetchall()
+    if not dropped and not reinserted:
+        raise _Conflict  # nothing was missing: the conflict is of another kind
+    pruned = StageSummary(summary.rows, dict(summary.ops), set(summary.insert_masks),
+                          dict(summary.update_masks), summary.moved)
+    names = [table.columns[p].name for p in kp]
+    skipped: list[tuple[str, dict[str, Any], Lsn]] = []
+    for first, lsn, op, mtext, *key in dropped + reinserted:
+        pruned.ops[op] -= 1
+        if op == OP_REPLACE:
+            pruned.ops[OP_INSERT] = pruned.ops.get(OP_INSERT, 0) + 1
+        elif op == OP_UPDATE:
+            m = sum(1 << j for j, ch in enumerate(mtext) if ch == "1")
+            pruned.update_masks[m] -= 1
+            if not pruned.update_masks[m]:
+                del pruned.update_masks[m]
+        if op != OP_REPLACE:
+            pruned.rows -= 1
+        kind = "delete" if first == "D" else "update"
+        skipped.append((kind, dict(zip(names, key, strict=True)), Lsn(int(lsn))))
+    written = _set_based(conn, tp, StagedTable(st.name, pruned))
+    skipped.sort(key=lambda item: item[2])
+    return written, skipped
+
+
+def _raise_first_conflict(conn: psycopg.Connection[Any], tp: TablePlan,
+                          st: StagedTable, missing_ok: bool = False) -> None:
+    """Policy ``error``: name the first change (by commit LSN) whose key conflicts.
+    ``missing_ok`` (policy ``native``): only a key that is already there conflicts."""
+    table = tp.target
+    target = sql.Identifier(table.schema, table.name)
+    stage = sql.Identifier(SCHEMA, st.name)
+    kp = tp.key_positions or ()
+    join = _key_join(table, kp, "t", "s")
+    ojoin = _key_join(table, kp, "t", "s", "o")
+    keys = sql.SQL(", ").join(sql.SQL("s.{}::text").format(sql.Identifier(f"c{p}"))
+                              for p in kp)
+    okeys = sql.SQL(", ").join(sql.SQL("s.{}::text").format(sql.Identifier(f"o{i}"))
+                               for i in range(len(kp)))
+    missing = sql.SQL(
+        "  (s._op IN (0, 1, 3) AND NOT EXISTS (SELECT 1 FROM {target} t WHERE {join})) "
+        "  OR (s._op IN (2, 3) AND s.o0 IS NOT NULL AND NOT EXISTS "
+        "     (SELECT 1 FROM {target} t WHERE {ojoin})) OR ").format(
+        target=target, join=join, ojoin=ojoin)
+    row = conn.execute(sql.SQL(
+        "SELECT s._first, s._lsn, s._op, {keys}, {okeys}, "
+        "  (s._op IN (2, 3) AND s.o0 IS NOT NULL AND NOT EXISTS "
+        "     (SELECT 1 FROM {target} t WHERE {ojoin})) AS origin_missing "
+        "FROM {stage} s WHERE {missing}"
+        "  (s._op IN (2, 4) AND EXISTS (SELECT 1 FROM {target} t WHERE {join})) "
+        "ORDER BY s._lsn LIMIT 1").format(
+        keys=keys, okeys=okeys, target=target, ojoin=ojoin, stage=stage, join=join,
+        missing=sql.SQL("") if missing_ok else missing)
+    ).fetchone()
+    names = [table.columns[p].name for p in kp]
+    if row is None:
+        return  # not a key conflict: the caller applies the table change by change
+    first, lsn, op, *rest = row
+    n = len(kp)
+    key_values, origin_values, origin_missing = rest[:n], rest[n:2 * n], rest[2 * n]
+    kind = {"I": "insert", "U": "update", "D": "delete"}.get(str(first), str(first))
+    if origin_missing:
+        key = dict(zip(names, origin_values, strict=True))
+        raise ApplyConflict(tp.source_table, "update", key, Lsn(int(lsn)),
+                            "the row to update is missing in the target")
+    key = dict(zip(names, key_values, strict=True))
+    if op in (OP_DELETE, OP_UPDATE, OP_REPLACE):
+        detail = f"the row to {'delete' if kind == 'delete' else 'update'} is missing in the target"
+    elif kind == "update":
+        detail = "an UPDATE changes the key to one that already exists in the target"
+    else:
+        detail = "the row to insert already exists in the target"
+    raise ApplyConflict(tp.source_table, kind, key, Lsn(int(lsn)), detail)
+

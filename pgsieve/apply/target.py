@@ -1,0 +1,489 @@
+"""I/O on a PostgreSQL target: the applied position, table shapes, staging tables.
+
+The target records, per subscription, the end LSN of the last transaction it holds
+(``pgsieve.applied``), in the same transaction as the rows: that record — not the slot —
+is where a consumer resumes, so a crash between the target's commit and the slot's
+confirmation applies nothing twice. The merge locks the record (``FOR UPDATE``) and checks
+it has not moved since the batch was planned: a consumer that lost its lease and wakes up
+late cannot commit a batch another consumer already applied.
+
+Staging tables are UNLOGGED tables in schema ``pgsieve``, one per (subscription, target
+table, writer): filled by COPY — from the driver or from Spark tasks in parallel — and
+emptied by the merge that consumes them.
+
+Also here: the subscription-time check that every target table exists with columns that
+can take the source's (``target_table_missing`` / ``target_column_mismatch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from pgsieve.apply.columns import (
+    SourceTable,
+    TargetColumn,
+    TargetTable,
+    describe_mismatch,
+)
+from pgsieve.apply.staging import META_COLUMNS
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.errors import ErrorCode, Unprocessable, Unreachable
+from pgsieve.rowfilter.parse import parse_table_name
+from pgsieve.wire.lsn import Lsn
+
+log = logging.getLogger(__name__)
+
+SCHEMA = "pgsieve"
+APPLIED_TABLE = "applied"
+
+_DDL = f"""
+CREATE SCHEMA IF NOT EXISTS {SCHEMA};
+CREATE TABLE IF NOT EXISTS {SCHEMA}.{APPLIED_TABLE} (
+    subscription_id text PRIMARY KEY,
+    end_lsn pg_lsn NOT NULL,
+    commit_lsn pg_lsn,
+    commit_time timestamptz,
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE {SCHEMA}.{APPLIED_TABLE} IS
+    'pgsieve: per subscription, the end LSN of the last source transaction this database holds';
+"""
+
+_TABLE_SQL = """
+SELECT c.oid, c.relkind::text, n.nspname, c.relname
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')
+"""
+
+_COLUMNS_SQL = """
+SELECT a.attname,
+       format_type(a.atttypid, a.atttypmod),
+       CASE WHEN t.typtype = 'd' THEN format_type(t.typbasetype, t.typtypmod)
+            ELSE format_type(a.atttypid, a.atttypmod) END,
+       CASE WHEN a.attcollation <> 0 AND a.attcollation <> bt.typcollation
+            THEN format('%%I.%%I', cn.nspname, co.collname) END,
+       a.attgenerated <> '',
+       a.attnotnull,
+       a.atthasdef,
+       bt.typcategory IN ('A', 'E', 'R') OR bt.typtype = 'c' OR EXISTS (
+           SELECT 1 FROM pg_opclass oc JOIN pg_am am ON am.oid = oc.opcmethod
+           WHERE oc.opcdefault AND am.amname IN ('btree', 'hash') AND oc.opcintype = bt.oid)
+FROM pg_attribute a
+JOIN pg_type t ON t.oid = a.atttypid
+JOIN pg_type bt ON bt.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END
+LEFT JOIN pg_collation co ON co.oid = a.attcollation
+LEFT JOIN pg_namespace cn ON cn.oid = co.collnamespace
+WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
+ORDER BY a.attnum
+"""
+
+
+_UNIQUE_SQL = """
+SELECT array_agg(a.attname::text)
+FROM pg_index i
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)
+WHERE i.indrelid = %s AND i.indisunique AND i.indisvalid AND i.indpred IS NULL
+  AND i.indexprs IS NULL
+GROUP BY i.indexrelid
+"""
+
+IDENTITY_SQL = """
+SELECT array_agg(a.attname::text ORDER BY k.ord)
+FROM pg_index i
+CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k(attnum, ord)
+JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+WHERE i.indrelid = %s AND (i.indisreplident OR i.indisprimary) AND i.indisvalid
+GROUP BY i.indexrelid, i.indisreplident
+ORDER BY i.indisreplident DESC
+LIMIT 1
+"""
+"""The replica identity index (``indisreplident`` is set only under REPLICA IDENTITY
+USING INDEX), else the primary key: the index PostgreSQL's apply worker looks rows up by."""
+
+
+class TableMissing(LookupError):
+    pass
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """``schema.name`` (quoted or not) into its PostgreSQL-folded parts."""
+    try:
+        return parse_table_name(name)
+    except ValueError:
+        schema, _, rel = name.partition(".")
+        return (schema, rel) if rel else ("public", schema)
+
+
+def _connect(dsn: str, connect_timeout: int, application_name: str) -> psycopg.Connection[Any]:
+    # Applying a batch and fetching unchanged values can take long: no statement timeout.
+    return psycopg.connect(secure_conninfo(dsn, purpose=Purpose.STREAM,
+                                           connect_timeout=connect_timeout,
+                                           application_name=application_name),
+                           autocommit=True)
+
+
+class TargetWriter:
+    """One connection to the target, for one subscription (one consumer at a time)."""
+
+    def __init__(
+        self,
+        target_dsn: str,
+        subscription_id: str,
+        *,
+        source_dsn: str | None = None,
+        connect_timeout: int = 5,
+    ) -> None:
+        self.subscription_id = subscription_id
+        self.connect_timeout = connect_timeout
+        self._dsn = target_dsn
+        self._source_dsn = source_dsn
+        self.conn = _connect(target_dsn, connect_timeout, "pgsieve-apply")
+        self.token = secrets.token_hex(3)
+        self._sub_tag = hashlib.sha1(subscription_id.encode()).hexdigest()[:10]  # noqa: S324
+        self._tables: dict[str, TargetTable] = {}
+        self._staging: dict[int, tuple[str, tuple[Any, ...]]] = {}
+        self._replica_role: bool | None = None
+
+    # -- connection details for Spark tasks (never logged) ------------------------------
+    @property
+    def dsn(self) -> str:
+        return self._dsn
+
+    @property
+    def source_dsn(self) -> str | None:
+        return self._source_dsn
+
+    def close(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self.conn.close()
+
+    # -- the applied position --------------------------------------------------------------
+    def ensure_schema(self) -> None:
+        """Create schema ``pgsieve`` and the applied-position table (idempotent, safe
+        when several writers start at once), and drop this subscription's staging tables
+        left by writers that are gone."""
+        with self.conn.transaction():
+            self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('pgsieve.ensure_schema'))")
+            self.conn.execute(_DDL.encode())
+        self._drop_staging(others_only=True)
+
+    def applied_lsn(self) -> Lsn | None:
+        """The end LSN of the last transaction applied for this subscription (None: none)."""
+        row = self.conn.execute(
+            f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} WHERE subscription_id = %s",
+            (self.subscription_id,)).fetchone()
+        return None if row is None else Lsn.parse(row[0])
+
+    def applied_record(self) -> dict[str, Any] | None:
+        row = self.conn.execute(
+            f"SELECT end_lsn::text, commit_lsn::text, commit_time, updated_at "
+            f"FROM {SCHEMA}.{APPLIED_TABLE} WHERE subscription_id = %s",
+            (self.subscription_id,)).fetchone()
+        if row is None:
+            return None
+        return {"end_lsn": Lsn.parse(row[0]), "commit_lsn": Lsn.coerce(row[1]),
+                "commit_time": row[2], "updated_at": row[3]}
+
+    def lock_applied(self, conn: psycopg.Connection[Any]) -> Lsn | None:
+        """Inside the merge transaction: lock this subscription's record, return it."""
+        conn.execute(
+            f"INSERT INTO {SCHEMA}.{APPLIED_TABLE} (subscription_id, end_lsn) "
+            "VALUES (%s, '0/0') ON CONFLICT (subscription_id) DO NOTHING",
+            (self.subscription_id,))
+        row = conn.execute(
+            f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
+            "WHERE subscription_id = %s FOR UPDATE", (self.subscription_id,)).fetchone()
+        assert row is not None
+        lsn = Lsn.parse(row[0])
+        return None if lsn.value == 0 else lsn
+
+    def write_applied(self, conn: psycopg.Connection[Any], end_lsn: Lsn,
+                      commit_lsn: Lsn | None, commit_time: datetime | None) -> None:
+        """Inside the merge transaction: record the batch's end (after lock_applied)."""
+        conn.execute(
+            f"UPDATE {SCHEMA}.{APPLIED_TABLE} SET end_lsn = %s::pg_lsn, "
+            "commit_lsn = COALESCE(%s::pg_lsn, commit_lsn), "
+            "commit_time = COALESCE(%s, commit_time), updated_at = now() "
+            "WHERE subscription_id = %s",
+            (str(end_lsn), None if commit_lsn is None else str(commit_lsn), commit_time,
+             self.subscription_id))
+
+    def record_idle(self, lsn: Lsn) -> None:
+        """Nothing of this subscription commits before ``lsn``: record it as applied (only
+        ever forward), so a restart resumes there and the slot may release the WAL."""
+        with self.conn.transaction():
+            current = self.lock_applied(self.conn)
+            if current is None or current < lsn:
+                self.write_applied(self.conn, lsn, None, None)
+
+    def forget(self, subscription_id: str | None = None) -> None:
+        """Drop the record and staging tables of a deleted subscription."""
+        sub = subscription_id or self.subscription_id
+        exists = self.conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                                   (f"{SCHEMA}.{APPLIED_TABLE}",)).fetchone()
+        if exists and exists[0]:
+            self.conn.execute(f"DELETE FROM {SCHEMA}.{APPLIED_TABLE} WHERE subscription_id = %s",
+                              (sub,))
+        tag = hashlib.sha1(sub.encode()).hexdigest()[:10]  # noqa: S324
+        self._drop_staging(others_only=False, tag=tag)
+
+    # -- target tables -----------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Forget cached table shapes (read again on next use): once per batch."""
+        self._tables.clear()
+
+    def table(self, name: str) -> TargetTable:
+        """The shape of a target table (``schema.name``); raises :class:`TableMissing`."""
+        cached = self._tables.get(name)
+        if cached is not None:
+            return cached
+        schema, rel = split_name(name)
+        found = self.conn.execute(_TABLE_SQL, (schema, rel)).fetchone()
+        if found is None:
+            raise TableMissing(f"{schema}.{rel}")
+        oid, relkind, nsp, relname = found
+        columns: list[TargetColumn] = []
+        generated: list[str] = []
+        types: dict[str, str] = {}
+        for row in self.conn.execute(_COLUMNS_SQL, (oid,)):
+            name_, type_name, stage_type, collation, gen, not_null, has_def, has_eq = row
+            types[name_] = type_name
+            if gen:
+                generated.append(name_)
+                continue
+            columns.append(TargetColumn(name_, type_name, stage_type, collation, False,
+                                        bool(not_null), bool(has_def), bool(has_eq)))
+        unique = tuple(frozenset(r[0]) for r in self.conn.execute(_UNIQUE_SQL, (oid,)))
+        ident = self.conn.execute(IDENTITY_SQL, (oid,)).fetchone()
+        table = TargetTable(nsp, relname, int(oid), relkind, tuple(columns), tuple(generated),
+                            unique, tuple(ident[0]) if ident else ())
+        self._tables[name] = table
+        return table
+
+    def column_types(self, table: TargetTable) -> dict[str, str]:
+        types = {c.name: c.type_name for c in table.columns}
+        for name in table.generated:
+            types[name] = "generated"
+        return types
+
+    def check_tables(self, tables: Sequence[SourceTable]) -> None:
+        """Every target table must exist and take its source's columns, else a 422
+        (``target_table_missing`` / ``target_column_mismatch``) naming all problems."""
+        missing: list[str] = []
+        mismatched: list[str] = []
+        for spec in tables:
+            try:
+                target = self.table(spec.target_table)
+            except TableMissing:
+                missing.append(spec.target_table)
+                continue
+            problems = describe_mismatch(spec, target, self.column_types(target))
+            if problems:
+                mismatched.append(f"{spec.target_table}: {'; '.join(problems)}")
+        if missing:
+            raise Unprocessable(
+                f"the target database has no table {', '.join(missing)}: create "
+                f"{'them' if len(missing) > 1 else 'it'} with the source's columns first",
+                code=ErrorCode.TARGET_TABLE_MISSING, tables=missing)
+        if mismatched:
+            raise Unprocessable(
+                "target tables cannot take the source's columns: " + " | ".join(mismatched),
+                code=ErrorCode.TARGET_COLUMN_MISMATCH, tables=[m.split(":")[0] for m in mismatched])
+
+    # -- session settings for the merge -------------------------------------------------
+    def replica_role(self, conn: psycopg.Connection[Any]) -> bool:
+        """``SET LOCAL session_replication_role = replica``, as PostgreSQL's apply worker
+        runs: ordinary triggers and foreign-key checks do not fire for replicated rows.
+        Needs superuser (as native subscriptions do); without it the merge runs with
+        triggers on, and says so once in the log."""
+        if self._replica_role is False:
+            return False
+        try:
+            with conn.transaction():  # a savepoint: released, the SET LOCAL stays
+                conn.execute("SET LOCAL session_replication_role = replica")
+            self._replica_role = True
+        except psycopg.errors.InsufficientPrivilege:
+            self._replica_role = False
+            log.warning("target role cannot set session_replication_role: triggers and "
+                        "foreign keys fire during apply")
+        return bool(self._replica_role)
+
+    # -- staging -------------------------------------------------------------------------
+    def staging_table(self, table: TargetTable, key_positions: Sequence[int]) -> str:
+        """An empty staging table for ``table`` (created on first use, recreated when the
+        target's shape changed); returns its name in schema ``pgsieve``."""
+        cols = table.columns
+        signature = (tuple((c.stage_type, c.collation) for c in cols), tuple(key_positions))
+        cached = self._staging.get(table.oid)
+        name = f"stage_{self._sub_tag}_{table.oid}_{self.token}"
+        ident = sql.Identifier(SCHEMA, name)
+        if cached is not None and cached[1] == signature:
+            self.conn.execute(sql.SQL("TRUNCATE {}").format(ident))
+            return name
+
+        def column(label: str, c: TargetColumn) -> sql.Composable:
+            parts: list[sql.Composable] = [sql.Identifier(label), sql.SQL(c.stage_type)]
+            if c.collation:
+                parts.append(sql.SQL("COLLATE " + c.collation))
+            return sql.SQL(" ").join(parts)
+
+        defs: list[sql.Composable] = [sql.SQL('_op smallint, _first "char", _lsn bigint, '
+                                              "_m text")]
+        defs += [column(f"o{i}", cols[p]) for i, p in enumerate(key_positions)]
+        defs += [column(f"c{j}", c) for j, c in enumerate(cols)]
+        with self.conn.transaction():
+            self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(ident))
+            self.conn.execute(sql.SQL(
+                "CREATE UNLOGGED TABLE {} ({}) WITH (autovacuum_enabled = off)").format(
+                ident, sql.SQL(", ").join(defs)))
+        self._staging[table.oid] = (name, signature)
+        return name
+
+    def staging_columns(self, table: TargetTable, key_positions: Sequence[int]) -> list[str]:
+        return [*META_COLUMNS, *(f"o{i}" for i in range(len(key_positions))),
+                *(f"c{j}" for j in range(table.width))]
+
+    def copy_in(self, staging: str, columns: Sequence[str], payload: bytes,
+                conn: psycopg.Connection[Any] | None = None) -> None:
+        copy_rows(conn or self.conn, staging, columns, payload)
+
+    def _drop_staging(self, *, others_only: bool, tag: str | None = None) -> None:
+        tag = tag or self._sub_tag
+        rows = self.conn.execute(
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = %s AND c.relname LIKE %s",
+            (SCHEMA, f"stage\\_{tag}\\_%")).fetchall()
+        for (relname,) in rows:
+            if others_only and relname.endswith(f"_{self.token}"):
+                continue
+            try:
+                with self.conn.transaction():
+                    self.conn.execute("SET LOCAL lock_timeout = '200ms'")
+                    self.conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(
+                        sql.Identifier(SCHEMA, relname)))
+            except psycopg.errors.LockNotAvailable:
+                log.info("staging table %s is in use; left in place", relname)
+
+    # -- the source, for values the stream did not carry ----------------------------------
+    def fetch_source_rows(
+        self,
+        source: tuple[str, str],
+        key_columns: Sequence[str],
+        keys: Sequence[tuple[bytes, ...]],
+        columns: Sequence[str],
+    ) -> dict[tuple[bytes, ...], tuple[bytes | None, ...]]:
+        """Current values of ``columns`` of the source rows with these keys (text form),
+        by key; rows not found are absent. Raises psycopg errors when the source cannot
+        be read."""
+        if self._source_dsn is None:
+            raise RuntimeError("no source connection configured")
+        out: dict[tuple[bytes, ...], tuple[bytes | None, ...]] = {}
+        table = sql.Identifier(*source)
+        wanted = sql.SQL(", ").join(
+            sql.SQL("{}::text").format(sql.Identifier(c)) for c in [*key_columns, *columns])
+        k = len(key_columns)
+        keylist = sql.SQL(", ").join(sql.Identifier(c) for c in key_columns)
+        with _connect(self._source_dsn, self.connect_timeout, "pgsieve-fetch") as src:
+            for i in range(0, len(keys), 500):
+                chunk = keys[i:i + 500]
+                tuples = sql.SQL(", ").join(
+                    sql.SQL("({})").format(sql.SQL(", ").join([sql.Placeholder()] * k))
+                    for _ in chunk)
+                query = sql.SQL("SELECT {} FROM {} WHERE ({}) IN ({})").format(
+                    wanted, table, keylist, tuples)
+                params = [v.decode() for key in chunk for v in key]
+                for row in src.execute(query, params):
+                    key = tuple(str(v).encode() for v in row[:k])
+                    out[key] = tuple(None if v is None else str(v).encode() for v in row[k:])
+        return out
+
+
+def copy_rows(conn: psycopg.Connection[Any], staging: str, columns: Sequence[str],
+              payload: bytes, chunk: int = 1 << 20) -> None:
+    """COPY text rows (see :mod:`pgsieve.apply.copytext`) into a staging table."""
+    stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(
+        sql.Identifier(SCHEMA, staging), sql.SQL(", ").join(map(sql.Identifier, columns)))
+    with conn.cursor().copy(stmt) as copy:
+        view = memoryview(payload)
+        for i in range(0, len(payload), chunk):
+            copy.write(view[i:i + chunk])
+
+
+# -- subscription-time checks ------------------------------------------------------------------
+
+_SOURCE_COLUMNS_SQL = """
+SELECT a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull
+FROM pg_attribute a
+JOIN pg_class c ON c.oid = a.attrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0 AND NOT a.attisdropped
+  AND a.attgenerated = ''
+ORDER BY a.attnum
+"""
+
+_PUBLISHED_SQL = """
+SELECT DISTINCT unnest(attnames) FROM pg_publication_tables
+WHERE pubname = ANY(%s) AND schemaname = %s AND tablename = %s
+"""
+
+
+def read_source_columns(
+    conn: psycopg.Connection[Any],
+    tables: Iterable[str],
+    publications: Sequence[str] | None = None,
+    targets: Mapping[str, str] | None = None,
+) -> list[SourceTable]:
+    """The columns each source table sends (``schema.name`` as the stream names it):
+    all of them, or, given ``publications``, those the publications publish (column
+    lists, from ``pg_publication_tables``). ``targets`` maps a source table to a target
+    table of another name (default: the same name)."""
+    out: list[SourceTable] = []
+    for name in tables:
+        schema, rel = split_name(name)
+        rows = conn.execute(_SOURCE_COLUMNS_SQL, (schema, rel)).fetchall()
+        published: set[str] | None = None
+        if publications:
+            found = conn.execute(_PUBLISHED_SQL, (list(publications), schema, rel)).fetchall()
+            published = {r[0] for r in found} if found else None
+        columns = tuple((r[0], r[1]) for r in rows if published is None or r[0] in published)
+        out.append(SourceTable(
+            source_table=f"{schema}.{rel}",
+            target_table=(targets or {}).get(name, f"{schema}.{rel}"),
+            columns=columns,
+            not_null=frozenset(r[0] for r in rows if r[2]),
+        ))
+    return out
+
+
+def check_target_tables(
+    source_conn: psycopg.Connection[Any],
+    target_dsn: str,
+    relations: Sequence[str],
+    *,
+    connect_timeout: int = 5,
+    publications: Sequence[str] | None = None,
+    targets: Mapping[str, str] | None = None,
+) -> None:
+    """For ``POST /subscriptions``: read the source tables' published columns and check
+    the target has every table with compatible columns (422 otherwise)."""
+    specs = read_source_columns(source_conn, relations, publications, targets)
+    try:
+        writer = TargetWriter(target_dsn, "check", connect_timeout=connect_timeout)
+    except psycopg.Error as exc:
+        message = scrub_secrets(str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+        raise Unreachable(f"cannot connect to the target: {message}",
+                          code=ErrorCode.TARGET_UNREACHABLE) from None
+    try:
+        writer.check_tables(specs)
+    finally:
+        writer.close()

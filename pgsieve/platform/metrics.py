@@ -1,0 +1,327 @@
+"""Prometheus metrics kept in the metadata store, and the collector that reads them.
+
+Consume cycles run in many worker processes (and hosts), so in-process prometheus
+counters would each see a fraction of the work. Instead each applied batch is recorded
+in the subscription's ``stats`` JSON (:func:`record_batch`, called by the consume cycle in
+the transaction that records the batch), and :class:`MetadataCollector` turns the store
+into metrics when ``/metrics`` is scraped.
+
+``Subscription.stats`` keys read here: ``batches``, ``changes`` (applied changes, counted
+by the consume cycle) and the histograms ``apply_seconds_histogram`` and
+``batch_changes_histogram`` (``{"le": [bounds], "counts": [per bucket], "sum", "count"}``,
+the last bucket being +Inf) written by :func:`record_batch`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from pgsieve.platform.locks import CONSUMER_LEASE, consumer_alive
+from pgsieve.platform.models import (
+    ConsumerLock,
+    Job,
+    ProgressSample,
+    Source,
+    SourceSample,
+    Subscription,
+    WorkerHeartbeat,
+    utcnow,
+)
+
+APPLY_SECONDS_BUCKETS: tuple[float, ...] = (
+    0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, math.inf,
+)
+BATCH_CHANGES_BUCKETS: tuple[float, ...] = (
+    1, 10, 100, 1_000, 10_000, 100_000, 1_000_000, math.inf,
+)
+APPLY_SECONDS_KEY = "apply_seconds_histogram"
+BATCH_CHANGES_KEY = "batch_changes_histogram"
+
+
+def observe(histogram: dict[str, Any] | None, bounds: Sequence[float],
+            value: float) -> dict[str, Any]:
+    """A new histogram dict with ``value`` observed (bounds taken from the stored one)."""
+    le = [float(b) for b in (histogram or {}).get("le") or bounds]
+    counts = list((histogram or {}).get("counts") or [0] * len(le))
+    if len(counts) != len(le):  # corrupt or from another layout: start over
+        le, counts = [float(b) for b in bounds], [0] * len(bounds)
+    for i, bound in enumerate(le):
+        if value <= bound:
+            counts[i] += 1
+            break
+    return {
+        "le": le,
+        "counts": counts,
+        "sum": float((histogram or {}).get("sum", 0.0)) + value,
+        "count": int((histogram or {}).get("count", 0)) + 1,
+    }
+
+
+def record_batch(session: Session, subscription_id: str, seconds: float, changes: int) -> None:
+    """Record one applied batch: how long its apply took and how many changes it had.
+
+    Call it in the metadata transaction that records the batch as applied. It only
+    touches the two histograms (the ``batches``/``changes`` counters stay the consume
+    cycle's), so calling it twice for one batch counts that batch twice in them only.
+    """
+    sub = session.get(Subscription, subscription_id)
+    if sub is None:
+        return
+    stats = dict(sub.stats or {})
+    stats[APPLY_SECONDS_KEY] = observe(stats.get(APPLY_SECONDS_KEY), APPLY_SECONDS_BUCKETS,
+                                       max(0.0, float(seconds)))
+    stats[BATCH_CHANGES_KEY] = observe(stats.get(BATCH_CHANGES_KEY), BATCH_CHANGES_BUCKETS,
+                                       max(0, int(changes)))
+    sub.stats = stats  # a new dict, so the JSON column is written
+
+
+def _prom_buckets(histogram: dict[str, Any]) -> list[tuple[str, float]]:
+    cumulative, out = 0, []
+    for bound, count in zip(histogram["le"], histogram["counts"], strict=True):
+        cumulative += int(count)
+        out.append(("+Inf" if math.isinf(bound) else repr(float(bound)), float(cumulative)))
+    if not out or out[-1][0] != "+Inf":
+        out.append(("+Inf", float(histogram.get("count", cumulative))))
+    return out
+
+
+def _age(now: datetime, then: datetime | None) -> float | None:
+    return None if then is None else max(0.0, (now - then).total_seconds())
+
+
+class MetadataCollector(Collector):
+    """Reads the metadata store at scrape time (see the module docstring)."""
+
+    def __init__(self, sessions: sessionmaker[Session],
+                 lease: timedelta = CONSUMER_LEASE) -> None:
+        self.sessions = sessions
+        self.lease = lease
+
+    def collect(self) -> Iterator[Metric]:
+        with self.sessions() as session:
+            yield from self._subscriptions(session)
+            yield from self._sources(session)
+            yield from self._workers(session)
+
+    def _subscriptions(self, session: Session) -> Iterator[Metric]:
+        now = utcnow()
+        sub_l, tab_l = ["subscription"], ["subscription", "table"]
+        state = GaugeMetricFamily("pgsieve_subscription_state",
+                                  "1 for the subscription's current state",
+                                  labels=[*sub_l, "state"])
+        enabled = GaugeMetricFamily("pgsieve_subscription_enabled",
+                                    "1 when the subscription is enabled", labels=sub_l)
+        lag_b = GaugeMetricFamily("pgsieve_subscription_lag_bytes",
+                                  "WAL bytes the target has not caught up with (0 when the slot "
+                                  "has nothing left to send)", labels=sub_l)
+        lag_s = GaugeMetricFamily("pgsieve_subscription_lag_seconds",
+                                  "seconds since the oldest unapplied commit (0 when caught up)",
+                                  labels=sub_l)
+        sample_age = GaugeMetricFamily("pgsieve_subscription_progress_sample_age_seconds",
+                                       "age of the progress sample the lag figures come from",
+                                       labels=sub_l)
+        applied = GaugeMetricFamily("pgsieve_subscription_applied_lsn_bytes",
+                                    "applied LSN as a byte position", labels=sub_l)
+        changes = CounterMetricFamily("pgsieve_subscription_applied_changes",
+                                      "changes applied to the target", labels=sub_l)
+        batches = CounterMetricFamily("pgsieve_subscription_applied_batches",
+                                      "batches applied to the target", labels=sub_l)
+        paths = CounterMetricFamily(
+            "pgsieve_apply_batches", "batches applied, by where their plan and staging ran "
+            "(the driver, or Spark tasks: PGSIEVE_SPARK_APPLY_MIN_CHANGES)",
+            labels=["subscription", "path"])
+        apply_h = HistogramMetricFamily("pgsieve_subscription_batch_apply_seconds",
+                                        "time to apply one batch to the target", labels=sub_l)
+        size_h = HistogramMetricFamily("pgsieve_subscription_batch_changes",
+                                       "changes per applied batch", labels=sub_l)
+        alive = GaugeMetricFamily("pgsieve_consumer_alive",
+                                  "1 while a consumer holds the subscription's lock with a fresh "
+                                  "heartbeat", labels=sub_l)
+        hb_age = GaugeMetricFamily("pgsieve_consumer_heartbeat_age_seconds",
+                                   "seconds since the consumer's last heartbeat", labels=sub_l)
+        table_changes = CounterMetricFamily("pgsieve_table_applied_changes",
+                                            "changes applied per table and operation",
+                                            labels=[*tab_l, "op"])
+        conflicts = CounterMetricFamily("pgsieve_table_conflicts",
+                                        "conflicts met while applying, per table", labels=tab_l)
+        missing = CounterMetricFamily(
+            "pgsieve_table_missing_rows_skipped",
+            "UPDATEs/DELETEs skipped because the target row was missing (on_conflict native, "
+            "as PostgreSQL's subscriber does), per table", labels=tab_l)
+        copied = GaugeMetricFamily("pgsieve_sync_rows_copied",
+                                   "rows copied by the table's initial sync", labels=tab_l)
+        total = GaugeMetricFamily("pgsieve_sync_rows_total",
+                                  "rows the table's initial sync expects to copy", labels=tab_l)
+        sync_state = GaugeMetricFamily("pgsieve_table_sync_state",
+                                       "1 for the table's current sync state",
+                                       labels=[*tab_l, "state"])
+
+        latest = (
+            select(ProgressSample.subscription_id, func.max(ProgressSample.id).label("id"))
+            .group_by(ProgressSample.subscription_id).subquery()
+        )
+        samples = {s.subscription_id: s for s in session.scalars(
+            select(ProgressSample).join(latest, ProgressSample.id == latest.c.id))}
+        locks = {lock.subscription_id: lock for lock in session.scalars(select(ConsumerLock))}
+        for sub in session.scalars(select(Subscription).order_by(Subscription.name)):
+            name = [sub.name]
+            state.add_metric([sub.name, sub.state], 1)
+            enabled.add_metric(name, 1 if sub.enabled else 0)
+            sample = samples.get(sub.id)
+            if sample is not None:
+                if sample.lag_bytes is not None:
+                    lag_b.add_metric(name, sample.lag_bytes)
+                if sample.lag_seconds is not None:
+                    lag_s.add_metric(name, sample.lag_seconds)
+                sample_age.add_metric(name, _age(now, sample.sampled_at) or 0.0)
+            if sub.applied_lsn is not None:
+                applied.add_metric(name, sub.applied_lsn)
+            stats = sub.stats or {}
+            changes.add_metric(name, float(stats.get("changes", 0)))
+            batches.add_metric(name, float(stats.get("batches", 0)))
+            by_path = stats.get("apply_paths") or {}
+            for path in ("driver", "spark"):
+                paths.add_metric([sub.name, path], float(by_path.get(path, 0)))
+            for family, key in ((apply_h, APPLY_SECONDS_KEY), (size_h, BATCH_CHANGES_KEY)):
+                hist = stats.get(key)
+                if isinstance(hist, dict) and hist.get("le"):
+                    family.add_metric(name, _prom_buckets(hist), float(hist.get("sum", 0.0)))
+            lock = locks.get(sub.id)
+            beat = lock.heartbeat_at if lock is not None else None
+            alive.add_metric(name, 1 if consumer_alive(beat, now, self.lease) else 0)
+            if beat is not None:
+                hb_age.add_metric(name, _age(now, beat) or 0.0)
+            for table in sub.tables:
+                labels = [sub.name, table.table_name]
+                for op in ("inserts", "updates", "deletes", "truncates"):
+                    table_changes.add_metric([*labels, op[:-1]], float(getattr(table, op)))
+                conflicts.add_metric(labels, float(table.conflicts))
+                missing.add_metric(labels, float(table.missing_skipped))
+                copied.add_metric(labels, float(table.rows_copied))
+                if table.rows_total is not None:
+                    total.add_metric(labels, float(table.rows_total))
+                sync_state.add_metric([*labels, table.sync_state], 1)
+        yield from (state, enabled, lag_b, lag_s, sample_age, applied, changes, batches,
+                    paths, apply_h, size_h, alive, hb_age, table_changes, conflicts, missing,
+                    copied, total, sync_state)
+
+        failures = CounterMetricFamily(
+            "pgsieve_spark_task_failures", "Spark tasks that failed (and were retried or "
+            "failed their job) in sync jobs", labels=[])
+        executors = GaugeMetricFamily(
+            "pgsieve_spark_executors", "executors the last Spark job of a sync saw",
+            labels=[])
+        failed_total = 0
+        newest: tuple[Any, int] | None = None
+        for finished, details in session.execute(
+                select(Job.finished_at, Job.details).where(Job.kind.in_(
+                    ("initial_sync", "resync")))):
+            report = (details or {}).get("spark") or {}
+            if not report:
+                continue
+            failed_total += int(report.get("task_failures", 0))
+            if finished is not None and (newest is None or finished > newest[0]):
+                newest = (finished, int(report.get("executors", 0)))
+        failures.add_metric([], float(failed_total))
+        if newest is not None:
+            executors.add_metric([], float(newest[1]))
+        yield failures
+        yield executors
+
+        jobs = GaugeMetricFamily("pgsieve_jobs", "jobs by kind and state",
+                                 labels=["kind", "state"])
+        for kind, job_state, count in session.execute(
+            select(Job.kind, Job.state, func.count()).group_by(Job.kind, Job.state)
+        ):
+            jobs.add_metric([kind, job_state], count)
+        yield jobs
+
+    def _sources(self, session: Session) -> Iterator[Metric]:
+        now = utcnow()
+        src_l, slot_l = ["source"], ["source", "slot"]
+        up = GaugeMetricFamily("pgsieve_source_up",
+                               "1 when the source answered the last sample", labels=src_l)
+        age = GaugeMetricFamily("pgsieve_source_sample_age_seconds",
+                                "age of the last source sample", labels=src_l)
+        wal = GaugeMetricFamily("pgsieve_source_wal_lsn_bytes",
+                                "the source's WAL position as a byte position", labels=src_l)
+        retained = GaugeMetricFamily("pgsieve_slot_retained_wal_bytes",
+                                     "WAL the slot keeps on the source", labels=slot_l)
+        safe = GaugeMetricFamily("pgsieve_slot_safe_wal_size_bytes",
+                                 "WAL that may still be written before the slot is invalidated "
+                                 "(absent when max_slot_wal_keep_size is unlimited)",
+                                 labels=slot_l)
+        active = GaugeMetricFamily("pgsieve_slot_active",
+                                   "1 when a process is streaming from the slot", labels=slot_l)
+        status = GaugeMetricFamily("pgsieve_slot_wal_status", "1 for the slot's wal_status",
+                                   labels=[*slot_l, "wal_status"])
+        latest = (
+            select(SourceSample.source_id, func.max(SourceSample.id).label("id"))
+            .group_by(SourceSample.source_id).subquery()
+        )
+        rows = session.execute(
+            select(Source.name, SourceSample)
+            .join(latest, Source.id == latest.c.source_id)
+            .join(SourceSample, SourceSample.id == latest.c.id)
+            .order_by(Source.name)
+        ).all()
+        for source_name, sample in rows:
+            up.add_metric([source_name], 0 if sample.error else 1)
+            age.add_metric([source_name], _age(now, sample.sampled_at) or 0.0)
+            if sample.wal_lsn is not None:
+                wal.add_metric([source_name], sample.wal_lsn)
+            for slot in sample.slots or []:
+                labels = [source_name, str(slot.get("name"))]
+                if slot.get("retained_wal_bytes") is not None:
+                    retained.add_metric(labels, slot["retained_wal_bytes"])
+                if slot.get("safe_wal_size") is not None:
+                    safe.add_metric(labels, slot["safe_wal_size"])
+                active.add_metric(labels, 1 if slot.get("active") else 0)
+                if slot.get("wal_status"):
+                    status.add_metric([*labels, slot["wal_status"]], 1)
+        yield from (up, age, wal, retained, safe, active, status)
+
+    def _workers(self, session: Session) -> Iterator[Metric]:
+        now = utcnow()
+        age = GaugeMetricFamily("pgsieve_worker_heartbeat_age_seconds",
+                                "seconds since the worker's last heartbeat", labels=["worker"])
+        held = GaugeMetricFamily("pgsieve_worker_subscriptions_held",
+                                 "subscriptions the worker's scheduler holds", labels=["worker"])
+        wait = GaugeMetricFamily(
+            "pgsieve_worker_turn_wait_seconds",
+            "how long a subscription that was due waited for its turn on the worker "
+            "(over the last minute)", labels=["worker", "quantile"])
+        turns = CounterMetricFamily("pgsieve_worker_turns",
+                                    "turns the worker's scheduler ran since it started",
+                                    labels=["worker"])
+        for beat in session.scalars(select(WorkerHeartbeat).order_by(WorkerHeartbeat.worker)):
+            age.add_metric([beat.worker], _age(now, beat.beat_at) or 0.0)
+            report = scheduler_report(beat)
+            if report is None:
+                continue
+            held.add_metric([beat.worker], float(report.get("held", 0)))
+            wait.add_metric([beat.worker, "0.5"], float(report.get("turn_wait_p50", 0.0)))
+            wait.add_metric([beat.worker, "0.99"], float(report.get("turn_wait_p99", 0.0)))
+            turns.add_metric([beat.worker], float(report.get("turns", 0)))
+        yield from (age, held, wait, turns)
+
+
+def scheduler_report(beat: WorkerHeartbeat) -> dict[str, Any] | None:
+    """What a worker's scheduler last reported with its heartbeat (subscriptions held,
+    turn wait p50/p99), or None for a worker that runs none."""
+    details = beat.details if isinstance(beat.details, dict) else {}
+    report = details.get("scheduler")
+    return report if isinstance(report, dict) else None

@@ -1,0 +1,435 @@
+"""Metadata store: SQLAlchemy 2 typed models.
+
+The store holds pgsieve's *desired* state (sources, targets, publications, subscriptions)
+and its record of work (jobs, per-table sync state, progress samples). The live state of
+slots and publications is always read from the source's catalog; what is kept here is
+what pgsieve created and intends, so the two can be compared (drift).
+
+LSNs are stored as BIGINT (their 64-bit value) so they compare and subtract in SQL;
+the API formats them as ``X/XXXXXXXX``. Every schema change is an Alembic migration.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    text,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+from pgsieve.platform.states import JobState, SubscriptionState, SyncState
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class StateColumn(TypeDecorator[StrEnum]):
+    """A state stored as a short string and loaded as its StrEnum member."""
+
+    impl = String(16)
+    cache_ok = True
+
+    def __init__(self, states: type[StrEnum], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.states = states
+
+    def process_bind_param(self, value: StrEnum | str | None, dialect: Dialect) -> str | None:
+        return None if value is None else str(self.states(value))
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> StrEnum | None:
+        return None if value is None else self.states(value)
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite returns naive values)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, Any]: JSON,
+        list[Any]: JSON,
+        datetime: UtcDateTime(),
+    }
+
+
+class Source(Base):
+    """A publisher database (PostgreSQL >= 15, wal_level=logical)."""
+
+    __tablename__ = "sources"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    dsn_encrypted: Mapped[str] = mapped_column(Text)
+    server_version: Mapped[str] = mapped_column(String(64))
+    server_version_num: Mapped[int] = mapped_column(Integer)
+    wal_level: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    publications: Mapped[list[Publication]] = relationship(
+        back_populates="source", cascade="all, delete-orphan"
+    )
+    slots: Mapped[list[Slot]] = relationship(back_populates="source", cascade="all, delete-orphan")
+
+
+class Target(Base):
+    """Where replicated rows land (kind ``postgres`` for now)."""
+
+    __tablename__ = "targets"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    kind: Mapped[str] = mapped_column(String(16), default="postgres")
+    dsn_encrypted: Mapped[str] = mapped_column(Text)
+    server_version: Mapped[str] = mapped_column(String(64))
+    server_version_num: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Publication(Base):
+    """Desired state of a publication on a source."""
+
+    __tablename__ = "publications"
+    __table_args__ = (UniqueConstraint("source_id", "name"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    source_id: Mapped[str] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    all_tables: Mapped[bool] = mapped_column(Boolean, default=False)
+    schemas: Mapped[list[Any]] = mapped_column(default=list)
+    publish: Mapped[list[Any]] = mapped_column(
+        default=lambda: ["insert", "update", "delete", "truncate"]
+    )
+    publish_via_partition_root: Mapped[bool] = mapped_column(Boolean, default=False)
+    managed: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    source: Mapped[Source] = relationship(back_populates="publications")
+    tables: Mapped[list[PublicationTable]] = relationship(
+        back_populates="publication", cascade="all, delete-orphan", order_by="PublicationTable.id"
+    )
+
+
+class PublicationTable(Base):
+    __tablename__ = "publication_tables"
+    __table_args__ = (UniqueConstraint("publication_id", "table_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    publication_id: Mapped[str] = mapped_column(ForeignKey("publications.id", ondelete="CASCADE"))
+    table_name: Mapped[str] = mapped_column(String(130))
+    where: Mapped[str | None] = mapped_column(Text, nullable=True)
+    columns: Mapped[list[Any] | None] = mapped_column(JSON, nullable=True)
+
+    publication: Mapped[Publication] = relationship(back_populates="tables")
+
+
+class Slot(Base):
+    """A logical replication slot pgsieve created (or adopted) on a source."""
+
+    __tablename__ = "slots"
+    __table_args__ = (UniqueConstraint("source_id", "name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    source_id: Mapped[str] = mapped_column(ForeignKey("sources.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(63))
+    plugin: Mapped[str] = mapped_column(String(63), default="pgoutput")
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    source: Mapped[Source] = relationship(back_populates="slots")
+
+
+class Subscription(Base):
+    """Source + publications + slot + target + options: one replication pipeline."""
+
+    __tablename__ = "subscriptions"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    source_id: Mapped[str] = mapped_column(ForeignKey("sources.id", ondelete="RESTRICT"))
+    target_id: Mapped[str] = mapped_column(ForeignKey("targets.id", ondelete="RESTRICT"))
+    publications: Mapped[list[Any]] = mapped_column(default=list)
+    slot_name: Mapped[str] = mapped_column(String(63))
+    copy_data: Mapped[bool] = mapped_column(Boolean, default=True)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    state: Mapped[SubscriptionState] = mapped_column(
+        StateColumn(SubscriptionState), default=SubscriptionState.INITIALIZING)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    options: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    received_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    applied_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    last_commit_ts: Mapped[datetime | None] = mapped_column(nullable=True)
+    skip_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    slot_owned: Mapped[bool] = mapped_column(Boolean, default=True)
+    """pgsieve created the slot (dropped with the subscription unless told to keep it)."""
+    consistent_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """The slot's consistent point: where streaming starts after the initial copy."""
+    source_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """The source's current WAL position when last looked at (by the consumer)."""
+    oldest_unapplied_commit_ts: Mapped[datetime | None] = mapped_column(nullable=True)
+    """Commit time of the oldest transaction received but not yet applied (lag seconds)."""
+    caught_up_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    """Last time nothing was left to apply (lag 0)."""
+    stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    """Running counters (batches, changes applied, conflicts, ...) for /progress and metrics."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    tables: Mapped[list[SubscriptionTable]] = relationship(
+        back_populates="subscription",
+        cascade="all, delete-orphan",
+        order_by="SubscriptionTable.table_name",
+    )
+
+
+class SubscriptionTable(Base):
+    """Per-table state of a subscription, as ``pg_subscription_rel`` plus counters."""
+
+    __tablename__ = "subscription_tables"
+    __table_args__ = (UniqueConstraint("subscription_id", "table_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE")
+    )
+    table_name: Mapped[str] = mapped_column(String(130))
+    sync_state: Mapped[SyncState] = mapped_column(StateColumn(SyncState), default=SyncState.INIT)
+    sync_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    rows_copied: Mapped[int] = mapped_column(BigInteger, default=0)
+    rows_total: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    inserts: Mapped[int] = mapped_column(BigInteger, default=0)
+    updates: Mapped[int] = mapped_column(BigInteger, default=0)
+    deletes: Mapped[int] = mapped_column(BigInteger, default=0)
+    truncates: Mapped[int] = mapped_column(BigInteger, default=0)
+    conflicts: Mapped[int] = mapped_column(BigInteger, default=0)
+    missing_skipped: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """UPDATEs/DELETEs skipped because the target row was missing (policy ``native``)."""
+    last_missing: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """The last of them: ``{op, key, lsn, at}``."""
+    sync_slot: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    """Slot of a table copied on its own (tablesync): the copy's snapshot and catch-up."""
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    subscription: Mapped[Subscription] = relationship(back_populates="tables")
+
+
+ACTIVE_SYNC_JOB = "kind IN ('initial_sync', 'resync') AND state IN ('queued', 'running')"
+"""The jobs of which a subscription may have one at a time (migration 0005)."""
+
+
+class Job(Base):
+    """An asynchronous operation (initial sync, resync) with progress and a result.
+
+    One sync job per subscription at a time is a fact of the database: a partial unique
+    index over the queued and running sync jobs (a second insert is an IntegrityError,
+    which the API turns into ``409 sync_in_progress``)."""
+
+    __tablename__ = "jobs"
+    __table_args__ = (
+        Index("uq_jobs_active_sync", "subscription_id", unique=True,
+              sqlite_where=text(ACTIVE_SYNC_JOB), postgresql_where=text(ACTIVE_SYNC_JOB)),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    kind: Mapped[str] = mapped_column(String(32))
+    subscription_id: Mapped[str | None] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), nullable=True
+    )
+    state: Mapped[JobState] = mapped_column(StateColumn(JobState), default=JobState.QUEUED)
+    progress_done: Mapped[int] = mapped_column(BigInteger, default=0)
+    progress_total: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    """The worker running the job (sync jobs: a lease renewed through ``heartbeat_at``)."""
+    heartbeat_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class ProgressSample(Base):
+    """One point of a subscription's lag history (kept bounded, for charts)."""
+
+    __tablename__ = "progress_samples"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), index=True
+    )
+    sampled_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    source_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    received_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    applied_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    lag_bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    lag_seconds: Mapped[float | None] = mapped_column(nullable=True)
+
+
+class SourceSample(Base):
+    """A source's WAL position and slots at one moment (written by the beat task every
+    10 s, kept for a day): the recent WAL rate projects when a slot would be invalidated,
+    and ``/metrics`` reads slot figures here instead of connecting to sources per scrape."""
+
+    __tablename__ = "source_samples"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    source_id: Mapped[str] = mapped_column(
+        ForeignKey("sources.id", ondelete="CASCADE"), index=True
+    )
+    sampled_at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    wal_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    slots: Mapped[list[Any]] = mapped_column(default=list)
+    """[{name, active, retained_wal_bytes, wal_status, safe_wal_size}] as read then."""
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """Why the source could not be read (no secrets), else None."""
+
+
+class WorkerHeartbeat(Base):
+    """Last sign of life of each Celery worker (and, later, of each consumer lock)."""
+
+    __tablename__ = "worker_heartbeats"
+
+    worker: Mapped[str] = mapped_column(String(200), primary_key=True)
+    beat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class ConsumerLock(Base):
+    """One consumer per subscription: the owner renews ``heartbeat_at`` while it streams;
+    a lock whose heartbeat is older than the lease may be taken over (its owner died)."""
+
+    __tablename__ = "consumer_locks"
+
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), primary_key=True
+    )
+    owner: Mapped[str] = mapped_column(String(200))
+    acquired_at: Mapped[datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    cycles: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+UPDATE_IMAGE_WINDOW = 200
+"""How many recent UPDATE images the pipeline keeps per subscription and table (the
+update preview cannot use more than are kept)."""
+
+
+class UpdateImage(Base):
+    """A recent UPDATE's old and new row images, kept in a bounded window per table so a
+    candidate filter can be tried on real updates (UPDATE transformation preview)."""
+
+    __tablename__ = "update_images"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), index=True
+    )
+    table_name: Mapped[str] = mapped_column(String(130), index=True)
+    lsn: Mapped[int] = mapped_column(BigInteger)
+    old_kind: Mapped[str | None] = mapped_column(String(1), nullable=True)
+    """'K' (key columns only), 'O' (REPLICA IDENTITY FULL) or None (key unchanged)."""
+    old: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """Old image as {column: PostgreSQL text}; None when not sent (key unchanged)."""
+    new: Mapped[dict[str, Any]] = mapped_column(JSON)
+    """New image as {column: PostgreSQL text}; unchanged TOAST columns are left out."""
+    captured_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SyncPartition(Base):
+    """One partition (ctid block range or key range) of a table's initial copy."""
+
+    __tablename__ = "sync_partitions"
+    __table_args__ = (UniqueConstraint("job_id", "table_name", "partition_no"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), index=True
+    )
+    table_name: Mapped[str] = mapped_column(String(130))
+    partition_no: Mapped[int] = mapped_column(Integer)
+    lower: Mapped[str | None] = mapped_column(Text, nullable=True)
+    upper: Mapped[str | None] = mapped_column(Text, nullable=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    rows: Mapped[int] = mapped_column(BigInteger, default=0)
+    snapshot_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class ApiToken(Base):
+    """A named API token with a role (``viewer`` < ``operator`` < ``admin``). Only the
+    SHA-256 of the token is kept: the token itself is shown once, when it is created."""
+
+    __tablename__ = "api_tokens"
+
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    role: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(nullable=True)
+
+
+class AuditEvent(Base):
+    """One control-plane change (any outcome), refused request or failed authentication.
+    Never a secret: no request body, no query string, no token, no DSN."""
+
+    __tablename__ = "audit_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    actor: Mapped[str | None] = mapped_column(String(63), nullable=True)
+    """The token's name (``bootstrap`` for PGSIEVE_API_TOKEN); None: not authenticated."""
+    role: Mapped[str | None] = mapped_column(String(16), nullable=True)
+    method: Mapped[str] = mapped_column(String(10))
+    route: Mapped[str] = mapped_column(String(300))
+    """The route template, e.g. ``/api/v1/subscriptions/{subscription_id}/enable``."""
+    path: Mapped[str] = mapped_column(String(1000))
+    resource_type: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
+    resource_id: Mapped[str | None] = mapped_column(String(300), nullable=True, index=True)
+    request_id: Mapped[str] = mapped_column(String(64))
+    status: Mapped[int] = mapped_column(Integer)
+    client: Mapped[str | None] = mapped_column(String(64), nullable=True)

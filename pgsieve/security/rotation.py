@@ -1,0 +1,24 @@
+"""Re-encrypt stored credentials with the current key (``pgsieve secrets rotate``)."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.models import Source, Target
+
+
+def rotate_credentials(session: Session, box: SecretBox) -> tuple[int, int]:
+    """``(re-encrypted, total)``; all or nothing: a credential no key decrypts raises
+    CredentialError before anything is written (the caller's transaction rolls back)."""
+    changed = total = 0
+    rows: list[Source | Target] = [*session.scalars(select(Source)),
+                                   *session.scalars(select(Target))]
+    for row in rows:
+        total += 1
+        if not box.is_current(row.dsn_encrypted):
+            row.dsn_encrypted = box.rotate(row.dsn_encrypted)
+            changed += 1
+    session.flush()
+    return changed, total

@@ -1,0 +1,183 @@
+"""A table's catch-up from its own slot, then its hand-over to the main stream.
+
+PostgreSQL's tablesync copies a table under a slot of its own, then replays that slot up
+to where the main stream is before handing the table over (``catchup`` → ``ready``).
+pgsieve does the same when a table was copied under a snapshot later than the main
+stream's position (a resync on a running subscription, or a table whose copy had to
+restart): the consume cycle, at a batch boundary with everything up to ``upto`` applied,
+calls :func:`catch_up`, which applies the table's transactions from its sync slot with
+``commit_lsn >= sync_lsn`` and ``end_lsn <= upto`` through the same apply job as the main
+stream, then sets the table ``ready`` with ``sync_lsn = upto`` (from then on the main
+stream applies it) and drops the sync slot.
+
+Exactly once here too: the catch-up records its progress in the target under its own key
+(``<subscription>:sync:<table id>`` in ``pgsieve.applied``), in the same transaction as
+the rows, and resumes after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from pgsieve.apply.batch import (
+    DEFAULT_CONFLICT_POLICY,
+    ApplyBatch,
+    ApplyConflict,
+    TableRoute,
+    TableStopped,
+)
+from pgsieve.apply.target import TargetWriter
+from pgsieve.platform import pgserver
+from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import Source, Subscription, SubscriptionTable, Target
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.states import SubscriptionState, SyncState
+from pgsieve.rowfilter.parse import parse_table_name
+from pgsieve.spark.apply import apply_batch
+from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.transports import PgoutputOptions, SqlTransport, max_proto_version
+from pgsieve.sync.tablesync import drop_sync_slot, resync_later
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.lsn import Lsn
+
+log = logging.getLogger(__name__)
+
+BATCH_TRANSACTIONS = 1000
+ROUND_SECONDS = 2.0
+
+
+def _sync_key(subscription_id: str, table_id: int) -> str:
+    return f"{subscription_id}:sync:{table_id}"
+
+
+def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Lsn,
+             spark: Any) -> None:
+    """Apply ``table_name``'s changes from its sync slot up to ``upto``, then ``ready``."""
+
+    sessions = session_factory(settings.effective_database_url)
+    box = settings.secret_box()
+    with sessions() as session:
+        sub = session.get(Subscription, subscription_id)
+        table = session.scalar(select(SubscriptionTable).where(
+            SubscriptionTable.subscription_id == subscription_id,
+            SubscriptionTable.table_name == table_name))
+        if sub is None or table is None or table.sync_state != SyncState.CATCHUP:
+            return
+        source = session.get(Source, sub.source_id)
+        target = session.get(Target, sub.target_id)
+        assert source is not None
+        assert target is not None
+        source_dsn = box.decrypt(source.dsn_encrypted)
+        target_dsn = box.decrypt(target.dsn_encrypted)
+        proto = min(max_proto_version(source.server_version_num), 4)
+        publications = tuple(sub.publications)
+        options = dict(sub.options)
+        skip_lsn = None if sub.skip_lsn is None else Lsn(sub.skip_lsn)
+        slot, table_id = table.sync_slot, table.id
+        sync_lsn = None if table.sync_lsn is None else Lsn(table.sync_lsn)
+    if sync_lsn is None or upto <= sync_lsn:
+        _mark_ready(sessions, subscription_id, table_name, slot, upto, settings, source_dsn)
+        return
+    if slot is None or not _slot_exists(source_dsn, slot, settings):
+        resync_later(sessions, settings, subscription_id, table_name,
+                      "its copy's sync slot is gone, so the changes since the copy cannot "
+                      "be replayed")
+        return
+    schema, rel = parse_table_name(table_name)
+    name = f"{schema}.{rel}"
+    routes = {name: TableRoute(name, table_name, SyncState.READY, sync_lsn)}
+    writer = TargetWriter(target_dsn, _sync_key(subscription_id, table_id),
+                          source_dsn=source_dsn, connect_timeout=settings.connect_timeout)
+    transport = SqlTransport(source_dsn, slot, PgoutputOptions(
+        publication_names=publications, proto_version=proto,
+        binary=bool(options.get("binary", False)), streaming=True))
+    try:
+        writer.ensure_schema()
+        consumer = SlotConsumer(transport, proto_version=proto, resume_after=writer.applied_lsn())
+        pending: list[Transaction] = []
+
+        def flush() -> None:
+            if not pending:
+                return
+            batch = ApplyBatch(subscription_id=subscription_id, transactions=list(pending),
+                               routes=routes,
+                               on_conflict=str(options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),  # type: ignore[arg-type]
+                               skip_lsn=skip_lsn)
+            try:
+                result = apply_batch(spark, batch, writer)
+            finally:
+                for txn in pending:
+                    txn.close()
+                pending.clear()
+            consumer.confirm(result.end_lsn)
+
+        done = False
+        while not done:
+            # Short rounds: what was read is applied and confirmed between them, so the
+            # next peek starts after it and, with nothing left before ``upto``, says so.
+            for item in consumer.items(time.monotonic() + ROUND_SECONDS):
+                if isinstance(item, Transaction):
+                    if item.end_lsn > upto:
+                        item.close()
+                        done = True
+                        break
+                    pending.append(item)
+                    if len(pending) >= BATCH_TRANSACTIONS:
+                        flush()
+                elif isinstance(item, IdleProgress) and item.lsn >= upto:
+                    done = True
+                    break
+            flush()
+    except (ApplyConflict, TableStopped) as exc:
+        _stop(sessions, subscription_id, table_name, str(exc))
+        return
+    finally:
+        transport.close()
+    _mark_ready(sessions, subscription_id, table_name, slot, upto, settings, source_dsn)
+    try:
+        writer.forget()
+    finally:
+        writer.close()
+
+
+def _slot_exists(dsn: str, slot: str, settings: Settings) -> bool:
+    with pgserver.connect(dsn, connect_timeout=settings.connect_timeout) as conn:
+        return pgserver.get_slot(conn, slot) is not None
+
+
+def _mark_ready(sessions: sessionmaker[Session], subscription_id: str, table_name: str,
+                slot: str | None, upto: Lsn, settings: Settings, source_dsn: str) -> None:
+    with sessions() as session:
+        table = session.scalar(select(SubscriptionTable).where(
+            SubscriptionTable.subscription_id == subscription_id,
+            SubscriptionTable.table_name == table_name))
+        if table is None or table.sync_state != SyncState.CATCHUP or table.sync_slot != slot:
+            return  # resynced meanwhile: not ours to finish
+        table.sync_state = SyncState.READY
+        if table.sync_lsn is None or upto.value > table.sync_lsn:
+            table.sync_lsn = upto.value
+        table.sync_slot = None
+        session.commit()
+    if slot is not None:
+        drop_sync_slot(source_dsn, slot, settings)
+
+
+def _stop(sessions: sessionmaker[Session], subscription_id: str, table_name: str,
+          detail: str) -> None:
+    detail = scrub_secrets(detail)
+    log.error("subscription %s: catch-up of %s stopped: %s", subscription_id, table_name, detail)
+    with sessions() as session:
+        sub = session.get(Subscription, subscription_id)
+        if sub is None:
+            return
+        sub.state, sub.error = SubscriptionState.ERROR, f"catch-up of {table_name}: {detail}"
+        for t in sub.tables:
+            if t.table_name == table_name:
+                t.error = detail
+        session.commit()

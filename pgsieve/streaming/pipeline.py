@@ -1,0 +1,879 @@
+"""One consume cycle of a subscription: stream, batch, apply, confirm — for a bounded time.
+
+Why bounded: a Celery task that never ends would be redelivered to a second worker by the
+broker's visibility timeout, and a worker could never be drained. So a cycle owns the
+subscription's consumer lock (:mod:`.locks`), streams for ``cycle_seconds``, applies
+what it read, lets go of the lock and re-enqueues itself; beat restarts pipelines whose
+cycle died (:func:`restart_dead_pipelines`).
+
+Exactly once: the cycle resumes after the end LSN the *target* recorded with the last
+applied batch (not the slot's position, which may lag after a crash), skips what the
+slot re-sends (``SlotConsumer``), and confirms a batch to the slot only after its target
+transaction committed. Killing the process at any point therefore loses nothing and
+applies nothing twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, Protocol
+
+import psycopg
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from pgsieve.apply.batch import (
+    DEFAULT_CONFLICT_POLICY,
+    ApplyBatch,
+    ApplyConflict,
+    ApplyFenced,
+    ApplyResult,
+    TableRoute,
+    TableStopped,
+)
+from pgsieve.apply.batcher import BatchLimits, MicroBatcher
+from pgsieve.apply.target import TargetWriter
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.errors import describe_error
+from pgsieve.platform.faults import fault_point
+from pgsieve.platform.locks import AdvisoryLocks, LockKeeper, release, try_acquire
+from pgsieve.platform.metrics import record_batch
+from pgsieve.platform.models import (
+    UPDATE_IMAGE_WINDOW,
+    ConsumerLock,
+    Source,
+    Subscription,
+    SubscriptionTable,
+    Target,
+    UpdateImage,
+    utcnow,
+)
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.states import SubscriptionState, SyncState
+from pgsieve.rowfilter.parse import parse_table_name
+from pgsieve.spark.apply import apply_batch
+from pgsieve.streaming.catchup import catch_up
+from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
+from pgsieve.streaming.transports import (
+    PgoutputOptions,
+    SqlTransport,
+    Transport,
+    TransportError,
+    WalsenderTransport,
+    max_proto_version,
+)
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.lsn import Lsn
+
+log = logging.getLogger(__name__)
+
+CYCLE_SECONDS = 60.0
+"""How long one consume cycle streams before it re-enqueues itself."""
+CONTROL_EVERY = 1.0
+"""How often a cycle re-reads its subscription (disabled? deleted?) and table states."""
+SOURCE_LSN_EVERY = 2.0
+IDLE_RECORD_EVERY = 5.0
+"""How often an idle position is recorded at the target and confirmed (WAL release)."""
+
+WORKER_STOPPING = threading.Event()
+"""Set when this process's Celery worker begins a warm shutdown: running cycles apply what
+they hold, end early and re-enqueue themselves, so a drain never waits out a cycle."""
+
+Outcome = Literal["done", "not_running", "locked", "stopped", "error", "retry"]
+
+
+@dataclass
+class CycleOutcome:
+    outcome: Outcome
+    detail: str = ""
+    batches: int = 0
+    changes: int = 0
+
+    @property
+    def requeue(self) -> bool:
+        return self.outcome in ("done", "retry")
+
+    @property
+    def delay(self) -> float:
+        return 5.0 if self.outcome == "retry" else 0.0
+
+
+class LeaseHolder(Protocol):
+    """What a stream needs of whoever keeps its lease: :attr:`lost` is set once the lease
+    is (or may be) someone else's, and nothing may be applied after that."""
+
+    @property
+    def lost(self) -> threading.Event: ...
+
+
+@dataclass
+class OpenStream:
+    """A subscription's open stream: the target writer, the slot's transport, the run."""
+
+    writer: Any
+    transport: Transport
+    run: _StreamRun
+
+    def close(self) -> None:
+        try:
+            self.transport.close()
+        except Exception as exc:  # a connection already gone
+            log.debug("closing the transport: %s", exc)
+        finally:
+            self.writer.close()
+
+
+def worker_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{uuid.uuid4().hex[:6]}"
+
+
+def table_routes(tables: list[SubscriptionTable]) -> dict[str, TableRoute]:
+    """Routes by the name pgoutput gives a relation (unquoted ``namespace.name``)."""
+    routes = {}
+    for t in tables:
+        schema, name = parse_table_name(t.table_name)
+        routes[f"{schema}.{name}"] = TableRoute(
+            source_table=f"{schema}.{name}",
+            target_table=t.table_name,
+            sync_state=t.sync_state,
+            sync_lsn=None if t.sync_lsn is None else Lsn(t.sync_lsn),
+        )
+    return routes
+
+
+class ConsumeCycle:
+    """Everything one cycle needs; :meth:`run` does the work and never raises for the
+    pipeline's own failures (it records them on the subscription instead)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        subscription_id: str,
+        *,
+        spark: Callable[[], Any],
+        owner: str | None = None,
+        cycle_seconds: float = CYCLE_SECONDS,
+        sessions: sessionmaker[Session] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.subscription_id = subscription_id
+        self.owner = owner or worker_identity()
+        self.cycle_seconds = cycle_seconds
+        self.sessions = sessions or session_factory(settings.effective_database_url)
+        self._spark = spark
+        self._box = settings.secret_box()
+
+    # -- entry point ---------------------------------------------------------------------
+    def run(self) -> CycleOutcome:
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is None or not sub.enabled or sub.state != SubscriptionState.STREAMING:
+                return CycleOutcome("not_running", "not enabled or not streaming")
+        lease = timedelta(seconds=self.settings.consumer_lease_seconds)
+        if not try_acquire(self.sessions, self.subscription_id, self.owner, lease):
+            self._bump_stat("lock_refusals")
+            return CycleOutcome("locked", "another consumer holds the lock")
+        try:
+            source_dsn, slot = self.source_and_slot()
+            try:
+                advisory = AdvisoryLocks(source_dsn, self.settings.connect_timeout)
+            except psycopg.OperationalError as exc:
+                return self._transient(f"source unreachable: {exc}")
+            try:
+                if not advisory.try_lock(slot):
+                    self._bump_stat("lock_refusals")
+                    return CycleOutcome("locked", "another consumer reads the slot")
+                with LockKeeper(self.sessions, self.subscription_id, self.owner,
+                                every=self.settings.consumer_heartbeat_seconds,
+                                lease=lease) as keeper:
+                    return self._run_locked(keeper)
+            finally:
+                advisory.close()
+        finally:
+            release(self.sessions, self.subscription_id, self.owner)
+
+    def source_and_slot(self) -> tuple[str, str]:
+        """The source's DSN (decrypted) and the subscription's slot."""
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            assert sub is not None
+            source = session.get(Source, sub.source_id)
+            assert source is not None
+            return self._box.decrypt(source.dsn_encrypted), sub.slot_name
+
+    def _run_locked(self, keeper: LeaseHolder) -> CycleOutcome:
+        opened = self.open_stream(keeper)
+        if isinstance(opened, CycleOutcome):
+            return opened
+        try:
+            return opened.run.stream(time.monotonic() + self.cycle_seconds)
+        except (psycopg.OperationalError, TransportError) as exc:
+            return self.outcome_of(exc)
+        finally:
+            opened.close()
+
+    def open_stream(self, keeper: LeaseHolder, *, window_bytes: int | None = None,
+                    control_every: float = CONTROL_EVERY,
+                    source_lsn: Callable[[], Lsn | None] | None = None,
+                    on_routes_changed: Callable[[], None] | None = None,
+                    ) -> OpenStream | CycleOutcome:
+        """Connect to the target and the slot and resume after the target's recorded LSN:
+        what a consume cycle (or a scheduler holding the subscription) streams with.
+        ``window_bytes`` bounds the WAL one read takes (a scheduler's turn); the default
+        is the transport's own. A failure is returned as the outcome it leads to."""
+
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is None:
+                return CycleOutcome("not_running", "deleted")
+            source = session.get(Source, sub.source_id)
+            target = session.get(Target, sub.target_id)
+            assert source is not None
+            assert target is not None
+            source_dsn = self._box.decrypt(source.dsn_encrypted)
+            target_dsn = self._box.decrypt(target.dsn_encrypted)
+            options = dict(sub.options)
+            publications = tuple(sub.publications)
+            slot = sub.slot_name
+            proto = min(max_proto_version(source.server_version_num), 4)
+        try:
+            writer = TargetWriter(target_dsn, self.subscription_id, source_dsn=source_dsn,
+                                  connect_timeout=self.settings.connect_timeout)
+        except psycopg.OperationalError as exc:
+            return self._transient(f"target unreachable: {exc}")
+        try:
+            writer.ensure_schema()
+            applied = writer.applied_lsn()
+            self._catch_up_tables(applied)
+            pg_options = PgoutputOptions(
+                publication_names=publications,
+                proto_version=proto,
+                binary=bool(options.get("binary", False)),
+                streaming=bool(options.get("streaming", True)),
+            )
+            transport = self._transport(options.get("transport", "sql"), source_dsn, slot,
+                                        pg_options, window_bytes)
+        except (psycopg.OperationalError, TransportError) as exc:
+            writer.close()
+            return self.outcome_of(exc)
+        except BaseException:
+            writer.close()
+            raise
+        consumer = SlotConsumer(transport, proto_version=proto, resume_after=applied,
+                                spill_dir=self._spill_dir())
+        run = _StreamRun(self, consumer, writer, source_dsn, options, keeper,
+                         control_every=control_every, source_lsn=source_lsn,
+                         on_routes_changed=on_routes_changed)
+        return OpenStream(writer, transport, run)
+
+    def outcome_of(self, exc: psycopg.OperationalError | TransportError) -> CycleOutcome:
+        """What a connection or transport failure means: the slot or a publication is
+        gone (no retry brings it back: the subscription stops), or try again later."""
+        if isinstance(exc, TransportError) and "does not exist" in str(exc):
+            if re.search(r"replication slot \S+ does not exist", str(exc)):
+                return self._fail(f"the replication slot is gone: {exc}")
+            return self._fail(str(exc))
+        return self._transient(str(exc))
+
+    # -- helpers -------------------------------------------------------------------------
+    def _spill_dir(self) -> str:
+        path = self.settings.state_dir / "spill"
+        path.mkdir(parents=True, exist_ok=True)
+        return str(path)
+
+    def _transport(self, kind: str, dsn: str, slot: str, options: PgoutputOptions,
+                   window_bytes: int | None = None) -> Transport:
+        if kind == "walsender":
+            return WalsenderTransport(dsn, slot, options)
+        if window_bytes is None:
+            return SqlTransport(dsn, slot, options)
+        # A turn reads one bounded window: no second backend for it (a split window is
+        # read in two parts, and a turn ends after the first).
+        return SqlTransport(dsn, slot, options, window_bytes=window_bytes, split_bytes=0)
+
+    def spark(self) -> Any:
+        """The worker's SparkSession, started only when a job really needs it: small
+        batches apply in the driver, and a cold JVM must not hold up a live stream."""
+        return _LazySpark(self._spark)
+
+    def _catch_up_tables(self, applied: Lsn | None) -> None:
+        """Tables whose copy finished (``catchup``): ready at once if the stream has not
+        passed their copy's snapshot yet, else caught up from their sync slot first."""
+        with self.sessions() as session:
+            pending = session.scalars(select(SubscriptionTable).where(
+                SubscriptionTable.subscription_id == self.subscription_id,
+                SubscriptionTable.sync_state == SyncState.CATCHUP)).all()
+            names = [(t.table_name, t.sync_lsn) for t in pending]
+        for name, sync_lsn in names:
+            if applied is None or sync_lsn is None or applied.value < sync_lsn:
+                self._mark_ready(name)
+            else:
+
+                catch_up(self.settings, self.subscription_id, name, upto=applied,
+                         spark=self.spark())
+
+    def _mark_ready(self, table_name: str) -> None:
+        with self.sessions() as session:
+            table = session.scalar(select(SubscriptionTable).where(
+                SubscriptionTable.subscription_id == self.subscription_id,
+                SubscriptionTable.table_name == table_name))
+            if table is not None and table.sync_state == SyncState.CATCHUP:
+                table.sync_state = SyncState.READY
+                session.commit()
+
+    def load_routes(self) -> tuple[dict[str, TableRoute], bool, str, Lsn | None, bool]:
+        """(routes, enabled, on_conflict, skip_lsn, has catch-up work)."""
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is None:
+                return {}, False, "error", None, False
+            session.refresh(sub)
+            tables = list(sub.tables)
+            catchup = any(t.sync_state == SyncState.CATCHUP for t in tables)
+            return (table_routes(tables), sub.enabled and sub.state == SubscriptionState.STREAMING,
+                    str(sub.options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),
+                    None if sub.skip_lsn is None else Lsn(sub.skip_lsn), catchup)
+
+    def _bump_stat(self, key: str) -> None:
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is not None:
+                sub.stats = {**sub.stats, key: int(sub.stats.get(key, 0)) + 1}
+                session.commit()
+
+    def _transient(self, detail: str) -> CycleOutcome:
+        detail = scrub_secrets(detail.strip())
+        log.warning("subscription %s: %s (retrying)", self.subscription_id, detail)
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is not None:
+                sub.stats = {**sub.stats, "last_transient_error": detail,
+                             "last_transient_error_at": utcnow().isoformat()}
+                session.commit()
+        return CycleOutcome("retry", detail)
+
+    def _fail(self, detail: str, conflict: dict[str, Any] | None = None,
+              table: str | None = None) -> CycleOutcome:
+        detail = scrub_secrets(detail)
+        log.error("subscription %s stopped: %s", self.subscription_id, detail)
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            if sub is not None:
+                sub.state = SubscriptionState.ERROR
+                sub.error = detail
+                stats = dict(sub.stats)
+                if conflict is not None:
+                    stats["last_conflict"] = conflict
+                sub.stats = stats
+                if table is not None:
+                    for t in sub.tables:
+                        if t.table_name == table or _unquoted(t.table_name) == table:
+                            t.error = detail
+                session.commit()
+        return CycleOutcome("error", detail)
+
+
+def _unquoted(name: str) -> str:
+    schema, rel = parse_table_name(name)
+    return f"{schema}.{rel}"
+
+
+class _StreamRun:
+    """The streaming loop of one cycle (state that lives only while it streams)."""
+
+    def __init__(self, cycle: ConsumeCycle, consumer: SlotConsumer, writer: Any,
+                 source_dsn: str, options: dict[str, Any], keeper: LeaseHolder, *,
+                 control_every: float = CONTROL_EVERY,
+                 source_lsn: Callable[[], Lsn | None] | None = None,
+                 on_routes_changed: Callable[[], None] | None = None) -> None:
+        self.cycle = cycle
+        self.control_every = control_every
+        self._read_source_lsn = source_lsn
+        self._on_routes_changed = on_routes_changed
+        self.consumer = consumer
+        self.writer = writer
+        self.source_dsn = source_dsn
+        self.keeper = keeper
+        self.batcher = MicroBatcher(BatchLimits(
+            max_changes=int(options.get("batch_max_changes", 200_000)),
+            max_bytes=int(options.get("batch_max_bytes", 128 << 20)),
+            max_wait=int(options.get("batch_max_wait_ms", 500)) / 1000.0,
+        ))
+        self.routes, self.enabled, self.on_conflict, self.skip_lsn, _ = cycle.load_routes()
+        self.batches = 0
+        self.changes = 0
+        self._control_at = time.monotonic()
+        self._source_lsn_at = 0.0
+        self._idle_recorded_at = 0.0
+        self._noted_at = 0.0
+        self._source_lsn: Lsn | None = None
+
+    def stream(self, deadline: float) -> CycleOutcome:
+        try:
+            for item in self.consumer.items(deadline, quiet=True):
+                now = time.monotonic()
+                if isinstance(item, Transaction):
+                    self.batcher.add(item, now)
+                    fault_point("cycle.decoded")
+                    if self.batcher.full:
+                        self._flush()
+                elif isinstance(item, IdleProgress):
+                    if len(self.batcher):
+                        self._flush()
+                    self._record_idle(item.lsn, now)
+                if self.batcher.due(now):
+                    self._flush()
+                if now - self._control_at >= self.control_every:
+                    self._control(now)
+                if (not self.enabled or self.keeper.lost.is_set()
+                        or WORKER_STOPPING.is_set()):
+                    break
+            if len(self.batcher) and not self.keeper.lost.is_set():
+                self._flush()
+        except _Stop as stop:
+            return stop.outcome
+        finally:
+            for txn in self.batcher.take():
+                txn.close()
+        if self.keeper.lost.is_set():
+            return CycleOutcome("stopped", "lost the consumer lock", self.batches, self.changes)
+        if not self.enabled:
+            return CycleOutcome("stopped", "disabled", self.batches, self.changes)
+        return CycleOutcome("done", "", self.batches, self.changes)
+
+    def turn(self, deadline: float) -> bool:
+        """One turn of a scheduler holding many subscriptions: read at most one window
+        of the slot (the transport's ``window_bytes``; the read stops at ``deadline``),
+        apply what it held in one batch and confirm it. Returns whether anything of ours
+        was in it (work waits behind: take another turn soon). Raises :class:`_Stop`
+        when the subscription must be let go (error, disabled, lease lost)."""
+        now = time.monotonic()
+        if now - self._control_at >= self.control_every:
+            self._control(now)
+        if not self.enabled:
+            raise _Stop(CycleOutcome("stopped", "disabled", self.batches, self.changes))
+        worked = False
+        try:
+            with contextlib.closing(self.consumer.items(deadline, quiet=True)) as items:
+                for item in items:
+                    now = time.monotonic()
+                    if isinstance(item, Transaction):
+                        worked = True
+                        self.batcher.add(item, now)
+                        fault_point("cycle.decoded")
+                        if self.batcher.full:
+                            self._flush()
+                        continue
+                    if isinstance(item, IdleProgress):
+                        if len(self.batcher):
+                            self._flush()
+                        self._record_idle(item.lsn, now)
+                        break
+                    if isinstance(item, Quiet):  # the window is read: the turn is over
+                        break
+                    if self.keeper.lost.is_set() or WORKER_STOPPING.is_set():
+                        break
+            if len(self.batcher) and not self.keeper.lost.is_set():
+                self._flush()
+        finally:
+            for txn in self.batcher.take():
+                txn.close()
+        if self.keeper.lost.is_set():
+            raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
+                                     self.changes))
+        return worked
+
+    # -- between batches ---------------------------------------------------------------
+    def _control(self, now: float) -> None:
+        self._control_at = now
+        routes, enabled, on_conflict, skip_lsn, catchup = self.cycle.load_routes()
+        self.enabled, self.on_conflict, self.skip_lsn = enabled, on_conflict, skip_lsn
+        if catchup and not len(self.batcher):
+            self.cycle._catch_up_tables(self.writer.applied_lsn())
+            routes = self.cycle.load_routes()[0]
+        changed = routes != self.routes
+        self.routes = routes
+        if changed and self._on_routes_changed is not None:
+            # Batches from now on use the new routes: say so (a resync waits for it).
+            self._on_routes_changed()
+
+    def _current_source_lsn(self, now: float) -> Lsn | None:
+        if self._read_source_lsn is not None:
+            return self._read_source_lsn()
+        if now - self._source_lsn_at >= SOURCE_LSN_EVERY:
+            self._source_lsn_at = now
+            try:
+                settings = self.cycle.settings
+                conninfo = secure_conninfo(self.source_dsn, purpose=Purpose.CONTROL,
+                                           statement_timeout_ms=settings.statement_timeout_ms)
+                with psycopg.connect(conninfo, autocommit=True,
+                                     connect_timeout=settings.connect_timeout) as c:
+                    row = c.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+                    self._source_lsn = Lsn.parse(row[0]) if row else self._source_lsn
+            except psycopg.Error as exc:
+                log.debug("cannot read the source's WAL position: %s", exc)
+        return self._source_lsn
+
+    def _record_idle(self, lsn: Lsn, now: float) -> None:
+        """Nothing is pending: record the idle position at the target, confirm it (so the
+        slot releases WAL), and show lag 0."""
+        if now - self._idle_recorded_at < IDLE_RECORD_EVERY:
+            if now - self._noted_at >= self.control_every:
+                self._note_caught_up(now, None)
+            return
+        self._idle_recorded_at = now
+        if self.keeper.lost.is_set():
+            return
+        self.writer.record_idle(lsn)
+        self.consumer.confirm(lsn)
+        self._note_caught_up(now, lsn)
+
+    def _note_caught_up(self, now: float, lsn: Lsn | None) -> None:
+        self._noted_at = now
+        source_lsn = self._current_source_lsn(now)
+        with self.cycle.sessions() as session:
+            sub = session.get(Subscription, self.cycle.subscription_id)
+            if sub is None:
+                return
+            if lsn is not None and (sub.applied_lsn is None or lsn.value > sub.applied_lsn):
+                sub.applied_lsn = lsn.value
+            # Everything up to the idle position was read: received is never behind applied.
+            received = self.consumer.stats.last_received
+            for seen in (lsn, received):
+                if seen is not None and (sub.received_lsn is None
+                                         or seen.value > sub.received_lsn):
+                    sub.received_lsn = seen.value
+            sub.oldest_unapplied_commit_ts = None
+            sub.caught_up_at = utcnow()
+            if source_lsn is not None:
+                sub.source_lsn = source_lsn.value
+            session.commit()
+
+    # -- applying ------------------------------------------------------------------------
+    def _flush(self) -> None:
+        txns = self.batcher.take()
+        if not txns:
+            return
+        if self.keeper.lost.is_set():
+            for txn in txns:
+                txn.close()
+            raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
+                                     self.changes))
+        batch = ApplyBatch(
+            subscription_id=self.cycle.subscription_id,
+            transactions=txns,
+            routes=self.routes,
+            on_conflict=self.on_conflict,  # type: ignore[arg-type]
+            skip_lsn=self.skip_lsn,
+        )
+        self._before_apply(txns)
+        fault_point("cycle.before_apply")
+
+        started = time.monotonic()
+        try:
+            try:
+                try:
+                    result = apply_batch(self.cycle.spark(), batch, self.writer)
+                except ApplyConflict:
+                    fresh = self._changed_routes()
+                    if fresh is None:
+                        raise
+                    batch = replace(batch, routes=fresh)
+                    result = apply_batch(self.cycle.spark(), batch, self.writer)
+            except ApplyConflict as conflict:
+                # Nothing of the batch was committed. Apply the transactions before the
+                # poisoned one, so the target stops exactly where native replication would.
+                self._apply_prefix(batch, conflict.commit_lsn)
+                raise _Stop(self.cycle._fail(
+                    f"{conflict}. Resolve the row at the target, set on_conflict, or skip "
+                    f"the transaction with POST /api/v1/subscriptions/"
+                    f"{self.cycle.subscription_id}/skip {{\"lsn\": \"{conflict.commit_lsn}\"}}",
+                    conflict={"table": conflict.table, "kind": conflict.kind,
+                              "key": conflict.key, "commit_lsn": str(conflict.commit_lsn),
+                              "detail": conflict.detail},
+                    table=conflict.table)) from None
+            except TableStopped as stopped:
+                self._apply_prefix(batch, stopped.commit_lsn)
+                raise _Stop(self.cycle._fail(str(stopped), table=stopped.table)) from None
+            except ApplyFenced as fenced:
+                # Another consumer applied past us (we lost the lease while working):
+                # nothing was committed; stop and let the lock holder carry on.
+                log.warning("%s", fenced)
+                raise _Stop(CycleOutcome("stopped", str(fenced), self.batches,
+                                         self.changes)) from None
+            except Exception as exc:
+                if _transient(exc):
+                    raise  # the cycle retries (connection lost, deadlock, ...)
+                log.exception("subscription %s: a batch failed to apply",
+                              self.cycle.subscription_id)
+                failed = self._isolate_failure(batch, exc)
+                if failed is None:
+                    # Applied one transaction at a time, the batch went through: the
+                    # failure came from applying it set-based. Carry on.
+                    return
+                commit_lsn, error = failed
+                table = _error_table(error)
+                raise _Stop(self.cycle._fail(
+                    f"{'table ' + table + ': ' if table else ''}applying the transaction "
+                    f"committed at {commit_lsn} failed: {_describe(error)}. Fix the target, "
+                    f"or skip the transaction with POST /api/v1/subscriptions/"
+                    f"{self.cycle.subscription_id}/skip {{\"lsn\": \"{commit_lsn}\"}}",
+                    table=table)) from None
+        finally:
+            for txn in txns:
+                txn.close()
+        elapsed = time.monotonic() - started
+        fault_point("cycle.after_commit")
+        # The target holds the batch: only now may the slot forget it.
+        self.consumer.confirm(result.end_lsn)
+        self.batches += 1
+        self.changes += result.changes
+        self._after_apply(result, elapsed)
+
+    def _changed_routes(self) -> dict[str, TableRoute] | None:
+        """A conflict is judged again under the routes in force now, if they changed
+        since this cycle loaded them (nothing of the batch committed): a table taken out
+        of the stream for a resync — a filter change reconciled by a diff, whose snapshot
+        covers these changes — must not stop the subscription for a change the stream no
+        longer applies. None when they did not change (the conflict stands)."""
+        fresh = self.cycle.load_routes()[0]
+        if fresh == self.routes:
+            return None
+        self.routes = fresh
+        if self._on_routes_changed is not None:
+            # Batches from now on use the new routes: say so (a resync waits for it).
+            self._on_routes_changed()
+        return fresh
+
+    def _isolate_failure(self, batch: ApplyBatch, error: Exception
+                         ) -> tuple[Lsn, Exception] | None:
+        """A batch failed for a reason other than a conflict (a target constraint, a
+        trigger, a type the target refuses): apply its transactions one at a time, each
+        committed and confirmed, up to the one that fails — so the target stops exactly
+        before the poisoned transaction, as native replication does, and the operator
+        can skip precisely that one. None when every transaction applied on its own."""
+
+        if len(batch.transactions) == 1:
+            return batch.transactions[0].commit_lsn, error
+        for txn in batch.transactions:
+            started = time.monotonic()
+            try:
+                result = apply_batch(self.cycle.spark(), replace(batch, transactions=[txn]),
+                                     self.writer)
+            except (ApplyConflict, TableStopped) as stopped:
+                return stopped.commit_lsn, stopped
+            except Exception as exc:
+                if _transient(exc) or isinstance(exc, ApplyFenced):
+                    raise
+                return txn.commit_lsn, exc
+            self.consumer.confirm(result.end_lsn)
+            self.batches += 1
+            self.changes += result.changes
+            self._after_apply(result, time.monotonic() - started)
+        return None
+
+    def _apply_prefix(self, batch: ApplyBatch, failed_commit: Lsn) -> None:
+        """Apply (and confirm) the transactions of a failed batch that precede the one
+        that failed; a failure there just leaves the target at the batch's start."""
+        prefix = [t for t in batch.transactions if t.commit_lsn < failed_commit]
+        if not prefix:
+            return
+
+        started = time.monotonic()
+        try:
+            result = apply_batch(self.cycle.spark(), replace(batch, transactions=prefix),
+                                 self.writer)
+        except (ApplyConflict, TableStopped, ApplyFenced) as exc:
+            log.warning("subscription %s: the transactions before the failing one did not "
+                        "apply either: %s", self.cycle.subscription_id, exc)
+            return
+        self.consumer.confirm(result.end_lsn)
+        self.batches += 1
+        self.changes += result.changes
+        self._after_apply(result, time.monotonic() - started)
+
+    def _before_apply(self, txns: list[Transaction]) -> None:
+        """Show what is pending while a (possibly long) batch applies: lag seconds count
+        from the oldest commit not yet at the target."""
+        stats = self.consumer.stats
+        with self.cycle.sessions() as session:
+            sub = session.get(Subscription, self.cycle.subscription_id)
+            if sub is None:
+                return
+            sub.oldest_unapplied_commit_ts = txns[0].commit_time
+            if stats.last_received is not None:
+                sub.received_lsn = stats.last_received.value
+            session.commit()
+
+    def _after_apply(self, result: ApplyResult, elapsed: float) -> None:
+        now = time.monotonic()
+        source_lsn = self._current_source_lsn(now)
+        with self.cycle.sessions() as session:
+            sub = session.get(Subscription, self.cycle.subscription_id)
+            if sub is None:
+                return
+            sub.applied_lsn = result.end_lsn.value
+            if sub.received_lsn is None or result.end_lsn.value > sub.received_lsn:
+                sub.received_lsn = result.end_lsn.value
+            sub.last_commit_ts = result.commit_time
+            sub.oldest_unapplied_commit_ts = None
+            if source_lsn is not None:
+                sub.source_lsn = source_lsn.value
+            if result.skipped_transaction is not None and sub.skip_lsn == (
+                result.skipped_transaction.value
+            ):
+                sub.skip_lsn = None
+                self.skip_lsn = None
+            stats = dict(sub.stats)
+            for key, add in (("batches", 1), ("transactions", result.transactions),
+                             ("changes", result.changes), ("rows_written", result.rows_written),
+                             ("apply_seconds_total", elapsed)):
+                stats[key] = stats.get(key, 0) + add
+            paths = dict(stats.get("apply_paths") or {})
+            path = "spark" if result.distributed else "driver"
+            paths[path] = paths.get(path, 0) + 1
+            stats["apply_paths"] = paths
+            stats["last_batch"] = {
+                "changes": result.changes, "transactions": result.transactions,
+                "rows_written": result.rows_written, "seconds": round(elapsed, 4),
+                "timings": {k: round(v, 4) for k, v in result.timings.items()},
+                "end_lsn": str(result.end_lsn),
+                "applied_at": datetime.now(UTC).isoformat(),
+            }
+            sub.stats = stats
+            by_name = {_unquoted(t.table_name): t for t in sub.tables}
+            for name, counts in result.counts.items():
+                table = by_name.get(name) or by_name.get(_unquoted_safe(name))
+                if table is None:
+                    continue
+                table.inserts += counts.inserts
+                table.updates += counts.updates
+                table.deletes += counts.deletes
+                table.truncates += counts.truncates
+                table.conflicts += counts.conflicts
+                if counts.missing_skipped:
+                    table.missing_skipped += counts.missing_skipped
+                    last = counts.last_missing
+                    log.info("%s: skipped %d UPDATE/DELETE whose row is missing in the "
+                             "target (as PostgreSQL does); last: %s at %s", name,
+                             counts.missing_skipped, last and last.op,
+                             last and last.commit_lsn)
+                    if last is not None:
+                        table.last_missing = {
+                            "op": last.op, "key": last.key, "lsn": str(last.commit_lsn),
+                            "at": datetime.now(UTC).isoformat()}
+            self._keep_update_images(session, result)
+            # The batch-apply histogram for /metrics, kept in the metadata store so any
+            # API process can serve it.
+            record_batch(session, sub.id, elapsed, result.changes)
+            session.commit()
+
+    def _keep_update_images(self, session: Session, result: ApplyResult) -> None:
+        if not result.update_images:
+            return
+        tables = set()
+        for image in result.update_images[-UPDATE_IMAGE_WINDOW:]:
+            tables.add(image.table)
+            session.add(UpdateImage(
+                subscription_id=self.cycle.subscription_id, table_name=image.table,
+                lsn=image.lsn.value, old_kind=image.old_kind, old=image.old, new=image.new,
+            ))
+        session.flush()
+        for table in tables:
+            keep = select(UpdateImage.id).where(
+                UpdateImage.subscription_id == self.cycle.subscription_id,
+                UpdateImage.table_name == table,
+            ).order_by(UpdateImage.id.desc()).limit(UPDATE_IMAGE_WINDOW)
+            session.execute(delete(UpdateImage).where(
+                UpdateImage.subscription_id == self.cycle.subscription_id,
+                UpdateImage.table_name == table,
+                UpdateImage.id.not_in(keep.scalar_subquery()),
+            ))
+
+
+def _transient(exc: BaseException) -> bool:
+    """Errors a later attempt can get past by itself: the connection, the server going
+    away, deadlocks and serialization failures."""
+    return isinstance(exc, psycopg.OperationalError | psycopg.errors.TransactionRollback |
+                      TransportError)
+
+
+def _error_table(exc: BaseException) -> str | None:
+    if isinstance(exc, TableStopped | ApplyConflict):
+        return exc.table
+    if isinstance(exc, psycopg.Error) and exc.diag.table_name:
+        schema = exc.diag.schema_name
+        return f"{schema}.{exc.diag.table_name}" if schema else exc.diag.table_name
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    """The first line of the error (PostgreSQL's message and, if any, its detail)."""
+    if isinstance(exc, psycopg.Error):
+        return describe_error(exc)
+    if isinstance(exc, TableStopped | ApplyConflict):
+        return str(exc)
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _unquoted_safe(name: str) -> str:
+    try:
+        return _unquoted(name)
+    except ValueError:
+        return name
+
+
+class _LazySpark:
+    """Stands in for the SparkSession; the first attribute access starts (or reuses) it."""
+
+    __slots__ = ("_provider",)
+
+    def __init__(self, provider: Callable[[], Any]) -> None:
+        self._provider = provider
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._provider(), name)
+
+
+class _Stop(Exception):
+    def __init__(self, outcome: CycleOutcome) -> None:
+        super().__init__(outcome.detail)
+        self.outcome = outcome
+
+
+def restart_dead_pipelines(settings: Settings,
+                           sessions: sessionmaker[Session] | None = None) -> list[str]:
+    """Subscriptions that should be streaming but have no live consumer (no lock, or a
+    lock whose heartbeat is older than the lease) and were not restarted recently."""
+    sessions = sessions or session_factory(settings.effective_database_url)
+    lease = timedelta(seconds=settings.consumer_lease_seconds)
+    now = utcnow()
+    dead: list[str] = []
+    with sessions() as session:
+        subs = session.scalars(select(Subscription).where(
+            Subscription.enabled.is_(True), Subscription.state == "streaming")).all()
+        for sub in subs:
+            lock = session.get(ConsumerLock, sub.id)
+            if lock is not None and now - lock.heartbeat_at < lease:
+                continue
+            last = sub.stats.get("restarted_at")
+            if last and now - datetime.fromisoformat(last) < lease:
+                continue
+            sub.stats = {**sub.stats, "restarted_at": now.isoformat(),
+                         "restarts": int(sub.stats.get("restarts", 0)) + 1}
+            dead.append(sub.id)
+        session.commit()
+    return dead

@@ -1,0 +1,571 @@
+"""One scheduler per worker process: it holds any number of subscriptions and gives each
+a turn in order.
+
+Why not one Celery task per subscription: a consume cycle held a worker thread for a whole
+cycle, so subscription number ``concurrency + 1`` waited a whole cycle, and a worker could
+never serve more subscriptions than it had threads (issue 16). The SQL transport is pull
+based, so a turn is cheap to bound: read at most one window of the slot
+(``PGSIEVE_TURN_WINDOW_BYTES``), apply what it held in one target transaction with the
+applied LSN, confirm it to the slot — then the next subscription. A subscription whose
+turn found work is due again at once (behind every one already waiting); one whose turn
+found nothing looks again after ``PGSIEVE_IDLE_POLL_SECONDS``, so idle subscriptions cost
+one short peek each poll and still confirm (their slots retain no WAL). A few runner
+threads (``PGSIEVE_SCHEDULER_THREADS``) take turns at once so a server-side peek or a
+target commit of one subscription overlaps with the Python work of another.
+
+Ownership: a subscription is held while its stream is open, not for a cycle. Taking it
+needs two locks: the slot's session-level advisory lock on the source
+(:class:`~pgsieve.platform.locks.AdvisoryLocks`, released by PostgreSQL the moment the
+holder's process dies) and the metadata store's consumer lock (who holds it, shown by the
+API). One UPDATE per heartbeat period renews every lock the worker holds. Each worker
+sweeps for enabled subscriptions nobody holds (no lock, or one not renewed for
+``PGSIEVE_CONSUMER_TAKEOVER_SECONDS``) and adopts them; the advisory lock decides, so a
+live but slow holder is never displaced. ``pgsieve.consume_cycle`` tasks (the API, beat's
+restart of dead pipelines, a warm shutdown handing over) adopt on whichever worker runs
+them.
+
+Exactly once is unchanged (see :mod:`.pipeline`): each stream resumes after the target's
+recorded LSN, applies the LSN in the batch's target transaction, confirms only after the
+commit, and the target's fence stops a holder that lost its lock from committing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from pgsieve.platform import dispatch
+from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.locks import AdvisoryLocks, release, renew_owned, touch, try_acquire
+from pgsieve.platform.models import ConsumerLock, Subscription, WorkerHeartbeat, utcnow
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.states import SubscriptionState
+from pgsieve.spark.session import get_spark
+from pgsieve.streaming.pipeline import (
+    WORKER_STOPPING,
+    ConsumeCycle,
+    CycleOutcome,
+    OpenStream,
+    _Stop,
+)
+from pgsieve.streaming.transports import TransportError
+from pgsieve.wire.lsn import Lsn
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER = 5.0
+"""A subscription let go for a transient failure is adopted again after this long."""
+SOURCE_LSN_EVERY = 2.0
+"""How often the source's WAL position (for lag) is read, per source and worker."""
+WAIT_WINDOW = 60.0
+"""Turn waits over this many seconds make the p50/p99 the worker reports."""
+
+
+@dataclass
+class _Held:
+    """A subscription this worker holds: its open stream and its place in the queue."""
+
+    subscription_id: str
+    slot: str
+    source_dsn: str
+    cycle: ConsumeCycle
+    lost: threading.Event = field(default_factory=threading.Event)
+    stream: OpenStream | None = None
+    turn_mutex: threading.Lock = field(default_factory=threading.Lock)
+    """Held while a turn runs: letting go of the subscription waits for it."""
+
+
+@dataclass
+class _SourceState:
+    locks: AdvisoryLocks
+    lsn: Lsn | None = None
+    lsn_at: float = 0.0
+
+
+class Scheduler:
+    """Holds subscriptions and runs their turns; see the module docstring."""
+
+    def __init__(self, settings: Settings, *, spark: Callable[[], Any],
+                 sessions: sessionmaker[Session] | None = None,
+                 owner: str | None = None,
+                 handover: Callable[[str], None] | None = None,
+                 worker: str | None = None) -> None:
+        self.settings = settings
+        self.worker = worker
+        """The Celery worker's name: its heartbeat row carries what the scheduler reports."""
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.sessions = sessions or session_factory(settings.effective_database_url)
+        self._spark = spark
+        self._handover = handover
+        self._cond = threading.Condition()
+        self._held: dict[str, _Held] = {}
+        self._adopting: set[str] = set()
+        self._ready: list[tuple[float, int, str]] = []  # (due, seq, subscription) heap
+        self._seq = 0
+        self._sources: dict[str, _SourceState] = {}
+        self._sources_mutex = threading.Lock()
+        self._retry_at: dict[str, float] = {}
+        self._waits: deque[tuple[float, float]] = deque(maxlen=50_000)
+        self._durations: deque[tuple[float, float, bool]] = deque(maxlen=50_000)
+        self._turns = 0
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- life cycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        loops: list[tuple[str, Callable[[], None]]] = [
+            (f"pgsieve-turns-{i}", self._runner) for i in range(self.settings.scheduler_threads)]
+        loops += [("pgsieve-lock-heartbeat", self._heartbeat),
+                  ("pgsieve-sweep", self._sweep_loop)]
+        for name, target in loops:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self, timeout: float = 30.0) -> list[str]:
+        """Warm shutdown: finish the turns running (they apply and confirm what they
+        read), let go of every subscription and hand each over (a ``consume_cycle`` task
+        another worker adopts). Returns the subscriptions handed over."""
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._cond:
+            held = list(self._held.values())
+        for h in held:
+            self._drop(h, CycleOutcome("stopped", "the worker is stopping"))
+        with self._sources_mutex:
+            for state in self._sources.values():
+                state.locks.close()
+            self._sources.clear()
+        handed = [h.subscription_id for h in held]
+        if self._handover is not None:
+            for subscription_id in handed:
+                try:
+                    self._handover(subscription_id)
+                except Exception as exc:  # the sweep of another worker adopts it anyway
+                    log.warning("cannot hand %s over: %s", subscription_id, exc)
+        return handed
+
+    # -- taking a subscription ---------------------------------------------------------------
+    def adopt(self, subscription_id: str) -> str:
+        """Hold the subscription if it should stream and nobody else does. Returns what
+        happened: ``adopted``, ``held`` (already ours), ``locked`` (another consumer),
+        ``not_running``, ``stopping``, or the outcome of a failed start (``retry``,
+        ``error``)."""
+        with self._cond:
+            duplicate = subscription_id in self._held or subscription_id in self._adopting
+            if not duplicate:
+                if self._stopping.is_set():
+                    return "stopping"
+                self._adopting.add(subscription_id)
+        if duplicate:  # a surplus task (redelivered, or beat's): refused like any other
+            ConsumeCycle(self.settings, subscription_id, spark=self._spark, owner=self.owner,
+                         sessions=self.sessions)._bump_stat("lock_refusals")
+            return "held"
+        try:
+            return self._adopt(subscription_id)
+        finally:
+            with self._cond:
+                self._adopting.discard(subscription_id)
+
+    def _adopt(self, subscription_id: str) -> str:
+        cycle = ConsumeCycle(self.settings, subscription_id, spark=self._spark,
+                             owner=self.owner, sessions=self.sessions)
+        with self.sessions() as session:
+            sub = session.get(Subscription, subscription_id)
+            if sub is None or not sub.enabled or sub.state != SubscriptionState.STREAMING:
+                return "not_running"
+        try:
+            source_dsn, slot = cycle.source_and_slot()
+        except AssertionError:  # deleted meanwhile
+            return "not_running"
+        try:
+            state = self._source(source_dsn)
+            got = state.locks.try_lock(slot)
+        except psycopg.OperationalError as exc:
+            self._retry_at[subscription_id] = time.monotonic() + RETRY_AFTER
+            return cycle.outcome_of(exc).outcome
+        if not got:
+            cycle._bump_stat("lock_refusals")
+            return "locked"
+        takeover = timedelta(seconds=self.settings.consumer_takeover_seconds)
+        try:
+            taken = try_acquire(self.sessions, subscription_id, self.owner, takeover)
+        except BaseException:
+            state.locks.unlock(slot)
+            raise
+        if not taken:
+            # Its holder renewed the lease lately: it may be on its way out (a warm
+            # shutdown) or starting; try again at a later sweep.
+            state.locks.unlock(slot)
+            cycle._bump_stat("lock_refusals")
+            return "locked"
+        held = _Held(subscription_id, slot, source_dsn, cycle)
+        try:
+            opened = cycle.open_stream(
+                held, window_bytes=self.settings.turn_window_bytes,
+                control_every=max(1.0, self.settings.consumer_heartbeat_seconds),
+                source_lsn=lambda: self._source_lsn(source_dsn),
+                on_routes_changed=lambda: touch(self.sessions, subscription_id, self.owner))
+        except BaseException:
+            self._let_go(held)
+            raise
+        if isinstance(opened, CycleOutcome):
+            self._let_go(held)
+            if opened.outcome == "retry":
+                self._retry_at[subscription_id] = time.monotonic() + RETRY_AFTER
+            return opened.outcome
+        held.stream = opened
+        with self._cond:
+            stopping = self._stopping.is_set()
+            if not stopping:
+                self._held[subscription_id] = held
+                self._retry_at.pop(subscription_id, None)
+                self._push(subscription_id, time.monotonic())
+        if stopping:  # stop() let go of everything meanwhile: this one too
+            self._let_go(held)
+            return "stopping"
+        log.info("holding subscription %s (%d held)", subscription_id, len(self._held))
+        return "adopted"
+
+    def _source(self, dsn: str) -> _SourceState:
+        with self._sources_mutex:
+            state = self._sources.get(dsn)
+            if state is None:
+                state = self._sources[dsn] = _SourceState(
+                    AdvisoryLocks(dsn, self.settings.connect_timeout))
+            return state
+
+    def _source_lsn(self, dsn: str) -> Lsn | None:
+        """The source's WAL position for lag, read at most every ``SOURCE_LSN_EVERY`` per
+        source on the lock connection (not a connection per subscription and read)."""
+        with self._sources_mutex:
+            state = self._sources.get(dsn)
+        if state is None:
+            return None
+        now = time.monotonic()
+        if now - state.lsn_at >= SOURCE_LSN_EVERY:
+            state.lsn_at = now
+            state.lsn = state.locks.wal_lsn() or state.lsn
+        return state.lsn
+
+    # -- letting go ----------------------------------------------------------------------
+    def _drop(self, held: _Held, outcome: CycleOutcome) -> None:
+        with self._cond:
+            self._held.pop(held.subscription_id, None)
+        if outcome.outcome == "retry":
+            self._retry_at[held.subscription_id] = time.monotonic() + RETRY_AFTER
+        log.info("letting go of subscription %s: %s %s", held.subscription_id,
+                 outcome.outcome, outcome.detail)
+        self._let_go(held)
+
+    def _let_go(self, held: _Held) -> None:
+        """Close the stream (nothing more is applied), then free both locks."""
+        if held.stream is not None:
+            try:
+                held.stream.close()
+            except Exception as exc:
+                log.debug("closing the stream of %s: %s", held.subscription_id, exc)
+            held.stream = None
+        with self._sources_mutex:
+            state = self._sources.get(held.source_dsn)
+        if state is not None:
+            state.locks.unlock(held.slot)
+        try:
+            release(self.sessions, held.subscription_id, self.owner)
+        except Exception as exc:  # it ages out; the advisory lock is free already
+            log.warning("cannot release the consumer lock of %s: %s", held.subscription_id,
+                        scrub_secrets(str(exc)))
+
+    # -- turns ---------------------------------------------------------------------------
+    def _push(self, subscription_id: str, due: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._ready, (due, self._seq, subscription_id))
+        self._cond.notify()
+
+    def _next(self) -> tuple[_Held, float] | None:
+        with self._cond:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                if self._ready and self._ready[0][0] <= now:
+                    due, _, subscription_id = heapq.heappop(self._ready)
+                    held = self._held.get(subscription_id)
+                    if held is None or held.stream is None:
+                        continue
+                    return held, due
+                timeout = self._ready[0][0] - now if self._ready else None
+                self._cond.wait(timeout)
+            return None
+
+    def _runner(self) -> None:
+        while True:
+            picked = self._next()
+            if picked is None:
+                return
+            try:
+                self._take_turn(*picked)
+            except Exception:  # never lose a runner (a metadata store down, say)
+                log.exception("the scheduler failed around a turn")
+                time.sleep(1.0)
+
+    def _take_turn(self, held: _Held, due: float) -> None:
+        """One turn of ``held``, then back in the queue — or let go of it."""
+        started = time.monotonic()
+        self._waits.append((started, max(0.0, started - due)))
+        self._turns += 1
+        try:
+            with held.turn_mutex:
+                if held.stream is None:  # let go of meanwhile
+                    return
+                worked = held.stream.run.turn(started + self.settings.turn_seconds)
+            self._durations.append((started, time.monotonic() - started, worked))
+        except _Stop as stop:
+            self._drop(held, stop.outcome)
+            return
+        except Exception as exc:
+            self._drop(held, self._failure(held, exc))
+            return
+        if self._stopping.is_set() or WORKER_STOPPING.is_set():
+            return  # stop() lets go of it
+        now = time.monotonic()
+        with self._cond:
+            if held.subscription_id in self._held:
+                self._push(held.subscription_id,
+                           now if worked else now + self.settings.idle_poll_seconds)
+
+    def _failure(self, held: _Held, exc: Exception) -> CycleOutcome:
+        """What a turn's failure means (recorded on the subscription): the slot gone
+        stops it; connections, deadlocks and the rest are retried after a pause."""
+        try:
+            if isinstance(exc, psycopg.OperationalError | TransportError):
+                return held.cycle.outcome_of(exc)
+            if not isinstance(exc, psycopg.errors.TransactionRollback):
+                log.exception("subscription %s: a turn failed", held.subscription_id)
+            return held.cycle._transient(f"{type(exc).__name__}: {exc}")
+        except Exception as inner:  # cannot even record it (the metadata store is down)
+            log.warning("subscription %s: %s (and cannot record it: %s)",
+                        held.subscription_id, exc, scrub_secrets(str(inner)))
+            return CycleOutcome("retry", str(exc))
+
+    # -- leases --------------------------------------------------------------------------
+    def _heartbeat(self) -> None:
+        """One write per period renews every lock this worker holds; the lock
+        connections are checked too (a broken one took its advisory locks with it)."""
+        every = self.settings.consumer_heartbeat_seconds
+        while not self._stopping.wait(every):
+            with self._cond:
+                held = dict(self._held)
+            try:
+                for subscription_id in self._beat(set(held)):
+                    log.warning("the consumer lock of %s was taken over", subscription_id)
+                    held[subscription_id].lost.set()
+            except Exception as exc:  # the advisory locks still guard the slots
+                log.warning("cannot renew the consumer locks: %s", scrub_secrets(str(exc)))
+            with self._sources_mutex:
+                sources = dict(self._sources)
+            for dsn, state in sources.items():
+                users = [h for h in held.values() if h.source_dsn == dsn]
+                if state.locks.alive():
+                    if users or self._adopting:
+                        continue
+                    with self._sources_mutex:  # nothing of ours there: close it
+                        if self._sources.get(dsn) is state and not state.locks.slots:
+                            del self._sources[dsn]
+                            state.locks.close()
+                    continue
+                log.warning("a lock connection to a source broke: letting go of %d "
+                            "subscriptions", len(users))
+                for h in users:
+                    h.lost.set()
+                with self._sources_mutex:
+                    if self._sources.get(dsn) is state:
+                        del self._sources[dsn]
+                state.locks.close()
+
+    def _beat(self, held: set[str]) -> set[str]:
+        """One metadata transaction per period: renew every lock held (one UPDATE) and
+        the worker's own heartbeat with what the scheduler reports (``/metrics``, the
+        dashboard, and the other workers' fair share). Returns the locks lost."""
+        with self.sessions() as session:
+            lost = renew_owned(session, self.owner, held) if held else set()
+            if self.worker is not None:
+                beat = session.get(WorkerHeartbeat, self.worker)
+                details = {"pid": os.getpid(), "scheduler": self.snapshot()}
+                if beat is None:
+                    session.add(WorkerHeartbeat(worker=self.worker, beat_at=utcnow(),
+                                                details=details))
+                else:
+                    beat.beat_at = utcnow()
+                    beat.details = {**beat.details, **details}
+            try:
+                session.commit()
+            except IntegrityError:  # the worker's first beat, written by another thread
+                session.rollback()
+        return lost
+
+    def _sweep_loop(self) -> None:
+        every = self.settings.scheduler_sweep_seconds
+        # A random phase: workers started together do not sweep in step.
+        if self._stopping.wait(random.uniform(0, every)):  # noqa: S311 - not a secret
+            return
+        while not self._stopping.is_set():
+            try:
+                for subscription_id in self.orphans():
+                    if self._stopping.is_set():
+                        break
+                    outcome = self.adopt(subscription_id)
+                    log.debug("sweep: %s %s", subscription_id, outcome)
+                self._balance()
+            except Exception as exc:
+                log.warning("the sweep for unheld subscriptions failed: %s",
+                            scrub_secrets(str(exc)))
+            if self._stopping.wait(every):
+                return
+
+    def orphans(self) -> list[str]:
+        """Enabled, streaming subscriptions nobody holds (no lock, or one not renewed for
+        the takeover time), not ours, not waiting out a retry — in random order, so two
+        workers sweeping at once tend to split them."""
+        takeover = timedelta(seconds=self.settings.consumer_takeover_seconds)
+        now = utcnow()
+        mono = time.monotonic()
+        with self.sessions() as session:
+            rows = session.execute(
+                select(Subscription.id, ConsumerLock.heartbeat_at)
+                .outerjoin(ConsumerLock, ConsumerLock.subscription_id == Subscription.id)
+                .where(Subscription.enabled.is_(True), Subscription.state == "streaming")
+            ).all()
+        with self._cond:
+            mine = set(self._held) | self._adopting
+        out = [sid for sid, beat in rows
+               if sid not in mine and (beat is None or now - beat > takeover)
+               and self._retry_at.get(sid, 0.0) <= mono]
+        random.shuffle(out)
+        return out
+
+    def _balance(self) -> None:
+        """Hold no more than a fair share (plus one): the enabled subscriptions over the
+        workers alive (a scheduler's heartbeat within the takeover time). The excess is
+        let go, and not adopted again here for two sweeps, so another worker's sweep
+        takes it: with two workers, neither idles while the other holds everything."""
+        takeover = timedelta(seconds=self.settings.consumer_takeover_seconds)
+        now = utcnow()
+        with self.sessions() as session:
+            enabled = len(session.scalars(select(Subscription.id).where(
+                Subscription.enabled.is_(True), Subscription.state == "streaming")).all())
+            beats = session.execute(select(WorkerHeartbeat.worker, WorkerHeartbeat.beat_at,
+                                           WorkerHeartbeat.details)).all()
+        alive = {w for w, at, details in beats
+                 if isinstance(details, dict) and "scheduler" in details
+                 and now - at <= takeover}
+        if self.worker is not None:
+            alive.add(self.worker)
+        share = -(-enabled // max(1, len(alive)))
+        with self._cond:
+            held = list(self._held.values())
+        excess = len(held) - share
+        if excess <= 1:
+            return
+        random.shuffle(held)
+        mono = time.monotonic()
+        log.info("holding %d of %d subscriptions with %d workers alive: letting go of %d",
+                 len(held), enabled, len(alive), excess)
+        for h in held[:excess]:
+            self._retry_at[h.subscription_id] = mono + 2 * self.settings.scheduler_sweep_seconds
+            self._shed(h)
+
+    def _shed(self, held: _Held) -> None:
+        """Let go of a subscription between its turns (never in the middle of one)."""
+        with self._cond:
+            if self._held.get(held.subscription_id) is not held:
+                return
+            # Out of the queue: a runner that picks its entry finds it gone.
+            self._held.pop(held.subscription_id)
+        with held.turn_mutex:
+            self._let_go(held)
+
+    # -- what it reports -------------------------------------------------------------------
+    def held(self) -> list[str]:
+        with self._cond:
+            return sorted(self._held)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Subscriptions held and the turn wait (p50/p99 over the last minute): how long
+        a subscription that was due waited for a runner."""
+        cutoff = time.monotonic() - WAIT_WINDOW
+        waits = sorted(w for at, w in list(self._waits) if at >= cutoff)
+        recent = [(d, worked) for at, d, worked in list(self._durations) if at >= cutoff]
+        busy = sorted(d for d, worked in recent if worked)
+        return {
+            "owner": self.owner,
+            "held": len(self._held),
+            "turns": self._turns,
+            "turn_wait_p50": round(_quantile(waits, 0.50), 4),
+            "turn_wait_p99": round(_quantile(waits, 0.99), 4),
+            "turn_wait_samples": len(waits),
+            "busy_turn_p50": round(_quantile(busy, 0.50), 4),
+            "busy_turn_p99": round(_quantile(busy, 0.99), 4),
+            "busy_turns": len(busy),
+            "idle_turns": len(recent) - len(busy),
+        }
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    if not ordered:
+        return 0.0
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- the worker process's scheduler ---------------------------------------------------------
+
+_current: Scheduler | None = None
+_current_mutex = threading.Lock()
+_closed = False
+
+
+def current() -> Scheduler | None:
+    return _current
+
+
+def ensure_started(settings: Settings, worker: str | None = None) -> Scheduler | None:
+    """This process's scheduler, started on first use (worker start, or the first
+    ``consume_cycle`` task); None once the worker is shutting down."""
+    global _current
+    with _current_mutex:
+        if _closed:
+            return None
+        if _current is None:
+            _current = Scheduler(
+                settings, spark=lambda: get_spark(settings),
+                handover=lambda sid: dispatch.consume_cycle(settings, sid), worker=worker)
+            _current.start()
+        return _current
+
+
+def stop_current(timeout: float = 30.0) -> list[str]:
+    """Warm shutdown of this process's scheduler (see :meth:`Scheduler.stop`); no new one
+    starts in this process afterwards."""
+    global _current, _closed
+    with _current_mutex:
+        scheduler, _current, _closed = _current, None, True
+    return [] if scheduler is None else scheduler.stop(timeout)

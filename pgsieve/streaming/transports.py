@@ -1,0 +1,738 @@
+"""Two ways to read a logical slot: the walsender protocol and the SQL interface.
+
+Both yield raw pgoutput messages in stream order — one at a time as ``(lsn, bytes)``, or
+many at once packed in a :class:`~pgsieve.wire.batch.MessageBatch` — grouped into
+*sessions*: each session is one decoding run on the server, which starts again from the
+slot's confirmed position and re-sends Relation messages and any transaction not yet
+committed. The consumer therefore resets its assembler at every session start and skips
+transactions it already delivered. Neither transport ever moves the slot by itself: only
+:meth:`confirm`, called with what the target durably holds, does.
+
+* :class:`WalsenderTransport` — ``START_REPLICATION SLOT … LOGICAL`` through psycopg2's
+  ReplicationCursor (psycopg 3 cannot stream replication). Push: low latency when live.
+  Answers keepalives, sends standby status updates, reconnects with backoff.
+* :class:`SqlTransport` — ``pg_logical_slot_peek_binary_changes`` up to a bounded LSN
+  window, then ``pg_replication_slot_advance`` on confirm. Polling, but the server
+  decodes faster than the walsender ships: it wins on a backlog. Each peek decodes again
+  from the slot's restart point. The server aggregates the window into chunks of a few
+  MB, so our side does no Python-level work per message, and a large window is decoded
+  by two backends at once; windows too large to aggregate are read row by row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import select
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import psycopg
+import psycopg2
+import psycopg2.extensions
+import psycopg2.extras
+from psycopg import pq, sql
+
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.wire.batch import MessageBatch
+from pgsieve.wire.lsn import Lsn
+from pgsieve.wire.messages import ProtocolError
+
+log = logging.getLogger(__name__)
+
+RawMessage = tuple[int, bytes]
+"""(LSN as a plain int — cheaper than an Lsn per message on the hot path, bytes)."""
+SessionEntry = RawMessage | MessageBatch | None
+"""What a session yields: one message, consecutive messages packed, or IDLE."""
+IDLE = None
+"""Sessions yield IDLE when nothing arrived for a while: a chance to report progress."""
+
+
+@dataclass(frozen=True)
+class PgoutputOptions:
+    """The pgoutput plugin options (see the output plugin's documentation)."""
+
+    publication_names: tuple[str, ...]
+    proto_version: int = 2
+    binary: bool = False
+    messages: bool = False
+    streaming: bool = True
+
+    def as_dict(self) -> dict[str, str]:
+        opts = {
+            "proto_version": str(self.proto_version),
+            "publication_names": ",".join(_quote_ident(p) for p in self.publication_names),
+        }
+        if self.binary:
+            opts["binary"] = "true"
+        if self.messages:
+            opts["messages"] = "true"
+        if self.streaming and self.proto_version >= 2:
+            opts["streaming"] = "on"
+        return opts
+
+
+def _quote_ident(name: str) -> str:
+    """publication_names is parsed as a list of identifiers (SplitIdentifierString)."""
+    if name.islower() and name.replace("_", "").isalnum() and not name[0].isdigit():
+        return name
+    return '"' + name.replace('"', '""') + '"'
+
+
+def max_proto_version(server_version_num: int) -> int:
+    """The newest pgoutput protocol the server speaks (v2: 14, v3: 15, v4: 16)."""
+    if server_version_num >= 160000:
+        return 4
+    if server_version_num >= 150000:
+        return 3
+    return 2 if server_version_num >= 140000 else 1
+
+
+class TransportError(RuntimeError):
+    """The slot cannot be read (gone, in use elsewhere, unreachable past the retries)."""
+
+
+class Transport(Protocol):
+    def sessions(self, deadline: float) -> Iterator[Iterator[SessionEntry]]:
+        """Decoding sessions until ``deadline`` (time.monotonic()); see the module doc."""
+
+    def idle_position(self) -> Lsn | None:
+        """A WAL position below which nothing is left to send (None if unknown): the
+        caller may record it as applied once it applied all it was given, then confirm."""
+
+    def confirm(self, lsn: Lsn) -> None:
+        """Everything committed before ``lsn`` is durable at the target."""
+
+    def close(self) -> None: ...
+
+
+# -- SQL interface -------------------------------------------------------------------------
+
+
+_ROW_HEAD = struct.Struct("!hiQi")  # COPY binary row: 2 fields, len(lsn)=8, lsn, len
+_BATCH_HEAD = struct.Struct("!hiqiqi")  # 5 fields, 8, min(n), 8, count(*), len(data)
+_FIELD_LEN = struct.Struct("!i")
+_CHUNK_BYTES = 4 << 20  # aim for aggregated chunks of about this size
+
+
+def _field(row: bytes | memoryview, pos: int) -> tuple[memoryview, int]:
+    """A length-prefixed COPY binary field at ``pos``; returns it and the next position."""
+    size = _FIELD_LEN.unpack_from(row, pos)[0]
+    start = pos + 4
+    if size < 0 or start + size > len(row):
+        raise TransportError(f"malformed field in the COPY stream at offset {pos}")
+    return memoryview(row)[start:start + size], start + size
+
+
+_SIZE_ERRORS = ("out of memory", "invalid memory alloc request size")
+_NULL_CHUNK = re.compile(rb"\x00\x05(\xff\xff\xff\xff){5}\Z")  # a FULL JOIN row without chunk
+_MAX_CHUNKS = 10000  # chunk numbers joined in order (more still arrive, at the end)
+_SPLIT_SHARE = 50  # percent of a split window the slot itself decodes
+_WALSENDER_BATCH = 4096  # messages handed over as one batch, at most
+_WALSENDER_BATCH_BYTES = 4 << 20  # ... and bytes (the batch is reached past this)
+_WALSENDER_LINGER = 0.002  # seconds to wait for the next message of a batch
+_WALSENDER_HOLD = 0.05  # seconds a batch may wait for more messages in all
+
+
+class _TooLarge(Exception):
+    """The server would not aggregate a window (too large): read it row by row instead."""
+
+
+class SqlTransport:
+    """Peek at the slot in bounded LSN windows; advance it only on :meth:`confirm`.
+
+    ``window_bytes``: WAL read per peek (doubled while a transaction does not fit).
+    ``aggregate_bytes``: windows up to this much WAL are aggregated by the server into
+    chunks (0: always row by row); the server then holds one window's output in memory.
+    ``chunk_messages``: messages per chunk (default: adapted to about 4 MB per chunk).
+    ``split_bytes``: an aggregated window of at least this much WAL is decoded by two
+    backends at once (0: never) — see :meth:`_split_window`.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        slot: str,
+        options: PgoutputOptions,
+        *,
+        window_bytes: int = 256 << 20,
+        poll_interval: float = 0.2,
+        aggregate_bytes: int = 256 << 20,
+        chunk_messages: int | None = None,
+        split_bytes: int = 32 << 20,
+    ) -> None:
+        self.slot = slot
+        self.options = options
+        self.window_bytes = window_bytes
+        self.poll_interval = poll_interval
+        self.aggregate_bytes = aggregate_bytes
+        self.split_bytes = split_bytes
+        self._dsn = dsn
+        self._aggregate = aggregate_bytes > 0
+        self._fixed_chunk = chunk_messages
+        self._chunk = chunk_messages or 4096  # messages per aggregated chunk (adapted)
+        self._conn = self._open()
+        self._helper: psycopg.Connection[tuple[Any, ...]] | None = None  # second backend
+        self._helper_busy = False  # it has a peek running or unread
+        self._copy_name = ""
+        self._window = window_bytes
+        self._confirmed: Lsn | None = None
+        self._idle: Lsn | None = None
+        self._peeking = False
+        self._pending_confirm: Lsn | None = None
+        self._check_slot()
+
+    def _open(self) -> psycopg.Connection[tuple[Any, ...]]:
+        conn = psycopg.connect(secure_conninfo(self._dsn, purpose=Purpose.STREAM),
+                               autocommit=True, application_name="pgsieve-consumer")
+        if self._aggregate:
+            # Aggregating a window holds its output in the server's memory (it is bounded
+            # by aggregate_bytes of WAL); without this the hash aggregate would spill to
+            # disk past work_mem * hash_mem_multiplier and run several times slower.
+            try:
+                conn.execute("SET hash_mem_multiplier = 1000")
+            except psycopg.Error as exc:  # before PostgreSQL 13: read row by row
+                log.info("not aggregating peeks: %s", scrub_secrets(str(exc).strip()))
+                self._aggregate = False
+        return conn
+
+    def _reconnect(self) -> None:
+        with contextlib.suppress(psycopg.Error):
+            self._conn.close()
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self._conn = self._open()
+                # The old backend may still hold the slot for a moment after disconnect.
+                self._conn.execute(
+                    "SELECT 1 FROM pg_replication_slots WHERE slot_name = %s", (self.slot,)
+                )
+                return
+            except psycopg.OperationalError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def _check_slot(self) -> None:
+        row = self._conn.execute(
+            "SELECT plugin, active_pid, confirmed_flush_lsn::text FROM pg_replication_slots "
+            "WHERE slot_name = %s AND database = current_database()",
+            (self.slot,),
+        ).fetchone()
+        if row is None:
+            raise TransportError(f"replication slot '{self.slot}' does not exist")
+        if row[0] != "pgoutput":
+            raise TransportError(f"slot '{self.slot}' uses plugin {row[0]}, not pgoutput")
+        self._confirmed = Lsn.parse(row[2])
+
+    def _wal_position(self) -> Lsn:
+        """The *flushed* end of WAL: logical decoding reads only flushed WAL, so a window
+        (and an idle position) reaching past it would skip transactions committed but
+        not yet flushed (``synchronous_commit = off``) — they would never be sent."""
+        row = self._conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
+        assert row is not None
+        return Lsn.parse(row[0])
+
+    def sessions(self, deadline: float) -> Iterator[Iterator[SessionEntry]]:
+        read_upto = self._confirmed or Lsn(0)
+        last_read: tuple[Lsn, Lsn] | None = None
+        while time.monotonic() < deadline:
+            # Every peek decodes from the slot's confirmed position; what the caller has not
+            # confirmed yet comes again (the consumer drops it), so the window is measured
+            # from what was already read, or an unconfirmed window would repeat forever.
+            start = self._confirmed or Lsn(0)
+            end = self._wal_position()
+            upto = min(end, max(start, read_upto) + self._window)
+            if last_read == (start, upto) or upto <= start:
+                # (upto <= start: no WAL past the confirmed position, so a peek could
+                # return nothing — an idle subscription's poll costs one query.)
+                # A peek is a function of (confirmed, upto): the same window again would
+                # only re-send what was read already. Wait for WAL or a confirmation
+                # instead of decoding it again in a busy loop.
+                self._idle = None
+                yield iter((IDLE,))
+                time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+                continue
+            stats = _WindowStats()
+            middle = self._split_window(start, upto)
+            if middle is None:
+                yield self._idle_at_end(self._read_window(start, upto, stats), stats, start,
+                                        upto)
+            else:
+                try:
+                    yield self._read_window(start, middle, stats)
+                    yield self._idle_at_end(self._second_part(start, upto, stats), stats,
+                                            start, upto)
+                finally:
+                    if self._helper_busy:  # the caller stopped reading: drop the copy
+                        self._close_helper()
+            if stats.complete or stats.rows == 0:
+                read_upto = max(read_upto, upto)
+                last_read = (start, upto)
+            if stats.rows == 0:
+                time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+            elif not stats.complete and upto < end:
+                # A transaction larger than the window: widen it, or it never completes.
+                self._window *= 2
+            else:
+                self._window = self.window_bytes
+
+    def _idle_at_end(self, session: Iterator[SessionEntry], stats: _WindowStats, start: Lsn,
+                     upto: Lsn) -> Iterator[SessionEntry]:
+        """The window's entries, then — when nothing of ours commits in [confirmed, upto] —
+        the idle marker, in the SAME session: once recorded and confirmed, the slot can
+        move there and stop retaining WAL (in-progress transactions keep restart_lsn behind
+        them, so nothing is lost). In the same session because a caller that takes one
+        window per turn (the scheduler) stops reading when a session ends."""
+        yield from session
+        if stats.rows == 0:
+            self._idle = upto if upto > start else None
+            yield IDLE
+
+    def _read_window(self, start: Lsn, upto: Lsn, stats: _WindowStats) -> Iterator[
+            MessageBatch | RawMessage]:
+        """One peek up to ``upto``: aggregated into chunks when the window is small enough
+        for the server to hold its output, else row by row."""
+        if self._aggregate and upto - start <= self.aggregate_bytes:
+            try:
+                yield from self._read_batches(self._conn, self._batch_query(
+                    self.slot, upto), stats)
+                return
+            except _TooLarge as exc:
+                log.info("window up to %s too large to aggregate (%s); reading it row by row",
+                         upto, exc)
+        yield from self._peek_rows(upto, stats)
+
+    # -- two backends at once ----------------------------------------------------------------
+    def _split_window(self, start: Lsn, upto: Lsn) -> Lsn | None:
+        """Start decoding the second part of a large window on a second backend.
+
+        A peek's output is materialised on the server before its first row is sent, so on
+        one backend the server's decode and our reading run one after the other. Here a
+        temporary copy of the slot (``pg_copy_logical_replication_slot``), moved to
+        ``middle`` with ``pg_replication_slot_advance`` (a fast-forward that decodes no
+        rows), decodes ``middle .. upto`` while the slot itself is peeked up to
+        ``middle``: two cores, one window. The copy starts at the slot's own positions, so
+        it yields every transaction whose commit record starts at or after ``middle``,
+        whole; the peek up to ``middle`` yields every one whose commit record starts
+        before it (one just after may come twice: the consumer drops it by its end LSN).
+        The slot itself is never moved; the copy is temporary (gone with its session).
+
+        Returns ``middle`` (read the rest with :meth:`_second_part`), or None to read the
+        window on one backend (too small, or the server has no spare slot).
+        """
+        if not (self._aggregate and self.split_bytes
+                and self.split_bytes <= upto - start <= self.aggregate_bytes):
+            return None
+        # The copy decodes the first part again without output (and fast-forwards over
+        # it first), so the slot itself takes the larger share.
+        middle = start + (upto - start) * _SPLIT_SHARE // 100
+        try:
+            helper = self._helper
+            if helper is None or helper.closed:
+                helper = self._helper = self._open()
+            copy = self._copy_name = f"pgsieve_split_{helper.info.backend_pid}"
+            helper.execute("SELECT pg_copy_logical_replication_slot(%s, %s, true)",
+                           (self.slot, copy))
+            advance = sql.SQL("SELECT pg_replication_slot_advance({copy}, {middle}::pg_lsn); "
+                              ).format(copy=sql.Literal(copy), middle=sql.Literal(str(middle)))
+            helper.pgconn.send_query(advance.as_bytes(helper) + self._batch_query(copy, upto))
+        except psycopg.Error as exc:
+            # No spare replication slot, say: this transport reads on one backend from now.
+            log.warning("cannot decode on a second backend (%s); reading windows on one",
+                        scrub_secrets(str(exc).strip()))
+            self.split_bytes = 0
+            self._close_helper()
+            return None
+        self._helper_busy = True
+        return middle
+
+    def _second_part(self, start: Lsn, upto: Lsn, stats: _WindowStats) -> Iterator[
+            MessageBatch | RawMessage]:
+        helper = self._helper
+        assert helper is not None
+        advanced = helper.pgconn.get_result()  # pg_replication_slot_advance
+        if advanced is None or advanced.status != pq.ExecStatus.TUPLES_OK:
+            # Should not happen; whatever it was, read the window again on one backend
+            # (the consumer drops what the first part already gave).
+            message = advanced.error_message.decode(errors="replace") if advanced else ""
+            log.warning("second backend failed (%s); reading the window on one",
+                        scrub_secrets(message.strip()))
+            self.split_bytes = 0
+            self._close_helper()
+            yield from self._read_window(start, upto, stats)
+            return
+        yield from self._read_batches(helper, None, stats)
+        helper.execute("SELECT pg_drop_replication_slot(%s)", (self._copy_name,))
+        self._helper_busy = False
+
+    def _close_helper(self) -> None:
+        helper, self._helper = self._helper, None
+        self._helper_busy = False
+        if helper is not None:
+            with contextlib.suppress(psycopg.Error):
+                helper.cancel()  # or its backend decodes on until it has output to send
+            with contextlib.suppress(psycopg.Error):
+                helper.close()
+
+    # -- reading -------------------------------------------------------------------------
+    def _peek_call(self, slot: str, upto: Lsn) -> sql.Composed:
+        opts: list[str] = []
+        for key, value in self.options.as_dict().items():
+            opts += [key, value]
+        return sql.SQL("pg_logical_slot_peek_binary_changes({slot}, {upto}::pg_lsn, NULL{opts})"
+                       ).format(slot=sql.Literal(slot), upto=sql.Literal(str(upto)),
+                                opts=sql.SQL("").join(sql.SQL(", ") + sql.Literal(o)
+                                                      for o in opts))
+
+    def _row_query(self, upto: Lsn) -> bytes:
+        return sql.SQL("COPY (SELECT lsn, data FROM {peek}) TO STDOUT (FORMAT binary)").format(
+            peek=self._peek_call(self.slot, upto)).as_bytes(self._conn)
+
+    def _batch_query(self, slot: str, upto: Lsn) -> bytes:
+        """The window as chunks of ``_chunk`` consecutive messages: one COPY row per chunk
+        holding the messages, their lengths (``int4``) and their LSNs (``pg_lsn``), so a
+        chunk costs one libpq call and a few C-level operations here (see MessageBatch).
+
+        ``string_agg`` appends in input order, and the input is the peek's own output (a
+        function scan, read in order). The chunks come out of a hash aggregate in no
+        particular order; joining them to their numbers puts them in order without a sort
+        (which would spill the whole window to disk past ``work_mem``). Each chunk's first
+        message number and size are checked against what came before, so a chunk missing,
+        repeated or out of place is caught; the full join lets chunks beyond the numbers
+        joined through too (at the end; :meth:`_read_batches` puts them in place).
+        """
+        return sql.SQL(
+            "COPY (SELECT c.first, c.count, c.data, c.lengths, c.lsns "
+            "FROM generate_series(0, {max_chunks}) AS g(i) FULL JOIN ("
+            "SELECT (n - 1) / {chunk} AS i, min(n) AS first, count(*) AS count, "
+            "string_agg(data, ''::bytea) AS data, "
+            "string_agg(int4send(length(data)), ''::bytea) AS lengths, "
+            "string_agg(pg_lsn_send(lsn), ''::bytea) AS lsns "
+            "FROM {peek} WITH ORDINALITY AS m(lsn, xid, data, n) GROUP BY 1"
+            ") AS c USING (i)) TO STDOUT (FORMAT binary)"
+        ).format(max_chunks=_MAX_CHUNKS, chunk=self._chunk,
+                 peek=self._peek_call(slot, upto)).as_bytes(self._conn)
+
+    def _read_batches(self, conn: psycopg.Connection[tuple[Any, ...]], query: bytes | None,
+                      stats: _WindowStats) -> Iterator[MessageBatch]:
+        """Run an aggregated peek (or read the one already sent when ``query`` is None)
+        and yield its chunks in order."""
+        expected = 1
+        nbytes = 0
+        early: dict[int, MessageBatch] = {}  # chunks that came before their turn
+        for row in self._copy_rows(conn, query, aggregate=True):
+            if _NULL_CHUNK.match(row):  # a number without a chunk
+                continue
+            fields, len1, first, len2, count, size = _BATCH_HEAD.unpack_from(row, 0)
+            if fields != 5 or len1 != 8 or len2 != 8 or first < expected or size < 0:
+                raise TransportError(f"unexpected chunk in the COPY stream (messages {first}.."
+                                     f"{first + count - 1}, expected {expected}.. )")
+            pos = _BATCH_HEAD.size
+            data = bytes(row[pos:pos + size])
+            pos += size
+            lengths, pos = _field(row, pos)
+            lsns, pos = _field(row, pos)
+            try:
+                batch = MessageBatch.from_wire(data, lengths, lsns)
+            except ProtocolError as exc:
+                raise TransportError(f"malformed chunk in the COPY stream: {exc}") from None
+            if batch.count != count or pos != len(row):
+                raise TransportError("malformed chunk in the COPY stream")
+            nbytes += len(data)
+            early[first] = batch
+            while expected in early:
+                batch = early.pop(expected)
+                expected += batch.count
+                stats.rows += batch.count
+                if b"C" in batch.types or b"c" in batch.types:  # Commit / Stream Commit
+                    stats.complete = True
+                yield batch
+        if early:
+            raise TransportError(f"chunks missing in the COPY stream from message {expected}")
+        if stats.rows and self._fixed_chunk is None:  # aim for chunks of about _CHUNK_BYTES
+            self._chunk = max(256, min(65536, _CHUNK_BYTES * (expected - 1) // max(1, nbytes)))
+
+    def _peek_rows(self, upto: Lsn, stats: _WindowStats) -> Iterator[RawMessage]:
+        """The window one message per COPY row (one C call per row, no per-row Python
+        machinery beyond slicing)."""
+        unpack = _ROW_HEAD.unpack_from
+        head = _ROW_HEAD.size
+        for row in self._copy_rows(self._conn, self._row_query(upto)):
+            fields, _, lsn, size = unpack(row, 0)
+            if fields != 2 or size < 1:
+                raise TransportError("unexpected row in the COPY stream")
+            data = bytes(row[head:head + size])
+            stats.rows += 1
+            if data[0] == 0x43 or data[0] == 0x63:  # Commit / Stream Commit
+                stats.complete = True
+            yield lsn, data
+
+    def _copy_rows(self, conn: psycopg.Connection[tuple[Any, ...]], query: bytes | None, *,
+                   aggregate: bool = False) -> Iterator[bytes | memoryview]:
+        """Run ``COPY … TO STDOUT (FORMAT binary)`` straight through libpq
+        (``PQgetCopyData``) and yield its rows, the file header stripped (``query`` None:
+        it was sent already).
+
+        With ``aggregate``, a server refusing the query for its size (a chunk past 1 GB,
+        out of memory) raises :class:`_TooLarge` before anything was yielded."""
+        pgconn = conn.pgconn
+        main = conn is self._conn
+        self._peeking = True
+        finished = False
+        try:
+            if query is not None:
+                pgconn.send_query(query)
+            first = pgconn.get_result()
+            if first is None or first.status != pq.ExecStatus.COPY_OUT:
+                message = first.error_message.decode(errors="replace").strip() if first else ""
+                while pgconn.get_result() is not None:
+                    pass
+                finished = True
+                raise TransportError(f"cannot read slot '{self.slot}': {message}")
+            get = pgconn.get_copy_data
+            try:
+                # The server reports COPY_OUT before running the query: errors of the
+                # aggregation itself surface here, at the first row.
+                nbytes, first_row = get(0)
+            except psycopg.OperationalError as exc:
+                if aggregate and any(m in str(exc) for m in _SIZE_ERRORS):
+                    raise _TooLarge(str(exc).strip()) from None
+                raise
+            row: bytes | memoryview = first_row
+            if nbytes > 0:  # the first row carries the COPY header: skip it
+                raw = bytes(first_row)
+                row = raw[19 + int.from_bytes(raw[15:19], "big") :]
+                nbytes = len(row)
+            while nbytes >= 0:
+                if nbytes > 2:  # not the file trailer
+                    yield row
+                nbytes, row = get(0)
+            result = pgconn.get_result()
+            while pgconn.get_result() is not None:
+                pass
+            if result is not None and result.status != pq.ExecStatus.COMMAND_OK:
+                message = result.error_message.decode(errors="replace").strip()
+                raise TransportError(f"reading slot '{self.slot}' failed: {message}")
+            finished = True
+        finally:
+            if not finished:
+                # Abandoned mid-COPY (the caller stopped reading) or failed: the connection
+                # may still be streaming, so start a fresh one; the server ends the peek.
+                if main:
+                    self._reconnect()
+                else:
+                    self._close_helper()
+            # The connection was busy with the COPY: confirmations made meanwhile wait
+            # until now (the slot is held by this backend until the peek ends anyway).
+            self._peeking = False
+            pending, self._pending_confirm = self._pending_confirm, None
+            if pending is not None:
+                self.confirm(pending)
+
+    def idle_position(self) -> Lsn | None:
+        idle, self._idle = self._idle, None
+        return idle
+
+    def confirm(self, lsn: Lsn) -> None:
+        if self._confirmed is not None and lsn <= self._confirmed:
+            return
+        if self._peeking:
+            if self._pending_confirm is None or lsn > self._pending_confirm:
+                self._pending_confirm = lsn
+            return
+        self._conn.execute("SELECT pg_replication_slot_advance(%s, %s::pg_lsn)",
+                           (self.slot, str(lsn)))
+        self._confirmed = lsn
+
+    def close(self) -> None:
+        self._close_helper()
+        self._conn.close()
+
+
+@dataclass
+class _WindowStats:
+    rows: int = 0
+    complete: bool = False
+
+
+# -- walsender protocol --------------------------------------------------------------------
+
+
+class WalsenderTransport:
+    """``START_REPLICATION`` over psycopg2; reconnects with exponential backoff."""
+
+    def __init__(
+        self,
+        dsn: str,
+        slot: str,
+        options: PgoutputOptions,
+        *,
+        status_interval: float = 10.0,
+        max_backoff: float = 30.0,
+        max_attempts: int = 8,
+    ) -> None:
+        self.dsn = dsn
+        self.slot = slot
+        self.options = options
+        self.status_interval = status_interval
+        self.max_backoff = max_backoff
+        self.max_attempts = max_attempts
+        self._conn: Any = None
+        self._cur: Any = None
+        self._previous_pid: int | None = None
+        self._confirmed: Lsn | None = None
+        self.reconnects = 0
+
+    def _connect(self) -> None:
+        # A caller that stopped reading mid-session (a scheduler's turn ends) left its
+        # connection open: this call starts a new session (Relation messages come once
+        # per session), so that one goes first.
+        self._disconnect()
+        self._conn = psycopg2.connect(
+            secure_conninfo(self.dsn, purpose=Purpose.STREAM),
+            connection_factory=psycopg2.extras.LogicalReplicationConnection,
+            application_name="pgsieve-consumer",
+        )
+        self._cur = self._conn.cursor()
+        start = self._confirmed.value if self._confirmed else 0
+        self._cur.start_replication(
+            slot_name=self.slot,
+            decode=False,
+            start_lsn=start,
+            options=self.options.as_dict(),
+            status_interval=self.status_interval,
+        )
+
+    def _disconnect(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(Exception):
+                self._previous_pid = self._conn.get_backend_pid()
+            with contextlib.suppress(Exception):
+                self._conn.close()
+        self._conn = self._cur = None
+
+    def _own_previous(self, message: str) -> bool:
+        """The slot is still held by our own session that just ended (its walsender
+        has not exited yet): worth a moment's wait, unlike another process's."""
+        return (self._previous_pid is not None
+                and f"is active for PID {self._previous_pid}" in message)
+
+    def sessions(self, deadline: float) -> Iterator[Iterator[SessionEntry]]:
+        attempt = 0
+        while time.monotonic() < deadline:
+            try:
+                self._connect()
+            except psycopg2.Error as exc:
+                message = scrub_secrets(str(exc).strip())
+                if self._own_previous(message) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                attempt += 1
+                if _permanent(exc) or attempt >= self.max_attempts:
+                    raise TransportError(f"cannot stream slot '{self.slot}': {message}") from None
+                delay = min(self.max_backoff, 0.25 * 2**attempt)
+                log.warning("walsender connect failed (%s); retrying in %.1fs", message, delay)
+                time.sleep(delay)
+                continue
+            attempt = 0
+            session = _WalsenderSession(self, deadline)
+            yield session.messages()
+            self._disconnect()
+            if session.failed:
+                self.reconnects += 1
+                time.sleep(min(self.max_backoff, 0.25 * 2 ** min(self.reconnects, 7)))
+
+    def idle_position(self) -> Lsn | None:
+        """The server's sent position from its last keepalive (every transaction that
+        commits before it has been sent)."""
+        if self._cur is None or not self._cur.wal_end:
+            return None
+        return Lsn(self._cur.wal_end)
+
+    def confirm(self, lsn: Lsn) -> None:
+        if self._confirmed is not None and lsn <= self._confirmed:
+            return
+        self._confirmed = lsn
+        if self._cur is not None:
+            with contextlib.suppress(psycopg2.Error):
+                self._cur.send_feedback(flush_lsn=lsn.value, apply_lsn=lsn.value, force=True)
+
+    def close(self) -> None:
+        self._disconnect()
+
+
+def _permanent(exc: psycopg2.Error) -> bool:
+    """Errors no retry will cure: missing slot, slot held by another process, bad options."""
+    text = str(exc)
+    return any(
+        marker in text
+        for marker in (
+            "does not exist",
+            "is active for PID",
+            "publication",
+            "invalid",
+            "password authentication failed",
+        )
+    )
+
+
+class _WalsenderSession:
+    def __init__(self, transport: WalsenderTransport, deadline: float) -> None:
+        self.t = transport
+        self.deadline = deadline
+        self.failed = False
+
+    def messages(self) -> Iterator[SessionEntry]:
+        """The stream's messages, handed over packed as one MessageBatch of whatever
+        arrives without a pause of ``_WALSENDER_LINGER`` (up to ``_WALSENDER_BATCH``
+        messages or ``_WALSENDER_BATCH_BYTES``, held ``_WALSENDER_HOLD`` at most): a
+        backlog then costs one libpq read per message here and nothing else per message
+        (see the splitter), and a live stream is delayed by milliseconds. A lone message
+        goes as it is."""
+        cur = self.t._cur
+        read = cur.read_message
+        while time.monotonic() < self.deadline:
+            try:
+                msg = read()
+                if msg is None:
+                    timeout = max(0.0, min(1.0, self.deadline - time.monotonic()))
+                    ready, _, _ = select.select([cur], [], [], timeout)
+                    if not ready:
+                        yield IDLE
+                    continue
+                datas = [msg.payload]
+                lsns = [msg.data_start]
+                add_data, add_lsn = datas.append, lsns.append
+                count, size = 1, len(datas[0])
+                hold_until = time.monotonic() + _WALSENDER_HOLD
+                while count < _WALSENDER_BATCH and size < _WALSENDER_BATCH_BYTES:
+                    msg = read()
+                    if msg is None:  # more on its way? (a backlog arrives in bursts)
+                        if (not select.select([cur], [], [], _WALSENDER_LINGER)[0]
+                                or time.monotonic() > hold_until):
+                            break
+                        continue
+                    payload = msg.payload
+                    add_data(payload)
+                    add_lsn(msg.data_start)
+                    count += 1
+                    size += len(payload)
+            except psycopg2.Error as exc:
+                # What was read but not handed over comes again after reconnecting.
+                log.warning("walsender stream broke: %s", scrub_secrets(str(exc).strip()))
+                self.failed = True
+                return
+            if len(datas) == 1:
+                yield lsns[0], datas[0]
+            else:
+                try:
+                    yield MessageBatch.from_parts(datas, lsns)
+                except ProtocolError as exc:
+                    raise TransportError(f"malformed message from the walsender: {exc}"
+                                         ) from None

@@ -1,0 +1,931 @@
+"""Running a sync job: initial sync of a subscription, or resync of some of its tables.
+
+Per table the states are PostgreSQL's (``pg_subscription_rel``): ``init`` → ``copy`` →
+``catchup`` → ``ready``. This module takes tables from ``init`` to ``catchup``; the
+consume cycle takes them to ``ready`` (:func:`pgsieve.streaming.catchup.catch_up`).
+
+* **Initial sync** (job kind ``initial_sync``): the subscription's own slot is created
+  with an exported snapshot (held by a helper process, :mod:`.snapshot`); every table is
+  copied under it by one Spark job (:mod:`pgsieve.spark.sync`); each table then waits in
+  ``catchup`` with ``sync_lsn`` = the slot's consistent point, and streaming starts from
+  that point: no gap, nothing twice.
+* **Tablesync** (job kind ``resync``, and any table of an initial sync whose snapshot is
+  gone or whose slot was adopted rather than created): the table gets a slot of its own
+  (``sync_slot``) with its own snapshot, is emptied and copied under it, and waits in
+  ``catchup`` with ``sync_lsn`` = that slot's consistent point. Streaming of the other
+  tables never stops.
+
+Resuming: a job records, per table, the snapshot it copies under (its *attempt*), the
+ctid ranges it cut (``sync_partitions``) and the indexes it deferred; each partition's
+rows commit at the target with a marker. A runner that dies is replaced (the sync
+watchdog sees its lease expire); the new runner finds the snapshot still held by the
+helper process and copies only the partitions without a marker. If the snapshot is gone
+(the helper or the source restarted), each unfinished table restarts cleanly as a
+tablesync: emptied, copied under a fresh slot and snapshot of its own.
+
+Failing: a job that fails for good (a :class:`SyncError`, or a transient failure
+:data:`MAX_ATTEMPTS` times) records the (scrubbed) error on each of its tables still in
+``init``/``copy``, as PostgreSQL shows a failed tablesync; past the initial sync the sync
+watchdog starts them again with a growing delay (:func:`retry_delay`), and the error is
+cleared when a table's copy finishes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import psycopg
+from sqlalchemy import delete, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from pgsieve.platform import dispatch, pgserver
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.errors import ErrorCode
+from pgsieve.platform.faults import fault_point
+from pgsieve.platform.locks import LeaseKeeper, rowcount
+from pgsieve.platform.models import (
+    ConsumerLock,
+    Job,
+    Source,
+    Subscription,
+    SubscriptionTable,
+    SyncPartition,
+    Target,
+    utcnow,
+)
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.states import JobState, SubscriptionState, SyncState
+from pgsieve.spark.session import job_group_report
+from pgsieve.spark.sync import (
+    CopyFailed,
+    CopyPartition,
+    CopyRequest,
+    TableCopy,
+    copied_partitions,
+    copy_partitions,
+    ensure_marker_table,
+    forget_markers,
+    task_slots,
+    warm_up,
+)
+from pgsieve.sync.diffsync import diff_table
+from pgsieve.sync.snapshot import (
+    ExportedSnapshot,
+    SnapshotError,
+    hold_snapshot,
+    prestart_helper,
+    release_snapshot,
+    snapshot_alive,
+)
+from pgsieve.sync.syncplan import (
+    SourceTable,
+    SyncError,
+    TargetTable,
+    deferrable_indexes,
+    drop_indexes,
+    empty_target,
+    freeze_allowed,
+    plan_partitions,
+    read_source_tables,
+    read_target_table,
+    restore_indexes,
+    single_stream,
+    snapshot_transaction,
+    table_copy,
+    verify_table,
+)
+
+log = logging.getLogger(__name__)
+
+SYNC_KINDS = ("initial_sync", "resync")
+ACTIVE_STATES = ("queued", "running")
+MAX_ATTEMPTS = 5
+PARTITION_BYTES = 256 << 20
+BLOCK_SIZE = 8192
+
+
+RETRY_BASE_SECONDS = 10.0
+RETRY_MAX_SECONDS = 600.0
+
+
+def retry_delay(retry: int) -> float:
+    """How long after a failed table sync its ``retry``-th automatic retry starts:
+    10 s, 20 s, 40 s, ... doubling up to 10 minutes, and never giving up (PostgreSQL
+    restarts a failed tablesync worker forever, every ``wal_retrieve_retry_interval``)."""
+    return min(RETRY_MAX_SECONDS, RETRY_BASE_SECONDS * (1 << min(max(0, retry - 1), 30)))
+
+
+def active_sync_job(session: Session, subscription_id: str) -> str | None:
+    """The subscription's queued or running sync job (there is at most one: a partial
+    unique index, migration 0005)."""
+    return session.scalar(select(Job.id).where(
+        Job.subscription_id == subscription_id, Job.kind.in_(SYNC_KINDS),
+        Job.state.in_(ACTIVE_STATES)).limit(1))
+
+
+def add_sync_job(session: Session, job: Job) -> str | None:
+    """Commit ``job`` (with whatever else the session holds); None, with everything
+    rolled back, if the subscription has an active sync job already (the unique index
+    refused it) — the caller says ``sync_in_progress``."""
+    session.add(job)
+    try:
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        if job.subscription_id is not None and active_sync_job(
+                session, job.subscription_id) is not None:
+            return None
+        raise
+    return job.id
+
+
+def initial_sync_pending(session: Session, sub: Subscription) -> bool:
+    """The subscription's first copy has not completed: a sync now is (part of) its
+    initial sync, and a failure puts the subscription in ``error`` for a person to see,
+    rather than being retried by the watchdog."""
+    if not sub.copy_data:
+        return False
+    if sub.state in (SubscriptionState.INITIALIZING, SubscriptionState.SYNCING):
+        return True
+    if sub.state != SubscriptionState.ERROR:
+        return False
+    done = session.scalar(select(Job.id).where(
+        Job.subscription_id == sub.id, Job.kind == "initial_sync", Job.state == "done"
+    ).limit(1))
+    return done is None
+
+
+def sync_slot_name(subscription_id: str, table_id: int) -> str:
+    """A table's own slot (tablesync): ``pgsieve_<subscription>_sync_<n>``."""
+    return f"pgsieve_{subscription_id}_sync_{table_id}"
+
+
+def runner_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class RunOutcome:
+    outcome: str
+    """done | failed | busy | gone | lost | retry"""
+    detail: str = ""
+    retry_in: float | None = None
+
+
+class _Lost(Exception):
+    """The job is no longer ours (taken over, deleted, or finished by someone else)."""
+
+
+class _Retry(Exception):
+    """A transient failure: the job runs again later (within MAX_ATTEMPTS)."""
+
+
+# -- the lease ------------------------------------------------------------------------------
+
+
+def claim(sessions: sessionmaker[Session], job_id: str, owner: str, lease: timedelta) -> bool:
+    """Become the job's runner if it has none, or its runner stopped heart-beating."""
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        if job is None or job.state not in ACTIVE_STATES:
+            return False
+        now = utcnow()
+        if (job.owner not in (None, owner) and job.heartbeat_at is not None
+                and now - job.heartbeat_at < lease):
+            return False
+        same_owner = Job.owner.is_(None) if job.owner is None else Job.owner == job.owner
+        same_beat = (Job.heartbeat_at.is_(None) if job.heartbeat_at is None
+                     else Job.heartbeat_at == job.heartbeat_at)
+        taken = rowcount(session, update(Job).where(Job.id == job_id, same_owner, same_beat)
+                         .values(owner=owner, heartbeat_at=now, state="running",
+                                 started_at=job.started_at or now))
+        session.commit()
+        return taken == 1
+
+
+def renew_job(sessions: sessionmaker[Session], job_id: str, owner: str) -> bool:
+    """Heartbeat of a running job; False when it is no longer ours (or not running)."""
+    with sessions() as session:
+        count = rowcount(session, update(Job).where(
+            Job.id == job_id, Job.owner == owner, Job.state == "running")
+            .values(heartbeat_at=utcnow()))
+        session.commit()
+    return count == 1
+
+
+# -- the runner -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Context:
+    subscription_id: str
+    kind: str
+    publications: list[str]
+    source_dsn: str
+    target_dsn: str
+    enabled: bool
+    tables: list[str]
+    verify: bool
+    defer_indexes: bool
+    partition_bytes: int | None = None
+    freeze: bool = True
+    mode: str = "copy"
+    """copy (empty and load) or diff (write only the differences, :mod:`.diffsync`)."""
+
+
+class SyncJobRunner:
+    """Runs one sync job to its end (or until it is not ours any more)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        job_id: str,
+        *,
+        spark: Callable[[], Any],
+        owner: str | None = None,
+        sessions: sessionmaker[Session] | None = None,
+        partition_bytes: int = PARTITION_BYTES,
+        after_copy: Callable[[ExportedSnapshot, str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.job_id = job_id
+        self.owner = owner or runner_identity()
+        self.sessions = sessions or session_factory(settings.effective_database_url)
+        self.partition_bytes = partition_bytes
+        self.lease = timedelta(seconds=settings.consumer_lease_seconds)
+        self._spark_factory = spark
+        self._box = settings.secret_box()
+        self._keeper: LeaseKeeper | None = None
+        self._after_copy = after_copy
+        """Test hook: a table's rows are all at the target, the snapshot is still held."""
+        self._deferred: dict[str, list[dict[str, Any]]] = {}
+        """Indexes this runner dropped and has not rebuilt yet (a deleted job's record is
+        gone with it: they are rebuilt from here)."""
+        self._group = f"pgsieve-sync-{job_id}"
+        self.timings: dict[str, float] = {}
+        self._warming: threading.Thread | None = None
+        self._target_dsn: str | None = None
+        self._recorded: int | None = None
+
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        """Seconds per phase, kept in the job's details (``timings``) when it ends."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.timings[phase] = self.timings.get(phase, 0.0) + time.perf_counter() - started
+
+    # -- entry point ----------------------------------------------------------------------
+    def run(self) -> RunOutcome:
+        prestart_helper()  # a no-op when an earlier job left a spare ready
+        if not claim(self.sessions, self.job_id, self.owner, self.lease):
+            with self.sessions() as session:
+                job = session.get(Job, self.job_id)
+                if job is None:
+                    return RunOutcome("gone", "no such job")
+                if job.state not in ACTIVE_STATES:
+                    return RunOutcome(job.state, "already finished")
+            return RunOutcome("busy", "another runner holds the job")
+        with LeaseKeeper(lambda: renew_job(self.sessions, self.job_id, self.owner),
+                         f"sync job {self.job_id}", self.settings.consumer_heartbeat_seconds,
+                         self.lease) as keeper:
+            self._keeper = keeper
+            try:
+                self._run()
+                return RunOutcome("done")
+            except _Lost as exc:
+                self._cancel_spark()
+                if self._gone():
+                    self._rebuild_remembered_indexes()
+                return RunOutcome("lost", str(exc))
+            except _Retry as exc:
+                return self._retry(str(exc))
+            except SyncError as exc:
+                message = scrub_secrets(str(exc))
+                self._fail(message, exc.code)
+                return RunOutcome("failed", message)
+            except Exception as exc:
+                message = scrub_secrets(str(exc).strip()) or type(exc).__name__
+                # Scrubbed, and no traceback: it would repeat the raw message.
+                log.error("sync job %s failed: %s: %s", self.job_id, type(exc).__name__,
+                          message)
+                self._fail(message, ErrorCode.SYNC_FAILED)
+                return RunOutcome("failed", message)
+            finally:
+                # The next sync finds a helper ready; started only now, so that its
+                # interpreter does not take CPU from this job's copy.
+                prestart_helper()
+
+    # -- metadata helpers -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _owned(self) -> Iterator[tuple[Session, Job]]:
+        """A session with the job, committed at the end only if the job is still ours."""
+        if self._keeper is not None and self._keeper.lost.is_set():
+            raise _Lost("lost the job's lease")
+        with self.sessions() as session:
+            job = session.get(Job, self.job_id, with_for_update=True)
+            if job is None:
+                raise _Lost("the job was deleted")
+            if job.owner != self.owner or job.state != JobState.RUNNING:
+                raise _Lost("the job was taken over")
+            yield session, job
+            session.commit()
+
+    def _context(self) -> _Context:
+        with self._owned() as (session, job):
+            sub = session.get(Subscription, job.subscription_id) if job.subscription_id else None
+            if sub is None:
+                raise _Lost("the subscription was deleted")
+            source = session.get(Source, sub.source_id)
+            target = session.get(Target, sub.target_id)
+            assert source is not None
+            assert target is not None
+            names = list(job.details.get("tables") or [t.table_name for t in sub.tables])
+            self._target_dsn = self._box.decrypt(target.dsn_encrypted)
+            return _Context(
+                subscription_id=sub.id, kind=job.kind, publications=list(sub.publications),
+                source_dsn=self._box.decrypt(source.dsn_encrypted),
+                target_dsn=self._box.decrypt(target.dsn_encrypted),
+                enabled=sub.enabled, tables=names,
+                verify=bool(job.details.get("verify", False)),
+                defer_indexes=bool(job.details.get("defer_indexes", True)),
+                partition_bytes=job.details.get("partition_bytes"),
+                freeze=bool(job.details.get("freeze", True)),
+                mode=str(job.details.get("mode") or "copy"),
+            )
+
+    def _table_state(self, job: Job, table: str) -> dict[str, Any]:
+        return dict((job.details.get("table_state") or {}).get(table) or {})
+
+    def _set_table_state(self, job: Job, table: str, **values: Any) -> None:
+        states = dict(job.details.get("table_state") or {})
+        states[table] = {**states.get(table, {}), **values}
+        job.details = {**job.details, "table_state": states}
+
+    def _tables(self, session: Session, ctx: _Context) -> dict[str, SubscriptionTable]:
+        rows = session.scalars(select(SubscriptionTable).where(
+            SubscriptionTable.subscription_id == ctx.subscription_id,
+            SubscriptionTable.table_name.in_(ctx.tables))).all()
+        return {r.table_name: r for r in rows}
+
+    # -- the job ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        ctx = self._context()
+        with self._owned() as (session, job):
+            tables = self._tables(session, ctx)
+            missing = [n for n in ctx.tables if n not in tables]
+            if missing:
+                raise SyncError(f"the subscription has no table {', '.join(missing)}",
+                                code=ErrorCode.UNKNOWN_TABLE)
+            sub = session.get(Subscription, ctx.subscription_id)
+            assert sub is not None
+            if ctx.kind == "initial_sync" and sub.state in ("initializing", "error"):
+                sub.state, sub.error = SubscriptionState.SYNCING, None
+            if ctx.kind == "resync":
+                changed = False
+                for t in tables.values():
+                    if t.sync_state in (SyncState.CATCHUP, SyncState.READY):
+                        t.sync_state, t.sync_lsn = SyncState.INIT, None
+                        t.rows_copied, t.error = 0, None
+                        changed = True
+                if changed or "routes_changed_at" not in job.details:
+                    job.details = {**job.details, "routes_changed_at": utcnow().isoformat()}
+        if ctx.kind == "resync":
+            self._wait_for_apply_to_notice(ctx)
+        pending = self._pending_tables(ctx)
+        if pending:
+            self._warm_up_spark()
+        if ctx.kind == "initial_sync" and pending:
+            snap = self._main_snapshot(ctx)
+            if snap is not None:
+                self._copy_under(ctx, snap, pending, own_slot=False)
+                self._release(snap)
+                pending = self._pending_tables(ctx)
+        for name in pending:
+            self._tablesync(ctx, name)
+        self._finish(ctx)
+
+    def _warm_up_spark(self) -> None:
+        """Start Spark (and its Python workers) while the slot and snapshot are created:
+        a worker's first sync then does not wait for them after the snapshot exists."""
+
+        def warm() -> None:
+            with contextlib.suppress(Exception):  # the copy reports Spark's problems
+                warm_up(self._spark_factory())
+
+        self._warming = threading.Thread(target=warm, name="pgsieve-sync-warm-up", daemon=True)
+        self._warming.start()
+
+    def _pending_tables(self, ctx: _Context) -> list[str]:
+        with self._owned() as (session, _):
+            tables = self._tables(session, ctx)
+            return [n for n in ctx.tables if tables[n].sync_state in ("init", "copy")]
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def _hold(self, ctx: _Context, slot: str) -> ExportedSnapshot:
+        try:
+            with self._timed("snapshot"):
+                return hold_snapshot(ctx.source_dsn, slot,
+                                     database_url=self.settings.effective_database_url,
+                                     job_id=self.job_id,
+                                     lease_seconds=self.settings.consumer_lease_seconds)
+        except SnapshotError as exc:
+            if exc.code == "slot_exists":
+                raise SyncError(str(exc), code=ErrorCode.SLOT_EXISTS) from None
+            raise _Retry(f"cannot create slot {slot}: {exc}") from None
+
+    def _main_snapshot(self, ctx: _Context) -> ExportedSnapshot | None:
+        """The subscription slot's snapshot: created now (first run), the one recorded
+        if it is still alive, or None (the slot was adopted, or the snapshot is gone)."""
+        with self._owned() as (session, job):
+            sub = session.get(Subscription, ctx.subscription_id)
+            assert sub is not None
+            recorded = job.details.get("snapshot")
+            slot, consistent, owned = sub.slot_name, sub.consistent_lsn, sub.slot_owned
+        if consistent is not None:
+            if recorded and recorded.get("slot") == slot:
+                snap = ExportedSnapshot.from_dict(recorded)
+                if snap.consistent_lsn.value == consistent and snapshot_alive(
+                        ctx.source_dsn, snap.name, self.settings.connect_timeout):
+                    return snap
+            return None
+        if not owned:
+            return None
+        self._drop_slot_if_exists(ctx, slot)  # created by a runner that died before recording
+        snap = self._hold(ctx, slot)
+        try:
+            with self._owned() as (session, job):
+                sub = session.get(Subscription, ctx.subscription_id)
+                if sub is None:
+                    raise _Lost("the subscription was deleted")
+                sub.consistent_lsn = snap.consistent_lsn.value
+                job.details = {**job.details, "snapshot": snap.as_dict()}
+        except BaseException:
+            release_snapshot(snap)
+            self._drop_slot_if_exists(ctx, slot)
+            raise
+        fault_point("sync.after_main_slot")
+        return snap
+
+    def _release(self, snap: ExportedSnapshot) -> None:
+        release_snapshot(snap)
+        with contextlib.suppress(_Lost), self._owned() as (_, job):
+            released = list(job.details.get("released_snapshots") or [])
+            job.details = {**job.details, "released_snapshots": [*released, snap.slot]}
+
+    def _drop_slot_if_exists(self, ctx: _Context, slot: str) -> None:
+        with pgserver.connect(ctx.source_dsn, connect_timeout=self.settings.connect_timeout
+                              ) as conn:
+            found = pgserver.get_slot(conn, slot)
+            if found is not None:
+                if found["active"]:
+                    raise _Retry(f"slot {slot} is in use by process {found['active_pid']}")
+                pgserver.drop_slot(conn, slot)
+
+    # -- tablesync ---------------------------------------------------------------------------
+    def _tablesync(self, ctx: _Context, name: str) -> None:
+        """Copy one table under a slot and snapshot of its own."""
+        with self._owned() as (session, job):
+            table = self._tables(session, ctx)[name]
+            slot = sync_slot_name(ctx.subscription_id, table.id)
+            old_slot = table.sync_slot
+            recorded = self._table_state(job, name).get("snapshot")
+        if recorded and old_slot == slot:
+            snap = ExportedSnapshot.from_dict(recorded)
+            if snapshot_alive(ctx.source_dsn, snap.name, self.settings.connect_timeout):
+                self._copy_under(ctx, snap, [name], own_slot=True)
+                self._release(snap)
+                return
+        if old_slot:
+            self._drop_slot_if_exists(ctx, old_slot)
+        with self._owned() as (session, job):
+            # Recorded before it exists: a slot named here is never an orphan to clean up.
+            self._tables(session, ctx)[name].sync_slot = slot
+        self._drop_slot_if_exists(ctx, slot)
+        snap = self._hold(ctx, slot)
+        with self._owned() as (_, job):
+            self._set_table_state(job, name, snapshot=snap.as_dict())
+        self._copy_under(ctx, snap, [name], own_slot=True)
+        self._release(snap)
+
+    # -- copying under one snapshot ----------------------------------------------------------
+    def _copy_under(self, ctx: _Context, snap: ExportedSnapshot, names: list[str],
+                    *, own_slot: bool) -> None:
+        if ctx.mode == "diff":
+            self._diff_under(ctx, snap, names, own_slot=own_slot)
+            return
+        with self._timed("plan"), snapshot_transaction(
+                ctx.source_dsn, snap.name, self.settings.connect_timeout) as src:
+            sources = read_source_tables(src, ctx.publications, names)
+        if self._warming is not None:
+            with self._timed("spark_start"):
+                self._warming.join()
+        spark = self._spark_factory()
+        parallelism = task_slots(spark)
+        copies: dict[str, TableCopy] = {}
+        targets: dict[str, TargetTable] = {}
+        with psycopg.connect(secure_conninfo(ctx.target_dsn, purpose=Purpose.STREAM),
+                             autocommit=True,
+                             connect_timeout=self.settings.connect_timeout) as tgt:
+            ensure_marker_table(tgt)
+            for name in names:
+                targets[name] = read_target_table(tgt, name)
+                copies[name] = table_copy(sources[name], targets[name])
+                with self._timed("prepare"):
+                    freeze = self._prepare(ctx, snap, sources[name], targets[name], tgt,
+                                           parallelism)
+                copies[name] = replace(copies[name], freeze=freeze)
+            partitions, done = self._partitions_to_copy(ctx, snap, names, tgt)
+            request = CopyRequest(
+                source_dsn=ctx.source_dsn, target_dsn=ctx.target_dsn, snapshot=snap.name,
+                attempt=snap.attempt, subscription_id=ctx.subscription_id, tables=copies,
+                partitions=tuple(partitions), connect_timeout=self.settings.connect_timeout,
+            )
+            self._recorded = None
+            self._record_copied(ctx, names, done)
+            try:
+                with self._timed("copy"):
+                    copy_partitions(spark, request, on_progress=lambda c: self._record_copied(
+                        ctx, names, c), job_group=self._group)
+            except CopyFailed as exc:
+                raise _Retry(f"copy failed: {exc}") from None
+            finally:
+                self._record_spark(spark)
+            fault_point("sync.after_copy")
+            for name in names:
+                self._finish_table(ctx, snap, sources[name], targets[name], tgt,
+                                   own_slot=own_slot)
+
+    def _diff_under(self, ctx: _Context, snap: ExportedSnapshot, names: list[str],
+                    *, own_slot: bool) -> None:
+        """The differential resync of ``names`` under ``snap`` (:mod:`.diffsync`): the
+        target keeps its rows and gets only the differences, then each table waits in
+        ``catchup`` from the snapshot's position exactly as after a copy. A diff that died
+        rolled back; running it again under the same snapshot is the resumption."""
+        with self._timed("plan"), snapshot_transaction(
+                ctx.source_dsn, snap.name, self.settings.connect_timeout) as src:
+            sources = read_source_tables(src, ctx.publications, names)
+        for name in names:
+            source = sources[name]
+            with psycopg.connect(secure_conninfo(
+                    ctx.target_dsn, purpose=Purpose.STREAM,
+                    connect_timeout=self.settings.connect_timeout), autocommit=True) as tgt:
+                target = read_target_table(tgt, name)
+            copy = table_copy(source, target)
+            with self._owned() as (session, job):
+                table = self._tables(session, ctx)[name]
+                table.sync_state, table.rows_copied = SyncState.COPY, 0
+                table.rows_total = source.estimated_rows
+                self._set_table_state(job, name, attempt=snap.attempt, mode="diff",
+                                      diff=None)
+                self._update_totals(session, job, ctx)
+            with self._timed("diff"):
+                result = diff_table(ctx.source_dsn, snap.name, ctx.target_dsn, source,
+                                    target, copy,
+                                    connect_timeout=self.settings.connect_timeout,
+                                    on_progress=partial(self._diff_progress, ctx, name))
+            for phase, seconds in result.phases.items():
+                self.timings[phase] = self.timings.get(phase, 0.0) + seconds
+            verify = self._after_table(ctx, snap, name, source, target)
+            with self._owned() as (session, job):
+                table = self._tables(session, ctx)[name]
+                table.sync_state, table.error = SyncState.CATCHUP, None
+                table.sync_lsn = snap.consistent_lsn.value
+                table.rows_copied = table.rows_total = result.compared
+                if not own_slot:
+                    table.sync_slot = None
+                self._set_table_state(job, name, finished=True, diff=result.as_dict())
+                totals = dict(job.details.get("diff") or {})
+                for k, v in result.as_dict().items():
+                    totals[k] = int(totals.get(k, 0)) + v
+                job.details = {**job.details, "diff": totals}
+                if verify is not None:
+                    results = dict(job.details.get("verify_results") or {})
+                    results[name] = verify
+                    job.details = {**job.details, "verify_results": results}
+                self._update_totals(session, job, ctx)
+
+    def _diff_progress(self, ctx: _Context, name: str, staged: int) -> None:
+        """Rows of the source compared so far (staged at the target), shown as the
+        table's ``rows_done`` and the job's progress while its diff runs."""
+        with contextlib.suppress(_Lost), self._owned() as (session, job):
+            table = self._tables(session, ctx).get(name)
+            if table is not None and table.sync_state == SyncState.COPY:
+                table.rows_copied = staged
+                self._update_totals(session, job, ctx)
+
+    def _after_table(self, ctx: _Context, snap: ExportedSnapshot, name: str,
+                     source: SourceTable, target: TargetTable) -> dict[str, Any] | None:
+        """A table's rows are all at the target (copied or diffed), the snapshot still
+        held: the test hook, then the verification if asked (its result)."""
+        if self._after_copy is not None:
+            self._after_copy(snap, name)
+        if not ctx.verify:
+            return None
+        with self._timed("verify"):
+            return verify_table(ctx.source_dsn, snap.name, ctx.target_dsn, source, target,
+                                self.settings.connect_timeout)
+
+    def _record_spark(self, spark: Any) -> None:
+        """The Spark jobs of this pgsieve job (job group ``pgsieve-sync-<id>``), their
+        tasks and failures, for ``GET /jobs/{id}`` and ``/metrics``."""
+        report = job_group_report(spark, self._group)
+        if not report.get("jobs"):
+            return
+        with contextlib.suppress(_Lost), self._owned() as (_, job):
+            job.details = {**job.details, "spark": report}
+
+    def _prepare(self, ctx: _Context, snap: ExportedSnapshot, source: SourceTable,
+                 target: TargetTable, tgt: psycopg.Connection[Any], parallelism: int) -> bool:
+        """Start the table's copy under ``snap`` unless it already started: record the
+        plan (and the indexes it defers) first, then empty the table and drop them.
+        Whether the copy is one ``COPY … FREEZE`` stream (as recorded: a resumed job keeps
+        the plan it started with)."""
+        name = source.table
+        with self._owned() as (session, job):
+            table = self._tables(session, ctx)[name]
+            state = self._table_state(job, name)
+            if (table.sync_state == SyncState.COPY and state.get("attempt") == snap.attempt
+                    and state.get("prepared")):
+                return bool(state.get("freeze", False))
+            deferred = list(state.get("deferred_indexes") or [])
+            if ctx.defer_indexes:
+                known = {d["index"] for d in deferred}
+                deferred += [d for d in deferrable_indexes(tgt, target)
+                             if d["index"] not in known]
+            size = int(ctx.partition_bytes or self.partition_bytes)
+            freeze = (ctx.freeze and freeze_allowed(tgt, target) and single_stream(
+                source, partition_blocks=size // BLOCK_SIZE, parallelism=parallelism))
+            parts = ([CopyPartition(name, source.leaves[0][0], 0)] if freeze else
+                     plan_partitions(source, partition_blocks=size // BLOCK_SIZE,
+                                     parallelism=parallelism))
+            session.execute(delete(SyncPartition).where(SyncPartition.job_id == self.job_id,
+                                                        SyncPartition.table_name == name))
+            for p in parts:
+                session.add(SyncPartition(
+                    job_id=self.job_id, subscription_id=ctx.subscription_id, table_name=name,
+                    partition_no=p.partition_no,
+                    lower=f"{p.relation}:{p.first_block}",
+                    upper=None if p.end_block is None else f"{p.relation}:{p.end_block}",
+                    state="pending", rows=0, snapshot_lsn=snap.consistent_lsn.value))
+            # A previous failure stays visible (table.error) until this copy finished.
+            table.sync_state, table.rows_copied = SyncState.COPY, 0
+            table.rows_total = source.estimated_rows
+            self._set_table_state(job, name, attempt=snap.attempt, prepared=False,
+                                  deferred_indexes=deferred, partitions_total=len(parts),
+                                  partitions_done=0, binary=None, freeze=freeze)
+            self._update_totals(session, job, ctx)
+        if deferred:
+            self._deferred[name] = deferred
+        drop_indexes(tgt, target, deferred)
+        empty_target(tgt, target)
+        forget_markers(tgt, ctx.subscription_id, name)
+        with self._owned() as (_, job):
+            self._set_table_state(job, name, prepared=True)
+        return freeze
+
+    def _partitions_to_copy(self, ctx: _Context, snap: ExportedSnapshot, names: list[str],
+                            tgt: psycopg.Connection[Any]
+                            ) -> tuple[list[CopyPartition], dict[tuple[str, int], int]]:
+        done = copied_partitions(tgt, ctx.subscription_id, snap.attempt)
+        todo: list[CopyPartition] = []
+        with self._owned() as (session, _):
+            rows = session.scalars(select(SyncPartition).where(
+                SyncPartition.job_id == self.job_id, SyncPartition.table_name.in_(names))
+                .order_by(SyncPartition.table_name, SyncPartition.partition_no)).all()
+            for p in rows:
+                if (p.table_name, p.partition_no) in done:
+                    continue
+                relation, _, first = (p.lower or ":0").rpartition(":")
+                end = None if p.upper is None else int(p.upper.rpartition(":")[2])
+                todo.append(CopyPartition(p.table_name, relation, p.partition_no, int(first),
+                                          end))
+        return todo, done
+
+    def _record_copied(self, ctx: _Context, names: list[str],
+                       copied: dict[tuple[str, int], int]) -> None:
+        """Progress: partitions whose rows committed at the target (from its markers)."""
+        if self._recorded is not None and self._recorded == len(copied):
+            return  # markers only ever grow: nothing new
+        self._recorded = len(copied)
+        with self._owned() as (session, job):
+            rows = session.scalars(select(SyncPartition).where(
+                SyncPartition.job_id == self.job_id,
+                SyncPartition.table_name.in_(names))).all()
+            per_table: dict[str, list[int]] = {n: [0, 0] for n in names}
+            for p in rows:
+                got = copied.get((p.table_name, p.partition_no))
+                if got is not None and p.state != "done":
+                    p.state, p.rows, p.finished_at = "done", got, utcnow()
+                if p.state == "done":
+                    per_table[p.table_name][0] += p.rows
+                    per_table[p.table_name][1] += 1
+            tables = self._tables(session, ctx)
+            for name, (done_rows, done_parts) in per_table.items():
+                if tables[name].sync_state == SyncState.COPY:
+                    tables[name].rows_copied = done_rows
+                self._set_table_state(job, name, partitions_done=done_parts)
+            self._update_totals(session, job, ctx)
+
+    def _update_totals(self, session: Session, job: Job, ctx: _Context) -> None:
+        tables = self._tables(session, ctx).values()
+        job.progress_done = sum(t.rows_copied for t in tables)
+        job.progress_total = sum(max(t.rows_total or 0, t.rows_copied) for t in tables)
+
+    def _finish_table(self, ctx: _Context, snap: ExportedSnapshot, source: SourceTable,
+                      target: TargetTable, tgt: psycopg.Connection[Any], *,
+                      own_slot: bool) -> None:
+        """All partitions copied: rebuild deferred indexes, verify if asked, ``catchup``."""
+        name = source.table
+        with self._owned() as (session, job):
+            pending = session.scalar(select(SyncPartition.id).where(
+                SyncPartition.job_id == self.job_id, SyncPartition.table_name == name,
+                SyncPartition.state != "done").limit(1))
+            if pending is not None:
+                raise _Retry(f"{name}: partitions left to copy")
+            deferred = list(self._table_state(job, name).get("deferred_indexes") or [])
+        try:
+            with self._timed("indexes"):
+                restore_indexes(tgt, name, deferred)
+        except psycopg.errors.IntegrityError as exc:
+            raise SyncError(f"{name}: cannot rebuild a deferred index or constraint: "
+                            f"{str(exc).strip()}", code=ErrorCode.INDEX_REBUILD_FAILED) from None
+        self._deferred.pop(name, None)
+        verify = self._after_table(ctx, snap, name, source, target)
+        with self._owned() as (session, job):
+            table = self._tables(session, ctx)[name]
+            total = sum(p.rows for p in session.scalars(select(SyncPartition).where(
+                SyncPartition.job_id == self.job_id, SyncPartition.table_name == name)))
+            table.sync_state, table.error = SyncState.CATCHUP, None
+            table.sync_lsn = snap.consistent_lsn.value
+            table.rows_copied = table.rows_total = total
+            if not own_slot:
+                table.sync_slot = None
+            self._set_table_state(job, name, deferred_indexes=[], finished=True)
+            if verify is not None:
+                results = dict(job.details.get("verify_results") or {})
+                results[name] = verify
+                job.details = {**job.details, "verify_results": results}
+            self._update_totals(session, job, ctx)
+        forget_markers(tgt, ctx.subscription_id, name)
+
+    # -- resync: let the stream stop applying first -----------------------------------------
+    def _wait_for_apply_to_notice(self, ctx: _Context) -> None:
+        """A consume cycle that loaded the table's route before it left ``ready`` could
+        still write it; the copy starts only once no cycle that old is running (no lock, a
+        stale lock, or a lock taken after the change)."""
+        with self._owned() as (_, job):
+            since = job.details["routes_changed_at"]
+        from datetime import datetime
+
+        changed = datetime.fromisoformat(since)
+        limit = self.settings.consume_cycle_seconds + 2 * self.settings.consumer_lease_seconds
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            with self.sessions() as session:
+                lock = session.get(ConsumerLock, ctx.subscription_id)
+                if (lock is None or utcnow() - lock.heartbeat_at > self.lease
+                        or lock.acquired_at > changed):
+                    return
+            if self._keeper is not None and self._keeper.lost.is_set():
+                raise _Lost("lost the job's lease")
+            time.sleep(0.5)
+        raise _Retry("the subscription's consumer did not start a new cycle in time")
+
+    # -- the end -----------------------------------------------------------------------------
+    def _finish(self, ctx: _Context) -> None:
+        start_stream = False
+        with self._owned() as (session, job):
+            sub = session.get(Subscription, ctx.subscription_id)
+            assert sub is not None
+            if sub.state in (SubscriptionState.INITIALIZING, SubscriptionState.SYNCING):
+                # The initial sync is over once every table of the subscription has its
+                # copy (a run for some tables leaves the others in init: still syncing).
+                if all(t.sync_state in (SyncState.CATCHUP, SyncState.READY) for t in sub.tables):
+                    sub.state = (SubscriptionState.STREAMING if sub.enabled
+                                 else SubscriptionState.PAUSED)
+                    start_stream = sub.enabled
+                else:
+                    sub.state = SubscriptionState.SYNCING
+            job.state, job.finished_at, job.error = JobState.DONE, utcnow(), None
+            job.details = {**job.details, "timings": {k: round(v, 3)
+                                                      for k, v in self.timings.items()}}
+            results = job.details.get("verify_results")
+            if results is not None:
+                differences = [r for r in results.values() if not r["match"]]
+                job.details = {**job.details, "verify_result": {
+                    "ok": not differences, "tables": list(results.values()),
+                    "differences": differences}}
+        if start_stream:
+            dispatch.consume_cycle(self.settings, ctx.subscription_id)
+
+    def _fail(self, message: str, code: str) -> None:
+        """The job failed for good: recorded on the job, on each of its tables not yet
+        copied (``error``: the stream skips them, the sync watchdog retries them past the
+        initial sync) and, for an initial sync, on the subscription."""
+        message = scrub_secrets(message)
+        with contextlib.suppress(_Lost), self._owned() as (session, job):
+            job.state, job.finished_at = JobState.FAILED, utcnow()
+            job.error = message
+            job.details = {**job.details, "error_code": code}
+            sub = session.get(Subscription, job.subscription_id) if job.subscription_id else None
+            if sub is not None:
+                names = set(job.details.get("tables") or [t.table_name for t in sub.tables])
+                failed = [t for t in sub.tables
+                          if t.table_name in names and t.sync_state in ("init", "copy")]
+                for t in failed:
+                    t.error = f"{job.kind} failed: {message}"
+                if failed:
+                    sub.stats = {**sub.stats,
+                                 "sync_errors": int(sub.stats.get("sync_errors", 0)) + 1}
+            if (sub is not None and job.kind == "initial_sync"
+                    and sub.state in (SubscriptionState.INITIALIZING, SubscriptionState.SYNCING)):
+                sub.state, sub.error = SubscriptionState.ERROR, f"initial sync failed: {message}"
+        self._restore_deferred_indexes()
+
+    def _restore_deferred_indexes(self) -> None:
+        """A failed job must not leave a table without its indexes (best effort: the
+        definitions stay recorded in the job if this fails too)."""
+        try:
+            ctx = self._context_unowned()
+            if ctx is None:
+                return
+            with self.sessions() as session:
+                job = session.get(Job, self.job_id)
+                states = dict((job.details.get("table_state") or {}) if job else {})
+            with psycopg.connect(secure_conninfo(ctx.target_dsn, purpose=Purpose.STREAM),
+                                 autocommit=True,
+                                 connect_timeout=self.settings.connect_timeout) as tgt:
+                for name, state in states.items():
+                    if state.get("deferred_indexes"):
+                        restore_indexes(tgt, name, state["deferred_indexes"])
+        except Exception as exc:
+            log.warning("sync job %s: could not rebuild deferred indexes: %s", self.job_id,
+                        scrub_secrets(str(exc)))
+
+    def _context_unowned(self) -> _Context | None:
+        with self.sessions() as session:
+            job = session.get(Job, self.job_id)
+            sub = session.get(Subscription, job.subscription_id) if job and \
+                job.subscription_id else None
+            if job is None or sub is None:
+                return None
+            target = session.get(Target, sub.target_id)
+            assert target is not None
+            return _Context(sub.id, job.kind, [], "", self._box.decrypt(target.dsn_encrypted),
+                            sub.enabled, [], False, False)
+
+    def _retry(self, message: str) -> RunOutcome:
+        message = scrub_secrets(message)
+        with self._owned() as (_, job):
+            attempts = int(job.details.get("attempts", 0)) + 1
+            job.details = {**job.details, "attempts": attempts, "last_error": message}
+            if attempts >= MAX_ATTEMPTS:
+                failed = True
+            else:
+                failed = False
+                job.state, job.owner, job.heartbeat_at = JobState.QUEUED, None, utcnow()
+        if failed:
+            self._fail(f"{message} (after {MAX_ATTEMPTS} attempts)", ErrorCode.SYNC_FAILED)
+            return RunOutcome("failed", message)
+        log.warning("sync job %s: %s; retrying (attempt %d)", self.job_id, message, attempts)
+        return RunOutcome("retry", message, retry_in=min(60.0, 5.0 * attempts))
+
+    def _gone(self) -> bool:
+        """The job or its subscription was deleted (not merely taken over)."""
+        with self.sessions() as session:
+            job = session.get(Job, self.job_id)
+            return job is None or job.subscription_id is None or session.get(
+                Subscription, job.subscription_id) is None
+
+    def _rebuild_remembered_indexes(self) -> None:
+        if not self._deferred or self._target_dsn is None:
+            return
+        try:
+            with psycopg.connect(secure_conninfo(self._target_dsn, purpose=Purpose.STREAM),
+                                 autocommit=True,
+                                 connect_timeout=self.settings.connect_timeout) as tgt:
+                for name, defs in self._deferred.items():
+                    restore_indexes(tgt, name, defs)
+        except Exception as exc:
+            log.warning("sync job %s: could not rebuild deferred indexes: %s", self.job_id,
+                        scrub_secrets(str(exc)))
+
+    def _cancel_spark(self) -> None:
+        with contextlib.suppress(Exception):
+            self._spark_factory().sparkContext.cancelJobGroup(self._group)
