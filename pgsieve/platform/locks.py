@@ -25,14 +25,15 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.models import ConsumerLock, utcnow
+from pgsieve.platform.settings import Settings
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
 
-LEASE = timedelta(seconds=30)
-CONSUMER_LEASE = timedelta(seconds=30)
-"""A consumer whose heartbeat is older than this is considered gone (its lock lapses);
-``PGSIEVE_CONSUMER_LEASE_SECONDS`` overrides it where a Settings object is at hand."""
+CONSUMER_LEASE = timedelta(seconds=Settings.model_fields["consumer_lease_seconds"].default)
+"""A consumer whose heartbeat is older than this is considered gone (its lock lapses):
+the default of ``PGSIEVE_CONSUMER_LEASE_SECONDS``, which callers holding a Settings
+object pass instead (one setting, one rule: :func:`consumer_alive`)."""
 
 
 def consumer_alive(heartbeat_at: datetime | None, now: datetime,
@@ -53,7 +54,8 @@ def rowcount(session: Session, statement: Any) -> int:
 
 
 def try_acquire(
-    sessions: sessionmaker[Session], subscription_id: str, owner: str, lease: timedelta = LEASE
+    sessions: sessionmaker[Session], subscription_id: str, owner: str,
+    lease: timedelta = CONSUMER_LEASE,
 ) -> bool:
     """Take the subscription's consumer lock if it is free, stale, or already ours."""
     with sessions() as session:
@@ -110,7 +112,7 @@ class LeaseKeeper:
     lease (a metadata store that is down), so the work stops before it writes anything."""
 
     def __init__(self, renew: Callable[[], bool], what: str, every: float = HEARTBEAT_EVERY,
-                 lease: timedelta = LEASE) -> None:
+                 lease: timedelta = CONSUMER_LEASE) -> None:
         self.renew = renew
         self.what = what
         self.every = every
@@ -152,7 +154,7 @@ class LockKeeper(LeaseKeeper):
         subscription_id: str,
         owner: str,
         every: float = HEARTBEAT_EVERY,
-        lease: timedelta = LEASE,
+        lease: timedelta = CONSUMER_LEASE,
     ) -> None:
         super().__init__(lambda: renew(sessions, subscription_id, owner),
                          f"the consumer lock of {subscription_id}", every, lease)
