@@ -8,19 +8,15 @@ without a valid token is refused before its body is read); :func:`authorize`, on
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated
 
-import psycopg
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from pgsieve.api.roles import required_role
-from pgsieve.platform import pgserver
 from pgsieve.platform.credentials import SecretBox
-from pgsieve.platform.errors import ErrorCode, NotFound, PgsieveError
-from pgsieve.platform.models import Source, Subscription, Target
+from pgsieve.platform.errors import ErrorCode, PgsieveError
 from pgsieve.platform.settings import Settings
 from pgsieve.security.tokens import Principal, Role
 
@@ -97,38 +93,3 @@ SessionDep = Annotated[Session, Depends(get_session)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SecretBoxDep = Annotated[SecretBox, Depends(get_secret_box)]
 PrincipalDep = Annotated[Principal, Depends(current_principal)]
-
-
-def load_source(session: Session, source_id: str) -> Source:
-    source = session.get(Source, source_id)
-    if source is None:
-        raise NotFound(f"no source with id '{source_id}'", code=ErrorCode.SOURCE_NOT_FOUND)
-    return source
-
-
-@contextmanager
-def source_connection(
-    source: Source, settings: Settings, box: SecretBox, **kwargs: Any
-) -> Iterator[psycopg.Connection[Any]]:
-    """A short-lived connection to a registered source (4xx ``source_unreachable``)."""
-    with pgserver.connect(
-        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout,
-        policy=settings.connection_policy(), statement_timeout_ms=settings.statement_timeout_ms,
-        **kwargs,
-    ) as conn:
-        yield conn
-
-
-def load_target(session: Session, target_id: str) -> Target:
-    target = session.get(Target, target_id)
-    if target is None:
-        raise NotFound(f"no target with id '{target_id}'", code=ErrorCode.TARGET_NOT_FOUND)
-    return target
-
-
-def load_subscription(session: Session, subscription_id: str) -> Subscription:
-    sub = session.get(Subscription, subscription_id)
-    if sub is None:
-        raise NotFound(f"no subscription with id '{subscription_id}'",
-                       code=ErrorCode.SUBSCRIPTION_NOT_FOUND)
-    return sub

@@ -13,16 +13,7 @@ from psycopg.rows import tuple_row
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pgsieve.api.deps import (
-    PrincipalDep,
-    SecretBoxDep,
-    SessionDep,
-    SettingsDep,
-    load_source,
-    load_subscription,
-    may_see_rows,
-    source_connection,
-)
+from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
 from pgsieve.api.schemas.filters import (
     IMAGES_KEPT_PER_TABLE,
     FilterPreviewRequest,
@@ -30,6 +21,7 @@ from pgsieve.api.schemas.filters import (
 )
 from pgsieve.api.schemas.publications import AnyPublicationName
 from pgsieve.platform.errors import ErrorCode, Unprocessable, Unreachable
+from pgsieve.platform.lookups import load_source, load_subscription, source_connection
 from pgsieve.platform.models import Subscription, UpdateImage
 from pgsieve.publications.catalog import (
     catalog_snapshot,

@@ -25,16 +25,7 @@ from psycopg.rows import tuple_row
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pgsieve.api.deps import (
-    SecretBoxDep,
-    SessionDep,
-    SettingsDep,
-    load_source,
-    load_subscription,
-    load_target,
-    source_connection,
-)
-from pgsieve.api.routers.subscriptions import published_relations
+from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
 from pgsieve.api.schemas.jobs import (
     JobOut,
     RefreshRequest,
@@ -45,10 +36,12 @@ from pgsieve.api.schemas.jobs import (
 from pgsieve.apply.target import check_target_tables
 from pgsieve.platform import dispatch
 from pgsieve.platform.errors import Conflict, ErrorCode, NotFound, Unprocessable
+from pgsieve.platform.lookups import load_source, load_subscription, load_target, source_connection
 from pgsieve.platform.models import Job, Subscription, SubscriptionTable, SyncPartition
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SyncState
 from pgsieve.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
+from pgsieve.subscriptions.service import published_relations
 from pgsieve.sync.syncjob import active_sync_job, add_sync_job, initial_sync_pending
 from pgsieve.sync.tablesync import drop_sync_slot
 

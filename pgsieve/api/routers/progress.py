@@ -7,17 +7,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from pgsieve.api.deps import (
-    SecretBoxDep,
-    SessionDep,
-    SettingsDep,
-    load_source,
-    load_subscription,
-)
+from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
 from pgsieve.api.schemas.progress import ProgressHistory, ProgressOut, SourceHealthOut
 from pgsieve.monitoring import observe
 from pgsieve.monitoring.progress import HISTORY_RESOLUTION, HISTORY_RETENTION
 from pgsieve.platform.errors import ErrorCode, Unprocessable
+from pgsieve.platform.lookups import load_source, load_subscription
 from pgsieve.platform.models import utcnow
 
 router = APIRouter(tags=["progress"])

@@ -17,7 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source, source_connection
+from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
 from pgsieve.api.schemas.publications import (
     AnyPublicationName,
     PublicationCreate,
@@ -29,6 +29,7 @@ from pgsieve.api.schemas.publications import (
 )
 from pgsieve.platform import dispatch
 from pgsieve.platform.errors import Conflict, ErrorCode, NotFound
+from pgsieve.platform.lookups import load_source, source_connection
 from pgsieve.platform.models import Publication as PublicationRow
 from pgsieve.platform.models import PublicationTable, Source, Subscription
 from pgsieve.publications.catalog import (

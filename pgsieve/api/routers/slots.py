@@ -8,18 +8,13 @@ from typing import Any
 from fastapi import APIRouter, Response, status
 from sqlalchemy import delete
 
-from pgsieve.api.deps import (
-    SecretBoxDep,
-    SessionDep,
-    SettingsDep,
-    load_source,
-    source_connection,
-)
+from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
 from pgsieve.api.schemas.progress import SlotHealthOut
 from pgsieve.api.schemas.slots import SlotCreate, SlotOut
 from pgsieve.monitoring import observe
 from pgsieve.platform import pgserver
 from pgsieve.platform.errors import ErrorCode, NotFound
+from pgsieve.platform.lookups import load_source, source_connection
 from pgsieve.platform.models import Slot
 from pgsieve.platform.settings import Settings
 

@@ -8,10 +8,11 @@ from fastapi import APIRouter, Response, status
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_source
+from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
 from pgsieve.api.schemas.connections import SourceCreate, SourceOut
 from pgsieve.platform.credentials import SecretBox, dsn_summary, mask_dsn, parse_dsn
 from pgsieve.platform.errors import Conflict, ErrorCode
+from pgsieve.platform.lookups import load_source
 from pgsieve.platform.models import Source, Subscription
 from pgsieve.platform.pgserver import check_source, connect, inspect_server
 

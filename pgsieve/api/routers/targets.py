@@ -8,10 +8,11 @@ from fastapi import APIRouter, Response, status
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep, load_target
+from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
 from pgsieve.api.schemas.connections import TargetCreate, TargetOut
 from pgsieve.platform.credentials import SecretBox, dsn_summary, mask_dsn, parse_dsn
 from pgsieve.platform.errors import Conflict, ErrorCode, Unprocessable
+from pgsieve.platform.lookups import load_target
 from pgsieve.platform.models import Subscription, Target
 from pgsieve.platform.pgserver import check_server_version, connect, inspect_server
 
