@@ -25,11 +25,16 @@ check: deps
 	$(BIN)/mypy
 	$(BIN)/pytest tests/unit -q
 
+# Two pytest-xdist workers, each with its own PostgreSQL clusters and Spark session; a
+# file's tests stay on one worker (module fixtures, ordered scenarios). TEST_WORKERS=0
+# runs them in this process.
+TEST_WORKERS ?= 2
+
 test: deps
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The randomized fault-injection runs at full size (make test runs 8 of them).
 test-slow: deps
