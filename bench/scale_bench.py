@@ -29,7 +29,6 @@ import os
 import random
 import secrets
 import shutil
-import sqlite3
 import statistics
 import subprocess
 import sys
@@ -43,8 +42,10 @@ from typing import Any
 import psycopg
 import redis
 from fastapi.testclient import TestClient
+from sqlalchemy import text
 
 from pgsieve.api.app import create_app
+from pgsieve.platform.db import engine_for
 from pgsieve.platform.migrate import upgrade
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.platform.settings import Settings
@@ -194,7 +195,9 @@ def add_probe_rows(c: LocalCluster, prefix: str, tenants: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def deployment(root: Path, tenants: list[int], native: bool) -> Iterator[dict[str, Any]]:
+def deployment(root: Path, tenants: list[int], native: bool,
+               worker_settings: dict[str, str], metadata: str = "sqlite"
+               ) -> Iterator[dict[str, Any]]:
     n = len(tenants)
     clusters = {"source": cluster(root, "source", n), "target": cluster(root, "target", n)}
     if native:
@@ -223,7 +226,12 @@ def deployment(root: Path, tenants: list[int], native: bool) -> Iterator[dict[st
 
         assert redis.Redis.from_url(REDIS_URL).ping()
         queue = f"pgsieve-scale-{secrets.token_hex(6)}"  # a queue of its own: no flush
-        db_url = f"sqlite:///{root / 'meta.db'}"
+        if metadata == "postgres":  # the metadata store in a database of the target cluster
+            create_dbs(clusters["target"], ["pgsieve_meta"])
+            db_url = clusters["target"].dsn("pgsieve_meta").replace(
+                "postgresql://", "postgresql+psycopg://", 1)
+        else:
+            db_url = f"sqlite:///{root / 'meta.db'}"
         upgrade(db_url)
         settings = Settings(home=root / "home", database_url=db_url, broker_url=REDIS_URL,
                             api_token=TOKEN, secret_key=SECRET_KEY, celery_queue=queue,
@@ -233,6 +241,7 @@ def deployment(root: Path, tenants: list[int], native: bool) -> Iterator[dict[st
                     "PGSIEVE_BROKER_URL": REDIS_URL, "PGSIEVE_API_TOKEN": TOKEN,
                     "PGSIEVE_SECRET_KEY": SECRET_KEY, "PGSIEVE_CELERY_QUEUE": queue,
                     "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1"})
+        env.update(worker_settings)  # --set NAME=VALUE: explore a setting (defaults otherwise)
         with TestClient(create_app(settings)) as client:
             client.headers["Authorization"] = f"Bearer {TOKEN}"
             sid = client.post("/api/v1/sources", json={"name": "s", "dsn": src}).json()["id"]
@@ -249,15 +258,15 @@ def deployment(root: Path, tenants: list[int], native: bool) -> Iterator[dict[st
         deadline = time.monotonic() + 120
         held = 0
         while time.monotonic() < deadline:
-            with contextlib.closing(sqlite3.connect(root / "meta.db")) as db:
-                held = db.execute("SELECT count(*) FROM consumer_locks").fetchone()[0]
+            with engine_for(db_url).connect() as db:
+                held = db.execute(text("SELECT count(*) FROM consumer_locks")).scalar_one()
             if held >= n:
                 break
             time.sleep(0.5)
         else:
             raise RuntimeError(f"the worker holds only {held} of {n} subscriptions "
                                f"(log: {root / 'worker.log'})")
-        yield {"clusters": clusters, "src": src, "worker": worker}
+        yield {"clusters": clusters, "src": src, "worker": worker, "db_url": db_url}
     finally:
         if worker is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -275,13 +284,15 @@ def deployment(root: Path, tenants: list[int], native: bool) -> Iterator[dict[st
             each.destroy()
 
 
-def scheduler_report(root: Path) -> dict[str, Any]:
+def scheduler_report(db_url: str) -> dict[str, Any]:
     """What the worker's scheduler last reported with its heartbeat."""
     import json
 
-    with contextlib.closing(sqlite3.connect(root / "meta.db")) as db:
-        for (details,) in db.execute("SELECT details FROM worker_heartbeats"):
-            report = json.loads(details).get("scheduler")
+    with engine_for(db_url).connect() as db:
+        for (details,) in db.execute(text("SELECT details FROM worker_heartbeats")):
+            if not isinstance(details, dict):
+                details = json.loads(details)
+            report = details.get("scheduler")
             if report:
                 return dict(report)
     return {}
@@ -352,7 +363,8 @@ def busy(n: int, args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix=f"pgsieve-scale-{n}-"))
     root.chmod(0o755)
     try:
-        with deployment(root, tenants, not args.no_native) as d:
+        with deployment(root, tenants, not args.no_native, worker_settings(args),
+                        args.metadata) as d:
             clusters = d["clusters"]
             watcher = Watcher(clusters, d["src"])
             watcher.worker_pgrp = d["worker"].pid
@@ -373,7 +385,9 @@ def busy(n: int, args: argparse.Namespace) -> None:
             stop.set()
             prober.join()
             watcher.finish()
-            report = scheduler_report(root)
+            report = scheduler_report(d["db_url"])
+        print(f"\nmetadata store: {args.metadata}; worker settings: "
+              f"{' '.join(args.set) or 'defaults'}", end="")
         print(f"\n### N = {n} subscriptions, {args.seconds:.0f} s at {args.rate:,.0f} "
               f"changes/s ({done / elapsed:,.0f} achieved), warm-up {args.warmup:.0f} s "
               "excluded\n")
@@ -411,7 +425,8 @@ def idle(m: int, args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix=f"pgsieve-idle-{m}-"))
     root.chmod(0o755)
     try:
-        with deployment(root, tenants, native=False) as d:
+        with deployment(root, tenants, False, worker_settings(args),
+                        args.metadata) as d:
             watcher = Watcher(d["clusters"], d["src"])
             watcher.worker_pgrp = d["worker"].pid
             watcher.start()
@@ -424,7 +439,7 @@ def idle(m: int, args: argparse.Namespace) -> None:
             elapsed = time.monotonic() - t0
             watcher.sample()
             watcher.finish()
-            report = scheduler_report(root)
+            report = scheduler_report(d["db_url"])
             with psycopg.connect(d["src"], autocommit=True) as conn:
                 row = conn.execute(
                     "SELECT max(pg_wal_lsn_diff(pg_current_wal_lsn(), restart_lsn)), "
@@ -443,6 +458,14 @@ def idle(m: int, args: argparse.Namespace) -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
+def worker_settings(args: argparse.Namespace) -> dict[str, str]:
+    out = {}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        out[f"PGSIEVE_{name.upper()}"] = value
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--subscriptions", default="10,50,100",
@@ -453,6 +476,11 @@ def main() -> None:
     parser.add_argument("--idle", type=int, default=200, help="idle subscriptions (0: skip)")
     parser.add_argument("--idle-seconds", type=float, default=60)
     parser.add_argument("--no-native", action="store_true")
+    parser.add_argument("--metadata", choices=["sqlite", "postgres"], default="sqlite",
+                        help="the metadata store: a SQLite file, or a PostgreSQL database")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a worker setting, e.g. --set SCHEDULER_THREADS=8 "
+                             "(PGSIEVE_NAME; the worker runs at its defaults otherwise)")
     args = parser.parse_args()
     for n in [int(x) for x in args.subscriptions.split(",") if x.strip()]:
         busy(n, args)

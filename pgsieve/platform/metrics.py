@@ -63,7 +63,9 @@ def observe(histogram: dict[str, Any] | None, bounds: Sequence[float],
             counts[i] += 1
             break
     return {
-        "le": le,
+        # JSON has no infinity (PostgreSQL's json type refuses it): the last bound is
+        # stored as Prometheus spells it; float("+Inf") reads it back.
+        "le": ["+Inf" if math.isinf(b) else b for b in le],
         "counts": counts,
         "sum": float((histogram or {}).get("sum", 0.0)) + value,
         "count": int((histogram or {}).get("count", 0)) + 1,
@@ -90,9 +92,10 @@ def record_batch(session: Session, subscription_id: str, seconds: float, changes
 
 def _prom_buckets(histogram: dict[str, Any]) -> list[tuple[str, float]]:
     cumulative, out = 0, []
-    for bound, count in zip(histogram["le"], histogram["counts"], strict=True):
+    for stored, count in zip(histogram["le"], histogram["counts"], strict=True):
+        bound = float(stored)
         cumulative += int(count)
-        out.append(("+Inf" if math.isinf(bound) else repr(float(bound)), float(cumulative)))
+        out.append(("+Inf" if math.isinf(bound) else repr(bound), float(cumulative)))
     if not out or out[-1][0] != "+Inf":
         out.append(("+Inf", float(histogram.get("count", cumulative))))
     return out

@@ -108,11 +108,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
 
 
 @contextlib.contextmanager
-def pipeline_env(tmp: Path, **settings_over: Any) -> Iterator[PipelineEnv]:
+def pipeline_env(tmp: Path, *, metadata_url: str | None = None,
+                 **settings_over: Any) -> Iterator[PipelineEnv]:
+    """``metadata_url``: a migrated metadata store to use (a PostgreSQL database);
+    otherwise a SQLite file copied from the migrated template."""
     broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
     # A queue of its own: suites running side by side on one Redis never share tasks.
     queue = f"pgsieve-test-{uuid.uuid4().hex[:12]}"
-    db_url = migrated_sqlite(tmp / "meta.db")
+    db_url = metadata_url or migrated_sqlite(tmp / "meta.db")
     knobs = {"consume_cycle_seconds": 8.0, "consumer_lease_seconds": 6.0,
              "consumer_heartbeat_seconds": 1.0, "restart_pipelines_seconds": 2.0,
              **settings_over}
