@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 from prometheus_client.parser import text_string_to_metric_families
@@ -39,7 +40,7 @@ from tests.integration.pipeline_env import (
 TENANTS = 20
 SCHEMA = "CREATE TABLE public.ev (tenant int, id bigint, val text, PRIMARY KEY (tenant, id))"
 # The goals at defaults (takeover 4 s, heartbeat 2 s, sweep 2 s).
-DEFAULTS = {"consumer_heartbeat_seconds": 2.0, "consumer_lease_seconds": 30.0}
+DEFAULTS: dict[str, Any] = {"consumer_heartbeat_seconds": 2.0, "consumer_lease_seconds": 30.0}
 
 
 class Tenants:
