@@ -80,6 +80,9 @@ def api(
                 access_log=False, log_config=None)
 
 
+WORKER_SWITCH_INTERVAL = 0.0005
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def worker(ctx: typer.Context) -> None:
     """A Celery worker (extra arguments go to ``celery worker``)."""
@@ -89,6 +92,11 @@ def worker(ctx: typer.Context) -> None:
     _require_secrets("worker")
     _logging()
     arm()  # crash tests only (PGSIEVE_FAULTS); nothing otherwise
+    # A worker's threads mostly wait on PostgreSQL; each return from a wait needs the GIL,
+    # and with the default 5 ms switch interval a thread running Python (decoding, a
+    # plan) makes every returning one wait up to 5 ms — per round trip. 0.5 ms cut a
+    # scheduler turn by a third with 10 subscriptions (bench/scale_bench.py).
+    sys.setswitchinterval(WORKER_SWITCH_INTERVAL)
     # Workers coordinate through the metadata store (leases, jobs), never through Celery's
     # worker-to-worker messages: mingle would only add a second to every start.
     argv = ["worker", "--loglevel=INFO", "--pool=threads", "--concurrency=4",

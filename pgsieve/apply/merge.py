@@ -119,10 +119,11 @@ def merge(
         if recorded is None or end > recorded:
             writer.write_applied(conn, end, batch.commit_lsn, batch.commit_time)
         for st in staged.values():
-            conn.execute(sql.SQL("TRUNCATE {}").format(sql.Identifier(SCHEMA, st.name)))
+            writer.empty_stage(conn, st.name, st.summary.rows)
         # Everything is staged and merged, the applied LSN written: a crash now must
         # leave the target exactly as before the batch (the crash tests stop here).
         fault_point("apply.before_commit")
+    writer.stages_emptied([st.name for st in staged.values()])
     return outcome
 
 

@@ -21,6 +21,7 @@ import contextlib
 import hashlib
 import logging
 import secrets
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
@@ -42,6 +43,12 @@ from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
+
+STAGE_TRUNCATE_AFTER_ROWS = 20_000
+"""A staging table emptied with DELETE is TRUNCATEd once this many dead rows add up."""
+SHAPE_TTL_SECONDS = 5.0
+"""Target table shapes are read again after this long (or when a batch fails on them)."""
+"""A staging table emptied with DELETE is TRUNCATEd once this many dead rows add up."""
 
 SCHEMA = "pgsieve"
 APPLIED_TABLE = "applied"
@@ -151,7 +158,10 @@ class TargetWriter:
         self.token = secrets.token_hex(3)
         self._sub_tag = hashlib.sha1(subscription_id.encode()).hexdigest()[:10]  # noqa: S324
         self._tables: dict[str, TargetTable] = {}
+        self._shapes_read_at = 0.0
         self._staging: dict[int, tuple[str, tuple[Any, ...]]] = {}
+        self._stages_empty: set[str] = set()
+        self._stage_dead_rows: dict[str, int] = {}
         self._replica_role: bool | None = None
 
     # -- connection details for Spark tasks (never logged) ------------------------------
@@ -239,8 +249,17 @@ class TargetWriter:
 
     # -- target tables -----------------------------------------------------------------------
     def invalidate(self) -> None:
-        """Forget cached table shapes (read again on next use): once per batch."""
+        """Forget cached table shapes (read again on next use)."""
         self._tables.clear()
+        self._shapes_read_at = time.monotonic()
+
+    def refresh_shapes(self) -> bool:
+        """Forget the cached shapes once they are ``SHAPE_TTL_SECONDS`` old; whether they
+        were (a batch on fresh shapes need not retry on a catalog error)."""
+        if time.monotonic() - self._shapes_read_at < SHAPE_TTL_SECONDS and self._tables:
+            return False
+        self.invalidate()
+        return True
 
     def table(self, name: str) -> TargetTable:
         """The shape of a target table (``schema.name``); raises :class:`TableMissing`."""
@@ -328,7 +347,11 @@ class TargetWriter:
         name = f"stage_{self._sub_tag}_{table.oid}_{self.token}"
         ident = sql.Identifier(SCHEMA, name)
         if cached is not None and cached[1] == signature:
-            self.conn.execute(sql.SQL("TRUNCATE {}").format(ident))
+            if name in self._stages_empty:  # emptied by the last merge, which committed
+                self._stages_empty.discard(name)
+            else:
+                self.conn.execute(sql.SQL("TRUNCATE {}").format(ident))
+                self._stage_dead_rows[name] = 0
             return name
 
         def column(label: str, c: TargetColumn) -> sql.Composable:
@@ -348,6 +371,25 @@ class TargetWriter:
                 ident, sql.SQL(", ").join(defs)))
         self._staging[table.oid] = (name, signature)
         return name
+
+    def empty_stage(self, conn: psycopg.Connection[Any], name: str, rows: int) -> None:
+        """Empty a staging table inside the merge's transaction. A small one is emptied
+        with DELETE: TRUNCATE swaps the table's files and drops its buffers (a scan of all
+        of shared_buffers at commit), a cost that dominated small batches with many
+        subscriptions. TRUNCATE once the dead rows add up (autovacuum is off for staging
+        tables, so nothing else reclaims them)."""
+        ident = sql.Identifier(SCHEMA, name)
+        dead = self._stage_dead_rows.get(name, 0) + rows
+        if dead > STAGE_TRUNCATE_AFTER_ROWS:
+            conn.execute(sql.SQL("TRUNCATE {}").format(ident))
+            dead = 0
+        else:
+            conn.execute(sql.SQL("DELETE FROM {}").format(ident))
+        self._stage_dead_rows[name] = dead
+
+    def stages_emptied(self, names: Sequence[str]) -> None:
+        """The merge that emptied these committed: the next batch needs no TRUNCATE."""
+        self._stages_empty.update(names)
 
     def staging_columns(self, table: TargetTable, key_positions: Sequence[int]) -> list[str]:
         return [*META_COLUMNS, *(f"o{i}" for i in range(len(key_positions))),

@@ -26,6 +26,8 @@ import os
 import time
 from typing import Any
 
+import psycopg
+
 from pgsieve.apply.batch import ApplyBatch, ApplyResult
 from pgsieve.apply.driver import fetch_pending, resolver, stage_in_driver
 from pgsieve.apply.merge import merge
@@ -80,10 +82,29 @@ def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
     :class:`~pgsieve.apply.batch.TableStopped` or
     :class:`~pgsieve.apply.batch.ApplyFenced`; nothing is committed then.
     ``distributed`` forces (True) or forbids (False) the Spark path; None chooses by size.
+
+    Target table shapes are read at most every few seconds (four catalog queries per
+    table were a good part of a small batch); a batch that fails on shapes read earlier
+    is applied once more with shapes read now, so a change at the target (a dropped
+    table, a new column) is seen by the first batch that meets it.
     """
+    fresh = writer.refresh_shapes()
+    try:
+        return _apply_batch(spark, batch, writer, distributed)
+    except psycopg.errors.IntegrityError:
+        raise
+    except psycopg.Error:
+        if fresh:
+            raise
+        log.info("batch failed on target shapes read earlier: reading them again")
+        writer.invalidate()
+        return _apply_batch(spark, batch, writer, distributed)
+
+
+def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
+                 distributed: bool | None) -> ApplyResult:
     timings: dict[str, float] = {}
     started = t = time.perf_counter()
-    writer.invalidate()
     expected = writer.applied_lsn()
     if distributed is None:
         distributed, why = choose_apply_path(spark, batch.change_count)

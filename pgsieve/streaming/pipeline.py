@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal, Protocol
 
 import psycopg
-from sqlalchemy import delete, select
+from sqlalchemy import delete, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.apply.batch import (
@@ -85,6 +85,8 @@ CONTROL_EVERY = 1.0
 """How often a cycle re-reads its subscription (disabled? deleted?) and table states."""
 SOURCE_LSN_EVERY = 2.0
 IDLE_RECORD_EVERY = 5.0
+SHOW_PENDING_CHANGES = 5_000
+"""A batch this big records what it holds before it applies (see _before_apply)."""
 """How often an idle position is recorded at the target and confirmed (WAL release)."""
 
 WORKER_STOPPING = threading.Event()
@@ -419,6 +421,8 @@ class _StreamRun:
         self._idle_recorded_at = 0.0
         self._noted_at = 0.0
         self._source_lsn: Lsn | None = None
+        self._last_apply_seconds = 0.0
+        self._images_since_trim: dict[str, int] = {}
 
     def stream(self, deadline: float) -> CycleOutcome:
         try:
@@ -578,7 +582,8 @@ class _StreamRun:
             on_conflict=self.on_conflict,  # type: ignore[arg-type]
             skip_lsn=self.skip_lsn,
         )
-        self._before_apply(txns)
+        if batch.change_count >= SHOW_PENDING_CHANGES or self._last_apply_seconds >= 1.0:
+            self._before_apply(txns)
         fault_point("cycle.before_apply")
 
         started = time.monotonic()
@@ -702,11 +707,14 @@ class _StreamRun:
         self.consumer.confirm(result.end_lsn)
         self.batches += 1
         self.changes += result.changes
-        self._after_apply(result, time.monotonic() - started)
+        self._last_apply_seconds = time.monotonic() - started
+        self._after_apply(result, self._last_apply_seconds)
 
     def _before_apply(self, txns: list[Transaction]) -> None:
-        """Show what is pending while a (possibly long) batch applies: lag seconds count
-        from the oldest commit not yet at the target."""
+        """Show what is pending while a long batch applies: lag seconds count from the
+        oldest commit not yet at the target. Only for batches that take a while (big, or
+        the last one was slow): for the rest it would be a metadata commit per batch that
+        nobody sees before the batch's own."""
         stats = self.consumer.stats
         with self.cycle.sessions() as session:
             sub = session.get(Subscription, self.cycle.subscription_id)
@@ -781,23 +789,29 @@ class _StreamRun:
             session.commit()
 
     def _keep_update_images(self, session: Session, result: ApplyResult) -> None:
+        """Keep the latest UPDATE images per table for the update preview: one bulk
+        insert per batch; the table's oldest beyond the window are deleted once a quarter
+        of a window was added since the last trim (so at most 1.25 windows are stored, and
+        a busy stream does not pay a DELETE per batch)."""
         if not result.update_images:
             return
-        tables = set()
+        sub_id = self.cycle.subscription_id
+        rows = [{"subscription_id": sub_id, "table_name": image.table, "lsn": image.lsn.value,
+                 "old_kind": image.old_kind, "old": image.old, "new": image.new}
+                for image in result.update_images[-UPDATE_IMAGE_WINDOW:]]
+        session.execute(insert(UpdateImage), rows)
         for image in result.update_images[-UPDATE_IMAGE_WINDOW:]:
-            tables.add(image.table)
-            session.add(UpdateImage(
-                subscription_id=self.cycle.subscription_id, table_name=image.table,
-                lsn=image.lsn.value, old_kind=image.old_kind, old=image.old, new=image.new,
-            ))
-        session.flush()
-        for table in tables:
+            self._images_since_trim[image.table] = self._images_since_trim.get(image.table, 0) + 1
+        for table, added in list(self._images_since_trim.items()):
+            if added < UPDATE_IMAGE_WINDOW // 4:
+                continue
+            self._images_since_trim[table] = 0
             keep = select(UpdateImage.id).where(
-                UpdateImage.subscription_id == self.cycle.subscription_id,
+                UpdateImage.subscription_id == sub_id,
                 UpdateImage.table_name == table,
             ).order_by(UpdateImage.id.desc()).limit(UPDATE_IMAGE_WINDOW)
             session.execute(delete(UpdateImage).where(
-                UpdateImage.subscription_id == self.cycle.subscription_id,
+                UpdateImage.subscription_id == sub_id,
                 UpdateImage.table_name == table,
                 UpdateImage.id.not_in(keep.scalar_subquery()),
             ))
