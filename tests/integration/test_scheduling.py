@@ -108,8 +108,9 @@ class Tenants:
 
 @contextlib.contextmanager
 def tenants(tmp_path: Path, source: Database, native: Database, subscriber: LocalCluster,
-            count: int = TENANTS) -> Iterator[Tenants]:
-    with contextlib.ExitStack() as stack, pipeline_env(tmp_path, **DEFAULTS) as env:
+            count: int = TENANTS, **settings: Any) -> Iterator[Tenants]:
+    knobs = {**DEFAULTS, **settings}
+    with contextlib.ExitStack() as stack, pipeline_env(tmp_path, **knobs) as env:
         t = Tenants(env, source, native, stack, subscriber)
         for k in range(count):
             t.subscribe(k)
@@ -332,7 +333,10 @@ def test_a_warm_shutdown_hands_its_subscriptions_over(
     """SIGTERM (a drain, a deploy): the worker ends its turns, lets go of what it holds
     and hands it over — the other worker applies them again within seconds, no takeover
     time to wait out."""
-    with tenants(tmp_path, source_db, native_db, subscriber, count=6) as t:
+    # No takeover can happen within the test's window (a lock unrenewed for 60 s): what
+    # applies again in it was handed over, not taken over.
+    with tenants(tmp_path, source_db, native_db, subscriber, count=6,
+                 consumer_takeover_seconds=60.0) as t:
         leaving = t.env.start_worker("leaving")
         t.env.start_worker("staying")
         wait_until(t.all_held, 60, "the workers to hold every subscription", t.env)
@@ -352,7 +356,8 @@ def test_a_warm_shutdown_hands_its_subscriptions_over(
         moved = {sid: watch.first_move_after(sid, stopped) for sid in mine}
         print("applying again after the warm shutdown (s):",
               sorted(v or 0.0 for v in moved.values()))
-        assert max(v or 0.0 for v in moved.values()) <= 5.0, moved
+        # Typically 1–2 s (up to 5 on a loaded machine); a takeover would need 60 s.
+        assert max(v or 0.0 for v in moved.values()) <= 15.0, moved
         wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
 
 
