@@ -336,3 +336,41 @@ def test_background_applier_keeps_order_and_records_each_batch(pair: Pair):
     assert [r.end_lsn for r in done] == sorted(r.end_lsn for r in done)
     assert pair.writer.applied_lsn() == done[-1].end_lsn
     pair.assert_same("t1")
+
+
+def _stage_filenodes(db: Database) -> dict[str, int]:
+    return {str(name): int(str(node)) for name, node in db.query(
+        "SELECT c.relname, pg_relation_filenode(c.oid) FROM pg_class c "
+        "JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = 'pgsieve' AND c.relname LIKE 'stage%'")}
+
+
+def test_staging_tables_are_reused_emptied_and_truncated_once_dead_rows_add_up(pair: Pair):
+    """Batch after batch through one writer: each starts on an empty staging table; the
+    merge empties a small one with DELETE (its file stays) and TRUNCATEs once 20,000
+    dead rows add up (a new file); the target equals native's throughout. A column added
+    at the target between batches is seen by the next batch (shapes cached, retried)."""
+    pair.setup("CREATE TABLE t (id int PRIMARY KEY, v text); "
+               "CREATE PUBLICATION p FOR TABLE t;", tables=["public.t"])
+    pair.run("INSERT INTO t SELECT g, 'a' FROM generate_series(1, 12000) g")
+    pair.apply()
+    first = _stage_filenodes(pair.target)
+    assert len(first) == 1
+    stage = next(iter(first))
+    assert pair.target.query(f"SELECT count(*) FROM pgsieve.{stage}")[0][0] == 0
+    pair.run("UPDATE t SET v = 'b' WHERE id <= 5000")
+    pair.apply()  # 12,000 + 5,000 dead rows: still DELETE, the same file
+    assert _stage_filenodes(pair.target) == first
+    pair.run("DELETE FROM t WHERE id > 6000")
+    pair.apply()  # past 20,000: TRUNCATE, a new file
+    third = _stage_filenodes(pair.target)
+    assert third.keys() == first.keys() and third[stage] != first[stage]
+    assert pair.target.query(f"SELECT count(*) FROM pgsieve.{stage}")[0][0] == 0
+    # A column the target gained since its shape was read: the next batch still applies
+    # every source column (the default fills the new one).
+    pair.target.execute("ALTER TABLE t ADD COLUMN note text DEFAULT 'target-only'")
+    pair.run("INSERT INTO t VALUES (7001, 'c')")
+    pair.apply()
+    assert pair.target.query("SELECT v, note FROM t WHERE id = 7001") == [("c", "target-only")]
+    pair.target.execute("ALTER TABLE t DROP COLUMN note")
+    pair.assert_same("t")
