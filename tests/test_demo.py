@@ -126,8 +126,8 @@ def test_demo_runs_and_ctrl_c_stops_everything(demo_home: Path):
         assert f"&next=/subscriptions/{sub_id}" in banner
         first = api.get(f"/subscriptions/{sub_id}/progress").json()
         assert first["source_lsn"] and first["source_reachable"], first
-        orders = {t["table"]: t for t in first["tables"]}["public.orders"]
-        assert orders["rows_copied"] > 6000, orders
+        # The copy's rows may be at the target a moment before the job records how many
+        # (it commits them first): the count is checked once the table is handed over.
         applied: list[Lsn] = []
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
@@ -142,6 +142,7 @@ def test_demo_runs_and_ctrl_c_stops_everything(demo_home: Path):
         else:
             pytest.fail(f"the demo's progress never moved: {first} -> {later}")
         assert applied == sorted(applied), "the applied LSN only moves forward"
+        assert orders["rows_copied"] > 6000, orders
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics",
                             headers={"Authorization": f"Bearer {token}"}).text
         changes = [sample.value for family in text_string_to_metric_families(metrics)
