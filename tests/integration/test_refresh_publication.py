@@ -200,10 +200,18 @@ def test_refresh_publication_on_a_running_subscription_ends_identical_to_native(
                                     sorted(theirs - ours)[:20])
         want = set(rows(source_db, "extra WHERE kind <> 'noise'"))
         ours = set(rows(target_db, "extra"))
-        assert ours == want, ("extra differs from the source's filtered rows",
-                              "not at the target:", sorted(want - ours)[:20],
-                              "only at the target:", sorted(ours - want)[:20],
-                              "native lacks:", sorted(want - set(rows(native_db, "extra")))[:20])
+        native_rows = set(rows(native_db, "extra"))
+        # The oracle is native (asserted equal above). Native itself can end without some
+        # changes made around the ALTER PUBLICATION … ADD TABLE while writes run (PostgreSQL
+        # 15 decodes a transaction in progress at the ALTER with the old publication
+        # state); then pgsieve must lose exactly the same, and did (the equality above).
+        if native_rows == want:
+            assert ours == want, ("extra differs from the source's filtered rows",
+                                  "not at the target:", sorted(want - ours)[:20],
+                                  "only at the target:", sorted(ours - want)[:20])
+        else:
+            print("native also ends without", len(want - native_rows), "of the source's "
+                  "rows of extra; pgsieve ends identical to native")
         # gone: its rows stay at the target, later changes do not come.
         assert len(rows(target_db, "gone")) == 200
         assert rows(target_db, "gone WHERE val = 'not published any more'") == []
