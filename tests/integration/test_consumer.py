@@ -176,10 +176,22 @@ def test_mixed_workload_equals_the_workload(source_db: Database, kind: str):
         assert consumer.stats.spilled_transactions >= 1, "the big transactions should spill"
     finally:
         consumer.close()
+    _slot_released(source_db)
     # Confirmed: the slot moved to the last commit, so a new reader sees nothing old.
     rest, again = consume_all(_transport(kind, source_db), 1, timeout=2)
     again.close()
     assert rest == []
+
+
+def _slot_released(db: Database, timeout: float = 15.0) -> None:
+    """Wait until no backend holds the slot: a closed walsender session's process can
+    outlive its connection for a moment, and a new reader (another transport here) is
+    refused while it does — as one consumer per slot requires."""
+    deadline = time.monotonic() + timeout
+    while db.query("SELECT count(*) FROM pg_replication_slots "
+                   "WHERE database = current_database() AND active")[0][0]:
+        assert time.monotonic() < deadline, "the slot stayed active after its reader closed"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("kind", ["sql", "sql-split", "walsender"])
@@ -191,6 +203,7 @@ def test_unconfirmed_changes_are_sent_again(source_db: Database, kind: str):
     consumer.close()
     assert got == expected
     slot = source_db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots")[0][0]
+    _slot_released(source_db)
     got2, consumer2 = consume_all(_transport(kind, source_db), len(expected))
     consumer2.close()
     assert got2 == expected
