@@ -150,6 +150,11 @@ class Settings(BaseSettings):
     turn_seconds: float = Field(
         default=1.0, gt=0, le=600, description="reading time of one turn at most",
     )
+    push_max_backlog_bytes: int = Field(
+        default=64 << 20, ge=1 << 20,
+        description="transport auto: a held-open replication session reads a stream "
+        "within this much WAL of the source; one further behind is read in SQL windows",
+    )
     idle_poll_seconds: float = Field(
         default=0.5, gt=0, le=60,
         description="how soon a subscription whose turn found nothing looks again",

@@ -74,6 +74,7 @@ from pgsieve.streaming.transports import (
     WalsenderTransport,
     max_proto_version,
 )
+from pgsieve.streaming.turnreader import TurnReader
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 
@@ -122,15 +123,22 @@ class LeaseHolder(Protocol):
 
 @dataclass
 class OpenStream:
-    """A subscription's open stream: the target writer, the slot's transport, the run."""
+    """A subscription's open stream: the target writer and the run (which reads the slot
+    through its consumer's transport)."""
 
     writer: Any
-    transport: Transport
     run: _StreamRun
+
+    @property
+    def transport(self) -> Transport:
+        return self.run.consumer.transport
 
     def close(self) -> None:
         try:
-            self.transport.close()
+            if self.run.reader is not None:
+                self.run.reader.close()
+            else:
+                self.transport.close()
         except Exception as exc:  # a connection already gone
             log.debug("closing the transport: %s", exc)
         finally:
@@ -265,7 +273,8 @@ class ConsumeCycle:
                 binary=bool(options.get("binary", False)),
                 streaming=bool(options.get("streaming", True)),
             )
-            transport = self._transport(options.get("transport", "sql"), source_dsn, slot,
+            kind = str(options.get("transport", "auto"))
+            transport = self._transport("sql" if kind == "auto" else kind, source_dsn, slot,
                                         pg_options, window_bytes)
         except (psycopg.OperationalError, TransportError) as exc:
             writer.close()
@@ -275,10 +284,14 @@ class ConsumeCycle:
             raise
         consumer = SlotConsumer(transport, proto_version=proto, resume_after=applied,
                                 spill_dir=self._spill_dir())
+        reader = None if window_bytes is None else TurnReader(
+            consumer, kind,
+            lambda k: self._transport(k, source_dsn, slot, pg_options, window_bytes),
+            max_push_backlog=self.settings.push_max_backlog_bytes)
         run = _StreamRun(self, consumer, writer, source_dsn, options, keeper,
                          control_every=control_every, source_lsn=source_lsn,
-                         on_routes_changed=on_routes_changed)
-        return OpenStream(writer, transport, run)
+                         on_routes_changed=on_routes_changed, reader=reader)
+        return OpenStream(writer, run)
 
     def outcome_of(self, exc: psycopg.OperationalError | TransportError) -> CycleOutcome:
         """What a connection or transport failure means: the slot or a publication is
@@ -298,7 +311,8 @@ class ConsumeCycle:
     def _transport(self, kind: str, dsn: str, slot: str, options: PgoutputOptions,
                    window_bytes: int | None = None) -> Transport:
         if kind == "walsender":
-            return WalsenderTransport(dsn, slot, options)
+            # A scheduler's turns (window_bytes set) share one session held open.
+            return WalsenderTransport(dsn, slot, options, held_open=window_bytes is not None)
         if window_bytes is None:
             return SqlTransport(dsn, slot, options)
         # A turn reads one bounded window: no second backend for it (a split window is
@@ -399,8 +413,10 @@ class _StreamRun:
                  source_dsn: str, options: dict[str, Any], keeper: LeaseHolder, *,
                  control_every: float = CONTROL_EVERY,
                  source_lsn: Callable[[], Lsn | None] | None = None,
-                 on_routes_changed: Callable[[], None] | None = None) -> None:
+                 on_routes_changed: Callable[[], None] | None = None,
+                 reader: TurnReader | None = None) -> None:
         self.cycle = cycle
+        self.reader = reader
         self.control_every = control_every
         self._read_source_lsn = source_lsn
         self._on_routes_changed = on_routes_changed
@@ -423,6 +439,8 @@ class _StreamRun:
         self._source_lsn: Lsn | None = None
         self._last_apply_seconds = 0.0
         self._images_since_trim: dict[str, int] = {}
+        self.drained = False
+        """The last turn ended because nothing more had arrived (not at its deadline)."""
 
     def stream(self, deadline: float) -> CycleOutcome:
         try:
@@ -469,8 +487,12 @@ class _StreamRun:
         if not self.enabled:
             raise _Stop(CycleOutcome("stopped", "disabled", self.batches, self.changes))
         worked = False
+        self.drained = False
+        reader = self.reader
+        read = (reader.turn_items(deadline) if reader is not None
+                else contextlib.closing(self.consumer.items(deadline, quiet=True)))
         try:
-            with contextlib.closing(self.consumer.items(deadline, quiet=True)) as items:
+            with read as items:
                 for item in items:
                     now = time.monotonic()
                     if isinstance(item, Transaction):
@@ -484,8 +506,10 @@ class _StreamRun:
                         if len(self.batcher):
                             self._flush()
                         self._record_idle(item.lsn, now)
+                        self.drained = True
                         break
                     if isinstance(item, Quiet):  # the window is read: the turn is over
+                        self.drained = True
                         break
                     if self.keeper.lost.is_set() or WORKER_STOPPING.is_set():
                         break
@@ -497,6 +521,8 @@ class _StreamRun:
         if self.keeper.lost.is_set():
             raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
                                      self.changes))
+        if reader is not None:
+            reader.after_turn(self._current_source_lsn(time.monotonic()))
         return worked
 
     # -- between batches ---------------------------------------------------------------

@@ -65,6 +65,7 @@ from pgsieve.streaming.pipeline import (
     OpenStream,
     _Stop,
 )
+from pgsieve.streaming.pushwaits import PUSH_REARM_FIRST, PushWaits
 from pgsieve.streaming.transports import TransportError
 from pgsieve.wire.lsn import Lsn
 
@@ -90,6 +91,13 @@ class _Held:
     stream: OpenStream | None = None
     turn_mutex: threading.Lock = field(default_factory=threading.Lock)
     """Held while a turn runs: letting go of the subscription waits for it."""
+    seq: int = 0
+    """The ready-queue entry that counts; older entries of it are stale."""
+    running: bool = False
+    generation: int = 0
+    """Turns started: a wake-up armed by an earlier turn is void."""
+    idle_streak: int = 0
+    """Turns in a row that found nothing (the wake-up is armed later each time)."""
 
 
 @dataclass
@@ -127,13 +135,17 @@ class Scheduler:
         self._turns = 0
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._push_waits = PushWaits(self._woken, self._armable)
+        self._pushed_fallback = max(self.settings.idle_poll_seconds,
+                                    self.settings.consumer_heartbeat_seconds)
 
     # -- life cycle ----------------------------------------------------------------------
     def start(self) -> None:
         loops: list[tuple[str, Callable[[], None]]] = [
             (f"pgsieve-turns-{i}", self._runner) for i in range(self.settings.scheduler_threads)]
         loops += [("pgsieve-lock-heartbeat", self._heartbeat),
-                  ("pgsieve-sweep", self._sweep_loop)]
+                  ("pgsieve-sweep", self._sweep_loop),
+                  ("pgsieve-push", lambda: self._push_waits.run(self._stopping))]
         for name, target in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -146,6 +158,7 @@ class Scheduler:
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
+        self._push_waits.wake()
         deadline = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
@@ -299,7 +312,12 @@ class Scheduler:
 
     # -- turns ---------------------------------------------------------------------------
     def _push(self, subscription_id: str, due: float) -> None:
+        """Queue the subscription's next turn (call with ``_cond`` held); an entry queued
+        before for it is void."""
         self._seq += 1
+        held = self._held.get(subscription_id)
+        if held is not None:
+            held.seq = self._seq
         heapq.heappush(self._ready, (due, self._seq, subscription_id))
         self._cond.notify()
 
@@ -308,10 +326,13 @@ class Scheduler:
             while not self._stopping.is_set():
                 now = time.monotonic()
                 if self._ready and self._ready[0][0] <= now:
-                    due, _, subscription_id = heapq.heappop(self._ready)
+                    due, seq, subscription_id = heapq.heappop(self._ready)
                     held = self._held.get(subscription_id)
-                    if held is None or held.stream is None:
+                    if (held is None or held.stream is None or held.seq != seq
+                            or held.running):
                         continue
+                    held.running = True
+                    held.generation += 1
                     return held, due
                 timeout = self._ready[0][0] - now if self._ready else None
                 self._cond.wait(timeout)
@@ -347,11 +368,49 @@ class Scheduler:
             return
         if self._stopping.is_set() or WORKER_STOPPING.is_set():
             return  # stop() lets go of it
+        self._requeue(held, worked)
+
+    def _requeue(self, held: _Held, worked: bool) -> None:
+        """After a turn. Read through SQL windows, or stopped before it read everything
+        that had arrived: due again now if it found work, else after the idle poll. Read
+        through a held-open session and drained: the server's push wakes it (armed at
+        once after work, later after each turn that found nothing — a stream of
+        keepalives alone must not keep a runner busy), with a turn every
+        ``_pushed_fallback`` seconds anyway (reload its routes, record its idle position)."""
         now = time.monotonic()
+        stream = held.stream
+        fileno = (stream.run.reader.fileno()
+                  if stream is not None and stream.run.reader is not None else None)
+        pushed = fileno is not None and stream is not None and stream.run.drained
         with self._cond:
-            if held.subscription_id in self._held:
+            held.running = False
+            if self._held.get(held.subscription_id) is not held:
+                return
+            held.idle_streak = 0 if worked else held.idle_streak + 1
+            if not pushed:
                 self._push(held.subscription_id,
                            now if worked else now + self.settings.idle_poll_seconds)
+                return
+            self._push(held.subscription_id, now + self._pushed_fallback)
+            generation = held.generation
+        assert fileno is not None
+        delay = 0.0 if worked else min(self.settings.idle_poll_seconds,
+                                       PUSH_REARM_FIRST * 2 ** (held.idle_streak - 1))
+        self._push_waits.arm(now + delay, held.subscription_id, generation, fileno)
+
+    def _woken(self, subscription_id: str, generation: int) -> None:
+        """The server pushed something to a parked subscription: its turn is due now."""
+        with self._cond:
+            held = self._held.get(subscription_id)
+            if (held is not None and held.generation == generation and not held.running
+                    and not self._stopping.is_set()):
+                self._push(subscription_id, time.monotonic())
+
+    def _armable(self, subscription_id: str, generation: int) -> bool:
+        with self._cond:
+            held = self._held.get(subscription_id)
+            return (held is not None and held.generation == generation
+                    and not held.running)
 
     def _failure(self, held: _Held, exc: Exception) -> CycleOutcome:
         """What a turn's failure means (recorded on the subscription): the slot gone

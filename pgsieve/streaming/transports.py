@@ -137,6 +137,7 @@ _WALSENDER_BATCH = 4096  # messages handed over as one batch, at most
 _WALSENDER_BATCH_BYTES = 4 << 20  # ... and bytes (the batch is reached past this)
 _WALSENDER_LINGER = 0.002  # seconds to wait for the next message of a batch
 _WALSENDER_HOLD = 0.05  # seconds a batch may wait for more messages in all
+_OWN_PREVIOUS_WAIT = 5.0  # a held-open stream waits this long for its own old walsender
 
 
 class _TooLarge(Exception):
@@ -185,6 +186,9 @@ class SqlTransport:
         self._idle: Lsn | None = None
         self._peeking = False
         self._pending_confirm: Lsn | None = None
+        self.reached_end = False
+        """The last window read reached the flushed end of WAL (the stream is caught
+        up): a turn's reader may switch to a push stream (see streaming.turnreader)."""
         self._check_slot()
 
     def _open(self) -> psycopg.Connection[tuple[Any, ...]]:
@@ -230,6 +234,20 @@ class SqlTransport:
             raise TransportError(f"slot '{self.slot}' uses plugin {row[0]}, not pgoutput")
         self._confirmed = Lsn.parse(row[2])
 
+    def wait_released(self, timeout: float) -> bool:
+        """Wait (bounded) until no process streams the slot: a walsender of ours that
+        was just closed may hold it a moment longer, and a peek would fail meanwhile."""
+        deadline = time.monotonic() + timeout
+        while True:
+            row = self._conn.execute(
+                "SELECT active_pid FROM pg_replication_slots WHERE slot_name = %s",
+                (self.slot,)).fetchone()
+            if row is None or row[0] is None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
     def _wal_position(self) -> Lsn:
         """The *flushed* end of WAL: logical decoding reads only flushed WAL, so a window
         (and an idle position) reaching past it would skip transactions committed but
@@ -248,6 +266,7 @@ class SqlTransport:
             start = self._confirmed or Lsn(0)
             end = self._wal_position()
             upto = min(end, max(start, read_upto) + self._window)
+            self.reached_end = upto >= end
             if last_read == (start, upto) or upto <= start:
                 # (upto <= start: no WAL past the confirmed position, so a peek could
                 # return nothing — an idle subscription's poll costs one query.)
@@ -576,6 +595,7 @@ class WalsenderTransport:
         status_interval: float = 10.0,
         max_backoff: float = 30.0,
         max_attempts: int = 8,
+        held_open: bool = False,
     ) -> None:
         self.dsn = dsn
         self.slot = slot
@@ -583,6 +603,11 @@ class WalsenderTransport:
         self.status_interval = status_interval
         self.max_backoff = max_backoff
         self.max_attempts = max_attempts
+        self.held_open = held_open
+        """A scheduler's stream: one replication session lives across turns (the consumer
+        keeps iterating it), a read never waits (nothing buffered: IDLE at once), and a
+        broken session or a failed connect raises instead of sleeping a backoff in the
+        caller's turn (the scheduler retries the subscription)."""
         self._conn: Any = None
         self._cur: Any = None
         self._previous_pid: int | None = None
@@ -623,17 +648,35 @@ class WalsenderTransport:
         return (self._previous_pid is not None
                 and f"is active for PID {self._previous_pid}" in message)
 
+    def fileno(self) -> int | None:
+        """The replication connection's socket (to wait for the server's push), if open."""
+        if self._conn is None or self._conn.closed:
+            return None
+        try:
+            return int(self._conn.fileno())
+        except psycopg2.Error:
+            return None
+
     def sessions(self, deadline: float) -> Iterator[Iterator[SessionEntry]]:
         attempt = 0
+        own_wait_until = time.monotonic() + _OWN_PREVIOUS_WAIT
         while time.monotonic() < deadline:
             try:
                 self._connect()
             except psycopg2.Error as exc:
                 message = scrub_secrets(str(exc).strip())
-                if self._own_previous(message) and time.monotonic() < deadline:
+                # A held-open stream takes the slot under its advisory lock: a walsender
+                # still on it is a former holder's on its way out (a killed worker's).
+                if (time.monotonic() < deadline
+                        and (self._own_previous(message) if not self.held_open else
+                             "is active for PID" in message
+                             and time.monotonic() < own_wait_until)):
                     time.sleep(0.05)
                     continue
                 attempt += 1
+                if self.held_open:  # the scheduler decides when to try again
+                    raise TransportError(f"cannot stream slot '{self.slot}': {message}"
+                                         ) from None
                 if _permanent(exc) or attempt >= self.max_attempts:
                     raise TransportError(f"cannot stream slot '{self.slot}': {message}") from None
                 delay = min(self.max_backoff, 0.25 * 2**attempt)
@@ -644,6 +687,9 @@ class WalsenderTransport:
             session = _WalsenderSession(self, deadline)
             yield session.messages()
             self._disconnect()
+            if session.failed and self.held_open:
+                raise TransportError(f"the replication session of slot '{self.slot}' "
+                                     f"broke: {session.failed_with}")
             if session.failed:
                 self.reconnects += 1
                 time.sleep(min(self.max_backoff, 0.25 * 2 ** min(self.reconnects, 7)))
@@ -687,6 +733,7 @@ class _WalsenderSession:
         self.t = transport
         self.deadline = deadline
         self.failed = False
+        self.failed_with = ""
 
     def messages(self) -> Iterator[SessionEntry]:
         """The stream's messages, handed over packed as one MessageBatch of whatever
@@ -697,10 +744,15 @@ class _WalsenderSession:
         goes as it is."""
         cur = self.t._cur
         read = cur.read_message
+        held_open = self.t.held_open
+        linger = 0.0 if held_open else _WALSENDER_LINGER
         while time.monotonic() < self.deadline:
             try:
                 msg = read()
                 if msg is None:
+                    if held_open:  # nothing buffered: the caller's turn ends here
+                        yield IDLE
+                        continue
                     timeout = max(0.0, min(1.0, self.deadline - time.monotonic()))
                     ready, _, _ = select.select([cur], [], [], timeout)
                     if not ready:
@@ -714,7 +766,7 @@ class _WalsenderSession:
                 while count < _WALSENDER_BATCH and size < _WALSENDER_BATCH_BYTES:
                     msg = read()
                     if msg is None:  # more on its way? (a backlog arrives in bursts)
-                        if (not select.select([cur], [], [], _WALSENDER_LINGER)[0]
+                        if (not linger or not select.select([cur], [], [], linger)[0]
                                 or time.monotonic() > hold_until):
                             break
                         continue
@@ -725,7 +777,8 @@ class _WalsenderSession:
                     size += len(payload)
             except psycopg2.Error as exc:
                 # What was read but not handed over comes again after reconnecting.
-                log.warning("walsender stream broke: %s", scrub_secrets(str(exc).strip()))
+                self.failed_with = scrub_secrets(str(exc).strip())
+                log.warning("walsender stream broke: %s", self.failed_with)
                 self.failed = True
                 return
             if len(datas) == 1:

@@ -25,9 +25,10 @@ class SubscriptionOptions(StrictModel):
     batch_max_changes: int = Field(default=200_000, ge=1, le=10_000_000)
     batch_max_bytes: int = Field(default=128 << 20, ge=1 << 10, le=4 << 30)
     batch_max_wait_ms: int = Field(default=500, ge=0, le=600_000)
-    transport: Literal["sql", "walsender"] = Field(
-        default="sql",
-        description="how the slot is read: the SQL interface (never moves the slot by "
+    transport: Literal["auto", "sql", "walsender"] = Field(
+        default="auto",
+        description="how the slot is read: auto (a held-open walsender session while "
+        "caught up, SQL windows on a backlog), the SQL interface (never moves the slot by "
         "itself; fastest on backlogs) or the walsender protocol (push)",
     )
     binary: bool = Field(default=False, description="pgoutput binary mode")
@@ -52,7 +53,7 @@ class SubscriptionOptionsPatch(StrictModel):
     batch_max_changes: int | None = Field(default=None, ge=1, le=10_000_000)
     batch_max_bytes: int | None = Field(default=None, ge=1 << 10, le=4 << 30)
     batch_max_wait_ms: int | None = Field(default=None, ge=0, le=600_000)
-    transport: Literal["sql", "walsender"] | None = None
+    transport: Literal["auto", "sql", "walsender"] | None = None
     binary: bool | None = None
     streaming: bool | None = None
 

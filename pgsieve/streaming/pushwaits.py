@@ -1,0 +1,127 @@
+"""Waiting for the server's push on the sockets of parked subscriptions.
+
+A subscription read through a held-open replication session (see
+:mod:`.turnreader`) has nothing to do until its walsender sends something. Instead of
+polling each one, the scheduler *arms* its socket after a turn that drained it, and one
+thread waits on every armed socket at once (epoll through :mod:`selectors`). A readable
+socket disarms it (one shot) and makes its turn due. Arming may be delayed: a stream of
+keepalives alone makes a socket readable again and again, so a subscription whose turns
+keep finding nothing is armed later each time (the scheduler's back-off).
+
+Only this thread touches the selector; other threads queue requests and wake it
+through a socket pair. An armed socket closed meanwhile (the subscription was let go)
+costs one spurious wake-up at most: wake-ups carry the turn generation that armed them,
+and a stale one is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+PUSH_REARM_FIRST = 0.01
+"""After the first turn in a row that found nothing, the socket is armed this much
+later; the delay doubles with each further one, up to the idle poll."""
+
+Wake = Callable[[str, int], None]
+Armable = Callable[[str, int], bool]
+
+
+class PushWaits:
+    """One thread that turns readable sockets into due turns."""
+
+    def __init__(self, wake: Wake, armable: Armable) -> None:
+        self._on_wake = wake
+        self._armable = armable
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._mutex = threading.Lock()
+        self._pending: list[tuple[float, int, str, int, int]] = []  # (at, n, sub, gen, fd)
+        self._n = 0
+        self.wakeups = 0
+
+    def arm(self, at: float, subscription_id: str, generation: int, fileno: int) -> None:
+        """Wake ``subscription_id`` once ``fileno`` is readable, watching from ``at``."""
+        with self._mutex:
+            self._n += 1
+            heapq.heappush(self._pending, (at, self._n, subscription_id, generation, fileno))
+        self.wake()
+
+    def wake(self) -> None:
+        with contextlib.suppress(OSError):  # full (already woken) or closed
+            self._wake_w.send(b"\0")
+
+    def run(self, stopping: threading.Event) -> None:
+        while not stopping.is_set():
+            timeout = self._arm_due()
+            try:
+                events = self._selector.select(timeout)
+            except OSError as exc:  # a socket closed under us: drop what is stale
+                log.debug("waiting for pushes: %s", exc)
+                self._forget_closed()
+                continue
+            for key, _ in events:
+                if key.data is None:
+                    with contextlib.suppress(OSError):
+                        self._wake_r.recv(4096)
+                    continue
+                self._unregister(key.fd)
+                subscription_id, generation = key.data
+                self.wakeups += 1
+                self._on_wake(subscription_id, generation)
+        self.close()
+
+    def _arm_due(self) -> float:
+        """Arm what is due; returns how long the selector may wait."""
+        now = time.monotonic()
+        due: list[tuple[str, int, int]] = []
+        with self._mutex:
+            while self._pending and self._pending[0][0] <= now:
+                _, _, subscription_id, generation, fileno = heapq.heappop(self._pending)
+                due.append((subscription_id, generation, fileno))
+            timeout = min(1.0, self._pending[0][0] - now) if self._pending else 1.0
+        for subscription_id, generation, fileno in due:
+            if self._armable(subscription_id, generation):
+                self._register(fileno, (subscription_id, generation))
+        return max(0.0, timeout)
+
+    def _register(self, fileno: int, data: tuple[str, int]) -> None:
+        # A number still mapped is a closed socket's (it was let go while armed) or
+        # this subscription's own earlier arming: either way replace it.
+        self._unregister(fileno)
+        try:
+            self._selector.register(fileno, selectors.EVENT_READ, data)
+        except (OSError, ValueError) as exc:  # closed between the turn and now
+            log.debug("cannot watch socket %d: %s", fileno, exc)
+
+    def _unregister(self, fileno: int) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(fileno)
+
+    def _forget_closed(self) -> None:
+        for key in list(self._selector.get_map().values()):
+            if key.data is None:
+                continue
+            try:
+                os.fstat(key.fd)
+            except OSError:  # closed
+                self._unregister(key.fd)
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._selector.close()
+        for sock in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                sock.close()
