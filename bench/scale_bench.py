@@ -482,7 +482,7 @@ def main() -> None:
                         help="a worker setting, e.g. --set SCHEDULER_THREADS=8 "
                              "(PGSIEVE_NAME; the worker runs at its defaults otherwise)")
     args = parser.parse_args()
-    for n in [int(x) for x in args.subscriptions.split(",") if x.strip()]:
+    for n in [int(x) for x in args.subscriptions.split(",") if x.strip() and int(x) > 0]:
         busy(n, args)
     if args.idle:
         idle(args.idle, args)

@@ -65,6 +65,7 @@ from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.spark.apply import apply_batch
 from pgsieve.streaming.catchup import catch_up
+from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
 from pgsieve.streaming.transports import (
     PgoutputOptions,
@@ -86,6 +87,9 @@ CONTROL_EVERY = 1.0
 """How often a cycle re-reads its subscription (disabled? deleted?) and table states."""
 SOURCE_LSN_EVERY = 2.0
 IDLE_RECORD_EVERY = 5.0
+CONTROL_SAFETY_EVERY = 30.0
+"""A scheduler's stream re-reads its subscription at least this often (see
+``_StreamRun.control_on_request``)."""
 SHOW_PENDING_CHANGES = 5_000
 """A batch this big records what it holds before it applies (see _before_apply)."""
 """How often an idle position is recorded at the target and confirmed (WAL release)."""
@@ -441,6 +445,13 @@ class _StreamRun:
         self._images_since_trim: dict[str, int] = {}
         self.drained = False
         """The last turn ended because nothing more had arrived (not at its deadline)."""
+        self.note_sink: Callable[[CaughtUp], None] | None = None
+        """Where caught-up notes go instead of a metadata commit each (a scheduler)."""
+        self.control_on_request = False
+        """Re-read the subscription when :meth:`request_control` says it changed (a
+        scheduler watches every subscription it holds in one query per heartbeat), and
+        every ``CONTROL_SAFETY_EVERY`` anyway, instead of every ``control_every``."""
+        self._control_requested = False
 
     def stream(self, deadline: float) -> CycleOutcome:
         try:
@@ -482,7 +493,9 @@ class _StreamRun:
         was in it (work waits behind: take another turn soon). Raises :class:`_Stop`
         when the subscription must be let go (error, disabled, lease lost)."""
         now = time.monotonic()
-        if now - self._control_at >= self.control_every:
+        every = CONTROL_SAFETY_EVERY if self.control_on_request else self.control_every
+        if self._control_requested or now - self._control_at >= every:
+            self._control_requested = False
             self._control(now)
         if not self.enabled:
             raise _Stop(CycleOutcome("stopped", "disabled", self.batches, self.changes))
@@ -526,9 +539,15 @@ class _StreamRun:
         return worked
 
     # -- between batches ---------------------------------------------------------------
+    def request_control(self) -> None:
+        """The subscription or its tables changed: re-read them before the next turn."""
+        self._control_requested = True
+
     def _control(self, now: float) -> None:
         self._control_at = now
         routes, enabled, on_conflict, skip_lsn, catchup = self.cycle.load_routes()
+        # A table waiting for its catch-up is looked at again every turn until done.
+        self._control_requested = self._control_requested or catchup
         self.enabled, self.on_conflict, self.skip_lsn = enabled, on_conflict, skip_lsn
         if catchup and not len(self.batcher):
             self.cycle._catch_up_tables(self.writer.applied_lsn())
@@ -572,23 +591,13 @@ class _StreamRun:
 
     def _note_caught_up(self, now: float, lsn: Lsn | None) -> None:
         self._noted_at = now
-        source_lsn = self._current_source_lsn(now)
+        note = CaughtUp(self.cycle.subscription_id, lsn, self.consumer.stats.last_received,
+                        self._current_source_lsn(now))
+        if self.note_sink is not None:  # a scheduler writes them all in one transaction
+            self.note_sink(note)
+            return
         with self.cycle.sessions() as session:
-            sub = session.get(Subscription, self.cycle.subscription_id)
-            if sub is None:
-                return
-            if lsn is not None and (sub.applied_lsn is None or lsn.value > sub.applied_lsn):
-                sub.applied_lsn = lsn.value
-            # Everything up to the idle position was read: received is never behind applied.
-            received = self.consumer.stats.last_received
-            for seen in (lsn, received):
-                if seen is not None and (sub.received_lsn is None
-                                         or seen.value > sub.received_lsn):
-                    sub.received_lsn = seen.value
-            sub.oldest_unapplied_commit_ts = None
-            sub.caught_up_at = utcnow()
-            if source_lsn is not None:
-                sub.source_lsn = source_lsn.value
+            record_caught_up(session, note)
             session.commit()
 
     # -- applying ------------------------------------------------------------------------

@@ -54,10 +54,17 @@ from pgsieve.platform import dispatch
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.locks import AdvisoryLocks, release, renew_owned, touch, try_acquire
-from pgsieve.platform.models import ConsumerLock, Subscription, WorkerHeartbeat, utcnow
+from pgsieve.platform.models import (
+    ConsumerLock,
+    Subscription,
+    SubscriptionTable,
+    WorkerHeartbeat,
+    utcnow,
+)
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.spark.session import get_spark
+from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
 from pgsieve.streaming.pipeline import (
     WORKER_STOPPING,
     ConsumeCycle,
@@ -98,6 +105,8 @@ class _Held:
     """Turns started: a wake-up armed by an earlier turn is void."""
     idle_streak: int = 0
     """Turns in a row that found nothing (the wake-up is armed later each time)."""
+    fingerprint: int | None = None
+    """What its stream depends on in the metadata store, as last seen by the heartbeat."""
 
 
 @dataclass
@@ -135,6 +144,8 @@ class Scheduler:
         self._turns = 0
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._notes: dict[str, CaughtUp] = {}
+        self._notes_mutex = threading.Lock()
         self._push_waits = PushWaits(self._woken, self._armable)
         self._pushed_fallback = max(self.settings.idle_poll_seconds,
                                     self.settings.consumer_heartbeat_seconds)
@@ -249,6 +260,8 @@ class Scheduler:
                 self._retry_at[subscription_id] = time.monotonic() + RETRY_AFTER
             return opened.outcome
         held.stream = opened
+        opened.run.control_on_request = True
+        opened.run.note_sink = self._note
         with self._cond:
             stopping = self._stopping.is_set()
             if not stopping:
@@ -382,6 +395,9 @@ class Scheduler:
         fileno = (stream.run.reader.fileno()
                   if stream is not None and stream.run.reader is not None else None)
         pushed = fileno is not None and stream is not None and stream.run.drained
+        if worked:  # what it applied says more than a caught-up note from before
+            with self._notes_mutex:
+                self._notes.pop(held.subscription_id, None)
         with self._cond:
             held.running = False
             if self._held.get(held.subscription_id) is not held:
@@ -397,6 +413,10 @@ class Scheduler:
         delay = 0.0 if worked else min(self.settings.idle_poll_seconds,
                                        PUSH_REARM_FIRST * 2 ** (held.idle_streak - 1))
         self._push_waits.arm(now + delay, held.subscription_id, generation, fileno)
+
+    def _note(self, note: CaughtUp) -> None:
+        with self._notes_mutex:
+            self._notes[note.subscription_id] = note
 
     def _woken(self, subscription_id: str, generation: int) -> None:
         """The server pushed something to a parked subscription: its turn is due now."""
@@ -435,7 +455,7 @@ class Scheduler:
             with self._cond:
                 held = dict(self._held)
             try:
-                for subscription_id in self._beat(set(held)):
+                for subscription_id in self._beat(held):
                     log.warning("the consumer lock of %s was taken over", subscription_id)
                     held[subscription_id].lost.set()
             except Exception as exc:  # the advisory locks still guard the slots
@@ -461,12 +481,26 @@ class Scheduler:
                         del self._sources[dsn]
                 state.locks.close()
 
-    def _beat(self, held: set[str]) -> set[str]:
-        """One metadata transaction per period: renew every lock held (one UPDATE) and
-        the worker's own heartbeat with what the scheduler reports (``/metrics``, the
-        dashboard, and the other workers' fair share). Returns the locks lost."""
+    def _beat(self, held: dict[str, _Held]) -> set[str]:
+        """One metadata transaction per period: renew every lock held (one UPDATE), write
+        the caught-up notes of the idle subscriptions, look for changes to what the
+        streams depend on (two queries for all of them; a changed one re-reads itself
+        before its next turn), and the worker's own heartbeat with what the scheduler
+        reports (``/metrics``, the dashboard, the other workers' fair share). Returns
+        the locks lost."""
+        with self._notes_mutex:
+            notes, self._notes = self._notes, {}
         with self.sessions() as session:
-            lost = renew_owned(session, self.owner, held) if held else set()
+            lost = renew_owned(session, self.owner, set(held)) if held else set()
+            for note in notes.values():
+                if note.subscription_id in held:
+                    record_caught_up(session, note)
+            for subscription_id, fingerprint in stream_fingerprints(session, held).items():
+                h = held[subscription_id]
+                if h.fingerprint != fingerprint:
+                    h.fingerprint = fingerprint
+                    if h.stream is not None:
+                        h.stream.run.request_control()
             if self.worker is not None:
                 beat = session.get(WorkerHeartbeat, self.worker)
                 details = {"pid": os.getpid(), "scheduler": self.snapshot()}
@@ -587,6 +621,33 @@ class Scheduler:
             "busy_turns": len(busy),
             "idle_turns": len(recent) - len(busy),
         }
+
+
+def stream_fingerprints(session: Session, held: dict[str, _Held]) -> dict[str, int]:
+    """A hash per held subscription of what its stream reads from the metadata store
+    (enabled, state, on_conflict, skip_lsn, each table's sync state and LSN); a
+    subscription deleted meanwhile hashes as 0."""
+    ids = sorted(held)
+    out = dict.fromkeys(ids, 0)
+    parts: dict[str, list[Any]] = {sid: [] for sid in ids}
+    for start in range(0, len(ids), 500):  # SQLite's bound parameters
+        chunk = ids[start:start + 500]
+        for sid, enabled, state, skip_lsn, options in session.execute(
+                select(Subscription.id, Subscription.enabled, Subscription.state,
+                       Subscription.skip_lsn, Subscription.options)
+                .where(Subscription.id.in_(chunk))):
+            on_conflict = options.get("on_conflict") if isinstance(options, dict) else None
+            parts[sid].append((enabled, str(state), skip_lsn, on_conflict))
+        for sid, name, sync_state, sync_lsn in session.execute(
+                select(SubscriptionTable.subscription_id, SubscriptionTable.table_name,
+                       SubscriptionTable.sync_state, SubscriptionTable.sync_lsn)
+                .where(SubscriptionTable.subscription_id.in_(chunk))
+                .order_by(SubscriptionTable.subscription_id, SubscriptionTable.table_name)):
+            parts[sid].append((name, str(sync_state), sync_lsn))
+    for sid, items in parts.items():
+        if items:
+            out[sid] = hash(tuple(items)) or 1
+    return out
 
 
 def _quantile(ordered: list[float], q: float) -> float:
