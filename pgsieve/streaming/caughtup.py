@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pgsieve.platform.models import Subscription, utcnow
@@ -33,8 +34,22 @@ def record_caught_up(session: Session, note: CaughtUp) -> None:
     """Apply ``note`` to its subscription (positions only move forward); the caller
     commits."""
     sub = session.get(Subscription, note.subscription_id)
-    if sub is None:
-        return
+    if sub is not None:
+        _apply(sub, note)
+
+
+def record_caught_up_many(session: Session, notes: list[CaughtUp]) -> None:
+    """:func:`record_caught_up` for many subscriptions: one SELECT loads them all and
+    the flush sends their UPDATEs together."""
+    by_id = {note.subscription_id: note for note in notes}
+    ids = sorted(by_id)
+    for start in range(0, len(ids), 500):  # SQLite's bound parameters
+        for sub in session.scalars(select(Subscription).where(
+                Subscription.id.in_(ids[start:start + 500]))):
+            _apply(sub, by_id[sub.id])
+
+
+def _apply(sub: Subscription, note: CaughtUp) -> None:
     if note.applied is not None and (sub.applied_lsn is None
                                      or note.applied.value > sub.applied_lsn):
         sub.applied_lsn = note.applied.value

@@ -579,7 +579,9 @@ class _StreamRun:
         """Nothing is pending: record the idle position at the target, confirm it (so the
         slot releases WAL), and show lag 0."""
         if now - self._idle_recorded_at < IDLE_RECORD_EVERY:
-            if now - self._noted_at >= self.control_every:
+            # (A scheduler's stream notes it with each recorded idle position only: its
+            # notes are written together, and hundreds of them cost the heartbeat.)
+            if self.note_sink is None and now - self._noted_at >= self.control_every:
                 self._note_caught_up(now, None)
             return
         self._idle_recorded_at = now

@@ -64,7 +64,7 @@ from pgsieve.platform.models import (
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.spark.session import get_spark
-from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
+from pgsieve.streaming.caughtup import CaughtUp, record_caught_up_many
 from pgsieve.streaming.pipeline import (
     WORKER_STOPPING,
     ConsumeCycle,
@@ -492,9 +492,7 @@ class Scheduler:
             notes, self._notes = self._notes, {}
         with self.sessions() as session:
             lost = renew_owned(session, self.owner, set(held)) if held else set()
-            for note in notes.values():
-                if note.subscription_id in held:
-                    record_caught_up(session, note)
+            record_caught_up_many(session, [n for sid, n in notes.items() if sid in held])
             for subscription_id, fingerprint in stream_fingerprints(session, held).items():
                 h = held[subscription_id]
                 if h.fingerprint != fingerprint:
