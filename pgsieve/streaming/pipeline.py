@@ -280,6 +280,10 @@ class ConsumeCycle:
             kind = str(options.get("transport", "auto"))
             transport = self._transport("sql" if kind == "auto" else kind, source_dsn, slot,
                                         pg_options, window_bytes)
+            if window_bytes is not None and isinstance(transport, SqlTransport):
+                # Taken under the slot's advisory lock: a walsender still on the slot is
+                # a former holder's on its way out (a handover, a killed worker).
+                transport.wait_released(5.0)
         except (psycopg.OperationalError, TransportError) as exc:
             writer.close()
             return self.outcome_of(exc)

@@ -266,8 +266,9 @@ class SqlTransport:
             start = self._confirmed or Lsn(0)
             end = self._wal_position()
             upto = min(end, max(start, read_upto) + self._window)
-            self.reached_end = upto >= end
+            self.reached_end = False  # until a window up to the end has been read whole
             if last_read == (start, upto) or upto <= start:
+                self.reached_end = upto >= end
                 # (upto <= start: no WAL past the confirmed position, so a peek could
                 # return nothing — an idle subscription's poll costs one query.)
                 # A peek is a function of (confirmed, upto): the same window again would
@@ -281,12 +282,12 @@ class SqlTransport:
             middle = self._split_window(start, upto)
             if middle is None:
                 yield self._idle_at_end(self._read_window(start, upto, stats), stats, start,
-                                        upto)
+                                        upto, upto >= end)
             else:
                 try:
                     yield self._read_window(start, middle, stats)
                     yield self._idle_at_end(self._second_part(start, upto, stats), stats,
-                                            start, upto)
+                                            start, upto, upto >= end)
                 finally:
                     if self._helper_busy:  # the caller stopped reading: drop the copy
                         self._close_helper()
@@ -302,13 +303,14 @@ class SqlTransport:
                 self._window = self.window_bytes
 
     def _idle_at_end(self, session: Iterator[SessionEntry], stats: _WindowStats, start: Lsn,
-                     upto: Lsn) -> Iterator[SessionEntry]:
+                     upto: Lsn, to_the_end: bool) -> Iterator[SessionEntry]:
         """The window's entries, then — when nothing of ours commits in [confirmed, upto] —
         the idle marker, in the SAME session: once recorded and confirmed, the slot can
         move there and stop retaining WAL (in-progress transactions keep restart_lsn behind
         them, so nothing is lost). In the same session because a caller that takes one
         window per turn (the scheduler) stops reading when a session ends."""
         yield from session
+        self.reached_end = to_the_end  # read whole, up to the flushed end of WAL
         if stats.rows == 0:
             self._idle = upto if upto > start else None
             yield IDLE

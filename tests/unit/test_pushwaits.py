@@ -1,0 +1,107 @@
+"""The scheduler's push thread on real sockets: a readable armed socket makes its
+subscription's turn due once (one shot), an arming from an earlier turn is void, and a
+delayed arming does not watch the socket before its time."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pgsieve.streaming.pushwaits import PushWaits
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.woken: queue.Queue[tuple[str, int, float]] = queue.Queue()
+        self.generations: dict[str, int] = {}
+        self.waits = PushWaits(self._wake, self._armable)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.waits.run, args=(self.stopping,),
+                                       daemon=True)
+        self.thread.start()
+
+    def _wake(self, subscription_id: str, generation: int) -> None:
+        self.woken.put((subscription_id, generation, time.monotonic()))
+
+    def _armable(self, subscription_id: str, generation: int) -> bool:
+        return self.generations.get(subscription_id) == generation
+
+    def next_wake(self, timeout: float = 2.0) -> tuple[str, int, float] | None:
+        try:
+            return self.woken.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+@pytest.fixture
+def harness() -> Iterator[Harness]:
+    h = Harness()
+    yield h
+    h.stopping.set()
+    h.waits.wake()
+    h.thread.join(5)
+    assert not h.thread.is_alive()
+
+
+def pair() -> tuple[socket.socket, socket.socket]:
+    a, b = socket.socketpair()
+    return a, b
+
+
+def test_a_readable_socket_wakes_its_subscription_once(harness: Harness) -> None:
+    ours, server = pair()
+    harness.generations["s1"] = 3
+    harness.waits.arm(time.monotonic(), "s1", 3, ours.fileno())
+    assert harness.next_wake(0.3) is None  # nothing pushed yet
+    server.send(b"x")
+    woken = harness.next_wake()
+    assert woken is not None and woken[:2] == ("s1", 3)
+    # One shot: still readable (nobody read it), but not watched any more.
+    server.send(b"y")
+    assert harness.next_wake(0.3) is None
+    ours.close()
+    server.close()
+
+
+def test_an_arming_from_an_earlier_turn_is_void(harness: Harness) -> None:
+    ours, server = pair()
+    harness.generations["s1"] = 5  # a turn started since generation 4 armed it
+    harness.waits.arm(time.monotonic(), "s1", 4, ours.fileno())
+    server.send(b"x")
+    assert harness.next_wake(0.5) is None
+    ours.close()
+    server.close()
+
+
+def test_a_delayed_arming_watches_only_from_its_time(harness: Harness) -> None:
+    ours, server = pair()
+    server.send(b"already here")  # e.g. keepalives that arrived during the back-off
+    harness.generations["s1"] = 1
+    armed_at = time.monotonic() + 0.4
+    harness.waits.arm(armed_at, "s1", 1, ours.fileno())
+    woken = harness.next_wake()
+    assert woken is not None and woken[:2] == ("s1", 1)
+    assert woken[2] >= armed_at - 0.01, "woken before its arming time"
+    ours.close()
+    server.close()
+
+
+def test_many_sockets_wake_only_the_ones_pushed_to(harness: Harness) -> None:
+    pairs = {f"s{i}": pair() for i in range(50)}
+    for sid, (ours, _) in pairs.items():
+        harness.generations[sid] = 1
+        harness.waits.arm(time.monotonic(), sid, 1, ours.fileno())
+    time.sleep(0.1)
+    for sid in ("s7", "s30"):
+        pairs[sid][1].send(b"x")
+    got = {harness.next_wake()[0] for _ in range(2)}  # type: ignore[index]
+    assert got == {"s7", "s30"}
+    assert harness.next_wake(0.3) is None
+    for ours, server in pairs.values():
+        ours.close()
+        server.close()
