@@ -11,6 +11,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,8 +61,15 @@ def _drop_database(cluster: LocalCluster, name: str) -> None:
             "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s", (name,)
         ).fetchall()
         for slot_name, pid in slots:
-            if pid:
+            deadline = time.monotonic() + 10
+            while pid and time.monotonic() < deadline:
+                # A walsender (a held-open stream, a native subscriber) exits a moment
+                # after it is told to; the slot cannot be dropped while it is active.
                 conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+                time.sleep(0.05)
+                row = conn.execute("SELECT active_pid FROM pg_replication_slots "
+                                   "WHERE slot_name = %s", (slot_name,)).fetchone()
+                pid = row[0] if row else None
             with contextlib.suppress(psycopg.Error):
                 conn.execute("SELECT pg_drop_replication_slot(%s)", (slot_name,))
         subs = conn.execute("SELECT subname FROM pg_subscription s JOIN pg_database d "
