@@ -392,8 +392,9 @@ class Scheduler:
         ``_pushed_fallback`` seconds anyway (reload its routes, record its idle position)."""
         now = time.monotonic()
         stream = held.stream
-        fileno = (stream.run.reader.fileno()
-                  if stream is not None and stream.run.reader is not None else None)
+        reader = stream.run.reader if stream is not None else None
+        fileno = reader.fileno() if reader is not None else None
+        peekable = reader is not None and fileno is not None and reader.in_clear()
         pushed = fileno is not None and stream is not None and stream.run.drained
         if worked:  # what it applied says more than a caught-up note from before
             with self._notes_mutex:
@@ -412,7 +413,8 @@ class Scheduler:
         assert fileno is not None
         delay = 0.0 if worked else min(self.settings.idle_poll_seconds,
                                        PUSH_REARM_FIRST * 2 ** (held.idle_streak - 1))
-        self._push_waits.arm(now + delay, held.subscription_id, generation, fileno)
+        self._push_waits.arm(now + delay, held.subscription_id, generation, fileno,
+                             peekable=peekable, max_delay=self.settings.idle_poll_seconds)
 
     def _note(self, note: CaughtUp) -> None:
         with self._notes_mutex:
@@ -618,6 +620,8 @@ class Scheduler:
             "busy_turn_p99": round(_quantile(busy, 0.99), 4),
             "busy_turns": len(busy),
             "idle_turns": len(recent) - len(busy),
+            "push_wakeups": self._push_waits.wakeups,
+            "keepalive_checks": self._push_waits.keepalive_checks,
         }
 
 

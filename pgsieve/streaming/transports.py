@@ -659,6 +659,15 @@ class WalsenderTransport:
         except psycopg2.Error:
             return None
 
+    def in_clear(self) -> bool:
+        """The session is not encrypted: its bytes can be peeked at (see pushwaits)."""
+        if self._conn is None or self._conn.closed:
+            return False
+        try:
+            return not bool(self._conn.info.ssl_in_use)
+        except (psycopg2.Error, AttributeError):
+            return False
+
     def sessions(self, deadline: float) -> Iterator[Iterator[SessionEntry]]:
         attempt = 0
         own_wait_until = time.monotonic() + _OWN_PREVIOUS_WAIT

@@ -78,6 +78,11 @@ class TurnReader:
             return None
         return transport.fileno()
 
+    def in_clear(self) -> bool:
+        """The push session is unencrypted (its keepalives can be told apart unread)."""
+        transport = self.transport
+        return isinstance(transport, WalsenderTransport) and transport.in_clear()
+
     @contextlib.contextmanager
     def turn_items(self, deadline: float) -> Iterator[Iterator[ConsumerItem]]:
         """The items of one turn. SQL windows: one fresh read up to ``deadline``.

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import queue
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from pgsieve.streaming.pushwaits import PushWaits
+from pgsieve.streaming.pushwaits import PushWaits, keepalives_only
 
 
 class Harness:
@@ -105,3 +106,51 @@ def test_many_sockets_wake_only_the_ones_pushed_to(harness: Harness) -> None:
     for ours, server in pairs.values():
         ours.close()
         server.close()
+
+
+def keepalive(wal_end: int, reply: bool = False) -> bytes:
+    return struct.pack("!cIcQQB", b"d", 22, b"k", wal_end, 0, int(reply))
+
+
+def xlogdata(payload: bytes) -> bytes:
+    body = b"w" + struct.pack("!QQQ", 1, 2, 3) + payload
+    return b"d" + struct.pack("!I", len(body) + 4) + body
+
+
+@pytest.mark.parametrize(("waiting", "only"), [
+    (keepalive(1), True),
+    (keepalive(1) + keepalive(2) + keepalive(3), True),
+    (keepalive(1) + keepalive(2)[:9], True),  # the next keepalive arriving in parts
+    (keepalive(1, reply=True), False),  # the server wants an answer: a turn answers it
+    (keepalive(1) + xlogdata(b"B..."), False),
+    (xlogdata(b"I..."), False),
+    (b"\x00\x01garbage-from-the-middle-of-a-message", False),
+])
+def test_keepalives_are_told_apart_without_reading_them(waiting: bytes, only: bool) -> None:
+    ours, server = pair()
+    server.send(waiting)
+    time.sleep(0.05)
+    assert keepalives_only(ours.fileno()) is only
+    # Nothing was consumed: libpq will read every byte.
+    assert ours.recv(4096, socket.MSG_DONTWAIT) == waiting
+    ours.close()
+    server.close()
+
+
+def test_keepalives_do_not_wake_a_turn_but_data_after_them_does(harness: Harness) -> None:
+    ours, server = pair()
+    harness.generations["s1"] = 1
+    harness.waits.arm(time.monotonic(), "s1", 1, ours.fileno(), peekable=True,
+                      max_delay=0.1)
+    for n in range(20):  # a steady trickle of keepalives for a second
+        server.send(keepalive(n))
+        time.sleep(0.05)
+    assert harness.next_wake(0.01) is None
+    assert harness.waits.keepalive_checks > 0
+    sent = time.monotonic()
+    server.send(xlogdata(b"I..."))
+    woken = harness.next_wake()
+    assert woken is not None and woken[:2] == ("s1", 1)
+    assert woken[2] - sent <= 0.3, "data behind keepalives waited too long"
+    ours.close()
+    server.close()
