@@ -280,7 +280,15 @@ class ConsumeCycle:
             kind = str(options.get("transport", "auto"))
             transport = self._transport("sql" if kind == "auto" else kind, source_dsn, slot,
                                         pg_options, window_bytes)
-            if window_bytes is not None and isinstance(transport, SqlTransport):
+            if (kind == "auto" and isinstance(transport, SqlTransport)
+                    and window_bytes is not None
+                    and transport.backlog_bytes <= self.settings.push_max_backlog_bytes):
+                # Caught up already (a handover, a restart, a new subscription): straight
+                # to the held-open session (it waits for a former holder's walsender).
+                transport.close()
+                transport = self._transport("walsender", source_dsn, slot, pg_options,
+                                            window_bytes)
+            elif window_bytes is not None and isinstance(transport, SqlTransport):
                 # Taken under the slot's advisory lock: a walsender still on the slot is
                 # a former holder's on its way out (a handover, a killed worker).
                 transport.wait_released(5.0)

@@ -41,6 +41,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -82,6 +83,8 @@ RETRY_AFTER = 5.0
 """A subscription let go for a transient failure is adopted again after this long."""
 SOURCE_LSN_EVERY = 2.0
 """How often the source's WAL position (for lag) is read, per source and worker."""
+ADOPT_AT_ONCE = 4
+"""Subscriptions one sweep adopts at once."""
 WAIT_WINDOW = 60.0
 """Turn waits over this many seconds make the p50/p99 the worker reports."""
 
@@ -523,17 +526,25 @@ class Scheduler:
             return
         while not self._stopping.is_set():
             try:
-                for subscription_id in self.orphans():
-                    if self._stopping.is_set():
-                        break
-                    outcome = self.adopt(subscription_id)
-                    log.debug("sweep: %s %s", subscription_id, outcome)
+                orphans = self.orphans()
+                if orphans:
+                    # Adopting is mostly connecting (target, slot): a few at once, so a
+                    # worker that starts with a hundred to take has them in seconds.
+                    with ThreadPoolExecutor(min(ADOPT_AT_ONCE, len(orphans)),
+                                            thread_name_prefix="pgsieve-adopt") as pool:
+                        for subscription_id, outcome in zip(
+                                orphans, pool.map(self._adopt_unless_stopping, orphans),
+                                strict=True):
+                            log.debug("sweep: %s %s", subscription_id, outcome)
                 self._balance()
             except Exception as exc:
                 log.warning("the sweep for unheld subscriptions failed: %s",
                             scrub_secrets(str(exc)))
             if self._stopping.wait(every):
                 return
+
+    def _adopt_unless_stopping(self, subscription_id: str) -> str:
+        return "stopping" if self._stopping.is_set() else self.adopt(subscription_id)
 
     def orphans(self) -> list[str]:
         """Enabled, streaming subscriptions nobody holds (no lock, or one not renewed for

@@ -224,8 +224,9 @@ class SqlTransport:
 
     def _check_slot(self) -> None:
         row = self._conn.execute(
-            "SELECT plugin, active_pid, confirmed_flush_lsn::text FROM pg_replication_slots "
-            "WHERE slot_name = %s AND database = current_database()",
+            "SELECT plugin, active_pid, confirmed_flush_lsn::text, "
+            "pg_wal_lsn_diff(pg_current_wal_flush_lsn(), confirmed_flush_lsn)::bigint "
+            "FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()",
             (self.slot,),
         ).fetchone()
         if row is None:
@@ -233,6 +234,8 @@ class SqlTransport:
         if row[0] != "pgoutput":
             raise TransportError(f"slot '{self.slot}' uses plugin {row[0]}, not pgoutput")
         self._confirmed = Lsn.parse(row[2])
+        self.backlog_bytes = max(0, int(row[3] or 0))
+        """WAL between the slot's confirmed position and the flushed end, when opened."""
 
     def wait_released(self, timeout: float) -> bool:
         """Wait (bounded) until no process streams the slot: a walsender of ours that
