@@ -310,6 +310,17 @@ class MetadataCollector(Collector):
         turns = CounterMetricFamily("pgsieve_worker_turns",
                                     "turns the worker's scheduler ran since it started",
                                     labels=["worker"])
+        reading = GaugeMetricFamily(
+            "pgsieve_worker_streams",
+            "subscriptions the worker holds, by how their slot is read: push (a held-open "
+            "replication session) or windows (SQL peeks)", labels=["worker", "read"])
+        switches = CounterMetricFamily(
+            "pgsieve_worker_transport_switches",
+            "times a held subscription's stream switched between SQL windows and a "
+            "held-open session (transport auto)", labels=["worker"])
+        wakeups = CounterMetricFamily(
+            "pgsieve_worker_push_wakeups",
+            "turns made due by the server's push since the worker started", labels=["worker"])
         for beat in session.scalars(select(WorkerHeartbeat).order_by(WorkerHeartbeat.worker)):
             age.add_metric([beat.worker], _age(now, beat.beat_at) or 0.0)
             report = scheduler_report(beat)
@@ -319,7 +330,13 @@ class MetadataCollector(Collector):
             wait.add_metric([beat.worker, "0.5"], float(report.get("turn_wait_p50", 0.0)))
             wait.add_metric([beat.worker, "0.99"], float(report.get("turn_wait_p99", 0.0)))
             turns.add_metric([beat.worker], float(report.get("turns", 0)))
-        yield from (age, held, wait, turns)
+            if "pushing" in report:  # reported since the held-open sessions
+                reading.add_metric([beat.worker, "push"], float(report["pushing"]))
+                reading.add_metric([beat.worker, "windows"],
+                                   float(report.get("held", 0)) - float(report["pushing"]))
+                switches.add_metric([beat.worker], float(report.get("transport_switches", 0)))
+                wakeups.add_metric([beat.worker], float(report.get("push_wakeups", 0)))
+        yield from (age, held, wait, turns, reading, switches, wakeups)
 
 
 def scheduler_report(beat: WorkerHeartbeat) -> dict[str, Any] | None:

@@ -147,6 +147,8 @@ class Scheduler:
         self._turns = 0
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._switches = 0
+        """Transport switches of streams let go (those held count their own)."""
         self._notes: dict[str, CaughtUp] = {}
         self._notes_mutex = threading.Lock()
         self._push_waits = PushWaits(self._woken, self._armable)
@@ -310,6 +312,8 @@ class Scheduler:
 
     def _let_go(self, held: _Held) -> None:
         """Close the stream (nothing more is applied), then free both locks."""
+        if held.stream is not None and held.stream.run.reader is not None:
+            self._switches += held.stream.run.reader.switches
         if held.stream is not None:
             try:
                 held.stream.close()
@@ -620,6 +624,11 @@ class Scheduler:
         waits = sorted(w for at, w in list(self._waits) if at >= cutoff)
         recent = [(d, worked) for at, d, worked in list(self._durations) if at >= cutoff]
         busy = sorted(d for d, worked in recent if worked)
+        with self._cond:
+            readers = [h.stream.run.reader for h in self._held.values()
+                       if h.stream is not None and h.stream.run.reader is not None]
+        pushing = sum(1 for r in readers if r.pushing)
+        switches = sum(r.switches for r in readers)
         return {
             "owner": self.owner,
             "held": len(self._held),
@@ -631,6 +640,8 @@ class Scheduler:
             "busy_turn_p99": round(_quantile(busy, 0.99), 4),
             "busy_turns": len(busy),
             "idle_turns": len(recent) - len(busy),
+            "pushing": pushing,
+            "transport_switches": self._switches + switches,
             "push_wakeups": self._push_waits.wakeups,
             "keepalive_checks": self._push_waits.keepalive_checks,
         }

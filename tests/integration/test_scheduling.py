@@ -106,6 +106,13 @@ class Tenants:
         return True
 
 
+def slot_readers(source: Database) -> dict[str, object]:
+    """Each pgsieve slot's reading process (None while nobody reads it)."""
+    rows = source.query("SELECT slot_name, active_pid FROM pg_replication_slots "
+                        "WHERE slot_name LIKE 'pgsieve_tenant%%'")
+    return {str(name): pid for name, pid in rows}
+
+
 @contextlib.contextmanager
 def tenants(tmp_path: Path, source: Database, native: Database, subscriber: LocalCluster,
             count: int = TENANTS, **settings: Any) -> Iterator[Tenants]:
@@ -227,8 +234,15 @@ def test_one_worker_serves_twenty_subscriptions_fairly(tmp_path: Path, source_db
         with Watch(t) as watch, Load(source_db):
             started = time.monotonic()
             load_started_at = utcnow()
-            time.sleep(15)
+            time.sleep(5)
+            readers_before = slot_readers(source_db)
+            time.sleep(10)
+            readers_after = slot_readers(source_db)
             ended = time.monotonic()
+        # Caught up, each stream is read through one replication session held open across
+        # its turns (transport auto): the same walsender on each slot all along.
+        assert len(readers_before) == TENANTS and None not in readers_before.values()
+        assert readers_after == readers_before
         # From 2 s into the load (the first transactions reach every tenant) to its end.
         stalls = {k: watch.longest_stall(sid, started + 2, ended) for k, sid in t.ids.items()}
         print(f"longest stall per tenant: {stalls}")
@@ -246,6 +260,9 @@ def test_one_worker_serves_twenty_subscriptions_fairly(tmp_path: Path, source_db
         held = [v for (name, _), v in metrics.items()
                 if name == "pgsieve_worker_subscriptions_held"]
         assert held == [TENANTS]
+        reading = {dict(labels)["read"]: v for (name, labels), v in metrics.items()
+                   if name == "pgsieve_worker_streams"}
+        assert reading == {"push": TENANTS, "windows": 0}
         waits = {dict(labels)["quantile"]: v for (name, labels), v in metrics.items()
                  if name == "pgsieve_worker_turn_wait_seconds"}
         assert set(waits) == {"0.5", "0.99"} and 0 <= waits["0.5"] <= waits["0.99"] < 5
