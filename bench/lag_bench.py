@@ -1,6 +1,6 @@
 """Live lag at a steady change rate: the whole pgsieve pipeline vs native replication.
 
-Usage:  .venv/bin/python -m bench.lag_bench [--rate 5000] [--seconds 60]
+Usage:  .venv/bin/python -m bench.lag_bench [--rate 5000] [--seconds 60] [--txn-changes 50]
 
 One run, one source, two subscribers fed the same stream side by side: a native
 ``CREATE SUBSCRIPTION`` and a pgsieve subscription (API → a real ``pgsieve worker`` on
@@ -52,9 +52,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def drive(dsn: str, rate: float, seconds: float, stop: threading.Event,
-          done: list[int]) -> None:
-    """Commit CHANGES_PER_TXN-change transactions at ``rate`` changes/s."""
-    txn_every = CHANGES_PER_TXN / rate
+          done: list[int], per_txn: int = CHANGES_PER_TXN) -> None:
+    """Commit ``per_txn``-change transactions at ``rate`` changes/s: the mixed 50-change
+    transaction below, or ``per_txn - 1`` inserts and the probe stamp."""
+    txn_every = per_txn / rate
     key = 0
     with psycopg.connect(dsn, autocommit=False) as conn:
         conn.execute("INSERT INTO lagprobe VALUES (1, clock_timestamp())")
@@ -66,6 +67,17 @@ def drive(dsn: str, rate: float, seconds: float, stop: threading.Event,
             pause = due - time.perf_counter()
             if pause > 0:
                 time.sleep(pause)
+            if per_txn != CHANGES_PER_TXN:
+                if per_txn > 1:
+                    conn.execute("INSERT INTO items SELECT g, g %% 10, 'v' || g "
+                                 "FROM generate_series(%s::int, %s::int) g",
+                                 (key + 1, key + per_txn - 1))
+                conn.execute("UPDATE lagprobe SET ts = clock_timestamp() WHERE id = 1")
+                conn.commit()
+                key += per_txn
+                n += 1
+                done[0] += per_txn
+                continue
             # 30 inserts, 10 updates, 9 deletes, 1 probe stamp.
             conn.execute(
                 "INSERT INTO items SELECT g, g %% 10, 'v' || g "
@@ -103,6 +115,9 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=5000)
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--warmup", type=float, default=15)
+    parser.add_argument("--txn-changes", type=int, default=CHANGES_PER_TXN,
+                        help="changes per transaction (50: the mixed one; else inserts "
+                        "and the probe stamp; 1: the stamp alone)")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="pgsieve-lag-"))
@@ -160,7 +175,7 @@ def main() -> None:
             {"native": target.dsn("native"), "pgsieve": target.dsn("pgsieve")}, stop,
             samples, t0 + args.warmup))
         prober.start()
-        drive(src, args.rate, args.seconds, stop, done)
+        drive(src, args.rate, args.seconds, stop, done, args.txn_changes)
         achieved = done[0] / (time.monotonic() - t0)
         # Sample only while the workload runs: once it stops, "now - newest stamp" grows
         # on every subscriber although nothing is left to apply.
@@ -168,7 +183,7 @@ def main() -> None:
         prober.join()
 
         print(f"\nlive lag, {args.seconds:.0f} s at {args.rate:,.0f} changes/s target "
-              f"({achieved:,.0f} achieved), {CHANGES_PER_TXN}-change transactions, "
+              f"({achieved:,.0f} achieved), {args.txn_changes}-change transactions, "
               f"warm-up {args.warmup:.0f} s excluded\n")
         print("| subscriber | p50 lag (s) | p99 lag (s) | max (s) | samples |")
         print("|---|---:|---:|---:|---:|")
