@@ -196,13 +196,14 @@ def add_probe_rows(c: LocalCluster, prefix: str, tenants: list[int]) -> None:
 
 @contextlib.contextmanager
 def deployment(root: Path, tenants: list[int], native: bool,
-               worker_settings: dict[str, str], metadata: str = "sqlite"
-               ) -> Iterator[dict[str, Any]]:
+               worker_settings: dict[str, str], metadata: str = "sqlite",
+               workers: int = 1) -> Iterator[dict[str, Any]]:
     n = len(tenants)
     clusters = {"source": cluster(root, "source", n), "target": cluster(root, "target", n)}
     if native:
         clusters["native"] = cluster(root, "native", n)
     worker: subprocess.Popen[bytes] | None = None
+    others: list[subprocess.Popen[bytes]] = []
     try:
         create_dbs(clusters["source"], ["src"])
         src = clusters["source"].dsn("src")
@@ -255,6 +256,10 @@ def deployment(root: Path, tenants: list[int], native: bool,
         log = (root / "worker.log").open("ab")
         worker = subprocess.Popen([sys.executable, "-m", "pgsieve.cli", "worker"], env=env,
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        for i in range(1, workers):  # --workers K: more worker processes share them
+            others.append(subprocess.Popen(
+                [sys.executable, "-m", "pgsieve.cli", "worker", "-n", f"w{i}@%h"], env=env,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + 120
         held = 0
         while time.monotonic() < deadline:
@@ -268,13 +273,15 @@ def deployment(root: Path, tenants: list[int], native: bool,
                                f"(log: {root / 'worker.log'})")
         yield {"clusters": clusters, "src": src, "worker": worker, "db_url": db_url}
     finally:
-        if worker is not None:
+        for each_worker in [worker, *others]:
+            if each_worker is None:
+                continue
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(worker.pid, 15)
+                os.killpg(each_worker.pid, 15)
             try:
-                worker.wait(timeout=30)
+                each_worker.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                os.killpg(worker.pid, 9)
+                os.killpg(each_worker.pid, 9)
         if native and "native" in clusters:
             for k in tenants:
                 with contextlib.suppress(psycopg.Error), psycopg.connect(
@@ -364,7 +371,7 @@ def busy(n: int, args: argparse.Namespace) -> None:
     root.chmod(0o755)
     try:
         with deployment(root, tenants, not args.no_native, worker_settings(args),
-                        args.metadata) as d:
+                        args.metadata, args.workers) as d:
             clusters = d["clusters"]
             watcher = Watcher(clusters, d["src"])
             watcher.worker_pgrp = d["worker"].pid
@@ -387,7 +394,8 @@ def busy(n: int, args: argparse.Namespace) -> None:
             watcher.finish()
             report = scheduler_report(d["db_url"])
         print(f"\nmetadata store: {args.metadata}; worker settings: "
-              f"{' '.join(args.set) or 'defaults'}", end="")
+              f"{' '.join(args.set) or 'defaults'}; workers: {args.workers} (CPU and RSS "
+              "below: the first)", end="")
         print(f"\n### N = {n} subscriptions, {args.seconds:.0f} s at {args.rate:,.0f} "
               f"changes/s ({done / elapsed:,.0f} achieved), warm-up {args.warmup:.0f} s "
               "excluded\n")
@@ -476,6 +484,8 @@ def main() -> None:
     parser.add_argument("--idle", type=int, default=200, help="idle subscriptions (0: skip)")
     parser.add_argument("--idle-seconds", type=float, default=60)
     parser.add_argument("--no-native", action="store_true")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="worker processes (the issue's goals are for one)")
     parser.add_argument("--metadata", choices=["sqlite", "postgres"], default="sqlite",
                         help="the metadata store: a SQLite file, or a PostgreSQL database")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
