@@ -167,3 +167,24 @@ def test_walsender_kind_keeps_its_session_and_sql_kind_never_pushes(source_db: D
     assert not windows.pushing and windows.switches == 0
     assert min(more.ends) > turns.ends[-1]
     windows.close()
+
+
+def test_auto_survives_its_walsender_being_terminated(source_db: Database):
+    """The held-open session's backend dies (pg_terminate_backend, a failover of the
+    connection): the stream carries on in SQL windows, nothing lost or repeated."""
+    setup(source_db)
+    make = maker(source_db.dsn)
+    reader = TurnReader(SlotConsumer(make("sql"), proto_version=2), "auto", make,
+                        max_push_backlog=1 << 20)
+    turns = Turns(reader, source_db)
+    commit_ends(source_db, 0, 10)
+    turns.until(lambda: reader.pushing and len(turns.ends) >= 10)
+    pid = walsender_pid(source_db)
+    assert pid is not None
+    commit_ends(source_db, 10, 10)  # committed before the session dies, not read yet
+    source_db.execute(f"SELECT pg_terminate_backend({pid})")
+    commit_ends(source_db, 20, 10)
+    turns.until(lambda: len(turns.ends) >= 30)
+    assert not reader.pushing, "a broken session is not retried at once"
+    assert len(turns.ends) == 30 and turns.ends == sorted(set(turns.ends))
+    reader.close()
