@@ -388,7 +388,15 @@ class Scheduler:
             return
         if self._stopping.is_set() or WORKER_STOPPING.is_set():
             return  # stop() lets go of it
-        self._requeue(held, worked)
+        try:
+            self._requeue(held, worked)
+        except Exception:  # never leave it marked running: it would get no turn again
+            log.exception("subscription %s: cannot queue its next turn", held.subscription_id)
+            with self._cond:
+                held.running = False
+                if self._held.get(held.subscription_id) is held:
+                    self._push(held.subscription_id,
+                               time.monotonic() + self.settings.idle_poll_seconds)
 
     def _requeue(self, held: _Held, worked: bool) -> None:
         """After a turn. Read through SQL windows, or stopped before it read everything
