@@ -80,3 +80,13 @@ def session_scope(url: str) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+IN_LIST_CHUNK = 500
+"""Ids per ``IN (...)`` on the metadata store: SQLite bounds a statement's parameters."""
+
+
+def in_chunks(ids: list[str]) -> Iterator[list[str]]:
+    """``ids`` in slices small enough for one ``IN (...)`` on any metadata store."""
+    for start in range(0, len(ids), IN_LIST_CHUNK):
+        yield ids[start:start + IN_LIST_CHUNK]

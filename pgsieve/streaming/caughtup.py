@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from pgsieve.platform.db import in_chunks
 from pgsieve.platform.models import Subscription, utcnow
 from pgsieve.wire.lsn import Lsn
 
@@ -42,10 +43,8 @@ def record_caught_up_many(session: Session, notes: list[CaughtUp]) -> None:
     """:func:`record_caught_up` for many subscriptions: one SELECT loads them all and
     the flush sends their UPDATEs together."""
     by_id = {note.subscription_id: note for note in notes}
-    ids = sorted(by_id)
-    for start in range(0, len(ids), 500):  # SQLite's bound parameters
-        for sub in session.scalars(select(Subscription).where(
-                Subscription.id.in_(ids[start:start + 500]))):
+    for chunk in in_chunks(sorted(by_id)):
+        for sub in session.scalars(select(Subscription).where(Subscription.id.in_(chunk))):
             _apply(sub, by_id[sub.id])
 
 

@@ -75,7 +75,7 @@ from pgsieve.streaming.transports import (
     WalsenderTransport,
     max_proto_version,
 )
-from pgsieve.streaming.turnreader import TurnReader
+from pgsieve.streaming.turnreader import TurnReader, first_transport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 
@@ -278,20 +278,15 @@ class ConsumeCycle:
                 streaming=bool(options.get("streaming", True)),
             )
             kind = str(options.get("transport", "auto"))
-            transport = self._transport("sql" if kind == "auto" else kind, source_dsn, slot,
-                                        pg_options, window_bytes)
-            if (kind == "auto" and isinstance(transport, SqlTransport)
-                    and window_bytes is not None
-                    and transport.backlog_bytes <= self.settings.push_max_backlog_bytes):
-                # Caught up already (a handover, a restart, a new subscription): straight
-                # to the held-open session (it waits for a former holder's walsender).
-                transport.close()
-                transport = self._transport("walsender", source_dsn, slot, pg_options,
-                                            window_bytes)
-            elif window_bytes is not None and isinstance(transport, SqlTransport):
-                # Taken under the slot's advisory lock: a walsender still on the slot is
-                # a former holder's on its way out (a handover, a killed worker).
-                transport.wait_released(5.0)
+
+            def make(k: str) -> Transport:
+                return self._transport(k, source_dsn, slot, pg_options, window_bytes)
+
+            # A lone cycle reads SQL windows for auto; a scheduler's turns let the
+            # TurnReader choose (and switch) the transport.
+            transport = (make("sql" if kind == "auto" else kind) if window_bytes is None
+                         else first_transport(kind, make,
+                                              self.settings.push_max_backlog_bytes))
         except (psycopg.OperationalError, TransportError) as exc:
             writer.close()
             return self.outcome_of(exc)
@@ -301,9 +296,7 @@ class ConsumeCycle:
         consumer = SlotConsumer(transport, proto_version=proto, resume_after=applied,
                                 spill_dir=self._spill_dir())
         reader = None if window_bytes is None else TurnReader(
-            consumer, kind,
-            lambda k: self._transport(k, source_dsn, slot, pg_options, window_bytes),
-            max_push_backlog=self.settings.push_max_backlog_bytes)
+            consumer, kind, make, max_push_backlog=self.settings.push_max_backlog_bytes)
         run = _StreamRun(self, consumer, writer, source_dsn, options, keeper,
                          control_every=control_every, source_lsn=source_lsn,
                          on_routes_changed=on_routes_changed, reader=reader)

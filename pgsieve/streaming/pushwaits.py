@@ -60,7 +60,7 @@ Armable = Callable[[str, int], bool]
 class PushWaits:
     """One thread that turns readable sockets into due turns."""
 
-    def __init__(self, wake: Wake, armable: Armable) -> None:
+    def __init__(self, wake: Wake, armable: Armable, *, max_delay: float = 0.5) -> None:
         self._on_wake = wake
         self._armable = armable
         self._selector = selectors.DefaultSelector()
@@ -73,16 +73,16 @@ class PushWaits:
         self._pending: list[tuple[float, int, str, int, int, bool, int]] = []
         self._n = 0
         self._sleep_until = 0.0
-        self.max_delay = 0.5
+        self.max_delay = max_delay
+        """A socket holding only keepalives is re-checked this late at most."""
         self.wakeups = 0
         self.keepalive_checks = 0
 
     def arm(self, at: float, subscription_id: str, generation: int, fileno: int, *,
-            peekable: bool = False, max_delay: float = 0.5) -> None:
+            peekable: bool = False) -> None:
         """Wake ``subscription_id`` once ``fileno`` is readable, watching from ``at``.
         ``peekable``: the socket carries the replication protocol in clear, so
         keepalive-only readiness is told apart (re-checked up to ``max_delay`` later)."""
-        self.max_delay = max_delay
         self._push_pending(at, subscription_id, generation, fileno, peekable, 0)
 
     def _push_pending(self, at: float, subscription_id: str, generation: int, fileno: int,

@@ -53,7 +53,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform import dispatch
 from pgsieve.platform.credentials import scrub_secrets
-from pgsieve.platform.db import session_factory
+from pgsieve.platform.db import in_chunks, session_factory
 from pgsieve.platform.locks import AdvisoryLocks, release, renew_owned, touch, try_acquire
 from pgsieve.platform.models import (
     ConsumerLock,
@@ -151,7 +151,8 @@ class Scheduler:
         """Transport switches of streams let go (those held count their own)."""
         self._notes: dict[str, CaughtUp] = {}
         self._notes_mutex = threading.Lock()
-        self._push_waits = PushWaits(self._woken, self._armable)
+        self._push_waits = PushWaits(self._woken, self._armable,
+                                     max_delay=self.settings.idle_poll_seconds)
         self._pushed_fallback = max(self.settings.idle_poll_seconds,
                                     self.settings.consumer_heartbeat_seconds)
 
@@ -429,7 +430,7 @@ class Scheduler:
         delay = 0.0 if worked else min(self.settings.idle_poll_seconds,
                                        PUSH_REARM_FIRST * 2 ** (held.idle_streak - 1))
         self._push_waits.arm(now + delay, held.subscription_id, generation, fileno,
-                             peekable=peekable, max_delay=self.settings.idle_poll_seconds)
+                             peekable=peekable)
 
     def _note(self, note: CaughtUp) -> None:
         with self._notes_mutex:
@@ -438,16 +439,18 @@ class Scheduler:
     def _woken(self, subscription_id: str, generation: int) -> None:
         """The server pushed something to a parked subscription: its turn is due now."""
         with self._cond:
-            held = self._held.get(subscription_id)
-            if (held is not None and held.generation == generation and not held.running
-                    and not self._stopping.is_set()):
+            if self._parked(subscription_id, generation) and not self._stopping.is_set():
                 self._push(subscription_id, time.monotonic())
 
     def _armable(self, subscription_id: str, generation: int) -> bool:
         with self._cond:
-            held = self._held.get(subscription_id)
-            return (held is not None and held.generation == generation
-                    and not held.running)
+            return self._parked(subscription_id, generation)
+
+    def _parked(self, subscription_id: str, generation: int) -> bool:
+        """Held, between turns, and no turn started since ``generation`` parked it
+        (call with ``_cond`` held)."""
+        held = self._held.get(subscription_id)
+        return held is not None and held.generation == generation and not held.running
 
     def _failure(self, held: _Held, exc: Exception) -> CycleOutcome:
         """What a turn's failure means (recorded on the subscription): the slot gone
@@ -662,8 +665,7 @@ def stream_fingerprints(session: Session, held: dict[str, _Held]) -> dict[str, i
     ids = sorted(held)
     out = dict.fromkeys(ids, 0)
     parts: dict[str, list[Any]] = {sid: [] for sid in ids}
-    for start in range(0, len(ids), 500):  # SQLite's bound parameters
-        chunk = ids[start:start + 500]
+    for chunk in in_chunks(ids):
         for sid, enabled, state, skip_lsn, options in session.execute(
                 select(Subscription.id, Subscription.enabled, Subscription.state,
                        Subscription.skip_lsn, Subscription.options)

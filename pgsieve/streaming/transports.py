@@ -617,6 +617,7 @@ class WalsenderTransport:
         self._cur: Any = None
         self._previous_pid: int | None = None
         self._confirmed: Lsn | None = None
+        self._in_clear = False
         self.reconnects = 0
 
     def _connect(self) -> None:
@@ -630,6 +631,10 @@ class WalsenderTransport:
             application_name="pgsieve-consumer",
         )
         self._cur = self._conn.cursor()
+        try:
+            self._in_clear = not bool(self._conn.info.ssl_in_use)
+        except (psycopg2.Error, AttributeError):
+            self._in_clear = False
         start = self._confirmed.value if self._confirmed else 0
         self._cur.start_replication(
             slot_name=self.slot,
@@ -664,12 +669,7 @@ class WalsenderTransport:
 
     def in_clear(self) -> bool:
         """The session is not encrypted: its bytes can be peeked at (see pushwaits)."""
-        if self._conn is None or self._conn.closed:
-            return False
-        try:
-            return not bool(self._conn.info.ssl_in_use)
-        except (psycopg2.Error, AttributeError):
-            return False
+        return self._conn is not None and self._in_clear
 
     def sessions(self, deadline: float) -> Iterator[Iterator[SessionEntry]]:
         attempt = 0

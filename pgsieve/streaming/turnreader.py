@@ -47,6 +47,23 @@ RELEASE_WAIT = 5.0
 """How long a switch to SQL windows waits for the closed walsender to free the slot."""
 
 
+def first_transport(kind: str, make_transport: Callable[[str], Transport],
+                    max_push_backlog: int) -> Transport:
+    """The transport a scheduler's stream opens with. ``auto``: the held-open session if
+    the slot is caught up already (a handover, a restart, a new subscription), else SQL
+    windows. The stream is taken under the slot's advisory lock, so a walsender still on
+    the slot is a former holder's on its way out: SQL windows wait for it to go (a
+    held-open session waits by itself)."""
+    transport = make_transport("sql" if kind == "auto" else kind)
+    if not isinstance(transport, SqlTransport):
+        return transport
+    if kind == "auto" and transport.backlog_bytes <= max_push_backlog:
+        transport.close()
+        return make_transport("walsender")
+    transport.wait_released(RELEASE_WAIT)
+    return transport
+
+
 class TurnReader:
     """A subscription's read path across turns (see the module docstring)."""
 

@@ -37,6 +37,14 @@ def maker(dsn: str, walsender_dsn: str | None = None) -> Callable[[str], Transpo
     return make
 
 
+def reader_for(make: Callable[[str], Transport], kind: str, first: str = "sql",
+               resume_after: Lsn | None = None) -> TurnReader:
+    """A TurnReader of slot ``s`` as the pipeline builds one: ``first`` transport, a 1 MB
+    bound on what a push session may lag."""
+    return TurnReader(SlotConsumer(make(first), proto_version=2, resume_after=resume_after),
+                      kind, make, max_push_backlog=1 << 20)
+
+
 class Turns:
     """Turns as the scheduler takes them: read what one turn gives, confirm it."""
 
@@ -88,9 +96,7 @@ def walsender_pid(db: Database) -> int | None:
 def test_auto_reads_a_backlog_in_windows_then_holds_one_session_open(source_db: Database):
     setup(source_db)
     commit_ends(source_db, 0, 300, size=20_000)  # ~6 MB: past the 1 MB push bound
-    transport = maker(source_db.dsn)("sql")
-    reader = TurnReader(SlotConsumer(transport, proto_version=2), "auto",
-                        maker(source_db.dsn), max_push_backlog=1 << 20)
+    reader = reader_for(maker(source_db.dsn), "auto")
     turns = Turns(reader, source_db)
     turns.turn()
     assert not reader.pushing, "a backlog past the bound is read in SQL windows"
@@ -127,8 +133,7 @@ def test_auto_reads_in_windows_while_the_source_refuses_a_replication_session(
     setup(source_db)
     nowhere = source_db.dsn.replace(f":{source_db.cluster.port}/", ":1/")
     assert nowhere != source_db.dsn
-    reader = TurnReader(SlotConsumer(maker(source_db.dsn)("sql"), proto_version=2), "auto",
-                        maker(source_db.dsn, walsender_dsn=nowhere), max_push_backlog=1 << 20)
+    reader = reader_for(maker(source_db.dsn, walsender_dsn=nowhere), "auto")
     turns = Turns(reader, source_db)
     turns.turn()  # caught up (nothing yet): tries the push session next
     assert reader.pushing
@@ -144,8 +149,7 @@ def test_auto_reads_in_windows_while_the_source_refuses_a_replication_session(
 def test_walsender_kind_keeps_its_session_and_sql_kind_never_pushes(source_db: Database):
     setup(source_db)
     make = maker(source_db.dsn)
-    pushed = TurnReader(SlotConsumer(make("walsender"), proto_version=2), "walsender", make,
-                        max_push_backlog=1 << 20)
+    pushed = reader_for(make, "walsender", first="walsender")
     turns = Turns(pushed, source_db)
     commit_ends(source_db, 0, 5)
     turns.until(lambda: len(turns.ends) >= 5)
@@ -158,9 +162,7 @@ def test_walsender_kind_keeps_its_session_and_sql_kind_never_pushes(source_db: D
     deadline = time.monotonic() + 10
     while walsender_pid(source_db) is not None and time.monotonic() < deadline:
         time.sleep(0.05)
-    windows = TurnReader(SlotConsumer(make("sql"), proto_version=2,
-                                      resume_after=turns.ends[-1]), "sql", make,
-                         max_push_backlog=1 << 20)
+    windows = reader_for(make, "sql", resume_after=turns.ends[-1])
     more = Turns(windows, source_db)
     commit_ends(source_db, 10, 5)
     more.until(lambda: len(more.ends) >= 5)
@@ -174,8 +176,7 @@ def test_auto_survives_its_walsender_being_terminated(source_db: Database):
     connection): the stream carries on in SQL windows, nothing lost or repeated."""
     setup(source_db)
     make = maker(source_db.dsn)
-    reader = TurnReader(SlotConsumer(make("sql"), proto_version=2), "auto", make,
-                        max_push_backlog=1 << 20)
+    reader = reader_for(make, "auto")
     turns = Turns(reader, source_db)
     commit_ends(source_db, 0, 10)
     turns.until(lambda: reader.pushing and len(turns.ends) >= 10)

@@ -9,7 +9,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -20,7 +20,8 @@ class Harness:
     def __init__(self) -> None:
         self.woken: queue.Queue[tuple[str, int, float]] = queue.Queue()
         self.generations: dict[str, int] = {}
-        self.waits = PushWaits(self._wake, self._armable)
+        # Keepalive-only sockets re-checked within 0.1 s (the worker's idle poll).
+        self.waits = PushWaits(self._wake, self._armable, max_delay=0.1)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.waits.run, args=(self.stopping,),
                                        daemon=True)
@@ -49,12 +50,25 @@ def harness() -> Iterator[Harness]:
     assert not h.thread.is_alive()
 
 
-def pair() -> tuple[socket.socket, socket.socket]:
-    a, b = socket.socketpair()
-    return a, b
+Pairs = Callable[[], tuple[socket.socket, socket.socket]]
 
 
-def test_a_readable_socket_wakes_its_subscription_once(harness: Harness) -> None:
+@pytest.fixture
+def pair() -> Iterator[Pairs]:
+    """Connected socket pairs (ours, the server's), closed after the test."""
+    made: list[socket.socket] = []
+
+    def make() -> tuple[socket.socket, socket.socket]:
+        ours, server = socket.socketpair()
+        made.extend((ours, server))
+        return ours, server
+
+    yield make
+    for sock in made:
+        sock.close()
+
+
+def test_a_readable_socket_wakes_its_subscription_once(harness: Harness, pair: Pairs) -> None:
     ours, server = pair()
     harness.generations["s1"] = 3
     harness.waits.arm(time.monotonic(), "s1", 3, ours.fileno())
@@ -65,21 +79,17 @@ def test_a_readable_socket_wakes_its_subscription_once(harness: Harness) -> None
     # One shot: still readable (nobody read it), but not watched any more.
     server.send(b"y")
     assert harness.next_wake(0.3) is None
-    ours.close()
-    server.close()
 
 
-def test_an_arming_from_an_earlier_turn_is_void(harness: Harness) -> None:
+def test_an_arming_from_an_earlier_turn_is_void(harness: Harness, pair: Pairs) -> None:
     ours, server = pair()
     harness.generations["s1"] = 5  # a turn started since generation 4 armed it
     harness.waits.arm(time.monotonic(), "s1", 4, ours.fileno())
     server.send(b"x")
     assert harness.next_wake(0.5) is None
-    ours.close()
-    server.close()
 
 
-def test_a_delayed_arming_watches_only_from_its_time(harness: Harness) -> None:
+def test_a_delayed_arming_watches_only_from_its_time(harness: Harness, pair: Pairs) -> None:
     ours, server = pair()
     server.send(b"already here")  # e.g. keepalives that arrived during the back-off
     harness.generations["s1"] = 1
@@ -88,11 +98,9 @@ def test_a_delayed_arming_watches_only_from_its_time(harness: Harness) -> None:
     woken = harness.next_wake()
     assert woken is not None and woken[:2] == ("s1", 1)
     assert woken[2] >= armed_at - 0.01, "woken before its arming time"
-    ours.close()
-    server.close()
 
 
-def test_many_sockets_wake_only_the_ones_pushed_to(harness: Harness) -> None:
+def test_many_sockets_wake_only_the_ones_pushed_to(harness: Harness, pair: Pairs) -> None:
     pairs = {f"s{i}": pair() for i in range(50)}
     for sid, (ours, _) in pairs.items():
         harness.generations[sid] = 1
@@ -103,9 +111,6 @@ def test_many_sockets_wake_only_the_ones_pushed_to(harness: Harness) -> None:
     got = {harness.next_wake()[0] for _ in range(2)}  # type: ignore[index]
     assert got == {"s7", "s30"}
     assert harness.next_wake(0.3) is None
-    for ours, server in pairs.values():
-        ours.close()
-        server.close()
 
 
 def keepalive(wal_end: int, reply: bool = False) -> bytes:
@@ -126,22 +131,21 @@ def xlogdata(payload: bytes) -> bytes:
     (xlogdata(b"I..."), False),
     (b"\x00\x01garbage-from-the-middle-of-a-message", False),
 ])
-def test_keepalives_are_told_apart_without_reading_them(waiting: bytes, only: bool) -> None:
+def test_keepalives_are_told_apart_without_reading_them(waiting: bytes, only: bool,
+                                                        pair: Pairs) -> None:
     ours, server = pair()
     server.send(waiting)
     time.sleep(0.05)
     assert keepalives_only(ours.fileno()) is only
     # Nothing was consumed: libpq will read every byte.
     assert ours.recv(4096, socket.MSG_DONTWAIT) == waiting
-    ours.close()
-    server.close()
 
 
-def test_keepalives_do_not_wake_a_turn_but_data_after_them_does(harness: Harness) -> None:
+def test_keepalives_do_not_wake_a_turn_but_data_after_them_does(harness: Harness,
+                                                               pair: Pairs) -> None:
     ours, server = pair()
     harness.generations["s1"] = 1
-    harness.waits.arm(time.monotonic(), "s1", 1, ours.fileno(), peekable=True,
-                      max_delay=0.1)
+    harness.waits.arm(time.monotonic(), "s1", 1, ours.fileno(), peekable=True)
     for n in range(20):  # a steady trickle of keepalives for a second
         server.send(keepalive(n))
         time.sleep(0.05)
@@ -152,5 +156,3 @@ def test_keepalives_do_not_wake_a_turn_but_data_after_them_does(harness: Harness
     woken = harness.next_wake()
     assert woken is not None and woken[:2] == ("s1", 1)
     assert woken[2] - sent <= 0.3, "data behind keepalives waited too long"
-    ours.close()
-    server.close()
