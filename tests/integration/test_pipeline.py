@@ -148,13 +148,20 @@ def test_two_workers_only_one_consumes(tmp_path: Path, source_db, target_db, nat
         stop = threading.Event()
 
         def watch() -> None:
+            # A sample that fails (the API or a server busy under a loaded run) is
+            # skipped, not the end of the watch: a silently dead watcher would leave
+            # only the samples taken before any consumer started.
             while not stop.is_set():
-                consumer = env.subscription(sub_id)["consumer"]
-                if consumer is not None:
-                    owners.add(consumer["owner"])
-                active = source_db.query("SELECT count(*) FROM pg_stat_activity WHERE "
-                                         "application_name = 'pgsieve-consumer'")[0][0]
-                readers_seen.append(int(str(active)))
+                try:
+                    consumer = env.subscription(sub_id)["consumer"]
+                    if consumer is not None:
+                        owners.add(consumer["owner"])
+                    active = source_db.query(
+                        "SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                        "'pgsieve-consumer' AND datname = current_database()")[0][0]
+                    readers_seen.append(int(str(active)))
+                except Exception as exc:
+                    print(f"watch sample failed: {exc}")
                 time.sleep(0.2)
 
         watcher = threading.Thread(target=watch)
