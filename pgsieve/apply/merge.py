@@ -79,6 +79,7 @@ def merge(
     """Apply the plan in ONE transaction with the record of ``batch.end_lsn``."""
     conn = writer.conn
     outcome = MergeOutcome()
+    writer.applied_unknown()
     with conn.transaction():
         recorded = writer.lock_applied(conn)
         if recorded != expected_applied:
@@ -118,11 +119,13 @@ def merge(
         end = batch.end_lsn
         if recorded is None or end > recorded:
             writer.write_applied(conn, end, batch.commit_lsn, batch.commit_time)
+            recorded = end
         for st in staged.values():
             writer.empty_stage(conn, st.name, st.summary.rows)
         # Everything is staged and merged, the applied LSN written: a crash now must
         # leave the target exactly as before the batch (the crash tests stop here).
         fault_point("apply.before_commit")
+    writer.applied_committed(recorded)
     writer.stages_emptied([st.name for st in staged.values()])
     return outcome
 

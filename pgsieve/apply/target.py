@@ -163,6 +163,8 @@ class TargetWriter:
         self._stages_empty: set[str] = set()
         self._stage_dead_rows: dict[str, int] = {}
         self._replica_role: bool | None = None
+        self._applied: Lsn | None = None
+        self._applied_known = False
 
     # -- connection details for Spark tasks (never logged) ------------------------------
     @property
@@ -188,11 +190,31 @@ class TargetWriter:
         self._drop_staging(others_only=True)
 
     def applied_lsn(self) -> Lsn | None:
-        """The end LSN of the last transaction applied for this subscription (None: none)."""
+        """The end LSN of the last transaction applied for this subscription (None: none),
+        read from the target."""
         row = self.conn.execute(
             f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} WHERE subscription_id = %s",
             (self.subscription_id,)).fetchone()
-        return None if row is None else Lsn.parse(row[0])
+        lsn = None if row is None or row[0] == "0/0" else Lsn.parse(row[0])
+        self._applied, self._applied_known = lsn, True
+        return lsn
+
+    def expected_applied(self) -> Lsn | None:
+        """:meth:`applied_lsn` as this writer's last commit of it left it, read only when
+        unknown. Only the subscription's one consumer writes the record, and the merge
+        still locks and compares it inside its transaction (another writer's commit
+        fences this one off, see ``ApplyFenced``); a query per batch was a round trip of
+        every small batch."""
+        return self._applied if self._applied_known else self.applied_lsn()
+
+    def applied_unknown(self) -> None:
+        """Forget the remembered applied LSN (a transaction writing it is under way or
+        failed): the next :meth:`applied_lsn` reads it."""
+        self._applied_known = False
+
+    def applied_committed(self, lsn: Lsn | None) -> None:
+        """The transaction that left the record at ``lsn`` committed."""
+        self._applied, self._applied_known = lsn, True
 
     def applied_record(self) -> dict[str, Any] | None:
         row = self.conn.execute(
@@ -231,13 +253,17 @@ class TargetWriter:
     def record_idle(self, lsn: Lsn) -> None:
         """Nothing of this subscription commits before ``lsn``: record it as applied (only
         ever forward), so a restart resumes there and the slot may release the WAL."""
+        self.applied_unknown()
         with self.conn.transaction():
             current = self.lock_applied(self.conn)
             if current is None or current < lsn:
                 self.write_applied(self.conn, lsn, None, None)
+                current = lsn
+        self.applied_committed(current)
 
     def forget(self, subscription_id: str | None = None) -> None:
         """Drop the record and staging tables of a deleted subscription."""
+        self.applied_unknown()
         sub = subscription_id or self.subscription_id
         exists = self.conn.execute("SELECT to_regclass(%s) IS NOT NULL",
                                    (f"{SCHEMA}.{APPLIED_TABLE}",)).fetchone()
@@ -249,8 +275,10 @@ class TargetWriter:
 
     # -- target tables -----------------------------------------------------------------------
     def invalidate(self) -> None:
-        """Forget cached table shapes (read again on next use)."""
+        """Forget cached table shapes (read again on next use), and whether the target
+        role may set the replication role (its grants may have changed too)."""
         self._tables.clear()
+        self._replica_role = None
         self._shapes_read_at = time.monotonic()
 
     def refresh_shapes(self) -> bool:
@@ -327,6 +355,9 @@ class TargetWriter:
         triggers on, and says so once in the log."""
         if self._replica_role is False:
             return False
+        if self._replica_role:  # allowed before: no savepoint around it (two round trips)
+            conn.execute("SET LOCAL session_replication_role = replica")
+            return True
         try:
             with conn.transaction():  # a savepoint: released, the SET LOCAL stays
                 conn.execute("SET LOCAL session_replication_role = replica")

@@ -2,9 +2,9 @@
 
 Consume cycles run in many worker processes (and hosts), so in-process prometheus
 counters would each see a fraction of the work. Instead each applied batch is recorded
-in the subscription's ``stats`` JSON (:func:`record_batch`, called by the consume cycle in
-the transaction that records the batch), and :class:`MetadataCollector` turns the store
-into metrics when ``/metrics`` is scraped.
+in the subscription's ``stats`` JSON (summed by the consume cycle and written with its
+progress, see :mod:`pgsieve.streaming.appliednotes`; :func:`record_batch` for one), and
+:class:`MetadataCollector` turns the store into metrics when ``/metrics`` is scraped.
 
 ``Subscription.stats`` keys read here: ``batches``, ``changes`` (applied changes, counted
 by the consume cycle) and the histograms ``apply_seconds_histogram`` and
@@ -69,6 +69,26 @@ def observe(histogram: dict[str, Any] | None, bounds: Sequence[float],
         "counts": counts,
         "sum": float((histogram or {}).get("sum", 0.0)) + value,
         "count": int((histogram or {}).get("count", 0)) + 1,
+    }
+
+
+def merge_histograms(stored: dict[str, Any] | None,
+                     added: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``stored`` with the observations of ``added`` (both as :func:`observe` writes
+    them). Bounds that differ (a histogram stored by another version) cannot be merged
+    bucket by bucket: the stored one starts again from ``added``, which Prometheus reads
+    as a counter reset."""
+    if added is None:
+        return stored
+    if stored is None or [float(b) for b in stored.get("le") or ()] != [
+            float(b) for b in added["le"]]:
+        return dict(added)
+    return {
+        "le": list(added["le"]),
+        "counts": [int(a) + int(b) for a, b in zip(stored["counts"], added["counts"],
+                                                    strict=True)],
+        "sum": float(stored.get("sum", 0.0)) + float(added["sum"]),
+        "count": int(stored.get("count", 0)) + int(added["count"]),
     }
 
 

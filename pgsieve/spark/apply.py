@@ -105,7 +105,7 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
                  distributed: bool | None) -> ApplyResult:
     timings: dict[str, float] = {}
     started = t = time.perf_counter()
-    expected = writer.applied_lsn()
+    expected = writer.expected_applied()
     if distributed is None:
         distributed, why = choose_apply_path(spark, batch.change_count)
         global _last_path

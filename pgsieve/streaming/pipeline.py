@@ -25,11 +25,11 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal, Protocol
 
 import psycopg
-from sqlalchemy import delete, insert, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.apply.batch import (
@@ -49,21 +49,25 @@ from pgsieve.platform.db import session_factory
 from pgsieve.platform.errors import describe_error
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.locks import AdvisoryLocks, LockKeeper, release, try_acquire
-from pgsieve.platform.metrics import record_batch
 from pgsieve.platform.models import (
-    UPDATE_IMAGE_WINDOW,
     ConsumerLock,
     Source,
     Subscription,
     SubscriptionTable,
     Target,
-    UpdateImage,
     utcnow,
 )
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.spark.apply import apply_batch
+from pgsieve.streaming.appliednotes import (
+    AppliedProgress,
+    ImageTrims,
+    ProgressBook,
+    record_applied,
+    unquoted,
+)
 from pgsieve.streaming.catchup import catch_up
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
@@ -404,15 +408,10 @@ class ConsumeCycle:
                 sub.stats = stats
                 if table is not None:
                     for t in sub.tables:
-                        if t.table_name == table or _unquoted(t.table_name) == table:
+                        if t.table_name == table or unquoted(t.table_name) == table:
                             t.error = detail
                 session.commit()
         return CycleOutcome("error", detail)
-
-
-def _unquoted(name: str) -> str:
-    schema, rel = parse_table_name(name)
-    return f"{schema}.{rel}"
 
 
 class _StreamRun:
@@ -447,7 +446,11 @@ class _StreamRun:
         self._noted_at = 0.0
         self._source_lsn: Lsn | None = None
         self._last_apply_seconds = 0.0
-        self._images_since_trim: dict[str, int] = {}
+        self._image_trims = ImageTrims()
+        self._showing_pending = False
+        self.progress_book: ProgressBook | None = None
+        """Where applied batches are counted instead of a metadata commit each (a
+        scheduler writes them in its heartbeat)."""
         self.drained = False
         """The last turn ended because nothing more had arrived (not at its deadline)."""
         self.note_sink: Callable[[CaughtUp], None] | None = None
@@ -756,107 +759,45 @@ class _StreamRun:
         """Show what is pending while a long batch applies: lag seconds count from the
         oldest commit not yet at the target. Only for batches that take a while (big, or
         the last one was slow): for the rest it would be a metadata commit per batch that
-        nobody sees before the batch's own."""
+        nobody sees before the batch's own. Under a scheduler the stream's progress not
+        yet written goes with it (so the heartbeat cannot clear the pending mark), and the
+        batch's own progress is written at once after it."""
         stats = self.consumer.stats
+        earlier = [] if self.progress_book is None else self.progress_book.take(
+            self.cycle.subscription_id)
+        self._showing_pending = True
         with self.cycle.sessions() as session:
+            record_applied(session, earlier, self._trims(), settled=set())
             sub = session.get(Subscription, self.cycle.subscription_id)
             if sub is None:
                 return
             sub.oldest_unapplied_commit_ts = txns[0].commit_time
-            if stats.last_received is not None:
+            if stats.last_received is not None and (
+                    sub.received_lsn is None or stats.last_received.value > sub.received_lsn):
                 sub.received_lsn = stats.last_received.value
             session.commit()
 
-    def _after_apply(self, result: ApplyResult, elapsed: float) -> None:
-        now = time.monotonic()
-        source_lsn = self._current_source_lsn(now)
-        with self.cycle.sessions() as session:
-            sub = session.get(Subscription, self.cycle.subscription_id)
-            if sub is None:
-                return
-            sub.applied_lsn = result.end_lsn.value
-            if sub.received_lsn is None or result.end_lsn.value > sub.received_lsn:
-                sub.received_lsn = result.end_lsn.value
-            sub.last_commit_ts = result.commit_time
-            sub.oldest_unapplied_commit_ts = None
-            if source_lsn is not None:
-                sub.source_lsn = source_lsn.value
-            if result.skipped_transaction is not None and sub.skip_lsn == (
-                result.skipped_transaction.value
-            ):
-                sub.skip_lsn = None
-                self.skip_lsn = None
-            stats = dict(sub.stats)
-            for key, add in (("batches", 1), ("transactions", result.transactions),
-                             ("changes", result.changes), ("rows_written", result.rows_written),
-                             ("apply_seconds_total", elapsed)):
-                stats[key] = stats.get(key, 0) + add
-            paths = dict(stats.get("apply_paths") or {})
-            path = "spark" if result.distributed else "driver"
-            paths[path] = paths.get(path, 0) + 1
-            stats["apply_paths"] = paths
-            stats["last_batch"] = {
-                "changes": result.changes, "transactions": result.transactions,
-                "rows_written": result.rows_written, "seconds": round(elapsed, 4),
-                "timings": {k: round(v, 4) for k, v in result.timings.items()},
-                "end_lsn": str(result.end_lsn),
-                "applied_at": datetime.now(UTC).isoformat(),
-            }
-            sub.stats = stats
-            by_name = {_unquoted(t.table_name): t for t in sub.tables}
-            for name, counts in result.counts.items():
-                table = by_name.get(name) or by_name.get(_unquoted_safe(name))
-                if table is None:
-                    continue
-                table.inserts += counts.inserts
-                table.updates += counts.updates
-                table.deletes += counts.deletes
-                table.truncates += counts.truncates
-                table.conflicts += counts.conflicts
-                if counts.missing_skipped:
-                    table.missing_skipped += counts.missing_skipped
-                    last = counts.last_missing
-                    log.info("%s: skipped %d UPDATE/DELETE whose row is missing in the "
-                             "target (as PostgreSQL does); last: %s at %s", name,
-                             counts.missing_skipped, last and last.op,
-                             last and last.commit_lsn)
-                    if last is not None:
-                        table.last_missing = {
-                            "op": last.op, "key": last.key, "lsn": str(last.commit_lsn),
-                            "at": datetime.now(UTC).isoformat()}
-            self._keep_update_images(session, result)
-            # The batch-apply histogram for /metrics, kept in the metadata store so any
-            # API process can serve it.
-            record_batch(session, sub.id, elapsed, result.changes)
-            session.commit()
+    def _trims(self) -> ImageTrims:
+        return self._image_trims if self.progress_book is None else self.progress_book.trims
 
-    def _keep_update_images(self, session: Session, result: ApplyResult) -> None:
-        """Keep the latest UPDATE images per table for the update preview: one bulk
-        insert per batch; the table's oldest beyond the window are deleted once a quarter
-        of a window was added since the last trim (so at most 1.25 windows are stored, and
-        a busy stream does not pay a DELETE per batch)."""
-        if not result.update_images:
+    def _after_apply(self, result: ApplyResult, elapsed: float) -> None:
+        """Record an applied batch (see :mod:`.appliednotes`): into the scheduler's book,
+        written with its heartbeat, or — a lone cycle, or a batch shown as pending — at
+        once."""
+        if result.skipped_transaction is not None and self.skip_lsn == (
+                result.skipped_transaction):
+            self.skip_lsn = None
+        source_lsn = self._current_source_lsn(time.monotonic())
+        sid = self.cycle.subscription_id
+        if self.progress_book is not None and not self._showing_pending:
+            self.progress_book.add(sid, result, elapsed, source_lsn)
             return
-        sub_id = self.cycle.subscription_id
-        rows = [{"subscription_id": sub_id, "table_name": image.table, "lsn": image.lsn.value,
-                 "old_kind": image.old_kind, "old": image.old, "new": image.new}
-                for image in result.update_images[-UPDATE_IMAGE_WINDOW:]]
-        session.execute(insert(UpdateImage), rows)
-        for image in result.update_images[-UPDATE_IMAGE_WINDOW:]:
-            self._images_since_trim[image.table] = self._images_since_trim.get(image.table, 0) + 1
-        for table, added in list(self._images_since_trim.items()):
-            if added < UPDATE_IMAGE_WINDOW // 4:
-                continue
-            self._images_since_trim[table] = 0
-            keep = select(UpdateImage.id).where(
-                UpdateImage.subscription_id == sub_id,
-                UpdateImage.table_name == table,
-            ).order_by(UpdateImage.id.desc()).limit(UPDATE_IMAGE_WINDOW)
-            session.execute(delete(UpdateImage).where(
-                UpdateImage.subscription_id == sub_id,
-                UpdateImage.table_name == table,
-                UpdateImage.id.not_in(keep.scalar_subquery()),
-            ))
+        self._showing_pending = False
+        progress = AppliedProgress(sid)
+        progress.add(result, elapsed, source_lsn)
+        with self.cycle.sessions() as session:
+            record_applied(session, [progress], self._trims())
+            session.commit()
 
 
 def _transient(exc: BaseException) -> bool:
@@ -883,13 +824,6 @@ def _describe(exc: BaseException) -> str:
         return str(exc)
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
-
-
-def _unquoted_safe(name: str) -> str:
-    try:
-        return _unquoted(name)
-    except ValueError:
-        return name
 
 
 class _LazySpark:

@@ -65,6 +65,7 @@ from pgsieve.platform.models import (
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.spark.session import get_spark
+from pgsieve.streaming.appliednotes import AppliedProgress, ProgressBook, record_applied
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up_many
 from pgsieve.streaming.pipeline import (
     WORKER_STOPPING,
@@ -151,6 +152,7 @@ class Scheduler:
         """Transport switches of streams let go (those held count their own)."""
         self._notes: dict[str, CaughtUp] = {}
         self._notes_mutex = threading.Lock()
+        self._progress = ProgressBook()
         self._push_waits = PushWaits(self._woken, self._armable,
                                      max_delay=self.settings.idle_poll_seconds)
         self._pushed_fallback = max(self.settings.idle_poll_seconds,
@@ -183,6 +185,7 @@ class Scheduler:
             held = list(self._held.values())
         for h in held:
             self._drop(h, CycleOutcome("stopped", "the worker is stopping"))
+        self._write_progress()
         with self._sources_mutex:
             for state in self._sources.values():
                 state.locks.close()
@@ -195,6 +198,19 @@ class Scheduler:
                 except Exception as exc:  # the sweep of another worker adopts it anyway
                     log.warning("cannot hand %s over: %s", subscription_id, exc)
         return handed
+
+    def _write_progress(self) -> None:
+        """What the streams applied since the last heartbeat, written now (a stop)."""
+        progress = self._progress.take()
+        if not progress:
+            return
+        try:
+            with self.sessions() as session:
+                record_applied(session, progress, self._progress.trims)
+                session.commit()
+        except Exception as exc:
+            log.warning("cannot record the progress of %d subscriptions: %s", len(progress),
+                        scrub_secrets(str(exc)))
 
     # -- taking a subscription ---------------------------------------------------------------
     def adopt(self, subscription_id: str) -> str:
@@ -268,6 +284,7 @@ class Scheduler:
         held.stream = opened
         opened.run.control_on_request = True
         opened.run.note_sink = self._note
+        opened.run.progress_book = self._progress
         with self._cond:
             stopping = self._stopping.is_set()
             if not stopping:
@@ -503,35 +520,54 @@ class Scheduler:
 
     def _beat(self, held: dict[str, _Held]) -> set[str]:
         """One metadata transaction per period: renew every lock held (one UPDATE), write
-        the caught-up notes of the idle subscriptions, look for changes to what the
+        the caught-up notes of the idle subscriptions and what every stream applied since
+        the last beat (:mod:`.appliednotes`), look for changes to what the
         streams depend on (two queries for all of them; a changed one re-reads itself
         before its next turn), and the worker's own heartbeat with what the scheduler
         reports (``/metrics``, the dashboard, the other workers' fair share). Returns
         the locks lost."""
         with self._notes_mutex:
             notes, self._notes = self._notes, {}
-        with self.sessions() as session:
-            lost = renew_owned(session, self.owner, set(held)) if held else set()
-            record_caught_up_many(session, [n for sid, n in notes.items() if sid in held])
-            for subscription_id, fingerprint in stream_fingerprints(session, held).items():
-                h = held[subscription_id]
-                if h.fingerprint != fingerprint:
-                    h.fingerprint = fingerprint
-                    if h.stream is not None:
-                        h.stream.run.request_control()
-            if self.worker is not None:
-                beat = session.get(WorkerHeartbeat, self.worker)
-                details = {"pid": os.getpid(), "scheduler": self.snapshot()}
-                if beat is None:
-                    session.add(WorkerHeartbeat(worker=self.worker, beat_at=utcnow(),
-                                                details=details))
-                else:
-                    beat.beat_at = utcnow()
-                    beat.details = {**beat.details, **details}
-            try:
-                session.commit()
-            except IntegrityError:  # the worker's first beat, written by another thread
-                session.rollback()
+        progress = self._progress.take()
+        written = False
+        try:
+            with self.sessions() as session:
+                lost = self._beat_in(session, held, notes, progress)
+                written = True
+        finally:
+            if not written:
+                self._progress.restore(progress)
+        return lost
+
+    def _beat_in(self, session: Session, held: dict[str, _Held], notes: dict[str, CaughtUp],
+                 progress: list[AppliedProgress]) -> set[str]:
+        """The heartbeat's writes, in ``session`` (committed here)."""
+        lost = renew_owned(session, self.owner, set(held)) if held else set()
+        record_caught_up_many(session, [n for sid, n in notes.items() if sid in held])
+        # Batches applied since the last beat (of streams let go since, too: their
+        # counts are ours; positions only move forward).
+        record_applied(session, progress, self._progress.trims, settled=set(held))
+        for subscription_id, fingerprint in stream_fingerprints(session, held).items():
+            h = held[subscription_id]
+            if h.fingerprint != fingerprint:
+                h.fingerprint = fingerprint
+                if h.stream is not None:
+                    h.stream.run.request_control()
+        if self.worker is not None:
+            beat = session.get(WorkerHeartbeat, self.worker)
+            details = {"pid": os.getpid(), "scheduler": self.snapshot()}
+            if beat is None:
+                session.add(WorkerHeartbeat(worker=self.worker, beat_at=utcnow(),
+                                            details=details))
+            else:
+                beat.beat_at = utcnow()
+                beat.details = {**beat.details, **details}
+        try:
+            session.commit()
+        except IntegrityError:  # the worker's first beat, written by another thread
+            session.rollback()
+            record_applied(session, progress, self._progress.trims, settled=set(held))
+            session.commit()
         return lost
 
     def _sweep_loop(self) -> None:

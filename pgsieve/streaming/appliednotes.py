@@ -1,0 +1,275 @@
+"""What applying batches records in the metadata store, summed in memory between writes.
+
+Each applied batch moves its subscription's applied LSN and last commit time, its
+counters and per-table counts, the UPDATE-image window of the update preview and the two
+apply histograms of ``/metrics``. Written at once, that was one ORM commit per batch — a
+fifth of a busy turn with tens of subscriptions on one worker. A scheduler therefore sums
+its streams' batches in an :class:`AppliedProgress` each and writes them all in its
+heartbeat transaction (one commit per period, as the idle streams' notes); a lone consume
+cycle writes each batch's at once.
+
+Nothing here is part of exactly-once: the target records the applied LSN in the batch's
+own transaction and the slot is confirmed after that commit. The metadata store's copy
+is what users see, at most one heartbeat period old. What a killed worker had not yet
+written (its last period's counts) is lost with it, as PostgreSQL's subscription
+statistics are after a crash; positions only ever move forward, so a late write never
+moves one back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import delete, insert, select
+from sqlalchemy.orm import Session
+
+from pgsieve.apply.batch import ApplyResult, MissingRow, UpdateImageRecord
+from pgsieve.platform.db import in_chunks
+from pgsieve.platform.metrics import (
+    APPLY_SECONDS_BUCKETS,
+    APPLY_SECONDS_KEY,
+    BATCH_CHANGES_BUCKETS,
+    BATCH_CHANGES_KEY,
+    merge_histograms,
+    observe,
+)
+from pgsieve.platform.models import UPDATE_IMAGE_WINDOW, Subscription, UpdateImage
+from pgsieve.rowfilter.parse import parse_table_name
+from pgsieve.wire.lsn import Lsn
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("inserts", "updates", "deletes", "truncates", "conflicts", "missing_skipped")
+"""Per-table counts a batch adds (the columns of ``SubscriptionTable`` of the same name)."""
+
+
+def unquoted(name: str) -> str:
+    """``schema.name`` with PostgreSQL's folding (quotes removed); the name itself when
+    it does not parse."""
+    try:
+        schema, rel = parse_table_name(name)
+    except ValueError:
+        return name
+    return f"{schema}.{rel}"
+
+
+@dataclass
+class AppliedProgress:
+    """The batches of one subscription applied since its progress was last written."""
+
+    subscription_id: str
+    applied: Lsn | None = None
+    last_commit_ts: datetime | None = None
+    source_lsn: Lsn | None = None
+    cleared_skip: set[int] = field(default_factory=set)
+    """``skip_lsn`` values whose transaction was skipped (cleared if still set)."""
+    stats: dict[str, float] = field(default_factory=dict)
+    paths: dict[str, int] = field(default_factory=dict)
+    last_batch: dict[str, Any] | None = None
+    tables: dict[str, dict[str, int]] = field(default_factory=dict)
+    last_missing: dict[str, MissingRow] = field(default_factory=dict)
+    images: dict[str, deque[UpdateImageRecord]] = field(default_factory=dict)
+    apply_seconds: dict[str, Any] | None = None
+    batch_changes: dict[str, Any] | None = None
+
+    def add(self, result: ApplyResult, elapsed: float, source_lsn: Lsn | None) -> None:
+        """Count one applied batch."""
+        if self.applied is None or result.end_lsn > self.applied:
+            self.applied = result.end_lsn
+            self.last_commit_ts = result.commit_time
+        if source_lsn is not None:
+            self.source_lsn = source_lsn
+        if result.skipped_transaction is not None:
+            self.cleared_skip.add(result.skipped_transaction.value)
+        for key, value in (("batches", 1), ("transactions", result.transactions),
+                           ("changes", result.changes), ("rows_written", result.rows_written),
+                           ("apply_seconds_total", elapsed)):
+            self.stats[key] = self.stats.get(key, 0) + value
+        path = "spark" if result.distributed else "driver"
+        self.paths[path] = self.paths.get(path, 0) + 1
+        self.last_batch = {
+            "changes": result.changes, "transactions": result.transactions,
+            "rows_written": result.rows_written, "seconds": round(elapsed, 4),
+            "timings": {k: round(v, 4) for k, v in result.timings.items()},
+            "end_lsn": str(result.end_lsn),
+            "applied_at": datetime.now(UTC).isoformat(),
+        }
+        for name, counts in result.counts.items():
+            table = self.tables.setdefault(name, dict.fromkeys(COUNTERS, 0))
+            for key in COUNTERS:
+                table[key] += getattr(counts, key)
+            if counts.missing_skipped and counts.last_missing is not None:
+                last = counts.last_missing
+                log.info("%s: skipped %d UPDATE/DELETE whose row is missing in the target "
+                         "(as PostgreSQL does); last: %s at %s", name,
+                         counts.missing_skipped, last.op, last.commit_lsn)
+                self.last_missing[name] = last
+        for image in result.update_images[-UPDATE_IMAGE_WINDOW:]:
+            self.images.setdefault(image.table, deque(maxlen=UPDATE_IMAGE_WINDOW)).append(image)
+        self.apply_seconds = observe(self.apply_seconds, APPLY_SECONDS_BUCKETS,
+                                     max(0.0, float(elapsed)))
+        self.batch_changes = observe(self.batch_changes, BATCH_CHANGES_BUCKETS,
+                                     max(0, int(result.changes)))
+
+    def absorb(self, later: AppliedProgress) -> None:
+        """Fold ``later`` (batches applied after this one's) into this one — a write
+        that failed is retried with what came since."""
+        if later.applied is not None and (self.applied is None or later.applied > self.applied):
+            self.applied, self.last_commit_ts = later.applied, later.last_commit_ts
+        self.source_lsn = later.source_lsn or self.source_lsn
+        self.cleared_skip |= later.cleared_skip
+        for key, value in later.stats.items():
+            self.stats[key] = self.stats.get(key, 0) + value
+        for path, n in later.paths.items():
+            self.paths[path] = self.paths.get(path, 0) + n
+        self.last_batch = later.last_batch or self.last_batch
+        for name, counts in later.tables.items():
+            mine = self.tables.setdefault(name, dict.fromkeys(COUNTERS, 0))
+            for key in COUNTERS:
+                mine[key] += counts[key]
+        self.last_missing.update(later.last_missing)
+        for name, images in later.images.items():
+            self.images.setdefault(name, deque(maxlen=UPDATE_IMAGE_WINDOW)).extend(images)
+        self.apply_seconds = merge_histograms(self.apply_seconds, later.apply_seconds)
+        self.batch_changes = merge_histograms(self.batch_changes, later.batch_changes)
+
+
+class ImageTrims:
+    """How many images each table received since its window was last trimmed: the
+    oldest beyond the window are deleted once a quarter of a window was added (at most
+    1.25 windows are stored, and a busy stream does not pay a DELETE per write)."""
+
+    def __init__(self) -> None:
+        self._added: dict[tuple[str, str], int] = {}
+
+    def due(self, subscription_id: str, table: str, added: int) -> bool:
+        key = (subscription_id, table)
+        total = self._added.get(key, 0) + added
+        if total < UPDATE_IMAGE_WINDOW // 4:
+            self._added[key] = total
+            return False
+        self._added[key] = 0
+        return True
+
+
+def record_applied(session: Session, progress: Iterable[AppliedProgress], trims: ImageTrims,
+                   *, settled: set[str] | None = None) -> None:
+    """Write ``progress`` to the subscriptions (one SELECT for all; the caller commits).
+
+    ``settled``: the subscriptions whose stream has nothing pending beyond what
+    ``progress`` holds — their "oldest unapplied commit" is cleared (None: all of them).
+    """
+    by_id = {p.subscription_id: p for p in progress}
+    for chunk in in_chunks(sorted(by_id)):
+        for sub in session.scalars(select(Subscription).where(Subscription.id.in_(chunk))):
+            p = by_id[sub.id]
+            _write(session, sub, p, trims, settled is None or sub.id in settled)
+
+
+def _write(session: Session, sub: Subscription, p: AppliedProgress, trims: ImageTrims,
+           settled: bool) -> None:
+    if p.applied is not None:
+        if sub.applied_lsn is None or p.applied.value > sub.applied_lsn:
+            sub.applied_lsn = p.applied.value
+            sub.last_commit_ts = p.last_commit_ts
+        if sub.received_lsn is None or p.applied.value > sub.received_lsn:
+            sub.received_lsn = p.applied.value
+    if settled:
+        sub.oldest_unapplied_commit_ts = None
+    if p.source_lsn is not None:
+        sub.source_lsn = p.source_lsn.value
+    if sub.skip_lsn is not None and sub.skip_lsn in p.cleared_skip:
+        sub.skip_lsn = None
+    stats = dict(sub.stats)
+    for key, value in p.stats.items():
+        stats[key] = stats.get(key, 0) + value
+    paths = dict(stats.get("apply_paths") or {})
+    for path, n in p.paths.items():
+        paths[path] = paths.get(path, 0) + n
+    stats["apply_paths"] = paths
+    if p.last_batch is not None:
+        stats["last_batch"] = p.last_batch
+    stats[APPLY_SECONDS_KEY] = merge_histograms(stats.get(APPLY_SECONDS_KEY), p.apply_seconds)
+    stats[BATCH_CHANGES_KEY] = merge_histograms(stats.get(BATCH_CHANGES_KEY), p.batch_changes)
+    sub.stats = stats  # a new dict, so the JSON column is written
+    if p.tables:
+        by_name = {unquoted(t.table_name): t for t in sub.tables}
+        for name, counts in p.tables.items():
+            table = by_name.get(name) or by_name.get(unquoted(name))
+            if table is None:
+                continue
+            for key in COUNTERS:
+                if counts[key]:
+                    setattr(table, key, getattr(table, key) + counts[key])
+            last = p.last_missing.get(name)
+            if last is not None:
+                table.last_missing = {"op": last.op, "key": last.key,
+                                      "lsn": str(last.commit_lsn),
+                                      "at": datetime.now(UTC).isoformat()}
+    _keep_images(session, sub.id, p, trims)
+
+
+def _keep_images(session: Session, subscription_id: str, p: AppliedProgress,
+                 trims: ImageTrims) -> None:
+    """The latest UPDATE images per table for the update preview: one bulk insert."""
+    rows = [{"subscription_id": subscription_id, "table_name": image.table,
+             "lsn": image.lsn.value, "old_kind": image.old_kind, "old": image.old,
+             "new": image.new}
+            for images in p.images.values() for image in images]
+    if not rows:
+        return
+    session.execute(insert(UpdateImage), rows)
+    for table, images in p.images.items():
+        if not trims.due(subscription_id, table, len(images)):
+            continue
+        keep = select(UpdateImage.id).where(
+            UpdateImage.subscription_id == subscription_id,
+            UpdateImage.table_name == table,
+        ).order_by(UpdateImage.id.desc()).limit(UPDATE_IMAGE_WINDOW)
+        session.execute(delete(UpdateImage).where(
+            UpdateImage.subscription_id == subscription_id,
+            UpdateImage.table_name == table,
+            UpdateImage.id.not_in(keep.scalar_subquery()),
+        ))
+
+
+class ProgressBook:
+    """A scheduler's: every stream's progress since the heartbeat last wrote it. Runner
+    threads add, the heartbeat takes (and gives back what it could not write)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[str, AppliedProgress] = {}
+        self.trims = ImageTrims()
+
+    def add(self, subscription_id: str, result: ApplyResult, elapsed: float,
+            source_lsn: Lsn | None) -> None:
+        with self._lock:
+            progress = self._by_id.get(subscription_id)
+            if progress is None:
+                progress = self._by_id[subscription_id] = AppliedProgress(subscription_id)
+            progress.add(result, elapsed, source_lsn)
+
+    def take(self, subscription_id: str | None = None) -> list[AppliedProgress]:
+        """What is pending (for one subscription, or all), no longer held here."""
+        with self._lock:
+            if subscription_id is not None:
+                one = self._by_id.pop(subscription_id, None)
+                return [] if one is None else [one]
+            taken, self._by_id = list(self._by_id.values()), {}
+            return taken
+
+    def restore(self, taken: list[AppliedProgress]) -> None:
+        """Give back progress whose write failed: it is written with what came since."""
+        with self._lock:
+            for progress in taken:
+                since = self._by_id.get(progress.subscription_id)
+                if since is not None:
+                    progress.absorb(since)
+                self._by_id[progress.subscription_id] = progress
