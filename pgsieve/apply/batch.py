@@ -152,6 +152,8 @@ class ApplyResult:
     """Rows whose unchanged-TOAST values were fetched from the source (see README)."""
     distributed: bool = False
     """Whether the net effect and staging ran as Spark tasks (else in the driver)."""
+    direct_tables: tuple[str, ...] = ()
+    """Target tables written without staging (:mod:`pgsieve.apply.direct`)."""
 
 
 class ApplyConflict(Exception):

@@ -7,17 +7,15 @@ all tables here; the Spark path's tasks stage and the driver still resolves and 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from pgsieve.apply.batch import ApplyBatch, TableStopped
 from pgsieve.apply.columns import TargetTable
-from pgsieve.apply.copytext import finish
-from pgsieve.apply.merge import StagedTable
+from pgsieve.apply.merge import StagedTable, stage_table
 from pgsieve.apply.net_effect import MASK, ROW, SOURCE, UMASK, mask_positions
 from pgsieve.apply.plan import BatchPlan, RelationMap
 from pgsieve.apply.sequential import fetch_unchanged
-from pgsieve.apply.staging import StageEncoder
 from pgsieve.apply.target import TableMissing, TargetWriter
 from pgsieve.wire.lsn import Lsn
 
@@ -69,16 +67,9 @@ def fetch_pending(writer: TargetWriter, plan: BatchPlan) -> int:
     return fetched
 
 
-def stage_in_driver(writer: TargetWriter, plan: BatchPlan) -> dict[str, StagedTable]:
-    """COPY each table's net effect into its staging table from this process."""
-    staged: dict[str, StagedTable] = {}
-    for name, tp in plan.tables.items():
-        if tp.reason() is not None or not len(tp.effect):
-            continue
-        kp = tp.key_positions if tp.mode == "key" else ()
-        stage = writer.staging_table(tp.target, kp or ())
-        encoder = StageEncoder(tp.target.width, kp)
-        payload = finish(encoder.encode(tp.effect))
-        writer.copy_in(stage, writer.staging_columns(tp.target, kp or ()), payload)
-        staged[name] = StagedTable(stage, encoder.summary)
-    return staged
+def stage_in_driver(writer: TargetWriter, plan: BatchPlan,
+                    skip: Collection[str] = ()) -> dict[str, StagedTable]:
+    """COPY each table's net effect (but those in ``skip``) into its staging table from
+    this process."""
+    return {name: stage_table(writer, tp) for name, tp in plan.tables.items()
+            if tp.reason() is None and len(tp.effect) and name not in skip}

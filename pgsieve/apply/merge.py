@@ -32,6 +32,8 @@ from pgsieve.apply.batch import (
     TableStopped,
 )
 from pgsieve.apply.columns import TargetTable
+from pgsieve.apply.copytext import finish
+from pgsieve.apply.direct import DirectMismatch, DirectTable, apply_direct
 from pgsieve.apply.net_effect import (
     OP_ABSENT,
     OP_DELETE,
@@ -41,7 +43,7 @@ from pgsieve.apply.net_effect import (
 )
 from pgsieve.apply.plan import BatchPlan, TablePlan, TruncateOp
 from pgsieve.apply.sequential import apply_sequential
-from pgsieve.apply.staging import StageSummary, mask_text
+from pgsieve.apply.staging import StageEncoder, StageSummary, mask_text
 from pgsieve.apply.target import SCHEMA, TargetWriter
 from pgsieve.platform.faults import fault_point
 from pgsieve.wire.lsn import Lsn
@@ -62,6 +64,18 @@ class StagedTable:
 class MergeOutcome:
     rows_written: int = 0
     sequential: dict[str, str] = field(default_factory=dict)
+    direct: list[str] = field(default_factory=list)
+    """Tables written without staging (:mod:`.direct`)."""
+
+
+def stage_table(writer: TargetWriter, tp: TablePlan) -> StagedTable:
+    """COPY a table's net effect into its staging table (on the writer's connection)."""
+    kp = tp.key_positions if tp.mode == "key" else ()
+    stage = writer.staging_table(tp.target, kp or ())
+    encoder = StageEncoder(tp.target.width, kp)
+    payload = finish(encoder.encode(tp.effect))
+    writer.copy_in(stage, writer.staging_columns(tp.target, kp or ()), payload)
+    return StagedTable(stage, encoder.summary)
 
 
 class _Conflict(Exception):
@@ -75,11 +89,32 @@ def merge(
     staged: dict[str, StagedTable],
     counts: dict[str, TableCounts],
     expected_applied: Lsn | None,
+    direct: dict[str, DirectTable] | None = None,
 ) -> MergeOutcome:
-    """Apply the plan in ONE transaction with the record of ``batch.end_lsn``."""
-    conn = writer.conn
+    """Apply the plan in ONE transaction with the record of ``batch.end_lsn``.
+
+    Tables in ``direct`` (not staged) are written by :func:`.direct.apply_direct`; one
+    whose target is not as expected is staged then and merged as the others."""
     outcome = MergeOutcome()
+    staged = dict(staged)
     writer.applied_unknown()
+    try:
+        recorded = _merge_in_transaction(writer, batch, plan, staged, counts,
+                                         expected_applied, direct, outcome)
+    except BaseException:
+        writer.merge_rolled_back()
+        raise
+    writer.applied_committed(recorded)
+    writer.stages_emptied([st.name for st in staged.values()])
+    return outcome
+
+
+def _merge_in_transaction(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
+                          staged: dict[str, StagedTable], counts: dict[str, TableCounts],
+                          expected_applied: Lsn | None, direct: dict[str, DirectTable] | None,
+                          outcome: MergeOutcome) -> Lsn | None:
+    """:func:`merge`'s transaction; the applied LSN it leaves recorded."""
+    conn = writer.conn
     with conn.transaction():
         recorded = writer.lock_applied(conn)
         if recorded != expected_applied:
@@ -91,6 +126,13 @@ def merge(
             reason = tp.reason()
             if reason is None:
                 st = staged.get(name)
+                written = None if st is not None else _direct(conn, tp, (direct or {}).get(name))
+                if written is not None:
+                    outcome.rows_written += written
+                    outcome.direct.append(name)
+                    continue
+                if st is None and direct and name in direct:
+                    st = staged[name] = stage_table(writer, tp)
                 if st is None:
                     continue
                 try:
@@ -125,9 +167,20 @@ def merge(
         # Everything is staged and merged, the applied LSN written: a crash now must
         # leave the target exactly as before the batch (the crash tests stop here).
         fault_point("apply.before_commit")
-    writer.applied_committed(recorded)
-    writer.stages_emptied([st.name for st in staged.values()])
-    return outcome
+    return recorded
+
+
+def _direct(conn: psycopg.Connection[Any], tp: TablePlan,
+            direct: DirectTable | None) -> int | None:
+    """Rows written without staging, or None: not planned so, or the target was not as
+    the batch expects (rolled back to the savepoint; the caller stages the table)."""
+    if direct is None:
+        return None
+    try:
+        with conn.transaction():
+            return apply_direct(conn, tp, direct)
+    except (DirectMismatch, psycopg.errors.IntegrityError, psycopg.errors.DataError):
+        return None
 
 
 def _truncate(conn: psycopg.Connection[Any], writer: TargetWriter, op: TruncateOp,

@@ -165,6 +165,7 @@ class TargetWriter:
         self._replica_role: bool | None = None
         self._applied: Lsn | None = None
         self._applied_known = False
+        self._staging_in_transaction: list[int] = []
 
     # -- connection details for Spark tasks (never logged) ------------------------------
     @property
@@ -227,14 +228,17 @@ class TargetWriter:
                 "commit_time": row[2], "updated_at": row[3]}
 
     def lock_applied(self, conn: psycopg.Connection[Any]) -> Lsn | None:
-        """Inside the merge transaction: lock this subscription's record, return it."""
-        conn.execute(
-            f"INSERT INTO {SCHEMA}.{APPLIED_TABLE} (subscription_id, end_lsn) "
-            "VALUES (%s, '0/0') ON CONFLICT (subscription_id) DO NOTHING",
-            (self.subscription_id,))
-        row = conn.execute(
-            f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
-            "WHERE subscription_id = %s FOR UPDATE", (self.subscription_id,)).fetchone()
+        """Inside the merge transaction: lock this subscription's record (created on
+        first use), return it."""
+        lock = (f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
+                "WHERE subscription_id = %s FOR UPDATE")
+        row = conn.execute(lock, (self.subscription_id,)).fetchone()
+        if row is None:
+            conn.execute(
+                f"INSERT INTO {SCHEMA}.{APPLIED_TABLE} (subscription_id, end_lsn) "
+                "VALUES (%s, '0/0') ON CONFLICT (subscription_id) DO NOTHING",
+                (self.subscription_id,))
+            row = conn.execute(lock, (self.subscription_id,)).fetchone()
         assert row is not None
         lsn = Lsn.parse(row[0])
         return None if lsn.value == 0 else lsn
@@ -401,7 +405,17 @@ class TargetWriter:
                 "CREATE UNLOGGED TABLE {} ({}) WITH (autovacuum_enabled = off)").format(
                 ident, sql.SQL(", ").join(defs)))
         self._staging[table.oid] = (name, signature)
+        if self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            self._staging_in_transaction.append(table.oid)  # a merge staging late
         return name
+
+    def merge_rolled_back(self) -> None:
+        """The merge's transaction rolled back: staging tables it created are gone."""
+        for oid in self._staging_in_transaction:
+            cached = self._staging.pop(oid, None)
+            if cached is not None:
+                self._stages_empty.discard(cached[0])
+        self._staging_in_transaction.clear()
 
     def empty_stage(self, conn: psycopg.Connection[Any], name: str, rows: int) -> None:
         """Empty a staging table inside the merge's transaction. A small one is emptied
@@ -421,6 +435,7 @@ class TargetWriter:
     def stages_emptied(self, names: Sequence[str]) -> None:
         """The merge that emptied these committed: the next batch needs no TRUNCATE."""
         self._stages_empty.update(names)
+        self._staging_in_transaction.clear()
 
     def staging_columns(self, table: TargetTable, key_positions: Sequence[int]) -> list[str]:
         return [*META_COLUMNS, *(f"o{i}" for i in range(len(key_positions))),

@@ -6,7 +6,9 @@
    routes, skip_lsn, counts, UPDATE images, the net effect per target table and key;
 2. **fetch** — unchanged-TOAST values the stream did not carry (an UPDATE a row filter
    turned into an INSERT) are read from the source by key, or the table stops;
-3. **stage** — each table's net effect is COPYed into an UNLOGGED staging table;
+3. **stage** — each table's net effect is COPYed into an UNLOGGED staging table, except
+   small ones, written in the merge's transaction by parameterised statements instead
+   (:mod:`pgsieve.apply.direct`);
 4. **merge** — one target transaction merges every staging table (:mod:`.merge`), falls
    back to change-by-change where set-based semantics could differ, and records the
    batch's end LSN.
@@ -29,6 +31,7 @@ from typing import Any
 import psycopg
 
 from pgsieve.apply.batch import ApplyBatch, ApplyResult
+from pgsieve.apply.direct import DirectTable, plan_direct
 from pgsieve.apply.driver import fetch_pending, resolver, stage_in_driver
 from pgsieve.apply.merge import merge
 from pgsieve.apply.plan import build_plan
@@ -104,6 +107,7 @@ def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
 def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
                  distributed: bool | None) -> ApplyResult:
     timings: dict[str, float] = {}
+    direct: dict[str, DirectTable] = {}
     started = t = time.perf_counter()
     expected = writer.expected_applied()
     if distributed is None:
@@ -127,10 +131,13 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
         if fetched:
             timings["fetch"] = (now := time.perf_counter()) - t
             t = now
-        staged = stage_in_driver(writer, plan)
+        direct = {name: d for name, tp in plan.tables.items()
+                  if (d := plan_direct(tp)) is not None}
+        staged = stage_in_driver(writer, plan, skip=direct)
         timings["stage"] = (now := time.perf_counter()) - t
         t = now
-    outcome = merge(writer, batch, plan, staged, plan.counts, expected)
+    outcome = merge(writer, batch, plan, staged, plan.counts, expected,
+                    direct=None if distributed else direct)
     timings["merge"] = time.perf_counter() - t
     timings["total"] = time.perf_counter() - started
     return ApplyResult(
@@ -150,6 +157,7 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
                            **outcome.sequential},
         fetched_rows=fetched,
         distributed=distributed,
+        direct_tables=tuple(outcome.direct),
     )
 
 

@@ -2,18 +2,19 @@
 
 Each applied batch moves its subscription's applied LSN and last commit time, its
 counters and per-table counts, the UPDATE-image window of the update preview and the two
-apply histograms of ``/metrics``. Written at once, that was one ORM commit per batch — a
-fifth of a busy turn with tens of subscriptions on one worker. A scheduler therefore sums
-its streams' batches in an :class:`AppliedProgress` each and writes them all in its
-heartbeat transaction (one commit per period, as the idle streams' notes); a lone consume
-cycle writes each batch's at once.
+apply histograms of ``/metrics``. Written by the runner thread, that was one ORM commit
+per batch — a fifth of a busy turn with tens of subscriptions on one worker. A scheduler
+therefore counts its streams' batches in a :class:`ProgressBook` (an
+:class:`AppliedProgress` per subscription) and one thread of its own writes them: at once
+when a batch is counted, and what is counted while a write runs goes into the next write
+(group commit). An idle worker's metadata is as fresh as before; a busy one writes once
+per write time for all its subscriptions instead of once per batch, off the turns. A lone
+consume cycle writes each batch's at once.
 
 Nothing here is part of exactly-once: the target records the applied LSN in the batch's
-own transaction and the slot is confirmed after that commit. The metadata store's copy
-is what users see, at most one heartbeat period old. What a killed worker had not yet
-written (its last period's counts) is lost with it, as PostgreSQL's subscription
-statistics are after a crash; positions only ever move forward, so a late write never
-moves one back.
+own transaction and the slot is confirmed after that commit. What a killed worker had
+counted but not written yet is lost with it (as PostgreSQL's subscription statistics are
+after a crash); positions only ever move forward, so a late write never moves one back.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class AppliedProgress:
             "rows_written": result.rows_written, "seconds": round(elapsed, 4),
             "timings": {k: round(v, 4) for k, v in result.timings.items()},
             "end_lsn": str(result.end_lsn),
+            "direct_tables": list(result.direct_tables),
             "applied_at": datetime.now(UTC).isoformat(),
         }
         for name, counts in result.counts.items():
@@ -158,29 +160,26 @@ class ImageTrims:
         return True
 
 
-def record_applied(session: Session, progress: Iterable[AppliedProgress], trims: ImageTrims,
-                   *, settled: set[str] | None = None) -> None:
-    """Write ``progress`` to the subscriptions (one SELECT for all; the caller commits).
-
-    ``settled``: the subscriptions whose stream has nothing pending beyond what
-    ``progress`` holds — their "oldest unapplied commit" is cleared (None: all of them).
-    """
+def record_applied(session: Session, progress: Iterable[AppliedProgress],
+                   trims: ImageTrims) -> None:
+    """Write ``progress`` to the subscriptions (one SELECT for all; the caller commits)."""
     by_id = {p.subscription_id: p for p in progress}
     for chunk in in_chunks(sorted(by_id)):
         for sub in session.scalars(select(Subscription).where(Subscription.id.in_(chunk))):
-            p = by_id[sub.id]
-            _write(session, sub, p, trims, settled is None or sub.id in settled)
+            _write(session, sub, by_id[sub.id], trims)
 
 
-def _write(session: Session, sub: Subscription, p: AppliedProgress, trims: ImageTrims,
-           settled: bool) -> None:
+def _write(session: Session, sub: Subscription, p: AppliedProgress, trims: ImageTrims) -> None:
     if p.applied is not None:
         if sub.applied_lsn is None or p.applied.value > sub.applied_lsn:
             sub.applied_lsn = p.applied.value
             sub.last_commit_ts = p.last_commit_ts
         if sub.received_lsn is None or p.applied.value > sub.received_lsn:
             sub.received_lsn = p.applied.value
-    if settled:
+    pending = sub.oldest_unapplied_commit_ts
+    if pending is not None and p.last_commit_ts is not None and pending <= p.last_commit_ts:
+        # What was shown as pending is applied now (a later batch shown as pending, by
+        # its own write, stays).
         sub.oldest_unapplied_commit_ts = None
     if p.source_lsn is not None:
         sub.source_lsn = p.source_lsn.value
@@ -246,7 +245,12 @@ class ProgressBook:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_id: dict[str, AppliedProgress] = {}
+        self._pending = threading.Event()
         self.trims = ImageTrims()
+
+    def wait(self, timeout: float) -> bool:
+        """Until something is pending (True) or ``timeout`` passed (False)."""
+        return self._pending.wait(timeout)
 
     def add(self, subscription_id: str, result: ApplyResult, elapsed: float,
             source_lsn: Lsn | None) -> None:
@@ -255,6 +259,7 @@ class ProgressBook:
             if progress is None:
                 progress = self._by_id[subscription_id] = AppliedProgress(subscription_id)
             progress.add(result, elapsed, source_lsn)
+            self._pending.set()
 
     def take(self, subscription_id: str | None = None) -> list[AppliedProgress]:
         """What is pending (for one subscription, or all), no longer held here."""
@@ -263,6 +268,7 @@ class ProgressBook:
                 one = self._by_id.pop(subscription_id, None)
                 return [] if one is None else [one]
             taken, self._by_id = list(self._by_id.values()), {}
+            self._pending.clear()
             return taken
 
     def restore(self, taken: list[AppliedProgress]) -> None:
@@ -273,3 +279,5 @@ class ProgressBook:
                 if since is not None:
                     progress.absorb(since)
                 self._by_id[progress.subscription_id] = progress
+            if self._by_id:
+                self._pending.set()

@@ -767,7 +767,7 @@ class _StreamRun:
             self.cycle.subscription_id)
         self._showing_pending = True
         with self.cycle.sessions() as session:
-            record_applied(session, earlier, self._trims(), settled=set())
+            record_applied(session, earlier, self._trims())
             sub = session.get(Subscription, self.cycle.subscription_id)
             if sub is None:
                 return

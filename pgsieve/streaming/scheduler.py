@@ -65,7 +65,7 @@ from pgsieve.platform.models import (
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.spark.session import get_spark
-from pgsieve.streaming.appliednotes import AppliedProgress, ProgressBook, record_applied
+from pgsieve.streaming.appliednotes import ProgressBook, record_applied
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up_many
 from pgsieve.streaming.pipeline import (
     WORKER_STOPPING,
@@ -88,6 +88,8 @@ ADOPT_AT_ONCE = 4
 """Subscriptions one sweep adopts at once."""
 WAIT_WINDOW = 60.0
 """Turn waits over this many seconds make the p50/p99 the worker reports."""
+PROGRESS_RETRY_SECONDS = 1.0
+"""After the metadata store refused a progress write, the next try waits this long."""
 
 
 @dataclass
@@ -163,6 +165,7 @@ class Scheduler:
         loops: list[tuple[str, Callable[[], None]]] = [
             (f"pgsieve-turns-{i}", self._runner) for i in range(self.settings.scheduler_threads)]
         loops += [("pgsieve-lock-heartbeat", self._heartbeat),
+                  ("pgsieve-progress", self._progress_loop),
                   ("pgsieve-sweep", self._sweep_loop),
                   ("pgsieve-push", lambda: self._push_waits.run(self._stopping))]
         for name, target in loops:
@@ -199,18 +202,31 @@ class Scheduler:
                     log.warning("cannot hand %s over: %s", subscription_id, exc)
         return handed
 
-    def _write_progress(self) -> None:
-        """What the streams applied since the last heartbeat, written now (a stop)."""
+    def _progress_loop(self) -> None:
+        """Group commit of what the streams applied (:mod:`.appliednotes`): written as
+        soon as a batch is counted, off the runner threads; batches counted while a write
+        runs go into the next one, so a busy worker writes once per write time, not once
+        per batch."""
+        while not self._stopping.is_set():
+            if self._progress.wait(1.0) and not self._write_progress():
+                self._stopping.wait(PROGRESS_RETRY_SECONDS)
+
+    def _write_progress(self) -> bool:
+        """What the streams applied and is not written yet, written now; False when the
+        metadata store refused it (kept for the next write)."""
         progress = self._progress.take()
         if not progress:
-            return
+            return True
         try:
             with self.sessions() as session:
                 record_applied(session, progress, self._progress.trims)
                 session.commit()
         except Exception as exc:
+            self._progress.restore(progress)
             log.warning("cannot record the progress of %d subscriptions: %s", len(progress),
                         scrub_secrets(str(exc)))
+            return False
+        return True
 
     # -- taking a subscription ---------------------------------------------------------------
     def adopt(self, subscription_id: str) -> str:
@@ -520,54 +536,35 @@ class Scheduler:
 
     def _beat(self, held: dict[str, _Held]) -> set[str]:
         """One metadata transaction per period: renew every lock held (one UPDATE), write
-        the caught-up notes of the idle subscriptions and what every stream applied since
-        the last beat (:mod:`.appliednotes`), look for changes to what the
+        the caught-up notes of the idle subscriptions, look for changes to what the
         streams depend on (two queries for all of them; a changed one re-reads itself
         before its next turn), and the worker's own heartbeat with what the scheduler
         reports (``/metrics``, the dashboard, the other workers' fair share). Returns
         the locks lost."""
         with self._notes_mutex:
             notes, self._notes = self._notes, {}
-        progress = self._progress.take()
-        written = False
-        try:
-            with self.sessions() as session:
-                lost = self._beat_in(session, held, notes, progress)
-                written = True
-        finally:
-            if not written:
-                self._progress.restore(progress)
-        return lost
-
-    def _beat_in(self, session: Session, held: dict[str, _Held], notes: dict[str, CaughtUp],
-                 progress: list[AppliedProgress]) -> set[str]:
-        """The heartbeat's writes, in ``session`` (committed here)."""
-        lost = renew_owned(session, self.owner, set(held)) if held else set()
-        record_caught_up_many(session, [n for sid, n in notes.items() if sid in held])
-        # Batches applied since the last beat (of streams let go since, too: their
-        # counts are ours; positions only move forward).
-        record_applied(session, progress, self._progress.trims, settled=set(held))
-        for subscription_id, fingerprint in stream_fingerprints(session, held).items():
-            h = held[subscription_id]
-            if h.fingerprint != fingerprint:
-                h.fingerprint = fingerprint
-                if h.stream is not None:
-                    h.stream.run.request_control()
-        if self.worker is not None:
-            beat = session.get(WorkerHeartbeat, self.worker)
-            details = {"pid": os.getpid(), "scheduler": self.snapshot()}
-            if beat is None:
-                session.add(WorkerHeartbeat(worker=self.worker, beat_at=utcnow(),
-                                            details=details))
-            else:
-                beat.beat_at = utcnow()
-                beat.details = {**beat.details, **details}
-        try:
-            session.commit()
-        except IntegrityError:  # the worker's first beat, written by another thread
-            session.rollback()
-            record_applied(session, progress, self._progress.trims, settled=set(held))
-            session.commit()
+        with self.sessions() as session:
+            lost = renew_owned(session, self.owner, set(held)) if held else set()
+            record_caught_up_many(session, [n for sid, n in notes.items() if sid in held])
+            for subscription_id, fingerprint in stream_fingerprints(session, held).items():
+                h = held[subscription_id]
+                if h.fingerprint != fingerprint:
+                    h.fingerprint = fingerprint
+                    if h.stream is not None:
+                        h.stream.run.request_control()
+            if self.worker is not None:
+                beat = session.get(WorkerHeartbeat, self.worker)
+                details = {"pid": os.getpid(), "scheduler": self.snapshot()}
+                if beat is None:
+                    session.add(WorkerHeartbeat(worker=self.worker, beat_at=utcnow(),
+                                                details=details))
+                else:
+                    beat.beat_at = utcnow()
+                    beat.details = {**beat.details, **details}
+            try:
+                session.commit()
+            except IntegrityError:  # the worker's first beat, written by another thread
+                session.rollback()
         return lost
 
     def _sweep_loop(self) -> None:

@@ -11,6 +11,7 @@ The harness here (:class:`Pair`) is shared by the other ``test_apply_*`` modules
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -20,7 +21,14 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgsieve.apply.batch import ApplyBatch, ApplyResult, ConflictPolicy, TableRoute
+from pgsieve.apply import direct
+from pgsieve.apply.batch import (
+    ApplyBatch,
+    ApplyConflict,
+    ApplyResult,
+    ConflictPolicy,
+    TableRoute,
+)
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.pgcluster import LocalCluster
 from pgsieve.spark.apply import BackgroundApplier, apply_batch
@@ -30,6 +38,21 @@ from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 from pgsieve.wire.messages import LogicalMessage
 from tests.conftest import Database, _fresh_db
+
+STAGED = "staged"
+"""A batching for ``Pair.apply``: everything in one batch, merged through staging only."""
+
+
+@contextlib.contextmanager
+def staging_only() -> Iterator[None]:
+    """No table is small enough to skip staging (covers the staged merge with the
+    small workloads the direct path would otherwise take)."""
+    saved = direct.DIRECT_MAX_ROWS
+    direct.DIRECT_MAX_ROWS = 0
+    try:
+        yield
+    finally:
+        direct.DIRECT_MAX_ROWS = saved
 
 END_PREFIX = "pgsieve-test-end"
 
@@ -138,13 +161,23 @@ class Pair:
                            on_conflict, skip_lsn)
                 for i in range(0, len(txns), size)]
 
-    def apply(self, per_batch: int | None = None, spark: Any = None,
+    def apply(self, per_batch: int | str | None = None, spark: Any = None,
               on_conflict: ConflictPolicy = "error", skip_lsn: Lsn | None = None,
               distributed: bool | None = False) -> list[ApplyResult]:
-        """Read everything new and apply it in batches of ``per_batch`` transactions."""
+        """Read everything new and apply it in batches of ``per_batch`` transactions
+        (``"staged"``: all in one batch, every table through staging — small batches
+        are written without it otherwise, see :mod:`pgsieve.apply.direct`)."""
         results = []
-        for batch in self.batches(self.read(), per_batch, on_conflict, skip_lsn):
-            results.append(apply_batch(spark, batch, self.writer, distributed=distributed))
+        staged_only = per_batch == STAGED
+        size = None if staged_only else per_batch
+        assert size is None or isinstance(size, int)
+        with contextlib.ExitStack() as stack:
+            if staged_only:
+                stack.enter_context(staging_only())
+            for batch in self.batches(self.read(), size, on_conflict, skip_lsn):
+                results.append(apply_batch(spark, batch, self.writer, distributed=distributed))
+        if staged_only:
+            assert not any(r.direct_tables for r in results)
         self.applied += results
         return results
 
@@ -374,3 +407,68 @@ def test_staging_tables_are_reused_emptied_and_truncated_once_dead_rows_add_up(p
     assert pair.target.query("SELECT v, note FROM t WHERE id = 7001") == [("c", "target-only")]
     pair.target.execute("ALTER TABLE t DROP COLUMN note")
     pair.assert_same("t")
+
+
+DIRECT_SOURCE = """
+CREATE TABLE d (id int PRIMARY KEY, v text, n numeric, tags text[]);
+CREATE PUBLICATION pd FOR TABLE d WHERE (id % 10 <> 9);
+"""
+DIRECT_TARGET = "CREATE TABLE d (id int PRIMARY KEY, v text, n numeric, tags text[]);"
+
+
+def _stages(pair: Pair) -> list[str]:
+    return [str(r[0]) for r in pair.target.query(
+        "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+        "WHERE n.nspname = 'pgsieve' AND c.relname LIKE 'stage\\_%'")]
+
+
+def test_small_batches_skip_staging_big_ones_stage_and_both_equal_native(pair: Pair):
+    """A batch of a few rows is written by statements in the merge's transaction (no
+    staging table is ever created for it); a batch of more keys than the direct path
+    takes is staged. Both end as native's subscriber, values of every kind included."""
+    pair.publications = ("pd",)
+    pair.setup(DIRECT_SOURCE, DIRECT_TARGET, tables=["public.d"])
+    pair.run(
+        "INSERT INTO d VALUES (1, 'a\tb\\c', 1.50, '{x,\"y z\"}'), (2, NULL, NULL, NULL), "
+        "(3, 'three', 3, '{}'), (9, 'filtered out', 9, NULL)",
+        "UPDATE d SET v = 'é ''quoted''' WHERE id = 1",
+        "DELETE FROM d WHERE id = 3; INSERT INTO d VALUES (3, 'again', -3, '{a}')",
+        "UPDATE d SET n = n + 1 WHERE id IN (1, 3)",
+        "DELETE FROM d WHERE id = 2",
+    )
+    small = pair.apply(None)
+    assert [r.direct_tables for r in small] == [("public.d",)]
+    assert _stages(pair) == []
+    pair.assert_same("d")
+
+    pair.run(f"INSERT INTO d SELECT g, 'bulk' || g, g, NULL FROM generate_series(10, "
+             f"{10 + direct.DIRECT_MAX_ROWS + 20}) g",
+             "UPDATE d SET v = 'bulk!' WHERE id BETWEEN 10 AND 15")
+    big = pair.apply(None)
+    assert [r.direct_tables for r in big] == [()]
+    assert len(_stages(pair)) == 1
+    pair.assert_same("d")
+
+
+def test_a_small_batch_whose_rows_the_target_lacks_is_judged_through_staging(pair: Pair):
+    """The direct path finds a row missing (or a key already there): it rolls back to the
+    table's savepoint and the staged merge judges the batch under the subscription's
+    policy — the same outcome as without the direct path: ``native`` skips and counts,
+    ``error`` stops naming the change."""
+    pair.publications = ("pd",)
+    pair.setup(DIRECT_SOURCE, DIRECT_TARGET, tables=["public.d"])
+    pair.run("INSERT INTO d VALUES (1, 'one', 1, NULL), (2, 'two', 2, NULL)")
+    assert pair.apply(None)[0].direct_tables == ("public.d",)
+    pair.target.execute("DELETE FROM d WHERE id = 2")
+    pair.run("UPDATE d SET v = 'changed' WHERE id IN (1, 2)")
+    results = pair.apply(None, on_conflict="native")
+    assert results[0].direct_tables == ()
+    assert results[0].counts["public.d"].missing_skipped == 1
+    assert pair.rows(pair.target, "d") == [(1, "changed", 1, None)]
+
+    pair.target.execute("INSERT INTO d VALUES (5, 'only at the target', 5, NULL)")
+    pair.run("INSERT INTO d VALUES (5, 'five', 5, NULL)")
+    with pytest.raises(ApplyConflict) as stopped:
+        pair.apply(None)
+    assert stopped.value.table == "public.d" and stopped.value.kind == "insert"
+    assert pair.rows(pair.target, "d")[-1] == (5, "only at the target", 5, None)

@@ -14,11 +14,12 @@ from tests.integration.test_apply import Pair
 native_db = harness.native_db
 pair = harness.pair
 
-BATCHINGS = pytest.mark.parametrize("per_batch", [1, 4, None], ids=["txn", "four", "all"])
+BATCHINGS = pytest.mark.parametrize("per_batch", [1, 4, None, harness.STAGED],
+                                    ids=["txn", "four", "all", "staged"])
 
 
 @BATCHINGS
-def test_replica_identity_default_index_full_nothing(pair: Pair, per_batch: int | None):
+def test_replica_identity_default_index_full_nothing(pair: Pair, per_batch: int | str | None):
     pair.publications = ("p", "pn")
     source = """
     CREATE TABLE rd (id int PRIMARY KEY, v text);
@@ -74,7 +75,8 @@ CREATE TABLE other (id int PRIMARY KEY);
 
 
 @BATCHINGS
-def test_truncate_restart_identity_cascade_and_moot_changes(pair: Pair, per_batch: int | None):
+def test_truncate_restart_identity_cascade_and_moot_changes(pair: Pair,
+                                                            per_batch: int | str | None):
     """The publisher's CASCADE lists every table it emptied; RESTART IDENTITY resets the
     target's own sequences; changes before a TRUNCATE in the batch are moot."""
     pair.setup(TRUNCATE_TABLES + "CREATE PUBLICATION p FOR TABLE parent_t, child_t, seqd, other",
@@ -120,7 +122,7 @@ def test_truncate_of_a_table_only_the_target_references_stops_like_native(pair: 
 
 @BATCHINGS
 def test_unchanged_toast_keeps_the_target_value_across_key_changes(pair: Pair,
-                                                                  per_batch: int | None):
+                                                                  per_batch: int | str | None):
     source = """
     CREATE TABLE doc (id int PRIMARY KEY, title text, body text, meta text);
     ALTER TABLE doc ALTER COLUMN body SET STORAGE EXTERNAL;
@@ -147,7 +149,7 @@ def test_unchanged_toast_keeps_the_target_value_across_key_changes(pair: Pair,
 
 
 @BATCHINGS
-def test_column_lists_write_only_published_columns(pair: Pair, per_batch: int | None):
+def test_column_lists_write_only_published_columns(pair: Pair, per_batch: int | str | None):
     source = """
     CREATE TABLE cl (id int PRIMARY KEY, a text, secret text, c int DEFAULT 7);
     CREATE PUBLICATION p FOR TABLE cl (id, a);
@@ -172,7 +174,7 @@ def test_column_lists_write_only_published_columns(pair: Pair, per_batch: int | 
 
 
 @BATCHINGS
-def test_key_changes_swaps_and_chains(pair: Pair, per_batch: int | None):
+def test_key_changes_swaps_and_chains(pair: Pair, per_batch: int | str | None):
     source = """
     CREATE TABLE k (id int PRIMARY KEY, v text, w int);
     CREATE PUBLICATION p FOR TABLE k;

@@ -250,7 +250,7 @@ def test_forget_drops_the_record_and_staging_tables(source_db: Database, target_
     p = Pair(source_db, target_db, None, ("p",))
     p.setup(KV, tables=["public.kv", "public.other"])
     p.run("INSERT INTO kv VALUES (1, 'a')")
-    p.apply(None)
+    p.apply(harness.STAGED)  # one row would skip staging
     staging = ("SELECT count(*) FROM pg_tables WHERE schemaname = 'pgsieve' "
                "AND tablename LIKE 'stage%'")
     assert target_db.query(staging) == [(1,)]

@@ -20,7 +20,8 @@ from tests.integration.test_apply import Pair
 native_db = harness.native_db
 pair = harness.pair
 
-BATCHINGS = pytest.mark.parametrize("per_batch", [1, 3, None], ids=["txn", "three", "all"])
+BATCHINGS = pytest.mark.parametrize("per_batch", [1, 3, None, harness.STAGED],
+                                    ids=["txn", "three", "all", "staged"])
 
 
 def _missing(results: list[ApplyResult], table: str) -> tuple[int, MissingRow | None]:
@@ -43,7 +44,7 @@ INSERT INTO m SELECT g, 'tgt' || g FROM generate_series(1, 5) g;
 
 @BATCHINGS
 def test_updates_and_deletes_of_missing_rows_are_skipped_and_counted_as_native(
-        pair: Pair, per_batch: int | None):
+        pair: Pair, per_batch: int | str | None):
     """The target has rows 1–5 of the source's 1–12: changes to 6–12 find no row. Native
     skips each of them and goes on; so does pgsieve by default, counting them."""
     pair.setup(MISSING_SOURCE, MISSING_TARGET, tables=["public.m"])
@@ -70,7 +71,7 @@ def test_updates_and_deletes_of_missing_rows_are_skipped_and_counted_as_native(
 
 @BATCHINGS
 def test_a_publication_without_insert_updates_nothing_the_target_lacks(
-        pair: Pair, per_batch: int | None):
+        pair: Pair, per_batch: int | str | None):
     """The row-filter case: a publication that does not publish ``insert`` sends UPDATEs
     and DELETEs of rows the subscriber never received."""
     pair.setup(
@@ -143,7 +144,7 @@ INSERT INTO fk VALUES (1, 'a'), (2, 'target differs'), (3, 'c');
 
 @BATCHINGS
 def test_replica_identity_full_source_finds_rows_by_the_targets_key(
-        pair: Pair, per_batch: int | None):
+        pair: Pair, per_batch: int | str | None):
     """Native looks the row up by the target's primary key (or replica identity index):
     target rows whose other columns differ are still updated and deleted. Without a key
     at the target, rows are matched on all old values — and one that differs is missing
@@ -170,7 +171,7 @@ def test_replica_identity_full_source_finds_rows_by_the_targets_key(
 
 
 @BATCHINGS
-def test_the_replica_identity_changes_while_streaming(pair: Pair, per_batch: int | None):
+def test_the_replica_identity_changes_while_streaming(pair: Pair, per_batch: int | str | None):
     """``ALTER TABLE … REPLICA IDENTITY FULL`` mid-stream: a new Relation message, then
     full old tuples. Each change is keyed as its own relation says."""
     pair.setup(
