@@ -16,9 +16,10 @@ origin row), no value left to fetch, no UPDATE that sets nothing. A key that mus
 absent before the batch (inserted and deleted within it, or inserted where no unique
 index refuses a duplicate) is checked by a DELETE that must find nothing. Anything else
 — and any result that is not what the batch expects (a row missing, a key already there,
-a value the target refuses) — is rolled back to the table's savepoint and merged through
-staging as before, which then judges the conflict with the subscription's policy. So
-this path changes how fast a small batch commits, never what it commits.
+a value the target refuses) — rolls the merge's transaction back, and the batch is
+merged again with every table staged, which then judges the conflict with the
+subscription's policy. So this path changes how fast a small batch commits, never what
+it commits.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ round trips cost less than staging's fixed cost; above it one set-based statemen
 
 
 class DirectMismatch(Exception):
-    """The target is not as the batch expects (a row missing or present): roll back to
-    the table's savepoint and merge through staging, which judges the conflict."""
+    """The target is not as the batch expects (a row missing or present): the batch is
+    merged again through staging, which judges the conflict."""
 
 
 Values = tuple[str | None, ...]
@@ -126,7 +127,7 @@ def plan_direct(tp: TablePlan, max_rows: int | None = None) -> DirectTable | Non
 
 
 def apply_direct(conn: psycopg.Connection[Any], tp: TablePlan, direct: DirectTable) -> int:
-    """Write ``direct`` to ``tp``'s target table (inside the caller's savepoint); rows
+    """Write ``direct`` to ``tp``'s target table (in the merge's transaction); rows
     written. Raises :class:`DirectMismatch` when a DELETE or UPDATE finds fewer rows than
     expected; an INSERT of a key already there raises the unique violation."""
     table = tp.target

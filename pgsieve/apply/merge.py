@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -98,9 +98,21 @@ def merge(
     outcome = MergeOutcome()
     staged = dict(staged)
     writer.applied_unknown()
+    before = {name: replace(c) for name, c in counts.items()} if direct else {}
     try:
-        recorded = _merge_in_transaction(writer, batch, plan, staged, counts,
-                                         expected_applied, direct, outcome)
+        try:
+            recorded = _merge_in_transaction(writer, batch, plan, staged, counts,
+                                             expected_applied, direct, outcome)
+        except _StageInstead:
+            # Nothing committed: the same batch again, every table through staging (the
+            # counts go back to what the plan counted; a conflict policy adds again).
+            writer.merge_rolled_back()
+            counts.clear()
+            counts.update(before)
+            outcome = MergeOutcome()
+            recorded = _merge_in_transaction(writer, batch, plan, staged, counts,
+                                             expected_applied, None, outcome,
+                                             stage_late=set(direct or ()))
     except BaseException:
         writer.merge_rolled_back()
         raise
@@ -112,8 +124,10 @@ def merge(
 def _merge_in_transaction(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
                           staged: dict[str, StagedTable], counts: dict[str, TableCounts],
                           expected_applied: Lsn | None, direct: dict[str, DirectTable] | None,
-                          outcome: MergeOutcome) -> Lsn | None:
-    """:func:`merge`'s transaction; the applied LSN it leaves recorded."""
+                          outcome: MergeOutcome, stage_late: set[str] | None = None
+                          ) -> Lsn | None:
+    """:func:`merge`'s transaction; the applied LSN it leaves recorded. Tables in
+    ``stage_late`` were not staged before it: it stages them."""
     conn = writer.conn
     with conn.transaction():
         recorded = writer.lock_applied(conn)
@@ -126,12 +140,11 @@ def _merge_in_transaction(writer: TargetWriter, batch: ApplyBatch, plan: BatchPl
             reason = tp.reason()
             if reason is None:
                 st = staged.get(name)
-                written = None if st is not None else _direct(conn, tp, (direct or {}).get(name))
-                if written is not None:
-                    outcome.rows_written += written
+                if st is None and direct and name in direct:
+                    outcome.rows_written += _direct(conn, tp, direct[name])
                     outcome.direct.append(name)
                     continue
-                if st is None and direct and name in direct:
+                if st is None and stage_late and name in stage_late:
                     st = staged[name] = stage_table(writer, tp)
                 if st is None:
                     continue
@@ -170,17 +183,19 @@ def _merge_in_transaction(writer: TargetWriter, batch: ApplyBatch, plan: BatchPl
     return recorded
 
 
-def _direct(conn: psycopg.Connection[Any], tp: TablePlan,
-            direct: DirectTable | None) -> int | None:
-    """Rows written without staging, or None: not planned so, or the target was not as
-    the batch expects (rolled back to the savepoint; the caller stages the table)."""
-    if direct is None:
-        return None
+class _StageInstead(Exception):
+    """A table written without staging found the target other than the batch expects:
+    the merge's transaction is rolled back and the batch merged again through staging
+    (no savepoint around the direct statements: two round trips saved on every small
+    batch, and conflicts are rare)."""
+
+
+def _direct(conn: psycopg.Connection[Any], tp: TablePlan, direct: DirectTable) -> int:
+    """Rows written without staging (see :mod:`.direct`)."""
     try:
-        with conn.transaction():
-            return apply_direct(conn, tp, direct)
+        return apply_direct(conn, tp, direct)
     except (DirectMismatch, psycopg.errors.IntegrityError, psycopg.errors.DataError):
-        return None
+        raise _StageInstead from None
 
 
 def _truncate(conn: psycopg.Connection[Any], writer: TargetWriter, op: TruncateOp,

@@ -5,11 +5,13 @@ counters and per-table counts, the UPDATE-image window of the update preview and
 apply histograms of ``/metrics``. Written by the runner thread, that was one ORM commit
 per batch — a fifth of a busy turn with tens of subscriptions on one worker. A scheduler
 therefore counts its streams' batches in a :class:`ProgressBook` (an
-:class:`AppliedProgress` per subscription) and one thread of its own writes them: at once
-when a batch is counted, and what is counted while a write runs goes into the next write
-(group commit). An idle worker's metadata is as fresh as before; a busy one writes once
-per write time for all its subscriptions instead of once per batch, off the turns. A lone
-consume cycle writes each batch's at once.
+:class:`AppliedProgress` per subscription) while it is busy, and one thread of its own
+writes them: at once when a batch is counted, and what is counted while a write runs
+goes into the next write (group commit) — once per write time for all its subscriptions
+instead of once per batch, off the turns. A worker that wrote nothing for a moment (the
+batch is the first in a while), a batch that skipped a transaction (``skip_lsn`` is
+cleared as the row after it appears) and a lone consume cycle write at once, in the
+turn: what users and scripts read right after the rows appear is as fresh as it was.
 
 Nothing here is part of exactly-once: the target records the applied LSN in the batch's
 own transaction and the slot is confirmed after that commit. What a killed worker had
@@ -21,14 +23,16 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import delete, insert, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from pgsieve.apply.batch import ApplyResult, MissingRow, UpdateImageRecord
 from pgsieve.platform.db import in_chunks
@@ -46,10 +50,15 @@ from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
 
+BUSY_WITHIN_SECONDS = 0.1
+"""A worker that wrote applied progress this recently counts a batch for the next group
+write instead of writing it in the turn (see :meth:`ProgressBook.busy`)."""
+
 COUNTERS = ("inserts", "updates", "deletes", "truncates", "conflicts", "missing_skipped")
 """Per-table counts a batch adds (the columns of ``SubscriptionTable`` of the same name)."""
 
 
+@lru_cache(maxsize=4096)
 def unquoted(name: str) -> str:
     """``schema.name`` with PostgreSQL's folding (quotes removed); the name itself when
     it does not parse."""
@@ -162,14 +171,23 @@ class ImageTrims:
 
 def record_applied(session: Session, progress: Iterable[AppliedProgress],
                    trims: ImageTrims) -> None:
-    """Write ``progress`` to the subscriptions (one SELECT for all; the caller commits)."""
+    """Write ``progress`` to the subscriptions (the caller commits): one SELECT for the
+    subscriptions, one for their tables, one INSERT for all UPDATE images."""
     by_id = {p.subscription_id: p for p in progress}
+    images: list[dict[str, Any]] = []
     for chunk in in_chunks(sorted(by_id)):
-        for sub in session.scalars(select(Subscription).where(Subscription.id.in_(chunk))):
-            _write(session, sub, by_id[sub.id], trims)
+        subs = session.scalars(select(Subscription).where(Subscription.id.in_(chunk))
+                               .options(selectinload(Subscription.tables))).all()
+        for sub in subs:
+            _write(sub, by_id[sub.id])
+            images += _image_rows(by_id[sub.id])
+    if images:
+        session.execute(insert(UpdateImage), images)
+        for p in by_id.values():
+            _trim_images(session, p, trims)
 
 
-def _write(session: Session, sub: Subscription, p: AppliedProgress, trims: ImageTrims) -> None:
+def _write(sub: Subscription, p: AppliedProgress) -> None:
     if p.applied is not None:
         if sub.applied_lsn is None or p.applied.value > sub.applied_lsn:
             sub.applied_lsn = p.applied.value
@@ -197,42 +215,40 @@ def _write(session: Session, sub: Subscription, p: AppliedProgress, trims: Image
     stats[APPLY_SECONDS_KEY] = merge_histograms(stats.get(APPLY_SECONDS_KEY), p.apply_seconds)
     stats[BATCH_CHANGES_KEY] = merge_histograms(stats.get(BATCH_CHANGES_KEY), p.batch_changes)
     sub.stats = stats  # a new dict, so the JSON column is written
-    if p.tables:
-        by_name = {unquoted(t.table_name): t for t in sub.tables}
-        for name, counts in p.tables.items():
-            table = by_name.get(name) or by_name.get(unquoted(name))
-            if table is None:
-                continue
-            for key in COUNTERS:
-                if counts[key]:
-                    setattr(table, key, getattr(table, key) + counts[key])
-            last = p.last_missing.get(name)
-            if last is not None:
-                table.last_missing = {"op": last.op, "key": last.key,
-                                      "lsn": str(last.commit_lsn),
-                                      "at": datetime.now(UTC).isoformat()}
-    _keep_images(session, sub.id, p, trims)
+    if not p.tables:
+        return
+    by_name = {unquoted(t.table_name): t for t in sub.tables}
+    for name, counts in p.tables.items():
+        table = by_name.get(unquoted(name))
+        if table is None:
+            continue
+        for key in COUNTERS:
+            if counts[key]:
+                setattr(table, key, getattr(table, key) + counts[key])
+        last = p.last_missing.get(name)
+        if last is not None:
+            table.last_missing = {"op": last.op, "key": last.key, "lsn": str(last.commit_lsn),
+                                  "at": datetime.now(UTC).isoformat()}
 
 
-def _keep_images(session: Session, subscription_id: str, p: AppliedProgress,
-                 trims: ImageTrims) -> None:
-    """The latest UPDATE images per table for the update preview: one bulk insert."""
-    rows = [{"subscription_id": subscription_id, "table_name": image.table,
+def _image_rows(p: AppliedProgress) -> list[dict[str, Any]]:
+    """The latest UPDATE images per table for the update preview, as rows to insert."""
+    return [{"subscription_id": p.subscription_id, "table_name": image.table,
              "lsn": image.lsn.value, "old_kind": image.old_kind, "old": image.old,
              "new": image.new}
             for images in p.images.values() for image in images]
-    if not rows:
-        return
-    session.execute(insert(UpdateImage), rows)
+
+
+def _trim_images(session: Session, p: AppliedProgress, trims: ImageTrims) -> None:
     for table, images in p.images.items():
-        if not trims.due(subscription_id, table, len(images)):
+        if not trims.due(p.subscription_id, table, len(images)):
             continue
         keep = select(UpdateImage.id).where(
-            UpdateImage.subscription_id == subscription_id,
+            UpdateImage.subscription_id == p.subscription_id,
             UpdateImage.table_name == table,
         ).order_by(UpdateImage.id.desc()).limit(UPDATE_IMAGE_WINDOW)
         session.execute(delete(UpdateImage).where(
-            UpdateImage.subscription_id == subscription_id,
+            UpdateImage.subscription_id == p.subscription_id,
             UpdateImage.table_name == table,
             UpdateImage.id.not_in(keep.scalar_subquery()),
         ))
@@ -246,7 +262,17 @@ class ProgressBook:
         self._lock = threading.Lock()
         self._by_id: dict[str, AppliedProgress] = {}
         self._pending = threading.Event()
+        self._written_at = 0.0
         self.trims = ImageTrims()
+
+    def busy(self, within: float = BUSY_WITHIN_SECONDS) -> bool:
+        """Whether progress was written within ``within`` seconds: the worker applies
+        batches back to back, and a batch's record may wait for the next group write.
+        An idle worker's batch is written by its turn, as fresh as a lone cycle's."""
+        return time.monotonic() - self._written_at < within
+
+    def written(self) -> None:
+        self._written_at = time.monotonic()
 
     def wait(self, timeout: float) -> bool:
         """Until something is pending (True) or ``timeout`` passed (False)."""

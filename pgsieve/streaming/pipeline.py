@@ -789,15 +789,29 @@ class _StreamRun:
             self.skip_lsn = None
         source_lsn = self._current_source_lsn(time.monotonic())
         sid = self.cycle.subscription_id
-        if self.progress_book is not None and not self._showing_pending:
-            self.progress_book.add(sid, result, elapsed, source_lsn)
+        book = self.progress_book
+        if (book is not None and not self._showing_pending and book.busy()
+                and result.skipped_transaction is None):
+            book.add(sid, result, elapsed, source_lsn)
             return
         self._showing_pending = False
         progress = AppliedProgress(sid)
         progress.add(result, elapsed, source_lsn)
-        with self.cycle.sessions() as session:
-            record_applied(session, [progress], self._trims())
-            session.commit()
+        earlier = [] if book is None else book.take(sid)
+        for before in earlier:  # counted for the group write: written now, in order
+            before.absorb(progress)
+            progress = before
+        try:
+            with self.cycle.sessions() as session:
+                record_applied(session, [progress], self._trims())
+                session.commit()
+        except Exception:
+            if book is None:
+                raise
+            book.restore([progress])  # the group write tries again
+            raise
+        if book is not None:
+            book.written()
 
 
 def _transient(exc: BaseException) -> bool:

@@ -226,6 +226,7 @@ class Scheduler:
             log.warning("cannot record the progress of %d subscriptions: %s", len(progress),
                         scrub_secrets(str(exc)))
             return False
+        self._progress.written()
         return True
 
     # -- taking a subscription ---------------------------------------------------------------
