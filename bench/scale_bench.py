@@ -344,7 +344,8 @@ def drive(dsn: str, tenants: list[int], rate: float, seconds: float,
 
 def probe(dsns: dict[tuple[str, int], str], commits: dict[int, list[float]],
           stop: threading.Event, lags: dict[tuple[str, int], list[float]],
-          warmup_until: float) -> None:
+          warmup_until: float,
+          series: list[tuple[float, str, int, float]] | None = None) -> None:
     conns = {key: psycopg.connect(dsn, autocommit=True) for key, dsn in dsns.items()}
     try:
         while not stop.is_set():
@@ -357,6 +358,8 @@ def probe(dsns: dict[tuple[str, int], str], commits: dict[int, list[float]],
                 held = float(row[0]) if row else 0.0
                 missing = [ts for ts in commits[k] if ts > held + 1e-6]
                 lags[(system, k)].append(max(0.0, now - missing[0]) if missing else 0.0)
+                if series is not None:
+                    series.append((now, system, k, lags[(system, k)][-1]))
             stop.wait(0.5)
     finally:
         for conn in conns.values():
@@ -384,8 +387,9 @@ def busy(n: int, args: argparse.Namespace) -> None:
             lags: dict[tuple[str, int], list[float]] = {key: [] for key in dsns}
             stop = threading.Event()
             t0 = time.monotonic()
+            series: list[tuple[float, str, int, float]] | None = [] if args.dump else None
             prober = threading.Thread(target=probe, args=(dsns, commits, stop, lags,
-                                                          t0 + args.warmup))
+                                                          t0 + args.warmup, series))
             prober.start()
             done = drive(d["src"], tenants, args.rate, args.seconds, commits)
             elapsed = time.monotonic() - t0
@@ -393,6 +397,10 @@ def busy(n: int, args: argparse.Namespace) -> None:
             prober.join()
             watcher.finish()
             report = scheduler_report(d["db_url"])
+            if series is not None:
+                with open(args.dump, "w") as out:
+                    out.writelines(f"{t:.3f},{system},{k},{lag:.3f}\n"
+                                   for t, system, k, lag in series)
         print(f"\nmetadata store: {args.metadata}; worker settings: "
               f"{' '.join(args.set) or 'defaults'}; workers: {args.workers} (CPU and RSS "
               "below: the first)", end="")
@@ -484,6 +492,8 @@ def main() -> None:
     parser.add_argument("--idle", type=int, default=200, help="idle subscriptions (0: skip)")
     parser.add_argument("--idle-seconds", type=float, default=60)
     parser.add_argument("--no-native", action="store_true")
+    parser.add_argument("--dump", metavar="CSV",
+                        help="write every lag sample (epoch, system, tenant, lag) here")
     parser.add_argument("--workers", type=int, default=1,
                         help="worker processes (the issue's goals are for one)")
     parser.add_argument("--metadata", choices=["sqlite", "postgres"], default="sqlite",

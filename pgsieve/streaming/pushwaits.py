@@ -3,21 +3,24 @@
 A subscription read through a held-open replication session (see
 :mod:`.turnreader`) has nothing to do until its walsender sends something. Instead of
 polling each one, the scheduler *arms* its socket after a turn that drained it, and one
-thread waits on every armed socket at once (epoll through :mod:`selectors`). A readable
-socket disarms it (one shot) and makes its turn due. Arming may be delayed: a stream of
-keepalives alone makes a socket readable again and again, so a subscription whose turns
-keep finding nothing is armed later each time (the scheduler's back-off).
+thread waits on every armed socket at once (``epoll``). A socket with something to apply
+disarms it (one shot) and makes its turn due. Arming may be delayed (the scheduler's
+back-off for a subscription whose turns keep finding nothing).
 
-Keepalives: a walsender sends one for every WAL flush on the source while its client is
-behind its decoding position (measured: 200 a second per walsender under unrelated
-writes), so readable does not mean "something to apply". For a socket that is not
-encrypted the thread peeks at what is waiting (``MSG_PEEK``, nothing is consumed): if it
-is nothing but keepalives that ask for no reply, the turn is not woken and the socket is
-looked at again a little later (10 ms, doubling, up to the idle poll); anything else —
+Keepalives: a walsender whose client does not answer sends one for every WAL flush on
+the source (measured: up to 200 a second per walsender under unrelated writes), so
+readable does not mean "something to apply". A socket that is not encrypted is watched
+edge-triggered: each arrival of bytes is one event, and the thread peeks at what waits
+(``MSG_PEEK``, nothing is consumed), parsing only what arrived since the last look. Whole
+keepalives that ask for no reply leave the socket armed and wake nothing; anything else —
 data, a reply request, bytes it cannot parse (the tail of a message libpq already began
-reading) — wakes it. libpq reads them all at the next turn.
+reading) — wakes the turn at once, however many keepalives wait before it. libpq reads
+them all at the next turn. (The first version re-checked a keepalive-only socket after
+10 ms, doubling up to the idle poll: data behind keepalives then waited up to 0.5 s — most
+of the live lag of 50 subscriptions on one worker.) An encrypted socket cannot be peeked
+at: it is watched level-triggered, and any readiness wakes its turn.
 
-Only this thread touches the selector; other threads queue requests and wake it
+Only this thread touches the epoll set; other threads queue requests and wake it
 through a socket pair. An armed socket closed meanwhile (the subscription was let go)
 costs one spurious wake-up at most: wake-ups carry the turn generation that armed them,
 and a stale one is ignored.
@@ -29,12 +32,13 @@ import contextlib
 import heapq
 import logging
 import os
-import selectors
+import select
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +49,6 @@ later; the delay doubles with each further one, up to the idle poll."""
 ARM_TICK = 0.005
 """An arming is late by this much at most (it wakes the thread only when earlier)."""
 LONG_SLEEP = 1.0
-KEEPALIVE_RECHECK = 0.01
-"""A socket holding only keepalives is looked at again this much later (doubling)."""
 PEEK_BYTES = 1 << 16
 
 # A walsender keepalive: CopyData 'd', length 22, 'k', WAL end, send time, reply flag.
@@ -57,40 +59,46 @@ Wake = Callable[[str, int], None]
 Armable = Callable[[str, int], bool]
 
 
+@dataclass
+class _Armed:
+    subscription_id: str
+    generation: int
+    peekable: bool
+    seen: int = 0
+    """Bytes at the head of the socket already known to be whole keepalives."""
+
+
 class PushWaits:
-    """One thread that turns readable sockets into due turns."""
+    """One thread that turns sockets with something to apply into due turns."""
 
     def __init__(self, wake: Wake, armable: Armable, *, max_delay: float = 0.5) -> None:
         self._on_wake = wake
         self._armable = armable
-        self._selector = selectors.DefaultSelector()
+        self._epoll = select.epoll()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._epoll.register(self._wake_r.fileno(), select.EPOLLIN)
+        self._armed: dict[int, _Armed] = {}
         self._mutex = threading.Lock()
-        # (at, n, subscription, generation, fd, peekable, keepalive-only checks so far)
-        self._pending: list[tuple[float, int, str, int, int, bool, int]] = []
+        # (at, n, subscription, generation, fd, peekable)
+        self._pending: list[tuple[float, int, str, int, int, bool]] = []
         self._n = 0
         self._sleep_until = 0.0
         self.max_delay = max_delay
-        """A socket holding only keepalives is re-checked this late at most."""
+        """The longest arming delay the scheduler asks for (its idle poll)."""
         self.wakeups = 0
         self.keepalive_checks = 0
 
     def arm(self, at: float, subscription_id: str, generation: int, fileno: int, *,
             peekable: bool = False) -> None:
-        """Wake ``subscription_id`` once ``fileno`` is readable, watching from ``at``.
-        ``peekable``: the socket carries the replication protocol in clear, so
-        keepalive-only readiness is told apart (re-checked up to ``max_delay`` later)."""
-        self._push_pending(at, subscription_id, generation, fileno, peekable, 0)
-
-    def _push_pending(self, at: float, subscription_id: str, generation: int, fileno: int,
-                      peekable: bool, checks: int) -> None:
+        """Wake ``subscription_id`` once ``fileno`` has something to apply, watching from
+        ``at``. ``peekable``: the socket carries the replication protocol in clear, so
+        keepalives are told apart from data (else any readiness wakes it)."""
         with self._mutex:
             self._n += 1
             heapq.heappush(self._pending, (at, self._n, subscription_id, generation, fileno,
-                                           peekable, checks))
+                                           peekable))
             # Wake the thread only if it sleeps past this arming by more than a tick: a
             # send per arm was measured as a tenth of an idle worker's CPU.
             wake = at < self._sleep_until - ARM_TICK
@@ -104,73 +112,79 @@ class PushWaits:
             self._wake_w.send(b"\0")
 
     def run(self, stopping: threading.Event) -> None:
+        wake_fd = self._wake_r.fileno()
         while not stopping.is_set():
             timeout = self._arm_due()
             try:
-                events = self._selector.select(timeout)
-            except OSError as exc:  # a socket closed under us: drop what is stale
+                events = self._epoll.poll(timeout)
+            except OSError as exc:
                 log.debug("waiting for pushes: %s", exc)
                 self._forget_closed()
                 continue
-            for key, _ in events:
-                if key.data is None:
+            for fd, _ in events:
+                if fd == wake_fd:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
                     continue
-                self._unregister(key.fd)
-                subscription_id, generation, peekable, checks = key.data
-                if peekable and keepalives_only(key.fd):
-                    self.keepalive_checks += 1
-                    delay = min(self.max_delay, KEEPALIVE_RECHECK * 2 ** checks)
-                    self._push_pending(time.monotonic() + delay, subscription_id, generation,
-                                       key.fd, peekable, checks + 1)
+                armed = self._armed.get(fd)
+                if armed is None:
                     continue
+                if armed.peekable:
+                    seen = keepalives_seen(fd, armed.seen)
+                    if seen is not None:  # only keepalives so far: stay armed (edge)
+                        armed.seen = seen
+                        self.keepalive_checks += 1
+                        continue
+                self._unregister(fd)
                 self.wakeups += 1
-                self._on_wake(subscription_id, generation)
+                self._on_wake(armed.subscription_id, armed.generation)
         self.close()
 
     def _arm_due(self) -> float:
-        """Arm what is due; returns how long the selector may wait."""
+        """Arm what is due; returns how long the poll may wait."""
         now = time.monotonic()
-        due: list[tuple[str, int, int, bool, int]] = []
+        due: list[tuple[str, int, int, bool]] = []
         with self._mutex:
             while self._pending and self._pending[0][0] <= now:
-                _, _, subscription_id, generation, fileno, peekable, checks = heapq.heappop(
+                _, _, subscription_id, generation, fileno, peekable = heapq.heappop(
                     self._pending)
-                due.append((subscription_id, generation, fileno, peekable, checks))
+                due.append((subscription_id, generation, fileno, peekable))
             timeout = min(LONG_SLEEP, self._pending[0][0] - now) if self._pending else LONG_SLEEP
             timeout = max(0.0, timeout)
             self._sleep_until = now + timeout
-        for subscription_id, generation, fileno, peekable, checks in due:
+        for subscription_id, generation, fileno, peekable in due:
             if self._armable(subscription_id, generation):
-                self._register(fileno, (subscription_id, generation, peekable, checks))
+                self._register(fileno, _Armed(subscription_id, generation, peekable))
         return timeout
 
-    def _register(self, fileno: int, data: tuple[str, int, bool, int]) -> None:
+    def _register(self, fileno: int, armed: _Armed) -> None:
         # A number still mapped is a closed socket's (it was let go while armed) or
-        # this subscription's own earlier arming: either way replace it.
+        # this subscription's own earlier arming: either way replace it. Registering a
+        # socket that already holds bytes reports them once, edge-triggered or not.
         self._unregister(fileno)
+        flags = select.EPOLLIN | (select.EPOLLET if armed.peekable else 0)
         try:
-            self._selector.register(fileno, selectors.EVENT_READ, data)
+            self._epoll.register(fileno, flags)
         except (OSError, ValueError) as exc:  # closed between the turn and now
             log.debug("cannot watch socket %d: %s", fileno, exc)
+            return
+        self._armed[fileno] = armed
 
     def _unregister(self, fileno: int) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(fileno)
+        if self._armed.pop(fileno, None) is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._epoll.unregister(fileno)
 
     def _forget_closed(self) -> None:
-        for key in list(self._selector.get_map().values()):
-            if key.data is None:
-                continue
+        for fd in list(self._armed):
             try:
-                os.fstat(key.fd)
+                os.fstat(fd)
             except OSError:  # closed
-                self._unregister(key.fd)
+                self._unregister(fd)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            self._selector.close()
+            self._epoll.close()
         for sock in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 sock.close()
@@ -180,20 +194,27 @@ def keepalives_only(fileno: int) -> bool:
     """What waits on the socket is one or more whole walsender keepalives that ask for no
     reply (possibly ending in the start of another keepalive) — nothing to apply.
     False for anything else, or when unsure."""
+    return keepalives_seen(fileno, 0) is not None
+
+
+def keepalives_seen(fileno: int, seen: int) -> int | None:
+    """:func:`keepalives_only`, knowing the first ``seen`` bytes waiting are whole
+    keepalives already (only what arrived since is parsed): how many bytes at the head
+    are whole keepalives now, or None when something else waits (or when unsure)."""
     sock = socket.socket(fileno=fileno)
     try:
         data = sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except OSError:
-        return False
+        return None
     finally:
         sock.detach()  # the connection's descriptor stays psycopg2's
     size = _KEEPALIVE.size
-    if not data or len(data) == PEEK_BYTES:  # a full peek may hide data behind it
-        return False
-    whole = len(data) - len(data) % size
-    for pos in range(0, whole, size):
+    if not data or len(data) == PEEK_BYTES or len(data) < seen:
+        return None  # a full peek may hide data behind it; less than seen: read meanwhile
+    whole = len(data) - (len(data) - seen) % size
+    for pos in range(seen, whole, size):
         kind, length, tag, _, _, reply = _KEEPALIVE.unpack_from(data, pos)
         if kind != b"d" or length != size - 1 or tag != b"k" or reply:
-            return False
+            return None
     head = data[whole:whole + len(_KEEPALIVE_HEAD)]
-    return head == _KEEPALIVE_HEAD[:len(head)]
+    return whole if head == _KEEPALIVE_HEAD[:len(head)] else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import socket
@@ -141,6 +142,7 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
 
     settings: Settings = celery_app.conf.pgsieve_settings
     if not settings.spark_warmup:
+        freeze_startup_heap()
         return
 
     def start() -> None:
@@ -150,8 +152,21 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
             get_spark(settings)
         except Exception as exc:  # reported again, with context, when a job needs it
             log.warning("Spark warm-up failed: %s", exc)
+        freeze_startup_heap()
 
     threading.Thread(target=start, name="spark-warmup", daemon=True).start()
+
+
+def freeze_startup_heap() -> None:
+    """Move every object alive now (modules, Spark's and py4j's, SQLAlchemy's mappers…)
+    out of the garbage collector's reach. They live as long as the process, yet each
+    full collection walked all of them: measured with 50 subscriptions streaming, a
+    pause of 0.12–0.19 s every ~10 s in every thread — every subscription's lag jumped by
+    it. Objects created later (batches, turns) are collected as before."""
+    gc.collect()
+    gc.freeze()
+    log.info("the startup heap is frozen: %d objects outside the collector's scans",
+             gc.get_freeze_count())
 
 
 @worker_shutting_down.connect
