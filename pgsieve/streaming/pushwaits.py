@@ -5,7 +5,7 @@ A subscription read through a held-open replication session (see
 polling each one, the scheduler *arms* its socket after a turn that drained it, and one
 thread waits on every armed socket at once (``epoll``). A socket with something to apply
 disarms it (one shot) and makes its turn due. Arming may be delayed (the scheduler's
-back-off for a subscription whose turns keep finding nothing).
+back-off for an encrypted session whose turns keep finding nothing).
 
 Keepalives: a walsender whose client does not answer sends one for every WAL flush on
 the source (measured: up to 200 a second per walsender under unrelated writes), so

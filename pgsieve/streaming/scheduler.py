@@ -437,8 +437,8 @@ class Scheduler:
         """After a turn. Read through SQL windows, or stopped before it read everything
         that had arrived: due again now if it found work, else after the idle poll. Read
         through a held-open session and drained: the server's push wakes it (armed at
-        once after work, later after each turn that found nothing — a stream of
-        keepalives alone must not keep a runner busy), with a turn every
+        once; an encrypted session later after each turn that found nothing — a stream
+        of keepalives alone must not keep a runner busy), with a turn every
         ``_pushed_fallback`` seconds anyway (reload its routes, record its idle position)."""
         now = time.monotonic()
         stream = held.stream
@@ -461,8 +461,11 @@ class Scheduler:
             self._push(held.subscription_id, now + self._pushed_fallback)
             generation = held.generation
         assert fileno is not None
-        delay = 0.0 if worked else min(self.settings.idle_poll_seconds,
-                                       PUSH_REARM_FIRST * 2 ** (held.idle_streak - 1))
+        # A clear session's keepalives never wake a turn (the push thread peeks), so it
+        # is armed at once; an encrypted one's readiness may be keepalives alone, so a
+        # turn that found nothing arms it later each time.
+        delay = 0.0 if worked or peekable else min(
+            self.settings.idle_poll_seconds, PUSH_REARM_FIRST * 2 ** (held.idle_streak - 1))
         self._push_waits.arm(now + delay, held.subscription_id, generation, fileno,
                              peekable=peekable)
 
