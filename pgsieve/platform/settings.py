@@ -117,6 +117,12 @@ class Settings(BaseSettings):
     spark_warmup: bool = Field(
         default=True, description="start each worker's SparkSession when the worker starts",
     )
+    spark_nice: int = Field(
+        default=10, ge=0, le=19,
+        description="the nice value of the worker's Spark JVM (started in the background "
+        "by the warm-up): its start and its work yield CPU to the live streams; 0 keeps "
+        "the worker's own",
+    )
     celery_queue: str = Field(
         default="pgsieve", min_length=1, max_length=200,
         description="the Celery queue pgsieve's tasks go to and its workers consume",

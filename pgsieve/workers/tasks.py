@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -148,6 +149,12 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
     def start() -> None:
         from pgsieve.spark.session import get_spark
 
+        if settings.spark_nice:
+            # Linux keeps a nice value per thread, and the JVM forked from this one
+            # inherits it: its start (JIT, class loading — 10-20 s of CPU) and its
+            # later work yield to the streams' turns and the servers on this machine.
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), settings.spark_nice)
         try:
             get_spark(settings)
         except Exception as exc:  # reported again, with context, when a job needs it

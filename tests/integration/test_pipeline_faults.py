@@ -70,6 +70,21 @@ def _slot_behind_target(source: Database, target: Database, slot: str) -> bool |
     return Lsn.parse(str(rows[0][0])) <= Lsn.parse(str(recorded[0]))
 
 
+def jvm_nice(process_group: int) -> int | None:
+    """The nice value of the JVM in a worker's process group (None: not started yet)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        comm = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        # fields[0] is the state: the process group is fields[2], the nice value [16]
+        if comm == "java" and int(fields[2]) == process_group:
+            return int(fields[16])
+    return None
+
+
 class Chaos:
     """Decides, from the seed, what goes wrong in one run."""
 
@@ -116,6 +131,9 @@ def test_crashes_lose_nothing_and_apply_nothing_twice(seed: int, tmp_path: Path,
         # The workload starts once a consumer streams, so faults hit a live pipeline.
         wait_until(lambda: env.subscription(sub_id)["consumer"] is not None, 60,
                    "the first consumer", env, interval=0.2)
+        if chaos.spark:  # the warmed-up JVM yields CPU to the streams (PGSIEVE_SPARK_NICE)
+            wait_until(lambda: jvm_nice(worker.pid) is not None, 90, "the Spark JVM", env)
+            assert jvm_nice(worker.pid) == 10
         done = threading.Event()
         writer = threading.Thread(target=workload, args=(source_db, 1000 + seed, 200),
                                   kwargs={"pace": 0.02, "stop": None})
