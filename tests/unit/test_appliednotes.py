@@ -1,0 +1,169 @@
+"""What applied batches leave in the metadata store when a scheduler groups their records
+(streaming/appliednotes.py), on a real (SQLite) metadata store: folded batches add up to
+the same counters as batches written one by one, positions only move forward, the
+pending mark and ``skip_lsn`` are cleared only by what applied past them, and a write
+that failed is written later with what came since."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from pgsieve.apply.batch import ApplyResult, MissingRow, TableCounts, UpdateImageRecord
+from pgsieve.platform.db import engine_for
+from pgsieve.platform.metrics import APPLY_SECONDS_KEY, BATCH_CHANGES_KEY
+from pgsieve.platform.models import (
+    Source,
+    Subscription,
+    SubscriptionTable,
+    Target,
+    UpdateImage,
+)
+from pgsieve.streaming.appliednotes import (
+    AppliedProgress,
+    ImageTrims,
+    ProgressBook,
+    record_applied,
+)
+from pgsieve.wire.lsn import Lsn
+from tests.metadata_template import migrated_sqlite
+
+T0 = datetime(2026, 11, 26, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Engine:
+    return engine_for(migrated_sqlite(tmp_path / "meta.db"))
+
+
+@pytest.fixture
+def sub_id(engine: Engine) -> str:
+    with Session(engine) as session:
+        src = Source(name="s", dsn_encrypted="x", server_version="15", server_version_num=150000,
+                     wal_level="logical")
+        tgt = Target(name="t", dsn_encrypted="x", server_version="15",
+                     server_version_num=150000)
+        session.add_all([src, tgt])
+        session.flush()
+        sub = Subscription(name="sub", source_id=src.id, target_id=tgt.id, publications=["p"],
+                           slot_name="pgsieve_sub", state="streaming", stats={"batches": 2})
+        sub.tables = [SubscriptionTable(table_name="public.orders", sync_state="ready",
+                                        inserts=10)]
+        session.add(sub)
+        session.commit()
+        return sub.id
+
+
+def batch(end: int, *, inserts: int = 0, updates: int = 0, missing: int = 0,
+          skipped: int | None = None, images: int = 0) -> ApplyResult:
+    counts = TableCounts(inserts=inserts, updates=updates, missing_skipped=missing)
+    if missing:
+        counts.last_missing = MissingRow("update", {"id": str(end)}, Lsn(end))
+    return ApplyResult(
+        end_lsn=Lsn(end), commit_lsn=Lsn(end - 1), commit_time=T0 + timedelta(seconds=end),
+        transactions=1, changes=inserts + updates + missing, rows_written=inserts + updates,
+        counts={"public.orders": counts},
+        skipped_transaction=None if skipped is None else Lsn(skipped),
+        update_images=[UpdateImageRecord("public.orders", Lsn(end), "K", {"id": str(i)},
+                                         {"id": str(i), "v": "x"}) for i in range(images)])
+
+
+def write(engine: Engine, progress: list[AppliedProgress],
+          trims: ImageTrims | None = None) -> None:
+    with Session(engine) as session:
+        record_applied(session, progress, trims or ImageTrims())
+        session.commit()
+
+
+def read(engine: Engine, sub_id: str) -> tuple[Subscription, SubscriptionTable]:
+    session = Session(engine)
+    sub = session.get(Subscription, sub_id)
+    assert sub is not None
+    return sub, sub.tables[0]
+
+
+def test_folded_batches_count_as_if_written_one_by_one(engine: Engine, sub_id: str) -> None:
+    book = ProgressBook()
+    book.add(sub_id, batch(100, inserts=3, images=2), 0.02, Lsn(500))
+    book.add(sub_id, batch(200, updates=4, missing=1), 0.3, Lsn(600))
+    book.add(sub_id, batch(300, inserts=1), 0.01, None)
+    assert book.wait(0)  # something to write
+    write(engine, book.take(), book.trims)
+    assert not book.wait(0) and book.take() == []
+
+    sub, table = read(engine, sub_id)
+    assert sub.applied_lsn == 300 and sub.received_lsn == 300
+    assert sub.last_commit_ts == T0 + timedelta(seconds=300)
+    assert sub.source_lsn == 600
+    assert (table.inserts, table.updates, table.missing_skipped) == (14, 4, 1)
+    assert table.last_missing is not None and table.last_missing["lsn"] == str(Lsn(200))
+    stats = sub.stats
+    assert stats["batches"] == 5 and stats["changes"] == 9 and stats["rows_written"] == 8
+    assert stats["apply_paths"] == {"driver": 3}
+    assert stats["last_batch"]["end_lsn"] == str(Lsn(300))
+    assert stats[APPLY_SECONDS_KEY]["count"] == 3
+    assert stats[APPLY_SECONDS_KEY]["sum"] == pytest.approx(0.33)
+    assert stats[BATCH_CHANGES_KEY]["count"] == 3
+    with Session(engine) as session:
+        assert len(session.scalars(select(UpdateImage)).all()) == 2
+
+
+def test_positions_only_move_forward(engine: Engine, sub_id: str) -> None:
+    late = AppliedProgress(sub_id)
+    late.add(batch(100, inserts=1), 0.01, None)
+    ahead = AppliedProgress(sub_id)
+    ahead.add(batch(900, inserts=1), 0.01, None)
+    write(engine, [ahead])
+    write(engine, [late])  # written after a later batch's record: counts, not positions
+    sub, table = read(engine, sub_id)
+    assert sub.applied_lsn == 900 and sub.last_commit_ts == T0 + timedelta(seconds=900)
+    assert table.inserts == 12
+
+
+def test_the_pending_mark_and_skip_lsn_clear_only_past_what_they_name(
+        engine: Engine, sub_id: str) -> None:
+    with Session(engine) as session:
+        sub = session.get(Subscription, sub_id)
+        assert sub is not None
+        sub.oldest_unapplied_commit_ts = T0 + timedelta(seconds=250)  # a big batch pending
+        sub.skip_lsn = 777
+        session.commit()
+    earlier = AppliedProgress(sub_id)
+    earlier.add(batch(200, inserts=1, skipped=555), 0.01, None)
+    write(engine, [earlier])
+    sub, _ = read(engine, sub_id)
+    assert sub.oldest_unapplied_commit_ts == T0 + timedelta(seconds=250)
+    assert sub.skip_lsn == 777  # a different transaction was skipped
+
+    past = AppliedProgress(sub_id)
+    past.add(batch(260, inserts=1, skipped=777), 0.01, None)
+    write(engine, [past])
+    sub, _ = read(engine, sub_id)
+    assert sub.oldest_unapplied_commit_ts is None and sub.skip_lsn is None
+
+
+def test_a_failed_write_is_written_later_with_what_came_since(engine: Engine,
+                                                              sub_id: str) -> None:
+    book = ProgressBook()
+    book.add(sub_id, batch(100, inserts=2), 0.01, None)
+    taken = book.take()
+    book.add(sub_id, batch(200, inserts=5), 0.01, None)  # counted while the write failed
+    book.restore(taken)
+    assert book.wait(0)
+    (merged,) = book.take()
+    assert merged.applied == Lsn(200) and merged.stats["batches"] == 2
+    write(engine, [merged])
+    sub, table = read(engine, sub_id)
+    assert sub.applied_lsn == 200 and table.inserts == 17
+
+
+def test_a_busy_book_is_one_that_wrote_moments_ago() -> None:
+    book = ProgressBook()
+    assert not book.busy()  # never wrote: the turn writes its own batch's record
+    book.written()
+    assert book.busy(within=60)
+    assert not book.busy(within=0)
