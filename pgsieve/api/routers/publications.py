@@ -38,6 +38,7 @@ from pgsieve.publications.catalog import (
     publication_names,
     read_live_publications,
 )
+from pgsieve.publications.patch import PublicationEdits, TableAlter, patched_definition
 from pgsieve.publications.service import (
     ApplyResult,
     PublicationCode,
@@ -57,9 +58,6 @@ from pgsieve.publications.service import (
 from pgsieve.rowfilter.effective import Publication, PublishedTable
 from pgsieve.rowfilter.parse import (
     IssueCode,
-    TableNameError,
-    parse_table_name,
-    quote_qualified,
 )
 from pgsieve.sync import reconcile
 from pgsieve.sync.syncjob import active_sync_job
@@ -313,91 +311,24 @@ def create_publication(
     return _out(body.name, desired, live, warnings, dry_run=dry_run)
 
 
-def _patched(row: PublicationRow, body: PublicationPatch) -> Publication:
-    """The desired definition after applying the PATCH body (see PublicationPatch)."""
-    current = _desired(row)
-    errors: list[PublicationIssue] = []
-    edits = bool(body.add_tables or body.alter_tables or body.drop_tables)
-    if body.tables is not None and edits:
-        errors.append(PublicationIssue(
-            PublicationCode.CONFLICTING_PATCH,
-            "give either tables (the whole new list) or add_tables/alter_tables/drop_tables "
-            "(edits), not both", field="tables"))
-        raise PublicationInvalid(errors)
-    if body.tables is not None:
-        specs = _specs(body.tables)
-    else:
-        members: dict[tuple[str, str], TableSpec] = {
-            parse_table_name(t.table): TableSpec(t.table, t.where, t.columns)
-            for t in current.tables
-        }
-        touched: dict[tuple[str, str], str] = {}
-
-        def key_of(text: str, where_field: str) -> tuple[str, str] | None:
-            try:
-                key = parse_table_name(text)
-            except TableNameError as exc:
-                errors.append(PublicationIssue(PublicationCode.INVALID_TABLE_NAME, str(exc),
-                                               text, where_field))
-                return None
-            if key in touched:
-                errors.append(PublicationIssue(
-                    PublicationCode.CONFLICTING_PATCH,
-                    f"{quote_qualified(*key)} appears in both {touched[key]} and {where_field}",
-                    quote_qualified(*key), where_field))
-                return None
-            touched[key] = where_field.split("[")[0]
-            return key
-
-        for i, text in enumerate(body.drop_tables):
-            key = key_of(text, f"drop_tables[{i}]")
-            if key is not None and members.pop(key, None) is None:
-                errors.append(_not_member(key, f"drop_tables[{i}]"))
-        for i, alter in enumerate(body.alter_tables):
-            key = key_of(alter.table, f"alter_tables[{i}]")
-            if key is None:
-                continue
-            if key not in members:
-                errors.append(_not_member(key, f"alter_tables[{i}]"))
-                continue
-            old = members[key]
-            given = alter.model_fields_set
-            members[key] = TableSpec(
-                old.table,
-                alter.where if "where" in given else old.where,
-                (None if alter.columns is None else tuple(alter.columns))
-                if "columns" in given else old.columns,
-            )
-        for i, add in enumerate(body.add_tables):
-            key = key_of(add.table, f"add_tables[{i}]")
-            if key is None:
-                continue
-            if key in members:
-                errors.append(PublicationIssue(
-                    PublicationCode.TABLE_ALREADY_IN_PUBLICATION,
-                    f"{quote_qualified(*key)} is already in the publication; change it with "
-                    "alter_tables", quote_qualified(*key), f"add_tables[{i}]"))
-                continue
-            members[key] = TableSpec(add.table, add.where,
-                                     None if add.columns is None else tuple(add.columns))
-        if errors:
-            raise PublicationInvalid(errors)
-        specs = list(members.values())
-    return normalize_definition(
-        row.name,
-        specs,
-        body.schemas if body.schemas is not None else list(current.schemas),
-        body.all_tables if body.all_tables is not None else current.all_tables,
-        body.publish if body.publish is not None else current.publish,
-        body.publish_via_partition_root if body.publish_via_partition_root is not None
-        else current.publish_via_partition_root,
+def _edits(body: PublicationPatch) -> PublicationEdits:
+    """The request's edits in the publications domain's terms (see ``patch.py``)."""
+    return PublicationEdits(
+        tables=None if body.tables is None else _specs(body.tables),
+        add=_specs(body.add_tables),
+        alter=[TableAlter(a.table, a.where, None if a.columns is None else tuple(a.columns),
+                          frozenset(a.model_fields_set)) for a in body.alter_tables],
+        drop=list(body.drop_tables),
+        schemas=body.schemas,
+        all_tables=body.all_tables,
+        publish=body.publish,
+        publish_via_partition_root=body.publish_via_partition_root,
     )
 
 
-def _not_member(key: tuple[str, str], where_field: str) -> PublicationIssue:
-    return PublicationIssue(PublicationCode.TABLE_NOT_IN_PUBLICATION,
-                            f"{quote_qualified(*key)} is not in the publication",
-                            quote_qualified(*key), where_field)
+def _patched(row: PublicationRow, body: PublicationPatch) -> Publication:
+    """The desired definition after applying the PATCH body."""
+    return patched_definition(row.name, _desired(row), _edits(body))
 
 
 @router.patch("/{name}", response_model=PublicationOut)
