@@ -46,9 +46,11 @@ from pgsieve.apply.net_effect import (
 from pgsieve.apply.plan import TablePlan
 
 DIRECT_MAX_ROWS = 64
-"""Keys per table up to which a batch's table is written without staging. Measured with
-``bench.lag_bench`` and ``bench.scale_bench`` (bench/RESULTS.md): below it the statements'
-round trips cost less than staging's fixed cost; above it one set-based statement wins."""
+"""Keys per table up to which a batch's table is written without staging. Chosen, not
+tuned: a caught-up stream's batches hold a few rows (the lag and many-subscriptions
+benchmarks in bench/RESULTS.md took this path on nearly every batch), a backlog's hold
+thousands, where one set-based statement per operation wins. Where exactly the two
+cross was not measured."""
 
 
 class DirectMismatch(Exception):
