@@ -443,6 +443,7 @@ class _StreamRun:
         self._control_at = time.monotonic()
         self._source_lsn_at = 0.0
         self._idle_recorded_at = 0.0
+        self._idle_pending: Lsn | None = None
         self._noted_at = 0.0
         self._source_lsn: Lsn | None = None
         self._last_apply_seconds = 0.0
@@ -466,6 +467,7 @@ class _StreamRun:
             for item in self.consumer.items(deadline, quiet=True):
                 now = time.monotonic()
                 if isinstance(item, Transaction):
+                    self._idle_pending = None
                     self.batcher.add(item, now)
                     fault_point("cycle.decoded")
                     if self.batcher.full:
@@ -474,6 +476,8 @@ class _StreamRun:
                     if len(self.batcher):
                         self._flush()
                     self._record_idle(item.lsn, now)
+                elif isinstance(item, Quiet):
+                    self._record_pending_idle(now)
                 if self.batcher.due(now):
                     self._flush()
                 if now - self._control_at >= self.control_every:
@@ -518,6 +522,7 @@ class _StreamRun:
                     now = time.monotonic()
                     if isinstance(item, Transaction):
                         worked = True
+                        self._idle_pending = None
                         self.batcher.add(item, now)
                         fault_point("cycle.decoded")
                         if self.batcher.full:
@@ -542,6 +547,8 @@ class _StreamRun:
         if self.keeper.lost.is_set():
             raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
                                      self.changes))
+        if not worked:
+            self._record_pending_idle(time.monotonic())
         if reader is not None:
             reader.after_turn(self._current_source_lsn(time.monotonic()))
         return worked
@@ -587,17 +594,31 @@ class _StreamRun:
         """Nothing is pending: record the idle position at the target, confirm it (so the
         slot releases WAL), and show lag 0."""
         if now - self._idle_recorded_at < IDLE_RECORD_EVERY:
+            # Kept, and recorded by a later turn once the period is over: on a quiet
+            # source this may be the last position the walsender sends for a long time
+            # (a client that answers is not pinged), and dropping it left the target's
+            # position — and the lag in bytes — behind the source for good.
+            self._idle_pending = lsn
             # (A scheduler's stream notes it with each recorded idle position only: its
             # notes are written together, and hundreds of them cost the heartbeat.)
             if self.note_sink is None and now - self._noted_at >= self.control_every:
                 self._note_caught_up(now, None)
             return
+        self._idle_pending = None
         self._idle_recorded_at = now
         if self.keeper.lost.is_set():
             return
         self.writer.record_idle(lsn)
         self.consumer.confirm(lsn)
         self._note_caught_up(now, lsn)
+
+    def _record_pending_idle(self, now: float) -> None:
+        """An idle position held back by the period (see :meth:`_record_idle`), recorded
+        once the period is over, if nothing arrived since."""
+        pending = self._idle_pending
+        if (pending is not None and not len(self.batcher)
+                and now - self._idle_recorded_at >= IDLE_RECORD_EVERY):
+            self._record_idle(pending, now)
 
     def _note_caught_up(self, now: float, lsn: Lsn | None) -> None:
         self._noted_at = now
