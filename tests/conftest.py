@@ -56,6 +56,21 @@ class Database:
 
 
 def _drop_database(cluster: LocalCluster, name: str) -> None:
+    # A process of the test (a worker being killed, its consumer reconnecting) may take a
+    # slot again after it was dropped or its walsender terminated: retry until the
+    # database is free of active slots.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            _drop_database_once(cluster, name)
+            return
+        except psycopg.errors.ObjectInUse:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _drop_database_once(cluster: LocalCluster, name: str) -> None:
     with psycopg.connect(cluster.dsn("postgres"), autocommit=True) as conn:
         slots = conn.execute(
             "SELECT slot_name, active_pid FROM pg_replication_slots WHERE database = %s", (name,)
