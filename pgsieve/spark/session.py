@@ -194,4 +194,24 @@ def job_group_report(spark: Any, group: str) -> dict[str, Any]:
             "task_failures": sum(s["failed"] for j in jobs for s in j["stages"])}
 
 
-atexit.register(stop_spark)
+def _stop_spark_at_exit() -> None:
+    """At interpreter exit, stop a running session — but never wait for one still being
+    started: the start holds the lock for the JVM's whole launch (seconds, more when the
+    JVM is niced on a busy machine), and a worker told to stop during its Spark warm-up
+    sat in this hook past its supervisor's patience (a SIGTERM that took > 30 s). A JVM
+    still starting dies on its own: PySpark's gateway exits when its parent's pipe closes."""
+    global _session, _key
+    if not _lock.acquire(blocking=False):
+        log.info("exiting while a SparkSession is still starting: not waiting for it")
+        return
+    try:
+        if _session is not None:
+            try:
+                _session.stop()
+            finally:
+                _session, _key = None, None
+    finally:
+        _lock.release()
+
+
+atexit.register(_stop_spark_at_exit)

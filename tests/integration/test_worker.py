@@ -114,3 +114,50 @@ def test_every_worker_records_its_own_heartbeat(tmp_path):
             proc.terminate()
         for proc in procs:
             proc.wait(timeout=30)
+
+
+_EXIT_DURING_SPARK_START = r"""
+import logging, os, sys, threading, time
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+from pgsieve.platform.settings import Settings
+from pgsieve.spark import session
+
+settings = Settings(spark_master="local[1]")
+threading.Thread(target=session.get_spark, args=(settings,), daemon=True).start()
+def children():
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:  # gone meanwhile
+            continue
+        if stat.rsplit(") ", 1)[1].split()[1] == str(os.getpid()):
+            found.append(pid)
+    return found
+
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:  # until the JVM is forked: its start has seconds to go
+    if children() and session._lock.locked() and session._session is None:
+        print("jvm", children()[0], flush=True)
+        sys.exit(0)
+    time.sleep(0.05)
+sys.exit("the JVM never started")
+"""
+
+
+def test_a_process_exiting_while_its_spark_session_starts_neither_waits_nor_leaves_a_jvm():
+    """A worker stopped during its Spark warm-up (the JVM starting: seconds, more when
+    niced on a busy machine) exits at once, and the half-started JVM goes with it. The exit
+    hook once waited for the whole start and then stopped the session: a SIGTERM took
+    longer than a supervisor's patience."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _EXIT_DURING_SPARK_START],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "not waiting for it" in proc.stdout, proc.stdout
+    jvm = int(next(line for line in proc.stdout.splitlines() if line.startswith("jvm")).split()[1])
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{jvm}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{jvm}").exists(), "the half-started JVM outlived its parent"
+    assert time.monotonic() - started < 60
