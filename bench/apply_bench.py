@@ -2,6 +2,8 @@
 
 Usage:  .venv/bin/python -m bench.apply_bench [--changes 1000000] [--workloads mixed,hot]
                                              [--distributed auto|on|off] [--max-changes N]
+        .venv/bin/python -m bench.apply_bench --compare-paths 2000,20000,200000
+                                             [--standalone-cluster CORES]
 
 For each workload, in one run: a publisher and a subscriber cluster; a publication with a
 row filter (~50 % of the rows match); a native subscription created *disabled* (its slot
@@ -369,10 +371,13 @@ def report(workloads: list[Workload]) -> None:
 
 def compare_paths(spark: Any, sizes: list[int]) -> None:
     """Driver path vs Spark path for single batches of ``sizes`` changes (warm session):
-    where the threshold ``PGSIEVE_SPARK_APPLY_MIN_CHANGES`` should be."""
+    where the threshold ``PGSIEVE_SPARK_APPLY_MIN_CHANGES`` should be — and, from the Spark
+    path's measured parts, a paper projection of that path with more executor cores."""
     root = Path(tempfile.mkdtemp(prefix="pgsieve-applypaths-"))
     root.chmod(0o755)
     pg = LocalCluster(root / "pg", free_port(), settings=SETTINGS).start()
+    slots = int(spark.sparkContext.defaultParallelism)
+    measured: list[tuple[int, float, float, dict[str, float]]] = []
     try:
         src = pg.dsn()
         with psycopg.connect(src, autocommit=True) as conn:
@@ -393,8 +398,11 @@ def compare_paths(spark: Any, sizes: list[int]) -> None:
                 break
         consumer.close()
         routes = {"public.bench": TableRoute("public.bench", "public.bench")}
-        print("\n| batch (changes) | driver path s | Spark path s |")
-        print("|---:|---:|---:|")
+        print(f"\nSpark: {spark.sparkContext.master}, {slots} task slots; this machine "
+              f"{os.cpu_count()} cores")
+        print("\n| batch (changes) | driver path s | Spark path s | of which Spark tasks s "
+              "| merge s | Spark / driver |")
+        print("|---:|---:|---:|---:|---:|---:|")
         for size in sizes:
             chosen: list[Transaction] = []
             for txn in txns:
@@ -402,7 +410,7 @@ def compare_paths(spark: Any, sizes: list[int]) -> None:
                     break
                 chosen.append(txn)
             n = sum(len(t.changes) for t in chosen)
-            secs = []
+            secs, timings = [], {}
             for distributed in (False, True):
                 db = f"p{size}_{int(distributed)}"
                 pg.psql(f"CREATE DATABASE {db}")
@@ -411,14 +419,46 @@ def compare_paths(spark: Any, sizes: list[int]) -> None:
                 writer = TargetWriter(pg.dsn(db), "paths", source_dsn=src)
                 writer.ensure_schema()
                 t0 = time.perf_counter()
-                apply_batch(spark, ApplyBatch("paths", chosen, routes), writer,
-                            distributed=distributed)
+                result = apply_batch(spark, ApplyBatch("paths", chosen, routes), writer,
+                                     distributed=distributed)
                 secs.append(time.perf_counter() - t0)
+                timings = result.timings
                 writer.close()
-            print(f"| {n:,} | {secs[0]:.2f} | {secs[1]:.2f} |", flush=True)
+            measured.append((n, secs[0], secs[1], timings))
+            print(f"| {n:,} | {secs[0]:.2f} | {secs[1]:.2f} | {timings.get('spark', 0):.2f} | "
+                  f"{timings.get('merge', 0):.2f} | {secs[1] / secs[0]:.1f}× |", flush=True)
+        project(measured, slots)
     finally:
         pg.destroy()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def project(measured: list[tuple[int, float, float, dict[str, float]]], slots: int) -> None:
+    """A paper projection, stated as such: the Spark path's time with C executor cores on
+    machines of their own, from its parts measured here. The task work (plan + staging
+    COPY, ``timings["spark"]``) is taken as a job's fixed cost (the smallest batch's) plus
+    a cost per change that spreads over the cores; the split, the shipping and the merge
+    stay in the driver and the target as measured. Assumes the target keeps up with C
+    parallel COPYs and that the tasks here had min(slots, this machine's cores) cores."""
+    if len(measured) < 2:
+        return
+    cores_here = min(slots, os.cpu_count() or 1)
+    small, big = min(measured), max(measured)
+    fixed = small[3].get("spark", 0.0)
+    per_change = max(0.0, (big[3].get("spark", 0.0) - fixed) * cores_here / (big[0] - small[0]))
+    print(f"\nProjection (paper, from the parts above): Spark tasks cost {fixed:.2f} s a job "
+          f"+ {per_change * 1e6:.1f} core-µs a change (measured on {cores_here} cores).")
+    print("\n| batch (changes) | driver path s | " + " | ".join(
+        f"Spark, {c} cores s" for c in PROJECTED_CORES) + " |")
+    print("|---:|---:|" + "---:|" * len(PROJECTED_CORES))
+    for n, driver_s, _, timings in measured:
+        outside = sum(v for k, v in timings.items() if k not in ("spark", "total"))
+        cells = [fixed + n * per_change / c + outside for c in PROJECTED_CORES]
+        print(f"| {n:,} | {driver_s:.2f} | " + " | ".join(
+            f"{x:.2f}{' (faster)' if x < driver_s else ''}" for x in cells) + " |")
+
+
+PROJECTED_CORES = (2, 8, 32, 128)
 
 
 def main() -> None:
@@ -437,7 +477,20 @@ def main() -> None:
     parser.add_argument("--compare-paths", default="",
                         help="instead: driver vs Spark path for batches of these sizes, "
                         "e.g. 1000,20000,200000")
+    parser.add_argument("--standalone-cluster", type=int, default=0, metavar="CORES",
+                        help="with --compare-paths: the Spark path on a standalone cluster "
+                        "started here (a master and one worker offering CORES cores)")
     args = parser.parse_args()
+    if args.compare_paths and args.standalone_cluster:
+        from pgsieve.spark.session import get_spark
+        from pgsieve.spark.standalone import spark_cluster
+
+        with tempfile.TemporaryDirectory(prefix="pgsieve-spark-") as tmp, \
+                spark_cluster(Path(tmp), cores=args.standalone_cluster, memory="2g") as cl:
+            on_cluster = get_spark(Settings(**cl.worker_settings()))
+            on_cluster.range(0, 1000, 1, 4).mapInArrow(lambda it: it, "id long").count()
+            compare_paths(on_cluster, [int(x) for x in args.compare_paths.split(",")])
+        return
     distributed = {"auto": None, "on": True, "off": False}[args.distributed]
     spark = None
     if distributed is not False:

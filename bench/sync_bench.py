@@ -1,6 +1,7 @@
 """Initial sync: pgsieve's Spark sync vs native copy_data vs a raw binary COPY pipe.
 
 Usage:  .venv/bin/python -m bench.sync_bench [--rows 5000000] [--rounds 1]
+                                            [--standalone-cluster CORES]
 
 One run, two local clusters (source and target, same settings for every method): a table
 of ``--rows`` rows (bigint key, int, text, numeric, timestamptz; ~65 bytes a row), a
@@ -16,7 +17,13 @@ with exactly the filtered rows:
   on a warm SparkSession as a worker keeps it: slot with exported snapshot, plan, the
   Spark copy (this table is one ``TRUNCATE`` + ``COPY … FREEZE`` stream), deferred index
   rebuild, metadata — and, for the record, once as parallel ctid ranges (``freeze``
-  off) and once with ``defer_indexes`` off.
+  off) and once with ``defer_indexes`` off;
+* with ``--standalone-cluster CORES``, afterwards: the same parallel-ranges job with the
+  worker's session on a Spark standalone cluster started here (a master and one worker
+  offering CORES cores, RPC authenticated and encrypted,
+  :mod:`pgsieve.spark.standalone`): the ranges are copied by executor JVMs instead of
+  local-mode tasks in the worker's own JVM — what a deployment with a cluster pays for the
+  network hops and the executors' Python workers, against the same clusters and table.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ from pgsieve.platform.migrate import upgrade
 from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable, Target
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.platform.settings import Settings
-from pgsieve.spark.session import get_spark
+from pgsieve.spark.session import get_spark, stop_spark
+from pgsieve.spark.standalone import spark_cluster
 from pgsieve.spark.sync import warm_up
 from pgsieve.sync.snapshot import prestart_helper
 from pgsieve.sync.syncjob import SyncJobRunner
@@ -155,10 +163,44 @@ def pgsieve(settings: Settings, source: LocalCluster, target: LocalCluster, n: i
     return elapsed
 
 
+def on_standalone_cluster(args: argparse.Namespace, root: Path, source: LocalCluster,
+                          target: LocalCluster, expected: int,
+                          results: dict[str, list[float]], n: int) -> int:
+    """The parallel-ranges job again, its ranges copied by a standalone cluster's
+    executors (the worker's local session stopped first)."""
+    with spark_cluster(root / "spark", cores=args.standalone_cluster, memory="2g") as cluster:
+        stop_spark()
+        settings = Settings(home=root / "home", database_url=f"sqlite:///{root / 'meta.db'}",
+                            secret_key="bench-only", api_token="bench-only",  # noqa: S106
+                            **cluster.worker_settings())
+        spark = get_spark(settings)
+        warm_up(spark)
+        print(f"spark: standalone cluster {cluster.master_url}, parallelism "
+              f"{spark.sparkContext.defaultParallelism}; {os.cpu_count()} cores")
+        name = f"pgsieve, parallel ranges, cluster ({args.standalone_cluster} cores)"
+        for rnd in range(args.rounds):
+            reset(source, target)
+            n += 1
+            before = cluster.executor_logs().count("Finished task")
+            seconds = pgsieve(settings, source, target, n, defer_indexes=True, freeze=False)
+            tasks = cluster.executor_logs().count("Finished task") - before
+            got = count(target)
+            if got != expected:
+                raise SystemExit(f"{name}: {got:,} rows in the target, expected {expected:,}")
+            results.setdefault(name, []).append(seconds)
+            print(f"round {rnd + 1}: {name:<22} {seconds:7.2f}s "
+                  f"{expected / seconds:>10,.0f} rows/s ({tasks} tasks in executors)")
+        stop_spark()
+    return n
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--rows", type=int, default=5_000_000)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--standalone-cluster", type=int, default=0, metavar="CORES",
+                        help="also run the parallel ranges on a standalone Spark cluster "
+                        "started here, its worker offering CORES cores")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pgsieve-bench-"))
     root.chmod(0o755)
@@ -206,6 +248,8 @@ def main() -> None:
                 results.setdefault(name, []).append(seconds)
                 print(f"round {rnd + 1}: {name:<22} {seconds:7.2f}s "
                       f"{expected / seconds:>10,.0f} rows/s")
+        if args.standalone_cluster:
+            n = on_standalone_cluster(args, root, source, target, expected, results, n)
         med = {k: statistics.median(v) for k, v in results.items()}
         print()
         print("| method | seconds | rows/s | pgsieve speed-up |")

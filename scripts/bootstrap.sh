@@ -44,6 +44,19 @@ if ! command -v chromium >/dev/null && [ ! -x /usr/bin/chromium ]; then
   fi
 fi
 
+# The deployment test validates docker-compose.yml with Compose itself (`config`; no
+# daemon needed): Docker's `compose` plugin where present, else Debian's docker-compose.
+if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "pgsieve setup: installing docker-compose (the compose file's validation)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose >/dev/null \
+      || fail "could not install docker-compose with apt-get"
+  else
+    echo "pgsieve setup: docker compose not found; the deployment test needs it (Debian: sudo apt-get install docker-compose)" >&2
+  fi
+fi
+
 stamp=.venv/.pgsieve-installed
 if [ -f "$stamp" ] && [ "$stamp" -nt requirements.lock ] && [ "$stamp" -nt pyproject.toml ]; then
   exit 0

@@ -154,6 +154,9 @@ class ApplyResult:
     """Whether the net effect and staging ran as Spark tasks (else in the driver)."""
     direct_tables: tuple[str, ...] = ()
     """Target tables written without staging (:mod:`pgsieve.apply.direct`)."""
+    spark: dict[str, Any] = field(default_factory=dict)
+    """What Spark ran for a batch staged by Spark tasks: its job group, jobs, stages, task
+    failures and executors (empty for the driver path)."""
 
 
 class ApplyConflict(Exception):

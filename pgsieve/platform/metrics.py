@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from prometheus_client.core import (
@@ -125,6 +125,20 @@ def _age(now: datetime, then: datetime | None) -> float | None:
     return None if then is None else max(0.0, (now - then).total_seconds())
 
 
+def _aware(when: datetime | None) -> datetime | None:
+    """A stored time as UTC-aware (SQLite gives naive datetimes back)."""
+    if when is None or when.tzinfo is not None:
+        return when
+    return when.replace(tzinfo=UTC)
+
+
+def _parse_time(text: object) -> datetime | None:
+    try:
+        return _aware(datetime.fromisoformat(str(text)))
+    except ValueError:
+        return None
+
+
 class MetadataCollector(Collector):
     """Reads the metadata store at scrape time (see the module docstring)."""
 
@@ -199,6 +213,9 @@ class MetadataCollector(Collector):
         samples = {s.subscription_id: s for s in session.scalars(
             select(ProgressSample).join(latest, ProgressSample.id == latest.c.id))}
         locks = {lock.subscription_id: lock for lock in session.scalars(select(ConsumerLock))}
+        apply_failures = 0
+        spark_seen: list[tuple[datetime | None, int]] = []
+        """(when, executors) of each subscription's last batch staged by Spark tasks"""
         for sub in session.scalars(select(Subscription).order_by(Subscription.name)):
             name = [sub.name]
             state.add_metric([sub.name, sub.state], 1)
@@ -216,6 +233,11 @@ class MetadataCollector(Collector):
             changes.add_metric(name, float(stats.get("changes", 0)))
             batches.add_metric(name, float(stats.get("batches", 0)))
             by_path = stats.get("apply_paths") or {}
+            apply_failures += int(stats.get("spark_task_failures", 0))
+            spark_batch = (stats.get("last_batch") or {}).get("spark") or {}
+            if spark_batch:
+                spark_seen.append((_parse_time(stats["last_batch"].get("applied_at")),
+                                   int(spark_batch.get("executors", 0))))
             for path in ("driver", "spark"):
                 paths.add_metric([sub.name, path], float(by_path.get(path, 0)))
             for family, key in ((apply_h, APPLY_SECONDS_KEY), (size_h, BATCH_CHANGES_KEY)):
@@ -243,12 +265,12 @@ class MetadataCollector(Collector):
 
         failures = CounterMetricFamily(
             "pgsieve_spark_task_failures", "Spark tasks that failed (and were retried or "
-            "failed their job) in sync jobs", labels=[])
+            "failed their job), by what they ran for: a sync job or an apply batch",
+            labels=["kind"])
         executors = GaugeMetricFamily(
-            "pgsieve_spark_executors", "executors the last Spark job of a sync saw",
-            labels=[])
+            "pgsieve_spark_executors", "executors the newest Spark job (of a sync, or of "
+            "an apply batch staged by Spark tasks) saw", labels=[])
         failed_total = 0
-        newest: tuple[Any, int] | None = None
         for finished, details in session.execute(
                 select(Job.finished_at, Job.details).where(Job.kind.in_(
                     ("initial_sync", "resync")))):
@@ -256,11 +278,12 @@ class MetadataCollector(Collector):
             if not report:
                 continue
             failed_total += int(report.get("task_failures", 0))
-            if finished is not None and (newest is None or finished > newest[0]):
-                newest = (finished, int(report.get("executors", 0)))
-        failures.add_metric([], float(failed_total))
-        if newest is not None:
-            executors.add_metric([], float(newest[1]))
+            spark_seen.append((_aware(finished), int(report.get("executors", 0))))
+        failures.add_metric(["sync"], float(failed_total))
+        failures.add_metric(["apply"], float(apply_failures))
+        dated = [(when, count) for when, count in spark_seen if when is not None]
+        if dated:
+            executors.add_metric([], float(max(dated)[1]))
         yield failures
         yield executors
 

@@ -108,6 +108,7 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
                  distributed: bool | None) -> ApplyResult:
     timings: dict[str, float] = {}
     direct: dict[str, DirectTable] = {}
+    spark_report: dict[str, Any] = {}
     started = t = time.perf_counter()
     expected = writer.expected_applied()
     if distributed is None:
@@ -121,7 +122,8 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
         _last_path = path
     if distributed:
 
-        plan, staged, fetched = plan_and_stage(spark, batch, writer, expected, timings)
+        plan, staged, fetched, spark_report = plan_and_stage(spark, batch, writer, expected,
+                                                             timings)
         t = time.perf_counter()
     else:
         plan = build_plan(batch, resolver(writer, batch), expected)
@@ -158,6 +160,7 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
         fetched_rows=fetched,
         distributed=distributed,
         direct_tables=tuple(outcome.direct),
+        spark=spark_report,
     )
 
 

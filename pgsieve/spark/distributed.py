@@ -41,6 +41,7 @@ from pgsieve.apply.plan import (
 from pgsieve.apply.staging import StageEncoder, StageSummary
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.faults import fault_point
+from pgsieve.spark.session import job_group_report
 from pgsieve.wire.assembler import Change
 from pgsieve.wire.decoder import Decoder
 from pgsieve.wire.lsn import Lsn
@@ -334,8 +335,19 @@ def _stage_table(writer: Any, tp: TablePlan, staging: str | None) -> dict[str, A
 # -- the driver -------------------------------------------------------------------------------
 
 
+def apply_job_group(batch: ApplyBatch) -> str:
+    """The Spark job group of one batch's tasks: which subscription, up to which LSN — so
+    Spark's UI and status API name the pgsieve batch they ran for."""
+    return f"pgsieve-apply-{batch.subscription_id}-{batch.end_lsn}"
+
+
 def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | None,
-                   timings: dict[str, float]) -> tuple[BatchPlan, dict[str, StagedTable], int]:
+                   timings: dict[str, float]
+                   ) -> tuple[BatchPlan, dict[str, StagedTable], int, dict[str, Any]]:
+    """Split the batch, have Spark tasks plan and stage each part, and return the plan,
+    the staged tables, the rows fetched for unchanged TOAST values, and what Spark ran
+    for it (:func:`~pgsieve.spark.session.job_group_report` of :func:`apply_job_group`;
+    empty when nothing was shipped)."""
 
     t = time.perf_counter()
     partitions = max(2, int(spark.sparkContext.defaultParallelism))
@@ -376,7 +388,13 @@ def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | N
                                                                                pa.binary())]))
             for p in payloads])
         df = spark.createDataFrame(table)
-        rows = df.mapInArrow(stage_partition, "result string").collect()
+        sc = spark.sparkContext
+        sc.setJobGroup(apply_job_group(batch), f"pgsieve apply {batch.subscription_id} "
+                       f"up to {batch.end_lsn}", True)
+        try:
+            rows = df.mapInArrow(stage_partition, "result string").collect()
+        finally:  # this thread's later jobs (a sync's, say) are not the batch's
+            sc._jsc.clearJobGroup()
         for row in rows:
             result = json.loads(row["result"])
             fetched += int(result["fetched"])
@@ -389,7 +407,8 @@ def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | N
     timings["spark"] = time.perf_counter() - t
     staged = {name: StagedTable(staging[name], summary)
               for name, summary in summaries.items() if name in staging}
-    return plan, staged, fetched
+    report = job_group_report(spark, apply_job_group(batch)) if payloads else {}
+    return plan, staged, fetched, report
 
 
 def _proto(batch: ApplyBatch) -> int:
@@ -400,4 +419,4 @@ def _proto(batch: ApplyBatch) -> int:
     return 4
 
 
-__all__ = ["plan_and_stage", "stage_partition"]
+__all__ = ["apply_job_group", "plan_and_stage", "stage_partition"]

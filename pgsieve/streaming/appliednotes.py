@@ -111,6 +111,11 @@ class AppliedProgress:
             "direct_tables": list(result.direct_tables),
             "applied_at": datetime.now(UTC).isoformat(),
         }
+        if result.spark:
+            # the Spark side of a batch staged by tasks: its job group, jobs and stages
+            self.last_batch["spark"] = result.spark
+            self.stats["spark_task_failures"] = (self.stats.get("spark_task_failures", 0)
+                                                 + int(result.spark.get("task_failures", 0)))
         for name, counts in result.counts.items():
             table = self.tables.setdefault(name, dict.fromkeys(COUNTERS, 0))
             for key in COUNTERS:

@@ -6,7 +6,6 @@ compared with native PostgreSQL's."""
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,9 +17,9 @@ import pytest
 from pgsieve.platform.settings import Settings
 from pgsieve.spark import apply as spark_apply
 from pgsieve.spark.session import InsecureSparkCluster, get_spark, spark_properties, stop_spark
+from pgsieve.spark.standalone import SparkCluster, spark_cluster
 from pgsieve.sync.syncjob import RunOutcome
 from tests.integration import test_apply as harness
-from tests.integration.spark_cluster import SparkCluster, spark_cluster
 from tests.integration.sync_env import native_copy, rows, sync_env
 from tests.integration.test_apply import Pair
 
@@ -41,17 +40,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkCluster]:
 
 
 def cluster_settings(cluster: SparkCluster, **over: Any) -> dict[str, Any]:
-    """What a worker of a cluster deployment sets: the master, the shared secret, and
-    (here, where executors run on this machine) this interpreter for Python tasks."""
-    return {
-        "spark_master": cluster.master_url,
-        "spark_auth_secret": cluster.secret,
-        "spark_conf": {"spark.executor.memory": "768m", "spark.pyspark.python": sys.executable,
-                       "spark.executorEnv.PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
-                       "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
-                       "spark.task.maxFailures": "4"},
-        **over,
-    }
+    """What a worker of a cluster deployment sets (see SparkCluster.worker_settings)."""
+    return cluster.worker_settings(**over)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +125,13 @@ def test_the_spark_apply_path_on_the_cluster_matches_native(pair: Pair, cluster_
     results = pair.apply(None, spark=cluster_spark, distributed=True)
     assert all(r.distributed for r in results)
     pair.assert_same("acct", "hot")
+    # Each batch's tasks ran under a job group naming the batch, and the result says
+    # what Spark ran for it (the subscription's last batch and /metrics show it).
+    for result in results:
+        report = result.spark
+        assert report["job_group"] == f"pgsieve-apply-{pair.subscription_id}-{result.end_lsn}"
+        assert report["executors"] >= 1 and report["task_failures"] == 0
+        assert sum(s["completed"] for j in report["jobs"] for s in j["stages"]) >= 1
 
 
 def test_auto_picks_spark_tasks_only_where_the_cluster_adds_cores(cluster_spark: Any,

@@ -167,3 +167,37 @@ def test_a_busy_book_is_one_that_wrote_moments_ago() -> None:
     book.written()
     assert book.busy(within=60)
     assert not book.busy(within=0)
+
+
+def test_a_batch_staged_by_spark_tasks_shows_its_job_group_and_counts_its_task_failures(
+        engine: Engine, sub_id: str):
+    """The Spark side of an apply batch is visible: its job group and stages in the
+    subscription's last batch, its task failures and executors in /metrics."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from sqlalchemy.orm import sessionmaker
+
+    from pgsieve.platform.metrics import MetadataCollector
+
+    report = {"job_group": "pgsieve-apply-x-0/10", "executors": 3, "task_failures": 2,
+              "jobs": [{"spark_job_id": 7, "status": "SUCCEEDED",
+                        "stages": [{"stage_id": 9, "tasks": 4, "completed": 4, "failed": 2}]}]}
+    progress = AppliedProgress(sub_id)
+    spark_batch = batch(10, inserts=5)
+    spark_batch.spark = report
+    progress.add(spark_batch, 0.1, None)
+    progress.add(batch(20, inserts=1), 0.1, None)  # the driver's: no report
+    write(engine, [progress])
+    again = AppliedProgress(sub_id)
+    again.add(spark_batch, 0.1, None)
+    write(engine, [again])
+    with Session(engine) as session:
+        stats = session.get_one(Subscription, sub_id).stats
+    assert stats["spark_task_failures"] == 4
+    assert stats["last_batch"]["spark"] == report  # the newest batch was Spark's again
+
+    registry = CollectorRegistry()
+    registry.register(MetadataCollector(sessionmaker(engine)))
+    text = generate_latest(registry).decode()
+    assert 'pgsieve_spark_task_failures_total{kind="apply"} 4.0' in text
+    assert 'pgsieve_spark_task_failures_total{kind="sync"} 0.0' in text
+    assert "pgsieve_spark_executors 3.0" in text

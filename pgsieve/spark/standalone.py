@@ -1,8 +1,11 @@
-"""A real Spark standalone cluster for the tests: a master and one worker started from the
-installed pyspark (``spark-class …Master`` / ``…Worker``; nothing downloaded), on
-127.0.0.1, with RPC authentication and encryption under a generated secret — as
-production runs it (docs/security.md) — and the executors' work directories kept so a
-test can read what ran where."""
+"""A real Spark standalone cluster on this machine, for the tests and the benchmarks: a
+master and one worker started from the installed pyspark (``spark-class …Master`` /
+``…Worker``; nothing downloaded), on 127.0.0.1, with RPC authentication and encryption
+under a generated secret — as production runs it (docs/security.md) — and the executors'
+work directories kept so a caller can read what ran where.
+
+Development tooling, like :mod:`pgsieve.platform.pgcluster`: production runs its cluster
+from docker-compose.yml or a cluster manager, never from here."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import os
 import secrets
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -44,6 +48,22 @@ class SparkCluster:
         return "\n".join(p.read_text(errors="replace")
                          for p in sorted(self.work_dir.glob("app-*/*/stderr")))
 
+    def worker_settings(self, **over: Any) -> dict[str, Any]:
+        """The ``PGSIEVE_*`` settings (as :class:`~pgsieve.platform.settings.Settings`
+        fields) of a pgsieve worker on this cluster: the master, the shared secret, and —
+        since the executors run on this machine — this interpreter and its import path
+        for the Python tasks."""
+        return {
+            "spark_master": self.master_url,
+            "spark_auth_secret": self.secret,
+            "spark_conf": {
+                "spark.executor.memory": "768m", "spark.pyspark.python": sys.executable,
+                "spark.executorEnv.PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+                "spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1",
+                "spark.task.maxFailures": "4"},
+            **over,
+        }
+
     def executor_pids(self) -> list[int]:
         """PIDs of the running executor JVMs (CoarseGrainedExecutorBackend)."""
         out = subprocess.run(["pgrep", "-f", "CoarseGrainedExecutorBackend"],
@@ -60,6 +80,9 @@ def _spark_class(cls: str, args: list[str], env: dict[str, str], log: Path
 
 @contextlib.contextmanager
 def spark_cluster(tmp: Path, cores: int = 2, memory: str = "1g") -> Iterator[SparkCluster]:
+    """Master and worker under ``tmp``, stopped (with their executors) on exit. ``cores``
+    is what the worker offers: it may exceed this machine's, to exercise a cluster with
+    more task slots than the driver's machine has cores."""
     secret = secrets.token_urlsafe(24)
     opts = (f"-Dspark.authenticate=true -Dspark.authenticate.secret={secret} "
             "-Dspark.network.crypto.enabled=true -Dspark.master.rest.enabled=false "
@@ -111,4 +134,4 @@ def _wait(check: Any, timeout: float, what: str, tmp: Path) -> None:
                 return
         time.sleep(0.5)
     logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in tmp.glob("spark-*.log"))
-    raise AssertionError(f"{what} did not come up in {timeout:.0f} s\n{logs}")
+    raise RuntimeError(f"{what} did not come up in {timeout:.0f} s\n{logs}")
