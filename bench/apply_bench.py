@@ -403,7 +403,9 @@ def compare_paths(spark: Any, sizes: list[int]) -> None:
         print("\n| batch (changes) | driver path s | Spark path s | of which Spark tasks s "
               "| merge s | Spark / driver |")
         print("|---:|---:|---:|---:|---:|---:|")
-        for size in sizes:
+        # The first batch only warms up (the executors start their Python workers).
+        for index, size in enumerate([min(sizes), *sizes]):
+            warm_up = index == 0
             chosen: list[Transaction] = []
             for txn in txns:
                 if sum(len(t.changes) for t in chosen) >= size:
@@ -412,7 +414,7 @@ def compare_paths(spark: Any, sizes: list[int]) -> None:
             n = sum(len(t.changes) for t in chosen)
             secs, timings = [], {}
             for distributed in (False, True):
-                db = f"p{size}_{int(distributed)}"
+                db = f"p{size}_{int(distributed)}{'_warm' if warm_up else ''}"
                 pg.psql(f"CREATE DATABASE {db}")
                 with psycopg.connect(pg.dsn(db), autocommit=True) as conn:
                     conn.execute(TABLE)
@@ -424,6 +426,8 @@ def compare_paths(spark: Any, sizes: list[int]) -> None:
                 secs.append(time.perf_counter() - t0)
                 timings = result.timings
                 writer.close()
+            if warm_up:
+                continue
             measured.append((n, secs[0], secs[1], timings))
             print(f"| {n:,} | {secs[0]:.2f} | {secs[1]:.2f} | {timings.get('spark', 0):.2f} | "
                   f"{timings.get('merge', 0):.2f} | {secs[1] / secs[0]:.1f}× |", flush=True)
@@ -443,9 +447,15 @@ def project(measured: list[tuple[int, float, float, dict[str, float]]], slots: i
     if len(measured) < 2:
         return
     cores_here = min(slots, os.cpu_count() or 1)
-    small, big = min(measured), max(measured)
-    fixed = small[3].get("spark", 0.0)
-    per_change = max(0.0, (big[3].get("spark", 0.0) - fixed) * cores_here / (big[0] - small[0]))
+    # least squares: tasks' seconds = fixed + changes × slope (slope on cores_here cores)
+    xs = [float(n) for n, *_ in measured]
+    ys = [t.get("spark", 0.0) for *_, t in measured]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+             / max(1e-9, sum((x - mx) ** 2 for x in xs)))
+    slope = max(0.0, slope)
+    fixed = max(0.0, my - slope * mx)
+    per_change = slope * cores_here
     print(f"\nProjection (paper, from the parts above): Spark tasks cost {fixed:.2f} s a job "
           f"+ {per_change * 1e6:.1f} core-µs a change (measured on {cores_here} cores).")
     print("\n| batch (changes) | driver path s | " + " | ".join(

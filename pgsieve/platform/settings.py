@@ -71,8 +71,8 @@ class Settings(BaseSettings):
     spark_apply_min_changes: int | Literal["auto"] = Field(
         default="auto",
         description="batches with at least this many changes are planned and staged by "
-        "Spark tasks; 0: never; auto: never in local mode, and on a cluster with more task "
-        "slots than this machine has cores from the measured crossover on "
+        "Spark tasks; 0: never; auto: never in local mode, and on a cluster with at least 32 "
+        "task slots (more than this machine has cores) from the measured crossover on "
         "(see pgsieve/spark/apply.py choose_apply_path)",
     )
     spark_auth_secret: SecretStr | None = Field(

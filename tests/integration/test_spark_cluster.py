@@ -136,11 +136,16 @@ def test_the_spark_apply_path_on_the_cluster_matches_native(pair: Pair, cluster_
 
 def test_auto_picks_spark_tasks_only_where_the_cluster_adds_cores(cluster_spark: Any,
                                                                    monkeypatch):
-    """``PGSIEVE_SPARK_APPLY_MIN_CHANGES=auto`` (the default): the cluster's worker declares
-    more cores than this machine has, so big batches go to Spark tasks, small ones stay
+    """``PGSIEVE_SPARK_APPLY_MIN_CHANGES=auto`` (the default) on the real cluster: its 4
+    task slots outnumber this machine's cores but are too few to pay (the measured
+    crossover needs 32); with 32 slots big batches go to Spark tasks and small ones stay
     in the driver; local mode never."""
     monkeypatch.setattr(spark_apply, "get_settings", lambda: Settings(
         _env_file=None, spark_master="spark://127.0.0.1:7077", spark_auth_secret="x"))
+    few, why = spark_apply.choose_apply_path(cluster_spark, 10_000_000)
+    assert not few and "4 task slots" in why, why
+    monkeypatch.setattr(spark_apply, "cluster_task_slots",
+                        lambda _: spark_apply.AUTO_SPARK_MIN_SLOTS)
     big, why = spark_apply.choose_apply_path(cluster_spark, spark_apply.AUTO_SPARK_MIN_CHANGES)
     assert big, why
     small, why = spark_apply.choose_apply_path(cluster_spark, 1000)
