@@ -101,8 +101,10 @@ class Chaos:
         """The worker's environment; with ``kills``, the fault to die of (until MAX_KILLS)."""
         env = {"PGSIEVE_SPARK_APPLY_MIN_CHANGES": "1", "PGSIEVE_SPARK_WARMUP": "true"} \
             if self.spark else {}
-        # Every restart of a Spark run starts a JVM: two kills there, three elsewhere.
-        if self.point is None or kills is None or kills >= MAX_KILLS - self.spark:
+        # Every restart of a Spark run starts a JVM (the longest part of a run): one kill
+        # inside the Spark job there, up to three elsewhere.
+        limit = 1 if self.spark else MAX_KILLS
+        if self.point is None or kills is None or kills >= limit:
             return env
         # Deterministic: the worker kills itself the Nth time it passes the point.
         nth = 1 if self.spark else self.rnd.randint(1, 4)

@@ -96,6 +96,7 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
         "attempts": int(job.details.get("attempts", 0)),
         "last_error": job.details.get("last_error"),
         "spark": job.details.get("spark"),
+        "timings": job.details.get("timings"),
         "created_at": job.created_at,
         "started_at": job.started_at,
         "finished_at": job.finished_at,

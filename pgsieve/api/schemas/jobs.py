@@ -131,6 +131,11 @@ class JobOut(BaseModel):
         "{job_group, jobs: [{spark_job_id, status, stages: [{stage_id, tasks, completed, "
         "failed}]}], executors, task_failures}; null when no Spark job ran (a table copied "
         "in one stream is piped by the worker itself)")
+    timings: dict[str, float] | None = Field(
+        default=None, description="seconds per phase once the job ended: snapshot, plan, "
+        "copy, indexes, …; a diff splits into diff_stage (rows, or keys and hashes, "
+        "across), diff_compare, diff_fetch (the differing rows read back by key, when "
+        "hashes were compared), diff_write and diff_commit")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
