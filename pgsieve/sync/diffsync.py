@@ -42,9 +42,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import psycopg
 from psycopg import sql
 
@@ -53,6 +55,7 @@ from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
 from pgsieve.spark.sync import CopyPartition, TableCopy, _pipe, partition_query
+from pgsieve.sync.hashdiff import Keys, compare_key_hashes, parse_key_hashes
 from pgsieve.sync.syncplan import SourceTable, SyncError, TargetTable, canonical
 
 log = logging.getLogger(__name__)
@@ -60,6 +63,13 @@ log = logging.getLogger(__name__)
 PROGRESS_SECONDS = 1.0
 TEMP_BUFFERS = "256MB"
 WORK_MEM = "256MB"
+
+INTEGER_KEYS = frozenset({"smallint", "integer", "bigint"})
+"""Key types compared in the worker (:mod:`pgsieve.sync.hashdiff`)."""
+HASH_BUCKETS = 4096
+"""Keys and hashes travel as this many ``int8[]`` pairs (a hash of the key picks the
+pair): a few thousand rows to read whatever the table's size, each array far below
+PostgreSQL's 1 GB limit up to billions of rows."""
 
 KEYS_PER_FETCH = 20_000
 """Changed rows are read back from the source by key in chunks of this many keys (one
@@ -93,6 +103,10 @@ class DiffResult:
     updated: int
     phases: dict[str, float] = field(default_factory=dict, compare=False)
     """Seconds per step (stage, compare, write, commit): the job's ``timings``."""
+    method: str = "whole_rows"
+    """How rows were compared: ``whole_rows`` (types differ between the ends),
+    ``hashes_at_target`` (key and row hash staged at the target: a composite or
+    non-integer key) or ``hashes_in_worker`` (one integer key)."""
 
     def as_dict(self) -> dict[str, int]:
         return {"compared": self.compared, "added": self.added, "removed": self.removed,
@@ -244,7 +258,12 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
         try:
             same_types = all(target.columns[c.name].type_name == c.type_name
                              for c in source.columns)
-            counts = run.by_hash() if same_types else run.whole_rows()
+            if not same_types:
+                method, counts = "whole_rows", run.whole_rows()
+            elif len(key) == 1 and target.columns[key[0]].type_name in INTEGER_KEYS:
+                method, counts = "hashes_in_worker", run.by_integer_key()
+            else:
+                method, counts = "hashes_at_target", run.by_hash()
         finally:
             if progress is not None:
                 progress.stop.set()
@@ -255,7 +274,8 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
         tgt.execute("COMMIT")
         run.lap("diff_commit")
     compared, removed, updated, added = counts
-    return DiffResult(compared, max(0, added), max(0, removed), max(0, updated), run.phases)
+    return DiffResult(compared, max(0, added), max(0, removed), max(0, updated), run.phases,
+                      method)
 
 
 def _names(columns: Sequence[str], prefix: str = "") -> sql.Composable:
@@ -378,6 +398,74 @@ class _Run:
         self.lap("diff_write")
         return compared, removed, updated, added
 
+    def by_integer_key(self) -> tuple[int, int, int, int]:
+        """One integer key: both ends' keys and row hashes read at once and compared in
+        the worker (:mod:`pgsieve.sync.hashdiff`); the differing rows fetched by key."""
+        tgt, src = self.tgt, self.src
+        hashable = {str(n) for n, ok in tgt.execute(_HAS_HASH, (self.target.oid,)) if ok}
+        k = sql.Identifier(self.key[0])
+        where = (sql.SQL(" WHERE ({})").format(sql.SQL(self.copy.row_filter))
+                 if self.copy.row_filter is not None else sql.SQL(""))
+        source_rows = sql.SQL(" UNION ALL ").join(
+            sql.SQL("SELECT {k}::int8 AS k, {h} AS h FROM ONLY {rel}{where}").format(
+                k=k, h=self._row_hash(hashable), rel=sql.SQL(relation), where=where)
+            for relation, _, _ in self.source.leaves)
+        target_rows = sql.SQL("SELECT {k}::int8 AS k, {h} AS h FROM {tbl}").format(
+            k=k, h=self._row_hash(hashable), tbl=self.target.from_clause)
+
+        def buckets(conn: psycopg.Connection[Any], rows: sql.Composable
+                    ) -> list[tuple[bytes, bytes]]:
+            with conn.cursor(binary=True) as cur:
+                cur.execute(sql.SQL(
+                    "SELECT array_send(array_agg(k)), array_send(array_agg(h)) "
+                    "FROM ({rows}) r GROUP BY hashint8(k) & {n}").format(
+                    rows=rows, n=sql.Literal(HASH_BUCKETS - 1)))
+                return [(bytes(a), bytes(b)) for a, b in cur.fetchall()]
+
+        # Both servers scan and hash at once (psycopg waits without the GIL).
+        with ThreadPoolExecutor(1, thread_name_prefix="pgsieve-diff-target") as pool:
+            at_target = pool.submit(buckets, tgt, target_rows)
+            source = parse_key_hashes(buckets(src, source_rows))
+            target = parse_key_hashes(at_target.result())
+        self.lap("diff_stage")
+        differences = compare_key_hashes(source, target)
+        self.lap("diff_compare")
+        tbl = sql.SQL(canonical(self.source.table))
+        removed = 0
+        for keys in _chunks(differences.delete):
+            removed += tgt.execute(sql.SQL("DELETE FROM {tbl} WHERE {k} = ANY({keys})").format(
+                tbl=tbl, k=k, keys=_int8_array(keys))).rowcount
+        columns = list(self.copy.columns)
+        wanted = np.concatenate([differences.insert, differences.update])
+        for keys in _chunks(wanted):
+            picked = sql.SQL("{k} = ANY({keys})").format(k=k, keys=_int8_array(keys))
+            conditions = [picked] + ([sql.SQL("({})").format(sql.SQL(self.copy.row_filter))]
+                                     if self.copy.row_filter is not None else [])
+            for relation, _, _ in self.source.leaves:
+                _pipe(src, tgt, sql.SQL(
+                    "COPY (SELECT {cols} FROM ONLY {rel} WHERE {where}) TO STDOUT{fmt}"
+                ).format(cols=_names(columns), rel=sql.SQL(relation),
+                         where=sql.SQL(" AND ").join(conditions), fmt=self._format()),
+                    self._copy_in("pgsieve_diff", columns))
+        tgt.execute("ANALYZE pgsieve_diff")
+        self.lap("diff_fetch")
+        rest = [c for c in columns if c not in self.key]
+        updated = 0
+        if rest and differences.update.size:
+            updated = tgt.execute(sql.SQL(
+                "UPDATE {tbl} t SET {sets} FROM pgsieve_diff s WHERE t.{k} = s.{k}").format(
+                tbl=tbl, k=k, sets=sql.SQL(", ").join(
+                    sql.SQL("{c} = s.{c}").format(c=sql.Identifier(c)) for c in rest))
+            ).rowcount
+        added = 0
+        if differences.insert.size:
+            added = tgt.execute(sql.SQL(
+                "INSERT INTO {tbl} ({cols}) SELECT {scols} FROM pgsieve_diff s "
+                "WHERE NOT EXISTS (SELECT 1 FROM {tbl} t WHERE t.{k} = s.{k})").format(
+                tbl=tbl, k=k, cols=_names(columns), scols=_names(columns, "s."))).rowcount
+        self.lap("diff_write")
+        return len(source), removed, updated, added
+
     def _fetch_changed(self) -> None:
         """The rows to insert or update, read again from the source by key under the
         same snapshot (and the same filter), into the staging table."""
@@ -406,3 +494,13 @@ class _Run:
                 ).format(cols=_names(columns), rel=sql.SQL(relation),
                          where=sql.SQL(" AND ").join(conditions), fmt=self._format()),
                     self._copy_in("pgsieve_diff", columns))
+
+
+def _chunks(keys: Keys, size: int = 4 * KEYS_PER_FETCH) -> list[Keys]:
+    return [keys[i:i + size] for i in range(0, int(keys.size), size)]
+
+
+def _int8_array(keys: Keys) -> sql.Composable:
+    """An ``int8[]`` literal (COPY takes no parameters): digits and commas only."""
+    return sql.SQL("{}::int8[]").format(sql.Literal("{" + ",".join(map(str, keys.tolist()))
+                                                    + "}"))

@@ -609,7 +609,8 @@ class SyncJobRunner:
                 table.rows_copied = table.rows_total = result.compared
                 if not own_slot:
                     table.sync_slot = None
-                self._set_table_state(job, name, finished=True, diff=result.as_dict())
+                self._set_table_state(job, name, finished=True,
+                                      diff={**result.as_dict(), "method": result.method})
                 totals = dict(job.details.get("diff") or {})
                 for k, v in result.as_dict().items():
                     totals[k] = int(totals.get(k, 0)) + v

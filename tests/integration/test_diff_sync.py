@@ -56,9 +56,9 @@ def test_diff_of_a_partitioned_root_and_column_lists_after_a_change(
         per_table = {t["table"]: t["diff"] for t in job["tables"]}
         # events: the us rows added, the eu rows' note backfilled; wide: b backfilled.
         assert per_table["public.events"] == {"compared": 2000, "added": 1000, "removed": 0,
-                                              "updated": 1000}
+                                              "updated": 1000, "method": "hashes_at_target"}
         assert per_table["public.wide"] == {"compared": 500, "added": 0, "removed": 0,
-                                            "updated": 500}
+                                            "updated": 500, "method": "hashes_in_worker"}
     assert rows(target_db, "events", "id, region, val, note") == rows(
         source_db, "events WHERE region IN ('eu', 'us')", "id, region, val, note")
     assert rows(target_db, "wide") == rows(source_db, "wide")
@@ -138,5 +138,6 @@ def test_a_drifted_target_is_repaired_by_key_and_hash_or_by_whole_rows(
     assert rows(target_db, "typed", COLUMNS) == rows(source_db, PUBLISHED, COLUMNS)
     assert job["diff"] == {"compared": 1500, "added": len(want.keys() - have.keys()),
                            "removed": len(have.keys() - want.keys()), "updated": changed}
-    hashed = "diff_fetch" in job["timings"]
-    assert hashed is (note_type == "text"), job["timings"]
+    assert job["tables"][0]["diff"]["method"] == (
+        "hashes_in_worker" if note_type == "text" else "whole_rows")
+    assert ("diff_fetch" in job["timings"]) is (note_type == "text"), job["timings"]

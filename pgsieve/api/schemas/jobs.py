@@ -90,6 +90,14 @@ class DiffCounts(BaseModel):
     updated: int = Field(description="rows whose published columns were rewritten")
 
 
+class TableDiff(DiffCounts):
+    method: Literal["hashes_in_worker", "hashes_at_target", "whole_rows"] | None = Field(
+        default=None, description="how rows were compared — hashes_in_worker (one integer "
+        "key: keys and row hashes of both ends compared in the worker), hashes_at_target "
+        "(keys and row hashes staged at the target), whole_rows (a column's type differs "
+        "between the ends: every row staged); null for diffs recorded before it was shown")
+
+
 class JobTable(BaseModel):
     table: str
     state: str = Field(description="the table's sync state: init, copy, catchup, ready")
@@ -100,7 +108,7 @@ class JobTable(BaseModel):
     partitions_done: int
     partitions_total: int | None
     error: str | None = None
-    diff: DiffCounts | None = Field(
+    diff: TableDiff | None = Field(
         default=None, description="mode diff, once the table's differences committed")
 
 
