@@ -39,22 +39,31 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import select
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import psycopg
-from psycopg import sql
+from psycopg import pq, sql
 
 from pgsieve.apply.target import IDENTITY_SQL
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
-from pgsieve.spark.sync import CopyPartition, TableCopy, _pipe, partition_query
+from pgsieve.spark.sync import (
+    CopyPartition,
+    TableCopy,
+    _drain,
+    _flush,
+    _message,
+    _pipe,
+    _result,
+    partition_query,
+)
 from pgsieve.sync.hashdiff import Keys, compare_key_hashes, parse_key_hashes
 from pgsieve.sync.syncplan import SourceTable, SyncError, TargetTable, canonical
 
@@ -66,10 +75,8 @@ WORK_MEM = "256MB"
 
 INTEGER_KEYS = frozenset({"smallint", "integer", "bigint"})
 """Key types compared in the worker (:mod:`pgsieve.sync.hashdiff`)."""
-HASH_BUCKETS = 4096
-"""Keys and hashes travel as this many ``int8[]`` pairs (a hash of the key picks the
-pair): a few thousand rows to read whatever the table's size, each array far below
-PostgreSQL's 1 GB limit up to billions of rows."""
+ROWS_PER_TURN = 20_000
+"""Rows taken from one COPY before looking at the other (both stay busy)."""
 
 KEYS_PER_FETCH = 20_000
 """Changed rows are read back from the source by key in chunks of this many keys (one
@@ -407,26 +414,18 @@ class _Run:
         where = (sql.SQL(" WHERE ({})").format(sql.SQL(self.copy.row_filter))
                  if self.copy.row_filter is not None else sql.SQL(""))
         source_rows = sql.SQL(" UNION ALL ").join(
-            sql.SQL("SELECT {k}::int8 AS k, {h} AS h FROM ONLY {rel}{where}").format(
+            sql.SQL("SELECT {k}::int8, {h} FROM ONLY {rel}{where}").format(
                 k=k, h=self._row_hash(hashable), rel=sql.SQL(relation), where=where)
             for relation, _, _ in self.source.leaves)
-        target_rows = sql.SQL("SELECT {k}::int8 AS k, {h} AS h FROM {tbl}").format(
+        target_rows = sql.SQL("SELECT {k}::int8, {h} FROM {tbl}").format(
             k=k, h=self._row_hash(hashable), tbl=self.target.from_clause)
-
-        def buckets(conn: psycopg.Connection[Any], rows: sql.Composable
-                    ) -> list[tuple[bytes, bytes]]:
-            with conn.cursor(binary=True) as cur:
-                cur.execute(sql.SQL(
-                    "SELECT array_send(array_agg(k)), array_send(array_agg(h)) "
-                    "FROM ({rows}) r GROUP BY hashint8(k) & {n}").format(
-                    rows=rows, n=sql.Literal(HASH_BUCKETS - 1)))
-                return [(bytes(a), bytes(b)) for a, b in cur.fetchall()]
-
-        # Both servers scan and hash at once (psycopg waits without the GIL).
-        with ThreadPoolExecutor(1, thread_name_prefix="pgsieve-diff-target") as pool:
-            at_target = pool.submit(buckets, tgt, target_rows)
-            source = parse_key_hashes(buckets(src, source_rows))
-            target = parse_key_hashes(at_target.result())
+        copy_out = "COPY ({}) TO STDOUT (FORMAT binary)"
+        # Both servers scan and hash at once; this thread only collects their bytes.
+        source_bytes, target_bytes = read_copies_together([
+            (src, sql.SQL(copy_out).format(source_rows)),
+            (tgt, sql.SQL(copy_out).format(target_rows))])
+        source = parse_key_hashes([source_bytes])
+        target = parse_key_hashes([target_bytes])
         self.lap("diff_stage")
         differences = compare_key_hashes(source, target)
         self.lap("diff_compare")
@@ -504,3 +503,46 @@ def _int8_array(keys: Keys) -> sql.Composable:
     """An ``int8[]`` literal (COPY takes no parameters): digits and commas only."""
     return sql.SQL("{}::int8[]").format(sql.Literal("{" + ",".join(map(str, keys.tolist()))
                                                     + "}"))
+
+
+def read_copies_together(copies: list[tuple[psycopg.Connection[Any], sql.Composable]]
+                         ) -> list[bytes]:
+    """Run a ``COPY … TO STDOUT`` on each connection at the same time and return what each
+    sent. The servers work in parallel; this thread takes whatever rows are ready on either
+    connection and waits in ``select`` (without the GIL) when none are."""
+    conns = [conn.pgconn for conn, _ in copies]
+    for (conn, statement), pg in zip(copies, conns, strict=True):
+        pg.send_query(statement.as_bytes(conn))
+        _flush(pg)
+    for pg in conns:
+        started = _result(pg)
+        if started is None or started.status != pq.ExecStatus.COPY_OUT:
+            for other in conns:
+                with contextlib.suppress(Exception):
+                    _drain(other)
+            raise psycopg.DatabaseError(_message(started, "the COPY was refused"))
+    buffers = [bytearray() for _ in conns]
+    active = list(range(len(conns)))
+    while active:
+        waiting = []
+        for i in list(active):
+            get, buffer = conns[i].get_copy_data, buffers[i]
+            for _ in range(ROWS_PER_TURN):
+                nbytes, data = get(1)
+                if nbytes > 0:
+                    buffer += data
+                    continue
+                if nbytes == 0:
+                    waiting.append(i)
+                else:
+                    active.remove(i)
+                    done = _result(conns[i])
+                    _drain(conns[i])
+                    if done is None or done.status != pq.ExecStatus.COMMAND_OK:
+                        raise psycopg.DatabaseError(_message(done, "the COPY failed"))
+                break
+        if waiting and len(waiting) == len(active):
+            select.select([conns[i].socket for i in waiting], [], [], 1.0)
+            for i in waiting:
+                conns[i].consume_input()
+    return [bytes(b) for b in buffers]

@@ -3,15 +3,14 @@ the diff for the common case — one integer key column (``smallint``/``integer`
 and the same column types at both ends.
 
 Both ends are asked at the same time (each server scans and hashes its own rows on its
-own core) for their keys and row hashes packed into a few thousand ``int8[]`` pairs
-(``array_send`` of ``array_agg`` per hash bucket of the key): the worker handles a few
-thousand values, not a Python object per row, and views each array as a numpy vector.
-The comparison is a sort and a binary search, ~0.1 s per million keys, where staging the
-source's hashes at the target and joining them there took seconds. What it returns is
-small: the keys to delete, to insert and to update.
+own core) for ``COPY (SELECT key::int8, <row hash> …) TO STDOUT (FORMAT binary)``. Those
+rows are fixed-width, so a whole stream is viewed as one numpy record array — no Python
+object per row — and the comparison is a sort and a binary search, ~0.1 s per million
+keys, where staging the source's hashes at the target and joining them there took
+seconds. What it returns is small: the keys to delete, to insert and to update.
 
-Input that is not what was asked for (another element type, NULLs, arrays of unequal
-length, a key twice) raises :class:`KeyHashFormatError`, never a wrong answer.
+A stream that is not exactly two non-null 8-byte fields per row, or holds a key twice,
+raises :class:`KeyHashFormatError`: never a wrong answer.
 """
 
 from __future__ import annotations
@@ -21,15 +20,19 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-INT8_OID = 20
-ELEMENT = np.dtype([("len", ">i4"), ("value", ">i8")])
-"""One element of a binary ``int8[]`` (``array_send``): its length (8) and value."""
+SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
+"""The start of every binary COPY stream (then 32-bit flags and extension length)."""
+ROW = np.dtype([("fields", ">i2"), ("key_len", ">i4"), ("key", ">i8"), ("hash_len", ">i4"),
+                ("hash", ">i8")])
+"""One row of ``COPY (SELECT int8, int8) … (FORMAT binary)``: 26 bytes, big-endian."""
+TRAILER = b"\xff\xff"
 
 Keys = npt.NDArray[np.int64]
 
 
 class KeyHashFormatError(ValueError):
-    """The stream is not a binary COPY of two non-null int8 columns."""
+    """The stream is not a binary COPY of (int8, int8) rows without NULLs, or repeats a
+    key."""
 
 
 @dataclass(frozen=True)
@@ -55,41 +58,31 @@ class KeyDifferences:
     """Keys at both ends whose row hashes differ."""
 
 
-def int8_array(data: bytes) -> Keys:
-    """The values of a one-dimensional ``int8[]`` without NULLs in PostgreSQL's binary
-    form (``array_send``)."""
-    if len(data) < 12:
-        raise KeyHashFormatError("not a binary array")
-    ndim, has_nulls, element = (int.from_bytes(data[i:i + 4], "big") for i in (0, 4, 8))
-    if ndim == 0:
-        return np.empty(0, dtype=np.int64)
-    if ndim != 1 or has_nulls or element != INT8_OID or len(data) < 20:
-        raise KeyHashFormatError("not a one-dimensional int8[] without NULLs")
-    count = int.from_bytes(data[12:16], "big")
-    if len(data) != 20 + count * ELEMENT.itemsize:
-        raise KeyHashFormatError("a truncated array")
-    items = np.frombuffer(data, dtype=ELEMENT, count=count, offset=20)
-    if count and not bool((items["len"] == 8).all()):
-        raise KeyHashFormatError("an element that is not 8 bytes")
-    return items["value"].astype(np.int64)
-
-
-def parse_key_hashes(buckets: list[tuple[bytes, bytes]]) -> KeyHashes:
-    """One side's ``(array_send(keys), array_send(hashes))`` pairs, sorted by key."""
-    keys_parts, hash_parts = [], []
-    for keys_data, hashes_data in buckets:
-        keys, hashes = int8_array(keys_data), int8_array(hashes_data)
-        if keys.size != hashes.size:
-            raise KeyHashFormatError("keys and hashes of unequal length")
-        keys_parts.append(keys)
-        hash_parts.append(hashes)
-    keys = np.concatenate(keys_parts) if keys_parts else np.empty(0, dtype=np.int64)
-    hashes = np.concatenate(hash_parts) if hash_parts else np.empty(0, dtype=np.int64)
+def parse_key_hashes(streams: list[bytes]) -> KeyHashes:
+    """The rows of one side's binary COPY streams, sorted by key."""
+    parts = [_rows(stream) for stream in streams]
+    rows = np.concatenate(parts) if parts else np.empty(0, dtype=ROW)
+    keys = rows["key"].astype(np.int64)
+    hashes = rows["hash"].astype(np.int64)
     order = np.argsort(keys, kind="stable")
     keys, hashes = keys[order], hashes[order]
     if keys.size > 1 and bool((keys[1:] == keys[:-1]).any()):
         raise KeyHashFormatError("a key appears twice: not a key")
     return KeyHashes(keys, hashes)
+
+
+def _rows(stream: bytes) -> npt.NDArray[np.void]:
+    if not stream.startswith(SIGNATURE) or len(stream) < 19 + len(TRAILER):
+        raise KeyHashFormatError("not a binary COPY stream")
+    start = 19 + int.from_bytes(stream[15:19], "big")  # past the header extension
+    body = len(stream) - start - len(TRAILER)
+    if body < 0 or body % ROW.itemsize or not stream.endswith(TRAILER):
+        raise KeyHashFormatError("rows of another shape than (int8, int8)")
+    rows = np.frombuffer(stream, dtype=ROW, count=body // ROW.itemsize, offset=start)
+    if rows.size and not (bool((rows["fields"] == 2).all()) and bool((rows["key_len"] == 8).all())
+                          and bool((rows["hash_len"] == 8).all())):
+        raise KeyHashFormatError("rows of another shape than (int8, int8), or a NULL")
+    return rows
 
 
 def compare_key_hashes(source: KeyHashes, target: KeyHashes) -> KeyDifferences:

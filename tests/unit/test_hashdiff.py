@@ -1,5 +1,5 @@
 """The pure comparison behind the diff's integer-key path (sync/hashdiff.py): binary
-``int8[]`` parsing and the key comparison, checked against plain Python sets on random
+COPY parsing and the key comparison, checked against plain Python sets on random
 tables; malformed input raises instead of answering. (The bytes PostgreSQL itself sends
 are covered by tests/integration/test_diff_sync.py.)"""
 
@@ -13,29 +13,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pgsieve.sync.hashdiff import (
+    SIGNATURE,
+    TRAILER,
+    KeyHashes,
     KeyHashFormatError,
     compare_key_hashes,
-    int8_array,
     parse_key_hashes,
 )
 
 
-def array_send(values: list[int], *, element: int = 20, width: int = 8) -> bytes:
-    """PostgreSQL's binary form of a one-dimensional int8[] (as ``array_send``)."""
-    if not values:
-        return struct.pack(">iii", 0, 0, element)
-    head = struct.pack(">iiiii", 1, 0, element, len(values), 1)
-    fmt = ">iq" if width == 8 else ">ii"
-    return head + b"".join(struct.pack(fmt, width, v) for v in values)
+def copy_out(rows: dict[int, int] | list[tuple[int, int]]) -> bytes:
+    """``COPY (SELECT int8, int8) TO STDOUT (FORMAT binary)`` as PostgreSQL sends it."""
+    items = rows.items() if isinstance(rows, dict) else rows
+    body = b"".join(struct.pack(">hiqiq", 2, 8, k, 8, h) for k, h in items)
+    return SIGNATURE + struct.pack(">ii", 0, 0) + body + TRAILER
 
 
-def side(rows: dict[int, int], buckets: int = 3) -> list[tuple[bytes, bytes]]:
-    parts: list[tuple[list[int], list[int]]] = [([], []) for _ in range(buckets)]
-    for key, hashed in rows.items():
-        keys, hashes = parts[hash(key) % buckets]
-        keys.append(key)
-        hashes.append(hashed)
-    return [(array_send(k), array_send(h)) for k, h in parts if k]
+def side(rows: dict[int, int]) -> KeyHashes:
+    return parse_key_hashes([copy_out(rows)])
 
 
 keys_st = st.integers(min_value=-(2 ** 63), max_value=2 ** 63 - 1)
@@ -48,7 +43,7 @@ table_st = st.dictionaries(keys_st, st.integers(min_value=-(2 ** 63), max_value=
 def test_the_differences_are_exactly_those_of_the_two_tables(source, target, shared):
     source = {**source, **shared}
     target = {**target, **shared}  # rows equal at both ends
-    got = compare_key_hashes(parse_key_hashes(side(source)), parse_key_hashes(side(target)))
+    got = compare_key_hashes(side(source), side(target))
     assert sorted(got.delete.tolist()) == sorted(target.keys() - source.keys())
     assert sorted(got.insert.tolist()) == sorted(source.keys() - target.keys())
     assert sorted(got.update.tolist()) == sorted(
@@ -56,34 +51,45 @@ def test_the_differences_are_exactly_those_of_the_two_tables(source, target, sha
 
 
 def test_empty_sides():
-    empty = parse_key_hashes([])
-    full = parse_key_hashes(side({1: 10, 2: 20}))
+    empty = parse_key_hashes([copy_out({})])
+    full = side({2: 20, 1: 10})
+    assert full.keys.tolist() == [1, 2] and full.hashes.tolist() == [10, 20]  # sorted by key
     assert compare_key_hashes(empty, full).delete.tolist() == [1, 2]
     assert compare_key_hashes(full, empty).insert.tolist() == [1, 2]
-    assert int8_array(array_send([])).size == 0
+    assert len(parse_key_hashes([])) == 0
 
 
 def test_the_extremes_of_int8_survive():
     values = [-(2 ** 63), -1, 0, 1, 2 ** 63 - 1]
-    assert int8_array(array_send(values)).tolist() == values
-    assert int8_array(array_send(values)).dtype == np.int64
+    parsed = side(dict(zip(values, reversed(values), strict=True)))
+    assert parsed.keys.tolist() == values and parsed.keys.dtype == np.int64
+    assert parsed.hashes.tolist() == list(reversed(values))
 
 
-@pytest.mark.parametrize(("data", "why"), [
-    (b"", "not a binary array"),
-    (array_send([1, 2], element=23, width=4), "int8"),                  # an int4[]
-    (struct.pack(">iiiii", 1, 1, 20, 1, 1) + struct.pack(">i", -1), "NULL"),
-    (array_send([1, 2, 3])[:-4], "truncated"),
-    (array_send([1, 2]) + b"\x00", "truncated"),
-    (struct.pack(">iiiiiii", 2, 0, 20, 1, 1, 1, 1) + struct.pack(">iq", 8, 1), "one-dim"),
-])
-def test_malformed_arrays_raise(data, why):
+def test_a_header_extension_is_skipped():
+    body = copy_out({5: 50})[19:]
+    stream = SIGNATURE + struct.pack(">ii", 0, 3) + b"abc" + body
+    assert parse_key_hashes([stream]).keys.tolist() == [5]
+
+
+NULL_HASH = SIGNATURE + struct.pack(">ii", 0, 0) + struct.pack(">hiqi", 2, 8, 1, -1) + TRAILER
+
+
+@pytest.mark.parametrize("stream", [
+    b"",
+    b"not a copy stream at all",
+    copy_out({1: 1})[:-1],                                              # truncated
+    copy_out({1: 1})[:-2] + b"\x00\x00",                                # no trailer
+    SIGNATURE + struct.pack(">ii", 0, 0) + struct.pack(">hiiii", 2, 4, 1, 4, 1) + TRAILER,
+    NULL_HASH,
+    SIGNATURE + struct.pack(">ii", 0, 0) + struct.pack(">hiqiqh", 3, 8, 1, 8, 1, 0)[:26]
+    + TRAILER,                                                          # three fields
+], ids=["empty", "text", "truncated", "trailer", "int4", "null", "fields"])
+def test_malformed_streams_raise(stream):
     with pytest.raises(KeyHashFormatError):
-        int8_array(data)
+        parse_key_hashes([stream])
 
 
-def test_unequal_lengths_and_repeated_keys_raise():
-    with pytest.raises(KeyHashFormatError, match="unequal"):
-        parse_key_hashes([(array_send([1, 2]), array_send([5]))])
+def test_a_repeated_key_raises():
     with pytest.raises(KeyHashFormatError, match="twice"):
-        parse_key_hashes([(array_send([1]), array_send([5])), (array_send([1]), array_send([6]))])
+        parse_key_hashes([copy_out([(1, 5), (1, 6)])])
