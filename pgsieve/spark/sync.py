@@ -327,6 +327,53 @@ def _pipe(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
     return int(done.command_tuples or 0)
 
 
+ROWS_PER_TURN = 20_000
+"""Rows :func:`read_copies_together` takes from one COPY before looking at the next."""
+
+
+def read_copies_together(copies: list[tuple[psycopg.Connection[Any], sql.Composable]]
+                         ) -> list[bytes]:
+    """Run a ``COPY … TO STDOUT`` on each connection at the same time and return what each
+    sent. The servers work in parallel; this thread takes whatever rows are ready on either
+    connection and waits in ``select`` (without the GIL) when none are."""
+    conns = [conn.pgconn for conn, _ in copies]
+    for (conn, statement), pg in zip(copies, conns, strict=True):
+        pg.send_query(statement.as_bytes(conn))
+        _flush(pg)
+    for pg in conns:
+        started = _result(pg)
+        if started is None or started.status != pq.ExecStatus.COPY_OUT:
+            for other in conns:
+                with contextlib.suppress(Exception):
+                    _drain(other)
+            raise psycopg.DatabaseError(_message(started, "the COPY was refused"))
+    buffers = [bytearray() for _ in conns]
+    active = list(range(len(conns)))
+    while active:
+        waiting = []
+        for i in list(active):
+            get, buffer = conns[i].get_copy_data, buffers[i]
+            for _ in range(ROWS_PER_TURN):
+                nbytes, data = get(1)
+                if nbytes > 0:
+                    buffer += data
+                    continue
+                if nbytes == 0:
+                    waiting.append(i)
+                else:
+                    active.remove(i)
+                    done = _result(conns[i])
+                    _drain(conns[i])
+                    if done is None or done.status != pq.ExecStatus.COMMAND_OK:
+                        raise psycopg.DatabaseError(_message(done, "the COPY failed"))
+                break
+        if waiting and len(waiting) == len(active):
+            select.select([conns[i].socket for i in waiting], [], [], 1.0)
+            for i in waiting:
+                conns[i].consume_input()
+    return [bytes(b) for b in buffers]
+
+
 def _result(conn: pq.abc.PGconn) -> pq.abc.PGresult | None:
     """``PQgetResult`` once it would not block (waiting in ``select``, without the GIL)."""
     while True:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from pgsieve.sync import diffsync
 from tests.conftest import Database
 from tests.integration.sync_env import rows, sync_env
 
@@ -141,3 +142,21 @@ def test_a_drifted_target_is_repaired_by_key_and_hash_or_by_whole_rows(
     assert job["tables"][0]["diff"]["method"] == (
         "hashes_in_worker" if note_type == "text" else "whole_rows")
     assert ("diff_fetch" in job["timings"]) is (note_type == "text"), job["timings"]
+
+
+def test_a_table_too_big_for_the_worker_is_compared_at_the_target(
+        tmp_path, source_db: Database, target_db: Database, monkeypatch):
+    """Past ``IN_WORKER_MAX_ROWS`` (estimated) an integer key's hashes are staged at the
+    target instead of held in the worker; the end is the same."""
+    monkeypatch.setattr(diffsync, "IN_WORKER_MAX_ROWS", 100)
+    source_db.execute(TYPED.format(note="text") + TYPED_ROWS + "ANALYZE typed;")
+    target_db.execute(TYPED.format(note="text"))
+    with sync_env(tmp_path) as env:
+        sub_id, job_id = env.subscribe(source_db, target_db, ["pt"])
+        assert env.run_job(job_id).outcome == "done"
+        target_db.execute(DRIFT)
+        r = env.client.post(f"/api/v1/subscriptions/{sub_id}/sync", json={"mode": "diff"})
+        assert env.run_job(r.json()["job_id"]).outcome == "done"
+        job = env.job(r.json()["job_id"])
+    assert job["tables"][0]["diff"]["method"] == "hashes_at_target"
+    assert rows(target_db, "typed", COLUMNS) == rows(source_db, PUBLISHED, COLUMNS)
