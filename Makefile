@@ -36,7 +36,7 @@ test: deps
 	$(BIN)/mypy
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
-# The randomized fault-injection runs at full size (make test runs 8 of them).
+# The randomized fault-injection runs at full size (make test runs 6 chosen seeds).
 test-slow: deps
 	PGSIEVE_TEST_CHAOS_RUNS=24 $(BIN)/pytest tests/integration/test_pipeline_faults.py
 
