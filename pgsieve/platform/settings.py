@@ -18,8 +18,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pgsieve.platform.connpolicy import ConnectionPolicy
 from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.hostpolicy import ConnectionPolicy
 
 #: The shortest PGSIEVE_API_TOKEN / PGSIEVE_SECRET_KEY `pgsieve api` and `worker` accept.
 MIN_SECRET_LENGTH = 16

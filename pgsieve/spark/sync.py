@@ -367,10 +367,10 @@ def read_copies_together(copies: list[tuple[psycopg.Connection[Any], sql.Composa
                     if done is None or done.status != pq.ExecStatus.COMMAND_OK:
                         raise psycopg.DatabaseError(_message(done, "the COPY failed"))
                 break
-        if waiting and len(waiting) == len(active):
+        if waiting and len(waiting) == len(active):  # nothing ready anywhere: sleep
             select.select([conns[i].socket for i in waiting], [], [], 1.0)
-            for i in waiting:
-                conns[i].consume_input()
+        for i in waiting:  # read the socket even while the other side keeps us busy, or
+            conns[i].consume_input()  # its server would stall on a full send buffer
     return [bytes(b) for b in buffers]
 
 
