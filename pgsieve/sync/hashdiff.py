@@ -61,13 +61,16 @@ class KeyDifferences:
 def parse_key_hashes(streams: list[bytes]) -> KeyHashes:
     """The rows of one side's binary COPY streams, sorted by key."""
     parts = [_rows(stream) for stream in streams]
-    rows = np.concatenate(parts) if parts else np.empty(0, dtype=ROW)
+    rows = (parts[0] if len(parts) == 1 else np.concatenate(parts) if parts
+            else np.empty(0, dtype=ROW))
     keys = rows["key"].astype(np.int64)
     hashes = rows["hash"].astype(np.int64)
-    order = np.argsort(keys, kind="stable")
-    keys, hashes = keys[order], hashes[order]
-    if keys.size > 1 and bool((keys[1:] == keys[:-1]).any()):
-        raise KeyHashFormatError("a key appears twice: not a key")
+    if keys.size > 1 and not bool((keys[1:] > keys[:-1]).all()):
+        # A table scanned in key order (loaded or appended that way) is already sorted.
+        order = np.argsort(keys, kind="stable")
+        keys, hashes = keys[order], hashes[order]
+        if bool((keys[1:] == keys[:-1]).any()):
+            raise KeyHashFormatError("a key appears twice: not a key")
     return KeyHashes(keys, hashes)
 
 
