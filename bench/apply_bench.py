@@ -462,7 +462,8 @@ def project(measured: list[tuple[int, float, float, dict[str, float]]], slots: i
         f"Spark, {c} cores s" for c in PROJECTED_CORES) + " |")
     print("|---:|---:|" + "---:|" * len(PROJECTED_CORES))
     for n, driver_s, _, timings in measured:
-        outside = sum(v for k, v in timings.items() if k not in ("spark", "total"))
+        outside = sum(v for k, v in timings.items()
+                      if k not in ("spark", "total") and not k.startswith("merge_"))
         cells = [fixed + n * per_change / c + outside for c in PROJECTED_CORES]
         print(f"| {n:,} | {driver_s:.2f} | " + " | ".join(
             f"{x:.2f}{' (faster)' if x < driver_s else ''}" for x in cells) + " |")

@@ -16,8 +16,10 @@ transaction that also records the batch's end LSN.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -66,6 +68,19 @@ class MergeOutcome:
     sequential: dict[str, str] = field(default_factory=dict)
     direct: list[str] = field(default_factory=list)
     """Tables written without staging (:mod:`.direct`)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """Where the merge's time went (``merge_<step>`` seconds): the fence lock, the
+    set-based checks, DELETE, UPDATE and INSERT statements, the direct path, the applied
+    record with the staging reset, and the COMMIT — summed by the benchmarks."""
+
+    @contextlib.contextmanager
+    def timed(self, step: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            key = f"merge_{step}"
+            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - started
 
 
 def stage_table(writer: TargetWriter, tp: TablePlan) -> StagedTable:
@@ -128,58 +143,73 @@ def _merge_in_transaction(writer: TargetWriter, batch: ApplyBatch, plan: BatchPl
                           ) -> Lsn | None:
     """:func:`merge`'s transaction; the applied LSN it leaves recorded. Tables in
     ``stage_late`` were not staged before it: it stages them."""
+    with writer.conn.transaction():
+        recorded = _merge_steps(writer, batch, plan, staged, counts, expected_applied,
+                                direct, outcome, stage_late)
+        steps_done = time.perf_counter()
+    outcome.timings["merge_commit"] = time.perf_counter() - steps_done
+    return recorded
+
+
+def _merge_steps(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
+                 staged: dict[str, StagedTable], counts: dict[str, TableCounts],
+                 expected_applied: Lsn | None, direct: dict[str, DirectTable] | None,
+                 outcome: MergeOutcome, stage_late: set[str] | None) -> Lsn | None:
+    """The statements of :func:`_merge_in_transaction`'s transaction."""
     conn = writer.conn
-    with conn.transaction():
+    with outcome.timed("lock"):
         recorded = writer.lock_applied(conn)
         if recorded != expected_applied:
             raise ApplyFenced(batch.subscription_id, expected_applied, recorded)
         writer.replica_role(conn)
-        for op in plan.truncates:
-            _truncate(conn, writer, op, op.source_tables[0])
-        for name, tp in plan.tables.items():
-            reason = tp.reason()
-            if reason is None:
-                st = staged.get(name)
-                if st is None and direct and name in direct:
+    for op in plan.truncates:
+        _truncate(conn, writer, op, op.source_tables[0])
+    for name, tp in plan.tables.items():
+        reason = tp.reason()
+        if reason is None:
+            st = staged.get(name)
+            if st is None and direct and name in direct:
+                with outcome.timed("direct"):
                     outcome.rows_written += _direct(conn, tp, direct[name])
-                    outcome.direct.append(name)
+                outcome.direct.append(name)
+                continue
+            if st is None and stage_late and name in stage_late:
+                st = staged[name] = stage_table(writer, tp)
+            if st is None:
+                continue
+            try:
+                with conn.transaction():
+                    outcome.rows_written += _set_based(conn, tp, st, outcome)
+                continue
+            except _Conflict:
+                reason = f"conflicts under on_conflict={batch.on_conflict}"
+                native = batch.on_conflict == "native"
+                merged = _native_merge(conn, tp, st, counts) if native else None
+                if merged is not None:
+                    outcome.rows_written += merged
                     continue
-                if st is None and stage_late and name in stage_late:
-                    st = staged[name] = stage_table(writer, tp)
-                if st is None:
-                    continue
-                try:
-                    with conn.transaction():
-                        outcome.rows_written += _set_based(conn, tp, st)
-                    continue
-                except _Conflict:
-                    reason = f"conflicts under on_conflict={batch.on_conflict}"
-                    native = batch.on_conflict == "native"
-                    merged = _native_merge(conn, tp, st, counts) if native else None
-                    if merged is not None:
-                        outcome.rows_written += merged
-                        continue
-                    if batch.on_conflict == "error" or (native and not _moved_orphans(
-                            conn, tp, st)):
-                        _raise_first_conflict(conn, tp, st, missing_ok=native)
-                        # No key conflict after all (e.g. duplicates in a target without
-                        # a unique key): change by change finds exactly what fails.
-                        reason = "the target's rows do not match the batch's keys one to one"
-                except psycopg.errors.IntegrityError as exc:
-                    reason = f"a constraint violation in the set-based merge ({exc.sqlstate})"
-            outcome.sequential[name] = reason
-            log.info("applying %s change by change: %s", name, reason)
-            outcome.rows_written += apply_sequential(
-                conn, writer, batch, plan, tp, batch.on_conflict, counts)
-        end = batch.end_lsn
+                if batch.on_conflict == "error" or (native and not _moved_orphans(
+                        conn, tp, st)):
+                    _raise_first_conflict(conn, tp, st, missing_ok=native)
+                    # No key conflict after all (e.g. duplicates in a target without
+                    # a unique key): change by change finds exactly what fails.
+                    reason = "the target's rows do not match the batch's keys one to one"
+            except psycopg.errors.IntegrityError as exc:
+                reason = f"a constraint violation in the set-based merge ({exc.sqlstate})"
+        outcome.sequential[name] = reason
+        log.info("applying %s change by change: %s", name, reason)
+        outcome.rows_written += apply_sequential(
+            conn, writer, batch, plan, tp, batch.on_conflict, counts)
+    end = batch.end_lsn
+    with outcome.timed("record"):
         if recorded is None or end > recorded:
             writer.write_applied(conn, end, batch.commit_lsn, batch.commit_time)
             recorded = end
         for st in staged.values():
             writer.empty_stage(conn, st.name, st.summary.rows)
-        # Everything is staged and merged, the applied LSN written: a crash now must
-        # leave the target exactly as before the batch (the crash tests stop here).
-        fault_point("apply.before_commit")
+    # Everything is staged and merged, the applied LSN written: a crash now must
+    # leave the target exactly as before the batch (the crash tests stop here).
+    fault_point("apply.before_commit")
     return recorded
 
 
@@ -241,7 +271,8 @@ def _rowcount(cur: psycopg.Cursor[Any]) -> int:
     return max(cur.rowcount, 0)
 
 
-def _set_based(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable) -> int:
+def _set_based(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable,
+               outcome: MergeOutcome) -> int:
     table = tp.target
     target = sql.Identifier(table.schema, table.name)
     stage = sql.Identifier(SCHEMA, st.name)
@@ -262,62 +293,76 @@ def _set_based(conn: psycopg.Connection[Any], tp: TablePlan, st: StagedTable) ->
                         "END").format(c=sql.Identifier(f"c{j}"), n=sql.Literal(j + 1),
                                       col=sql.Identifier(col.name))
                 for j, col in enumerate(table.columns))
-            cur = conn.execute(sql.SQL(
-                "UPDATE {stage} s SET {sets}, _m = {full} FROM {target} o "
-                "WHERE s._op IN (2, 3) AND s.o0 IS NOT NULL AND {ojoin}").format(
-                stage=stage, sets=sets, full=sql.Literal(full), target=target,
-                ojoin=_key_join(table, kp, "o", "s", "o")))
+            with outcome.timed("checks"):
+                cur = conn.execute(sql.SQL(
+                    "UPDATE {stage} s SET {sets}, _m = {full} FROM {target} o "
+                    "WHERE s._op IN (2, 3) AND s.o0 IS NOT NULL AND {ojoin}").format(
+                    stage=stage, sets=sets, full=sql.Literal(full), target=target,
+                    ojoin=_key_join(table, kp, "o", "s", "o")))
             if _rowcount(cur) != st.summary.moved:
                 raise _Conflict
         # 2. Keys inserted and deleted within the batch must not exist before it.
         if ops.get(OP_ABSENT):
-            found = conn.execute(sql.SQL(
-                "SELECT 1 FROM {stage} s WHERE s._op = 4 AND EXISTS "
-                "(SELECT 1 FROM {target} t WHERE {join}) LIMIT 1").format(
-                stage=stage, target=target, join=join)).fetchone()
+            with outcome.timed("checks"):
+                found = conn.execute(sql.SQL(
+                    "SELECT 1 FROM {stage} s WHERE s._op = 4 AND EXISTS "
+                    "(SELECT 1 FROM {target} t WHERE {join}) LIMIT 1").format(
+                    stage=stage, target=target, join=join)).fetchone()
             if found:
                 raise _Conflict
         # 3. Deletes (and the old rows of replaced keys).
         expected = ops.get(OP_DELETE, 0) + ops.get(OP_REPLACE, 0)
         if expected:
-            cur = conn.execute(sql.SQL(
-                "DELETE FROM {target} t USING {stage} s WHERE s._op IN (0, 3) AND {join}"
-            ).format(target=target, stage=stage, join=join))
+            with outcome.timed("delete"):
+                cur = conn.execute(sql.SQL(
+                    "DELETE FROM {target} t USING {stage} s WHERE s._op IN (0, 3) AND {join}"
+                ).format(target=target, stage=stage, join=join))
             if _rowcount(cur) != expected:
                 raise _Conflict
             written += expected
         # 4. Updates in place.
         if ops.get(OP_UPDATE):
-            written += _updates(conn, table, target, stage, join, key_names, st.summary)
+            with outcome.timed("update"):
+                written += _updates(conn, table, target, stage, join, key_names, st.summary)
         # 5. Inserts must not find their key (checked by the unique index when there is one).
         if ops.get(OP_INSERT) and not table.unique_on(key_names):
-            found = conn.execute(sql.SQL(
-                "SELECT 1 FROM {stage} s WHERE s._op = 2 AND EXISTS "
-                "(SELECT 1 FROM {target} t WHERE {join}) LIMIT 1").format(
-                stage=stage, target=target, join=join)).fetchone()
+            with outcome.timed("checks"):
+                found = conn.execute(sql.SQL(
+                    "SELECT 1 FROM {stage} s WHERE s._op = 2 AND EXISTS "
+                    "(SELECT 1 FROM {target} t WHERE {join}) LIMIT 1").format(
+                    stage=stage, target=target, join=join)).fetchone()
             if found:
                 raise _Conflict
     masks = set(st.summary.insert_masks)
     if st.summary.moved:
         masks.add((1 << width) - 1)
     if ops.get(OP_INSERT) or ops.get(OP_REPLACE):
-        for m in sorted(masks):
-            positions = [j for j in range(width) if m >> j & 1]
-            if not positions:
-                cur = conn.execute(sql.SQL(
-                    "INSERT INTO {target} SELECT FROM {stage} WHERE _op IN (2, 3) AND _m = {m}"
-                ).format(target=target, stage=stage, m=sql.Literal(mask_text(m, width))))
-                written += _rowcount(cur)
-                continue
+        with outcome.timed("insert"):
+            written += _inserts(conn, table, target, stage, masks)
+    return written
+
+
+def _inserts(conn: psycopg.Connection[Any], table: TargetTable, target: sql.Composable,
+             stage: sql.Composable, masks: set[int]) -> int:
+    """One INSERT … SELECT per set of columns the staged rows carry."""
+    width, written = table.width, 0
+    for m in sorted(masks):
+        positions = [j for j in range(width) if m >> j & 1]
+        if not positions:
             cur = conn.execute(sql.SQL(
-                "INSERT INTO {target} ({cols}) OVERRIDING SYSTEM VALUE SELECT {vals} "
-                "FROM {stage} WHERE _op IN (2, 3) AND _m = {m}").format(
-                target=target,
-                cols=sql.SQL(", ").join(sql.Identifier(table.columns[j].name)
-                                        for j in positions),
-                vals=sql.SQL(", ").join(sql.Identifier(f"c{j}") for j in positions),
-                stage=stage, m=sql.Literal(mask_text(m, width))))
+                "INSERT INTO {target} SELECT FROM {stage} WHERE _op IN (2, 3) AND _m = {m}"
+            ).format(target=target, stage=stage, m=sql.Literal(mask_text(m, width))))
             written += _rowcount(cur)
+            continue
+        cur = conn.execute(sql.SQL(
+            "INSERT INTO {target} ({cols}) OVERRIDING SYSTEM VALUE SELECT {vals} "
+            "FROM {stage} WHERE _op IN (2, 3) AND _m = {m}").format(
+            target=target,
+            cols=sql.SQL(", ").join(sql.Identifier(table.columns[j].name)
+                                    for j in positions),
+            vals=sql.SQL(", ").join(sql.Identifier(f"c{j}") for j in positions),
+            stage=stage, m=sql.Literal(mask_text(m, width))))
+        written += _rowcount(cur)
     return written
 
 
@@ -443,7 +488,7 @@ def _merge_skipping_missing(conn: psycopg.Connection[Any], tp: TablePlan, st: St
             pruned.rows -= 1
         kind = "delete" if first == "D" else "update"
         skipped.append((kind, dict(zip(names, key, strict=True)), Lsn(int(lsn))))
-    written = _set_based(conn, tp, StagedTable(st.name, pruned))
+    written = _set_based(conn, tp, StagedTable(st.name, pruned), MergeOutcome())
     skipped.sort(key=lambda item: item[2])
     return written, skipped
 

@@ -149,6 +149,7 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
     outcome = merge(writer, batch, plan, staged, plan.counts, expected,
                     direct=None if distributed else direct)
     timings["merge"] = time.perf_counter() - t
+    timings.update(outcome.timings)  # its parts: merge_lock, _delete, …, _commit
     timings["total"] = time.perf_counter() - started
     return ApplyResult(
         end_lsn=batch.end_lsn,

@@ -448,6 +448,14 @@ def test_small_batches_skip_staging_big_ones_stage_and_both_equal_native(pair: P
     assert [r.direct_tables for r in big] == [()]
     assert len(_stages(pair)) == 1
     pair.assert_same("d")
+    # Where each merge's time went is measured, and its parts fit within the merge.
+    for result, expected in ((small[0], {"merge_lock", "merge_direct", "merge_record",
+                                         "merge_commit"}),
+                             (big[0], {"merge_lock", "merge_insert", "merge_record",
+                                       "merge_commit"})):
+        parts = {k: v for k, v in result.timings.items() if k.startswith("merge_")}
+        assert expected <= parts.keys(), parts
+        assert 0 < sum(parts.values()) <= result.timings["merge"]
 
 
 def test_a_small_batch_whose_rows_the_target_lacks_is_judged_through_staging(pair: Pair):
