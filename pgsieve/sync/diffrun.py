@@ -26,10 +26,10 @@ from pgsieve.sync.hashdiff import Keys, compare_key_hashes, parse_key_hashes
 from pgsieve.sync.syncplan import SourceTable, TargetTable, canonical
 
 INTEGER_KEYS = frozenset({"smallint", "integer", "bigint"})
+"""Key types compared in the worker (:mod:`pgsieve.sync.hashdiff`)."""
 IN_WORKER_MAX_ROWS = 20_000_000
 """Above this many rows at either end (estimated), keys and hashes are compared at the
 target instead: the worker would hold ~0.5 GB of each side's (key, hash) rows."""
-"""Key types compared in the worker (:mod:`pgsieve.sync.hashdiff`)."""
 
 KEYS_PER_FETCH = 20_000
 """Changed rows are read back from the source by key in chunks of this many keys (one
@@ -51,7 +51,6 @@ SELECT a.attname::text, EXISTS (
 FROM pg_attribute a JOIN pg_type t ON t.oid = a.atttypid
 WHERE a.attrelid = %s AND a.attnum > 0 AND NOT a.attisdropped
 """
-
 
 
 def diff_statements(table: str, from_clause: sql.Composable, columns: Sequence[str],
@@ -108,6 +107,7 @@ def diff_statements(table: str, from_clause: sql.Composable, columns: Sequence[s
 
 
 def names(columns: Sequence[str], prefix: str = "") -> sql.Composable:
+    """``a, b, c`` (quoted identifiers, each behind ``prefix``)."""
     return sql.SQL(", ").join(sql.SQL(prefix + "{}").format(sql.Identifier(c))
                               for c in columns)
 
