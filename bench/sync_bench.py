@@ -163,6 +163,16 @@ def pgsieve(settings: Settings, source: LocalCluster, target: LocalCluster, n: i
     return elapsed
 
 
+def record(name: str, rnd: int, seconds: float, got: int, expected: int,
+           results: dict[str, list[float]], note: str = "") -> None:
+    """Check a method's target and keep its time."""
+    if got != expected:
+        raise SystemExit(f"{name}: {got:,} rows in the target, expected {expected:,}")
+    results.setdefault(name, []).append(seconds)
+    print(f"round {rnd + 1}: {name:<22} {seconds:7.2f}s {expected / seconds:>10,.0f} rows/s"
+          + note)
+
+
 def on_standalone_cluster(args: argparse.Namespace, root: Path, source: LocalCluster,
                           target: LocalCluster, expected: int,
                           results: dict[str, list[float]], n: int) -> int:
@@ -184,12 +194,8 @@ def on_standalone_cluster(args: argparse.Namespace, root: Path, source: LocalClu
             before = cluster.executor_logs().count("Finished task")
             seconds = pgsieve(settings, source, target, n, defer_indexes=True, freeze=False)
             tasks = cluster.executor_logs().count("Finished task") - before
-            got = count(target)
-            if got != expected:
-                raise SystemExit(f"{name}: {got:,} rows in the target, expected {expected:,}")
-            results.setdefault(name, []).append(seconds)
-            print(f"round {rnd + 1}: {name:<22} {seconds:7.2f}s "
-                  f"{expected / seconds:>10,.0f} rows/s ({tasks} tasks in executors)")
+            record(name, rnd, seconds, count(target), expected, results,
+                   f" ({tasks} tasks in executors)")
         stop_spark()
     return n
 
@@ -242,12 +248,7 @@ def main() -> None:
                                       freeze=name == "pgsieve")
                 else:
                     seconds = run()
-                got = count(target)
-                if got != expected:
-                    raise SystemExit(f"{name}: {got:,} rows in the target, expected {expected:,}")
-                results.setdefault(name, []).append(seconds)
-                print(f"round {rnd + 1}: {name:<22} {seconds:7.2f}s "
-                      f"{expected / seconds:>10,.0f} rows/s")
+                record(name, rnd, seconds, count(target), expected, results)
         if args.standalone_cluster:
             n = on_standalone_cluster(args, root, source, target, expected, results, n)
         med = {k: statistics.median(v) for k, v in results.items()}

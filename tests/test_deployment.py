@@ -99,10 +99,9 @@ def _compose_command() -> list[str]:
                                  check=False).returncode == 0:
         return [docker, "compose"]
     standalone = shutil.which("docker-compose")
-    if standalone:
-        return [standalone]
-    pytest.skip("neither `docker compose` nor docker-compose is installed "
-                "(scripts/bootstrap.sh installs it on Debian)")
+    assert standalone, ("neither `docker compose` nor docker-compose is installed: "
+                        "`make deps` installs Debian's (as root), or install either")
+    return [standalone]
 
 
 def _compose_config(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
