@@ -340,13 +340,24 @@ def read_copies_together(copies: list[tuple[psycopg.Connection[Any], sql.Composa
     for (conn, statement), pg in zip(copies, conns, strict=True):
         pg.send_query(statement.as_bytes(conn))
         _flush(pg)
-    for pg in conns:
-        started = _result(pg)
-        if started is None or started.status != pq.ExecStatus.COPY_OUT:
-            for other in conns:
-                with contextlib.suppress(Exception):
-                    _drain(other)
-            raise psycopg.DatabaseError(_message(started, "the COPY was refused"))
+    try:
+        for pg in conns:
+            started = _result(pg)
+            if started is None or started.status != pq.ExecStatus.COPY_OUT:
+                _drain(pg)
+                raise psycopg.DatabaseError(_message(started, "the COPY was refused"))
+        return _read_together(conns)
+    except BaseException:
+        # The others may still be sending: stop them, so their connections stay usable
+        # (a COPY OUT left alone answers every later PQgetResult with COPY_OUT again).
+        for conn, _ in copies:
+            if conn.pgconn.transaction_status == pq.TransactionStatus.ACTIVE:
+                _abandon_copy_out(conn)
+        raise
+
+
+def _read_together(conns: list[pq.abc.PGconn]) -> list[bytes]:
+    """:func:`read_copies_together`'s loop, every COPY started."""
     buffers = [bytearray() for _ in conns]
     active = list(range(len(conns)))
     while active:

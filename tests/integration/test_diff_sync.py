@@ -6,8 +6,13 @@ not send is left alone."""
 
 from __future__ import annotations
 
-import pytest
+import time
 
+import psycopg
+import pytest
+from psycopg import sql
+
+from pgsieve.spark.sync import read_copies_together
 from pgsieve.sync import diffsync
 from tests.conftest import Database
 from tests.integration.sync_env import rows, sync_env
@@ -160,3 +165,24 @@ def test_a_table_too_big_for_the_worker_is_compared_at_the_target(
         job = env.job(r.json()["job_id"])
     assert job["tables"][0]["diff"]["method"] == "hashes_at_target"
     assert rows(target_db, "typed", COLUMNS) == rows(source_db, PUBLISHED, COLUMNS)
+
+
+@pytest.mark.parametrize("failing", [
+    "COPY (SELECT no_such_column) TO STDOUT",                           # refused at once
+    "COPY (SELECT CASE WHEN g < 100000 THEN g ELSE 1 / (g - g) END "
+    "FROM generate_series(1, 200000) g) TO STDOUT",                     # fails mid-stream
+], ids=["refused", "mid_stream"])
+def test_reading_two_copies_when_one_fails_raises_and_leaves_both_usable(
+        source_db: Database, target_db: Database, failing: str):
+    """The diff reads both ends' COPYs at once: one failing stops the other (cancelled,
+    not left sending) and raises — no hang, and both sessions answer queries after."""
+    with psycopg.connect(source_db.dsn, autocommit=True) as src, \
+            psycopg.connect(target_db.dsn, autocommit=True) as tgt:
+        long = sql.SQL("COPY (SELECT g, md5(g::text) FROM generate_series(1, 3000000) g) "
+                       "TO STDOUT")
+        started = time.monotonic()
+        with pytest.raises(psycopg.DatabaseError):
+            read_copies_together([(src, long), (tgt, sql.SQL(failing))])
+        assert time.monotonic() - started < 30
+        for conn in (src, tgt):
+            assert conn.execute("SELECT 42").fetchone() == (42,)
