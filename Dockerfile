@@ -16,7 +16,11 @@ RUN pip install --no-cache-dir uv==0.13.8 \
  && python -m venv /app/.venv \
  && uv pip sync --python /app/.venv/bin/python requirements-runtime.lock
 COPY . .
-RUN uv pip install --python /app/.venv/bin/python --no-deps -e .
+# The compiled hot path (Cython → C, built with gcc, which leaves the image afterwards).
+RUN uv pip install --python /app/.venv/bin/python --no-deps -e . \
+ && apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && /app/.venv/bin/python scripts/build_compiled.py \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* build
 ENV PATH="/app/.venv/bin:$PATH" \
     SPARK_HOME=/app/.venv/lib/python3.11/site-packages/pyspark \
     PGSIEVE_HOME=/var/lib/pgsieve

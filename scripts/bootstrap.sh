@@ -58,11 +58,13 @@ if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev
 fi
 
 stamp=.venv/.pgsieve-installed
-if [ -f "$stamp" ] && [ "$stamp" -nt requirements.lock ] && [ "$stamp" -nt pyproject.toml ]; then
-  exit 0
+if ! { [ -f "$stamp" ] && [ "$stamp" -nt requirements.lock ] && [ "$stamp" -nt pyproject.toml ]; }; then
+  [ -x .venv/bin/python ] || python3 -m venv .venv
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check uv==0.13.8
+  .venv/bin/uv pip sync --quiet --python .venv/bin/python requirements.lock
+  .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e .
+  touch "$stamp"
 fi
-[ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install --quiet --disable-pip-version-check uv==0.13.8
-.venv/bin/uv pip sync --quiet --python .venv/bin/python requirements.lock
-.venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e .
-touch "$stamp"
+# The compiled hot path (Cython + gcc; a no-op when up to date). Not fatal: without it
+# pgsieve runs the pure-Python reference, slower, and says so in its log and /healthz.
+.venv/bin/python scripts/build_compiled.py || true

@@ -34,7 +34,6 @@ from pgsieve.apply.batch import (
     TableStopped,
 )
 from pgsieve.apply.columns import TargetTable
-from pgsieve.apply.copytext import finish
 from pgsieve.apply.direct import DirectMismatch, DirectTable, apply_direct
 from pgsieve.apply.net_effect import (
     OP_ABSENT,
@@ -88,7 +87,7 @@ def stage_table(writer: TargetWriter, tp: TablePlan) -> StagedTable:
     kp = tp.key_positions if tp.mode == "key" else ()
     stage = writer.staging_table(tp.target, kp or ())
     encoder = StageEncoder(tp.target.width, kp)
-    payload = finish(encoder.encode(tp.effect))
+    payload = encoder.encode_copy(tp.effect)
     writer.copy_in(stage, writer.staging_columns(tp.target, kp or ()), payload)
     return StagedTable(stage, encoder.summary)
 

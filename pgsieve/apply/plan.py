@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, cast
 
+from pgsieve.apply import hotpath
 from pgsieve.apply.batch import (
     ApplyBatch,
     TableCounts,
@@ -430,7 +431,13 @@ class _Builder:
 
         ``segments``: ``(transaction index, commit LSN, start, stop)`` of consecutive
         transactions read through the same view (one packed batch and relation map):
-        small transactions share this method's setup instead of paying it each."""
+        small transactions share this method's setup instead of paying it each.
+
+        This is the reference; :mod:`.hotpath` runs its compiled twin when built."""
+        compiled = hotpath.active
+        if compiled is not None:
+            compiled.raw_segments(self, raw, segments)
+            return
         raws, buf, offsets, _, _, rel_list, rel_map, lsns, proto = raw
         decoder: Decoder | None = None
         scan = scan_text_tuple
@@ -675,7 +682,8 @@ def build_plan(batch: ApplyBatch, resolve: TargetResolver,
     """Walk the batch once (see the module doc). ``resolve`` gives a target table's shape
     (the caller's catalog lookup, cached). Transactions ending at or before
     ``applied_lsn`` (what the target already recorded) are left out."""
-    return _Builder(batch, resolve, applied_lsn).build()
+    with hotpath.gc_paused():
+        return _Builder(batch, resolve, applied_lsn).build()
 
 
 # -- change by change ------------------------------------------------------------------------

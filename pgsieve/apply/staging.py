@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pgsieve.apply.copytext import FIELD, NULL, ROW, as_field
+from pgsieve.apply import hotpath
+from pgsieve.apply.copytext import FIELD, NULL, ROW, as_field, finish
 from pgsieve.apply.net_effect import (
     EXPECT,
     FIRST,
@@ -107,6 +108,17 @@ class StageEncoder:
         if t is None:
             t = self._lsns[lsn] = str(lsn).encode()
         return t
+
+    def encode_copy(self, effect: TableEffect) -> bytes:
+        """The COPY text payload of ``effect`` (empty when it has no rows): the compiled
+        encoder when built (:mod:`.hotpath`), else :func:`.copytext.finish` of
+        :meth:`encode`, the reference."""
+        compiled = hotpath.active
+        with hotpath.gc_paused():
+            if compiled is not None:
+                payload: bytes = compiled.encode_copy(self, effect)
+                return payload
+            return finish(self.encode(effect))
 
     def encode(self, effect: TableEffect) -> list[bytes]:
         """The staging lines (COPY payload pieces, see :mod:`.copytext`) of ``effect``."""

@@ -27,7 +27,6 @@ import pyarrow as pa  # type: ignore[import-untyped]
 
 from pgsieve.apply.batch import ApplyBatch, TableRoute
 from pgsieve.apply.columns import TargetTable
-from pgsieve.apply.copytext import finish
 from pgsieve.apply.driver import fetch_pending, resolver
 from pgsieve.apply.merge import StagedTable
 from pgsieve.apply.plan import (
@@ -326,9 +325,9 @@ def _stage_table(writer: Any, tp: TablePlan, staging: str | None) -> dict[str, A
         return {"sequential": reason or "not staged", "summary": StageSummary().to_dict()}
     kp = tp.key_positions if tp.mode == "key" else ()
     encoder = StageEncoder(tp.target.width, kp)
-    lines = encoder.encode(tp.effect)
-    if lines:
-        writer.copy_in(staging, writer.staging_columns(tp.target, kp or ()), finish(lines))
+    payload = encoder.encode_copy(tp.effect)
+    if payload:
+        writer.copy_in(staging, writer.staging_columns(tp.target, kp or ()), payload)
     return {"sequential": None, "summary": encoder.summary.to_dict()}
 
 

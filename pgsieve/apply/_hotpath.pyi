@@ -1,0 +1,9 @@
+"""Types of the compiled hot path (``_hotpath.pyx``); see :mod:`pgsieve.apply.hotpath`."""
+
+from collections.abc import Sequence
+from typing import Any
+
+def scan_text_tuple(data: bytes, pos: int) -> tuple[tuple[bytes | None, ...] | None, int]: ...
+def raw_segments(builder: Any, raw: Any, segments: Sequence[tuple[int, Any, int, int]]
+                 ) -> None: ...
+def encode_copy(encoder: Any, effect: Any) -> bytes: ...

@@ -1,0 +1,128 @@
+"""Which implementation of the apply's per-change hot path runs: compiled or the reference.
+
+The planner's loop over raw pgoutput rows (:meth:`.plan._Builder.raw_segments`, with
+:func:`.plan.scan_text_tuple`) and the COPY encoding of staged rows
+(:meth:`.staging.StageEncoder.encode_copy`) are where a catch-up spends its Python time
+(bench/RESULTS.md, issue 20). ``pgsieve/apply/_hotpath.pyx`` is their twin with C types,
+built by ``make deps`` (``scripts/build_compiled.py``, Cython). The pure-Python versions
+stay as the reference: a differential test holds both to identical output, and they run
+whenever the compiled module is missing — slower, never different — which the worker
+logs once at start, its heartbeat reports and ``/healthz`` shows.
+
+``PGSIEVE_HOT_PATH`` chooses: ``auto`` (compiled when built), ``python`` (the reference),
+``compiled`` (a worker refuses to start without it).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+Implementation = Literal["compiled", "python"]
+Choice = Literal["auto", "compiled", "python"]
+
+compiled: ModuleType | None
+build_problem: str | None
+try:
+    from pgsieve.apply import _hotpath
+    compiled, build_problem = _hotpath, None
+except ImportError as exc:  # not built (or built for another Python): the reference runs
+    compiled = None
+    build_problem = (f"the compiled hot path is not built ({exc}); run `make deps` (needs "
+                     "gcc and the Python headers)")
+
+active: ModuleType | None = compiled
+"""The compiled module when it runs, None when the pure-Python reference does. Read on
+each call by the hot path's callers, so :func:`choose` takes effect at once."""
+
+
+class HotPathUnavailable(RuntimeError):
+    """``PGSIEVE_HOT_PATH=compiled`` and the compiled module is not there."""
+
+
+def choose(choice: Choice) -> Implementation:
+    """Select the implementation for this process (see the module doc)."""
+    global active
+    if choice == "python":
+        active = None
+    elif compiled is None:
+        if choice == "compiled":
+            raise HotPathUnavailable(build_problem or "the compiled hot path is missing")
+        active = None
+    else:
+        active = compiled
+    return implementation()
+
+
+def implementation() -> Implementation:
+    return "compiled" if active is not None else "python"
+
+
+def status() -> dict[str, str | None]:
+    """For ``/healthz`` and the worker's heartbeat."""
+    reason = None
+    if active is None:
+        reason = build_problem or "PGSIEVE_HOT_PATH=python"
+    return {"implementation": implementation(), "reason": reason}
+
+
+def announce(choice: Choice) -> Implementation:
+    """:func:`choose`, and say once (at a process's start) when the reference runs."""
+    chosen = choose(choice)
+    if chosen == "python" and compiled is None:
+        log.warning("pgsieve runs its pure-Python hot path (catch-up is slower): %s",
+                    build_problem)
+    else:
+        log.info("apply hot path: %s", chosen)
+    return chosen
+
+
+@contextmanager
+def using(choice: Choice) -> Iterator[Implementation]:
+    """Run a block with one implementation (tests and benchmarks compare them)."""
+    global active
+    before = active
+    try:
+        yield choose(choice)
+    finally:
+        active = before
+
+
+_pause_lock = threading.Lock()
+_pauses = 0
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a batch is planned or encoded.
+
+    A plan builds a list per key and a tuple per row; every 700 of them the collector
+    walks the young objects, and its periodic full passes walk all of them — a fifth to a
+    third of a compiled plan's time (bench/RESULTS.md). Nothing the plan builds forms a
+    cycle, so reference counting frees it all the same. Nested and concurrent pauses (the
+    scheduler's runner threads) count: the collector is back once the last one ends, if
+    it was on before the first."""
+    global _pauses
+    with _pause_lock:
+        if _pauses == 0:
+            _pause_lock_state[0] = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pauses -= 1
+            if _pauses == 0 and _pause_lock_state[0]:
+                gc.enable()
+
+
+_pause_lock_state = [False]
+"""Whether the collector was on when the outermost pause began."""
