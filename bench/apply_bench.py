@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -71,6 +72,61 @@ def wait_flushed(conn: psycopg.Connection[Any]) -> Lsn:
         if Lsn.parse(flushed[0]) >= target:
             return target
         time.sleep(0.02)
+
+
+def cluster_cpu(cluster: LocalCluster) -> float:
+    """CPU seconds a cluster's processes have used so far: the postmaster's own and its
+    exited (reaped) children's, plus its live children's (backends, walsenders, apply
+    workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    pid = int((cluster.datadir / "postmaster.pid").read_text().split()[0])
+
+    def fields(p: str) -> list[str]:
+        return Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+
+    own = fields(str(pid))
+    total = sum(int(x) for x in own[11:15])  # utime, stime, cutime, cstime
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or entry == str(pid):
+            continue
+        try:
+            f = fields(entry)
+        except OSError:
+            continue
+        if f[1] == str(pid):
+            total += int(f[11]) + int(f[12])
+    return total / tick
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process (all its threads) and its reaped children."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
+
+
+class CpuMeter:
+    """CPU used by the source cluster, the target cluster and this process (pgsieve's
+    reading, planning and staging) over a block: their sum over the machine's cores is a
+    bound no schedule beats here."""
+
+    def __init__(self, source: LocalCluster, target: LocalCluster) -> None:
+        self.source, self.target = source, target
+        self._start = (0.0, 0.0, 0.0)
+
+    SETTLE = 0.5
+    """Seconds to let backends that just disconnected exit and be reaped first (an exited
+    backend's CPU is added to the postmaster's when it is reaped)."""
+
+    def __enter__(self) -> CpuMeter:
+        time.sleep(self.SETTLE)
+        self._start = (cluster_cpu(self.source), cluster_cpu(self.target), own_cpu())
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        time.sleep(self.SETTLE)
+        now = (cluster_cpu(self.source), cluster_cpu(self.target), own_cpu())
+        self.used = {k: b - a for k, a, b in zip(("source", "target", "pgsieve"),
+                                                  self._start, now, strict=True)}
 
 
 MIXED_PROC = """
@@ -192,8 +248,9 @@ def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: in
               f"{time.perf_counter() - t0:.1f}s, WAL end {end}", flush=True)
 
     # -- native -------------------------------------------------------------------------
+    native_cpu = CpuMeter(pub, sub)
     with psycopg.connect(nat_dsn, autocommit=True) as nat, \
-            psycopg.connect(src_dsn, autocommit=True) as src:
+            psycopg.connect(src_dsn, autocommit=True) as src, native_cpu:
         t0 = time.perf_counter()
         nat.execute(f"ALTER SUBSCRIPTION nat_{wl.name} ENABLE".encode())
         while True:
@@ -212,9 +269,13 @@ def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: in
 
     # -- pgsieve, as the consume cycle does it, and pipelined ---------------------------
     stats = {}
+    cpu = {"native": native_cpu}
     for mode, dsn, slot in (("sequential", pgs_dsn, f"pgs_{wl.name}"),
                             ("pipelined", pip_dsn, f"pip_{wl.name}")):
-        stats[mode] = consume(mode, wl, src_dsn, dsn, slot, end, limits, distributed, spark)
+        with CpuMeter(pub, sub) as meter:
+            stats[mode] = consume(mode, wl, src_dsn, dsn, slot, end, limits, distributed,
+                                  spark)
+        cpu[mode] = meter
 
     # -- same result? ---------------------------------------------------------------------
     with psycopg.connect(nat_dsn) as a, psycopg.connect(pgs_dsn) as b, \
@@ -226,7 +287,8 @@ def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: in
     assert native_rows == ra, f"{wl.name}: native was not complete when timed"
     wl.result = {"source_changes": total, "native_s": native_s, "rows": ra[0] if ra else 0,
                  **floors,
-                 **{f"{mode}_{k}": v for mode, st in stats.items() for k, v in st.items()}}
+                 **{f"{mode}_{k}": v for mode, st in stats.items() for k, v in st.items()},
+                 "cpu": {run: m.used for run, m in cpu.items()}}
 
 
 def decode_floors(src_dsn: str, slot: str) -> dict[str, float]:
@@ -367,6 +429,26 @@ def report(workloads: list[Workload]) -> None:
                    "staging and the target's writes")
         print(f"| {wl.name} | {goal:g}× | {allowed:.2f} s | {r['decode_s']:.2f} s | "
               f"{bound:.2f} s | {r['read_s']:.2f} s | {verdict} |")
+
+
+def report_limits(workloads: list[Workload]) -> None:
+    """Each run against the decode floor, and the CPU each party used: on this machine's
+    cores no schedule of the same work beats (source + target + pgsieve CPU) / cores."""
+    cores = os.cpu_count() or 1
+    print("\n| workload | run | wall s | × native | × decode floor | source CPU s | target CPU s "
+          f"| pgsieve CPU s | all CPU / {cores} cores s |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for wl in workloads:
+        r = wl.result
+        for run, wall in (("native", r["native_s"]), ("sequential", r["sequential_s"]),
+                          ("pipelined", r["pipelined_s"])):
+            c = r["cpu"][run]
+            print(f"| {wl.name} | {run} | {wall:.2f} | {r['native_s'] / wall:.2f}× | "
+                  f"{wall / r['decode_s']:.2f}× | {c['source']:.2f} | {c['target']:.2f} | "
+                  f"{c['pgsieve']:.2f} | {sum(c.values()) / cores:.2f} |")
+    print("\n(× native: native's time over this run's, higher is faster; × decode floor: this "
+          "run's time over the server's decode of the backlog on one backend; pgsieve CPU for "
+          "the native run is this process idling while it waits.)")
 
 
 def compare_paths(spark: Any, sizes: list[int]) -> None:
@@ -526,6 +608,7 @@ def main() -> None:
             run_workload(pub, sub, wl, args.changes, args.txn_rows, limits, distributed, spark)
             done.append(wl)
         report(done)
+        report_limits(done)
     finally:
         pub.destroy()
         sub.destroy()

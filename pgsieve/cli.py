@@ -39,6 +39,20 @@ def _require_secrets(command: str) -> None:
         raise typer.Exit(2)
 
 
+def _choose_hot_path(command: str) -> None:
+    """The apply's hot path for this process, said once in the log when it is the slower
+    pure-Python one; refuse to start when ``PGSIEVE_HOT_PATH=compiled`` and it is not
+    built."""
+    from pgsieve.apply import hotpath
+
+    try:
+        hotpath.announce(get_settings().hot_path)
+    except hotpath.HotPathUnavailable as exc:
+        typer.echo(f"pgsieve {command}: refusing to start: PGSIEVE_HOT_PATH=compiled, but "
+                   f"{exc}", err=True)
+        raise typer.Exit(2) from None
+
+
 def _logging() -> None:
     logging.basicConfig(
         level=get_settings().log_level.upper(),
@@ -91,6 +105,7 @@ def worker(ctx: typer.Context) -> None:
 
     _require_secrets("worker")
     _logging()
+    _choose_hot_path("worker")
     arm()  # crash tests only (PGSIEVE_FAULTS); nothing otherwise
     # A worker's threads mostly wait on PostgreSQL; each return from a wait needs the GIL,
     # and with the default 5 ms switch interval a thread running Python (decoding, a

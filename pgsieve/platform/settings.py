@@ -75,6 +75,12 @@ class Settings(BaseSettings):
         "task slots (more than this machine has cores) from the measured crossover on "
         "(see pgsieve/spark/apply.py choose_apply_path)",
     )
+    hot_path: Literal["auto", "compiled", "python"] = Field(
+        default="auto",
+        description="the apply's per-change hot path: auto — compiled when make deps built "
+        "it, else the pure-Python reference (slower; logged at start and shown in /healthz); "
+        "compiled — a worker refuses to start without it; python — the reference",
+    )
     spark_auth_secret: SecretStr | None = Field(
         default=None,
         description="shared secret for Spark's RPC authentication and encryption with a "

@@ -51,6 +51,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.apply import hotpath
 from pgsieve.platform import dispatch
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import in_chunks, session_factory
@@ -692,6 +693,7 @@ class Scheduler:
             "transport_switches": self._switches + switches,
             "push_wakeups": self._push_waits.wakeups,
             "keepalive_checks": self._push_waits.keepalive_checks,
+            "hot_path": hotpath.implementation(),
         }
 
 

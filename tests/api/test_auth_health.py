@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import delete
+from sqlalchemy.orm import Session
+
+from pgsieve.platform.models import WorkerHeartbeat
 from tests.api.conftest import assert_problem
 
 
@@ -27,7 +33,30 @@ def test_healthz_needs_no_token(anon_client):
     for path in ("/healthz", "/api/v1/healthz"):
         r = anon_client.get(path)
         assert r.status_code == 200
-        assert r.json() == {"status": "ok", "metadata_store": "ok"}
+        assert r.json() == {"status": "ok", "metadata_store": "ok", "hot_path": {
+            "implementation": "compiled", "reason": None, "workers_on_python": []}}
+
+
+def test_healthz_names_live_workers_on_the_python_hot_path(anon_client, metadata_engine):
+    now = datetime.now(UTC)
+    with Session(metadata_engine) as session:
+        session.add_all([
+            WorkerHeartbeat(worker="slow@a", beat_at=now,
+                            details={"scheduler": {"held": 3, "hot_path": "python"}}),
+            WorkerHeartbeat(worker="fast@b", beat_at=now,
+                            details={"scheduler": {"held": 3, "hot_path": "compiled"}}),
+            WorkerHeartbeat(worker="gone@c", beat_at=now - timedelta(hours=1),
+                            details={"scheduler": {"held": 0, "hot_path": "python"}}),
+        ])
+        session.commit()
+    try:
+        body = anon_client.get("/healthz").json()
+        assert body["status"] == "ok"  # slower, not unhealthy
+        assert body["hot_path"]["workers_on_python"] == ["slow@a"]
+    finally:
+        with Session(metadata_engine) as session:
+            session.execute(delete(WorkerHeartbeat))
+            session.commit()
 
 
 def test_openapi_docs(anon_client):

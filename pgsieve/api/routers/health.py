@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -14,24 +14,45 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from sqlalchemy import text
+from sqlalchemy import select, text
+from sqlalchemy.orm import Session
 
 from pgsieve.api.deps import SessionDep
-from pgsieve.platform.metrics import MetadataCollector
+from pgsieve.apply import hotpath
+from pgsieve.platform.metrics import MetadataCollector, scheduler_report
+from pgsieve.platform.models import WorkerHeartbeat, utcnow
 
 router = APIRouter(tags=["health"])
 metrics_router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz(session: SessionDep) -> dict[str, Any]:
-    """Liveness and metadata-store reachability (used by compose and load balancers)."""
+def healthz(request: Request, session: SessionDep) -> dict[str, Any]:
+    """Liveness and metadata-store reachability (used by compose and load balancers), and
+    which apply hot path runs: this installation's, and the live workers running the
+    pure-Python one (slower catch-up, not unhealthy: the status stays ``ok``)."""
+    hot_path: dict[str, Any] = dict(hotpath.status())
     try:
         session.execute(text("SELECT 1"))
         store = "ok"
+        hot_path["workers_on_python"] = _workers_on_python(request, session)
     except Exception:  # report, don't fail: the API itself is alive
         store = "unreachable"
-    return {"status": "ok" if store == "ok" else "degraded", "metadata_store": store}
+    return {"status": "ok" if store == "ok" else "degraded", "metadata_store": store,
+            "hot_path": hot_path}
+
+
+def _workers_on_python(request: Request, session: Session) -> list[str]:
+    """Workers with a recent heartbeat whose scheduler runs the pure-Python hot path."""
+    lease = timedelta(seconds=request.app.state.settings.consumer_lease_seconds)
+    cutoff = utcnow() - lease
+    out = []
+    for beat in session.scalars(select(WorkerHeartbeat).order_by(WorkerHeartbeat.worker)):
+        at = beat.beat_at if beat.beat_at.tzinfo else beat.beat_at.replace(tzinfo=UTC)
+        report = scheduler_report(beat)
+        if at >= cutoff and report is not None and report.get("hot_path") == "python":
+            out.append(beat.worker)
+    return out
 
 
 def _registry(request: Request) -> CollectorRegistry:
