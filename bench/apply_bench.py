@@ -39,6 +39,7 @@ from typing import Any
 
 import psycopg
 
+from pgsieve.apply import hotpath
 from pgsieve.apply.batch import ApplyBatch, ApplyResult, TableRoute
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
 from pgsieve.apply.target import TargetWriter
@@ -574,6 +575,8 @@ def main() -> None:
                         help="with --compare-paths: the Spark path on a standalone cluster "
                         "started here (a master and one worker offering CORES cores)")
     args = parser.parse_args()
+    hotpath.tune_collector()  # as a worker runs (pgsieve worker)
+    print(f"hot path: {hotpath.implementation()}", flush=True)
     if args.compare_paths and args.standalone_cluster:
         from pgsieve.spark.session import get_spark
         from pgsieve.spark.standalone import spark_cluster

@@ -42,9 +42,10 @@ def _require_secrets(command: str) -> None:
 def _choose_hot_path(command: str) -> None:
     """The apply's hot path for this process, said once in the log when it is the slower
     pure-Python one; refuse to start when ``PGSIEVE_HOT_PATH=compiled`` and it is not
-    built."""
+    built. The garbage collector is tuned for it (:func:`hotpath.tune_collector`)."""
     from pgsieve.apply import hotpath
 
+    hotpath.tune_collector()
     try:
         hotpath.announce(get_settings().hot_path)
     except hotpath.HotPathUnavailable as exc:

@@ -1,6 +1,7 @@
 """Builds pgsieve's compiled hot path in place (``make deps`` runs this).
 
-``pgsieve/apply/_hotpath.pyx`` → ``pgsieve/apply/_hotpath.*.so`` with Cython and the
+``pgsieve/apply/_hotpath.pyx`` and ``pgsieve/wire/_splitpath.pyx`` → ``*.so`` beside them,
+with Cython and the
 system's C compiler (gcc and the Python headers; nothing is downloaded). Does nothing when
 the module is newer than its source. A failed build is not fatal: pgsieve then runs its
 pure-Python reference of the same code, slower, and says so (see
@@ -14,7 +15,8 @@ import sysconfig
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = {"pgsieve.apply._hotpath": ROOT / "pgsieve" / "apply" / "_hotpath.pyx"}
+SOURCES = {"pgsieve.apply._hotpath": ROOT / "pgsieve" / "apply" / "_hotpath.pyx",
+           "pgsieve.wire._splitpath": ROOT / "pgsieve" / "wire" / "_splitpath.pyx"}
 
 
 def built_path(name: str) -> Path:

@@ -14,13 +14,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.splitter import RawChanges
 
 _BYTES_PER_CHANGE_GUESS = 200
 
 
 def transaction_bytes(txn: Transaction) -> int:
     """Bytes a transaction's changes take on the wire (estimated when not kept raw)."""
-    wire = getattr(txn.changes, "wire_bytes", None)
+    changes = txn.changes
+    if type(changes) is RawChanges:  # the common case, once per source transaction
+        return changes.wire_bytes
+    wire = getattr(changes, "wire_bytes", None)
     if wire is not None:
         return int(wire)
     raws = getattr(txn.changes, "raw_messages", None)

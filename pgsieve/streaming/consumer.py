@@ -164,10 +164,12 @@ class SlotConsumer:
                 return False
             self._delivered_message = item.lsn
             return True
-        if self._delivered is not None and item.end_lsn <= self._delivered:
+        delivered = self._delivered
+        end = item.end_lsn
+        if delivered is not None and end.value <= delivered.value:  # (ints: once per item)
             self.stats.skipped += 1
             return False
-        self._delivered = item.end_lsn
+        self._delivered = end
         self.stats.transactions += 1
         return True
 

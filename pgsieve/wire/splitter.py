@@ -27,6 +27,7 @@ from itertools import repeat
 from operator import add
 from typing import Final
 
+from pgsieve.wire import hotpath
 from pgsieve.wire.assembler import (
     DEFAULT_MEMORY_LIMIT,
     Change,
@@ -269,10 +270,21 @@ class TransactionSplitter:
                 pos = rest.end()
                 yield from self.feed_batch(pending + batch.slice(0, pos))
         types = batch.types
-        for match in _PLAIN_TRANSACTION.finditer(types, pos):
+        compiled = hotpath.active
+        search = _PLAIN_TRANSACTION.search
+        while True:
+            if compiled is not None and self.idle:
+                # the compiled twin of the steps below, for a run of plain transactions
+                items, pos = compiled.plain_run(self, batch, pos, RawChanges.packed)
+                yield from items
+            match = search(types, pos)
+            if match is None:
+                break
             start, stop = match.span()
             if start > pos:
                 yield from self._feed_range(batch, pos, start)
+                pos = start
+                continue  # (the compiled run may take it from here)
             if self.idle and batch.nbytes(start, stop) <= self.memory_limit:
                 item = self._plain_transaction(batch, start, stop)
                 if item is not None:
