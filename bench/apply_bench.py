@@ -612,6 +612,9 @@ def main() -> None:
             done.append(wl)
         report(done)
         report_limits(done)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(f"\npeak RSS of this process (pgsieve's reading, planning and staging, the "
+              f"whole run): {peak:,.0f} MiB")
     finally:
         pub.destroy()
         sub.destroy()
