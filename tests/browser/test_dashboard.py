@@ -58,7 +58,7 @@ def test_login_sources_slots_and_targets(page: Page, live: LiveDeployment,
     form.get_by_label("Name").fill("warehouse")
     form.get_by_label("DSN").fill(target_db.dsn)
     form.get_by_role("button", name="Add target").click()
-    expect(page.get_by_test_id("target-warehouse")).to_contain_text("postgres")
+    expect(page.get_by_test_id("target-warehouse")).to_contain_text("postgres", timeout=30_000)
 
     # Log out: the token is forgotten.
     page.get_by_test_id("logout").click()
@@ -342,7 +342,8 @@ def test_audit_page_and_content_security_policy(page: Page, live: LiveDeployment
     form.get_by_label("Name").fill("warehouse")
     form.get_by_label("DSN").fill(target_db.dsn.replace("postgres@", "postgres:pw-77@", 1))
     form.get_by_role("button", name="Add target").click()
-    expect(page.get_by_test_id("target-warehouse")).to_be_visible()
+    # (the API connects to the target before answering: seconds on a loaded machine)
+    expect(page.get_by_test_id("target-warehouse")).to_be_visible(timeout=30_000)
     page.get_by_role("link", name="Audit").click()
     events = page.get_by_test_id("audit-event")
     expect(events.first).to_contain_text("POST /api/v1/targets")
