@@ -50,9 +50,10 @@ from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
 
-BUSY_WITHIN_SECONDS = 0.1
+BUSY_WITHIN_SECONDS = 1.0
 """A worker that wrote applied progress this recently counts a batch for the next group
-write instead of writing it in the turn (see :meth:`ProgressBook.busy`)."""
+write instead of writing it in the turn (see :meth:`ProgressBook.busy`); longer than the
+scheduler's ``PROGRESS_WRITE_EVERY``, so a busy worker's turns never write it inline."""
 
 COUNTERS = ("inserts", "updates", "deletes", "truncates", "conflicts", "missing_skipped")
 """Per-table counts a batch adds (the columns of ``SubscriptionTable`` of the same name)."""
