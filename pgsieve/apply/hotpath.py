@@ -3,8 +3,10 @@
 The planner's loop over raw pgoutput rows (:meth:`.plan._Builder.raw_segments`, with
 :func:`.plan.scan_text_tuple`) and the COPY encoding of staged rows
 (:meth:`.staging.StageEncoder.encode_copy`) are where a catch-up spends its Python time
-(bench/RESULTS.md, issue 20). ``pgsieve/apply/_hotpath.pyx`` is their twin with C types,
-built by ``make deps`` (``scripts/build_compiled.py``, Cython). The pure-Python versions
+(bench/RESULTS.md, issue 20), with the splitter's cutting of plain transactions
+(:mod:`pgsieve.wire.hotpath`). ``pgsieve/apply/_hotpath.pyx`` and
+``pgsieve/wire/_splitpath.pyx`` are their twins with C types, built by ``make deps``
+(``scripts/build_compiled.py``, Cython); both run, or neither. The pure-Python versions
 stay as the reference: a differential test holds both to identical output, and they run
 whenever the compiled module is missing — slower, never different — which the worker
 logs once at start, its heartbeat reports and ``/healthz`` shows.
@@ -46,9 +48,10 @@ if build_problem:
                      "(needs gcc and the Python headers)")
 
 active: ModuleType | None = compiled
-wire_hotpath.active = wire_hotpath.compiled if compiled is not None else None
 """The compiled module when it runs, None when the pure-Python reference does. Read on
-each call by the hot path's callers, so :func:`choose` takes effect at once."""
+each call by the hot path's callers, so :func:`choose` takes effect at once (the
+splitter's part, :data:`pgsieve.wire.hotpath.active`, is set with it)."""
+wire_hotpath.active = wire_hotpath.compiled if compiled is not None else None
 
 
 class HotPathUnavailable(RuntimeError):
@@ -106,6 +109,8 @@ def using(choice: Choice) -> Iterator[Implementation]:
 
 _pause_lock = threading.Lock()
 _pauses = 0
+_pause_lock_state = [False]
+"""Whether the collector was on when the outermost pause began."""
 
 
 @contextmanager
@@ -131,10 +136,6 @@ def gc_paused() -> Iterator[None]:
             _pauses -= 1
             if _pauses == 0 and _pause_lock_state[0]:
                 gc.enable()
-
-
-_pause_lock_state = [False]
-"""Whether the collector was on when the outermost pause began."""
 
 
 COLLECTOR_THRESHOLDS = (50_000, 20, 10)

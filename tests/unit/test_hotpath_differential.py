@@ -447,3 +447,30 @@ def test_malformed_begin_and_commit_lengths_split_identically() -> None:
                     (0x300, encode(Commit(0, Lsn(0x300), Lsn(0x310), T)) + commit_extra)]
         reference, compiled = split_both_ways(messages, 1, 0)
         assert compiled == reference
+
+
+def test_gc_pauses_nest_and_give_the_collector_back_as_it_was() -> None:
+    import gc
+    import threading
+
+    assert gc.isenabled()
+    with hotpath.gc_paused():
+        assert not gc.isenabled()
+        inner_done = threading.Event()
+
+        def other_thread() -> None:  # a second runner planning at the same time
+            with hotpath.gc_paused():
+                assert not gc.isenabled()
+            inner_done.set()
+
+        threading.Thread(target=other_thread).start()
+        assert inner_done.wait(10)
+        assert not gc.isenabled()  # the other runner's pause ended, this one has not
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with hotpath.gc_paused():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()
