@@ -27,10 +27,10 @@ def transaction_bytes(txn: Transaction) -> int:
     wire = getattr(changes, "wire_bytes", None)
     if wire is not None:
         return int(wire)
-    raws = getattr(txn.changes, "raw_messages", None)
+    raws = getattr(changes, "raw_messages", None)
     if raws is not None:
         return sum(map(len, raws))
-    return len(txn.changes) * _BYTES_PER_CHANGE_GUESS
+    return len(changes) * _BYTES_PER_CHANGE_GUESS
 
 
 @dataclass(frozen=True, slots=True)
