@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pgsieve.apply import script
 from pgsieve.apply.batch import (
     ApplyBatch,
     ApplyConflict,
@@ -115,9 +116,11 @@ def merge(
     before = {name: replace(c) for name, c in counts.items()} if direct else {}
     try:
         try:
-            recorded = _merge_in_transaction(writer, batch, plan, staged, counts,
-                                             expected_applied, direct, outcome)
-        except _StageInstead:
+            small = _merge_small(writer, batch, plan, staged, expected_applied, direct,
+                                 outcome)
+            recorded = small[0] if small is not None else _merge_in_transaction(
+                writer, batch, plan, staged, counts, expected_applied, direct, outcome)
+        except (_StageInstead, DirectMismatch):
             # Nothing committed: the same batch again, every table through staging (the
             # counts go back to what the plan counted; a conflict policy adds again).
             writer.merge_rolled_back()
@@ -133,6 +136,26 @@ def merge(
     writer.applied_committed(recorded)
     writer.stages_emptied([st.name for st in staged.values()])
     return outcome
+
+
+def _merge_small(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
+                 staged: dict[str, StagedTable], expected_applied: Lsn | None,
+                 direct: dict[str, DirectTable] | None, outcome: MergeOutcome
+                 ) -> tuple[Lsn | None] | None:
+    """A batch written without staging, as one script (:mod:`.script`): the applied LSN
+    it recorded — or None, nothing sent, when the batch is not one for a script."""
+    if direct is None or expected_applied is None or not script.eligible(
+            writer, plan, staged, direct, expected_applied):
+        return None
+    started = time.perf_counter()
+    done = script.merge_as_script(writer, batch, plan, direct, expected_applied)
+    if done is None:
+        return None
+    recorded, written = done
+    outcome.timings["merge_script"] = time.perf_counter() - started
+    outcome.rows_written += written
+    outcome.direct.extend(name for name in plan.tables if name in direct)
+    return (recorded,)
 
 
 def _merge_in_transaction(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,

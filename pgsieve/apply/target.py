@@ -352,6 +352,11 @@ class TargetWriter:
                 code=ErrorCode.TARGET_COLUMN_MISMATCH, tables=[m.split(":")[0] for m in mismatched])
 
     # -- session settings for the merge -------------------------------------------------
+    def replica_role_known(self) -> bool | None:
+        """Whether the target role may set ``session_replication_role`` (None: not tried
+        on this connection yet)."""
+        return self._replica_role
+
     def replica_role(self, conn: psycopg.Connection[Any]) -> bool:
         """``SET LOCAL session_replication_role = replica``, as PostgreSQL's apply worker
         runs: ordinary triggers and foreign-key checks do not fire for replicated rows.

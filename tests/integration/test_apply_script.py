@@ -1,0 +1,107 @@
+"""A small batch's transaction sent as one script (pgsieve/apply/script.py): it commits
+exactly what the pipelined direct path commits — equal to native's subscriber on values
+that quoting could get wrong — and when anything is off (the fence moved, a row missing,
+a crash before the COMMIT) the target is left as before the batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from pgsieve.apply import script
+from pgsieve.apply.batch import ApplyFenced
+from pgsieve.spark.apply import apply_batch
+from tests.integration import test_apply as harness
+from tests.integration.test_apply import Pair
+
+native_db = harness.native_db
+pair = harness.pair
+
+SOURCE = """
+CREATE TABLE q (id int PRIMARY KEY, v text, n numeric, tags text[], doc jsonb, b bytea,
+                at timestamptz);
+CREATE TABLE k2 (a text NOT NULL, b int NOT NULL, v text, PRIMARY KEY (a, b));
+CREATE PUBLICATION p FOR TABLE q, k2;
+"""
+
+TRICKY = [
+    "it''s", "a;b", "$$dollar$$", "%s %(x)s", "back\\slash\\", "E''\\n''", "-- not a comment",
+    "/* nor this */", "tab\there", "new\nline", "é ü 日本 🎉", "", "NULL", "'';DROP TABLE q;--",
+]
+
+
+def _scripts(results: list[Any]) -> int:
+    return sum(1 for r in results if "merge_script" in r.timings)
+
+
+def test_small_batches_go_as_one_script_and_equal_native_on_tricky_values(pair: Pair):
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run(*(
+        f"INSERT INTO q VALUES ({i}, '{v}', {i}.5, ARRAY['{v}', NULL], "
+        f"jsonb_build_object('v', '{v}'), convert_to('{v}', 'UTF8'), "
+        f"'2026-11-26 12:00:00+01'::timestamptz + interval '{i} s')"
+        for i, v in enumerate(TRICKY)))
+    pair.run("INSERT INTO q VALUES (100, NULL, NULL, NULL, NULL, NULL, NULL)",
+             "INSERT INTO k2 VALUES ('it''s', 1, 'x'), ('a;b', 2, NULL)",
+             "UPDATE q SET v = v || '''!', n = -n WHERE id % 3 = 0",
+             "UPDATE k2 SET v = '$1' WHERE a = 'it''s'",
+             "DELETE FROM q WHERE id IN (1, 2); DELETE FROM k2 WHERE a = 'a;b'",
+             "INSERT INTO q VALUES (1, 'back', 0, '{}', '[]', '\\x00ff', NULL)",
+             "UPDATE q SET v = NULL WHERE id = 4")
+    results = pair.apply(1)
+    # The first batch learns whether the role may set the replica role; every later
+    # one is a script.
+    assert _scripts(results) == len(results) - 1 > 10
+    pair.assert_same("q", "k2")
+    for r in results[1:]:  # the last batch holds only the test's end marker
+        assert {"merge_script", "merge"} <= r.timings.keys()
+        assert bool(r.direct_tables) == bool(r.rows_written)
+
+
+def test_a_row_the_target_lacks_is_judged_through_staging(pair: Pair):
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one'), (2, 'two')",
+             "INSERT INTO q (id, v) VALUES (3, 'three')")
+    assert _scripts(pair.apply(1)) == 2  # the first batch learns the replica role
+    pair.target.execute("DELETE FROM q WHERE id = 2")
+    pair.run("UPDATE q SET v = 'changed' WHERE id IN (1, 2)")
+    result = pair.apply(1, on_conflict="native")[0]
+    assert "merge_script" not in result.timings and result.direct_tables == ()
+    assert result.counts["public.q"].missing_skipped == 1
+    assert pair.target.query("SELECT id, v FROM q ORDER BY id") == [(1, "changed"),
+                                                                    (3, "three")]
+
+
+def test_a_moved_fence_or_a_crash_before_the_commit_leaves_the_target_as_before(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch):
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one')", "INSERT INTO q (id, v) VALUES (2, 'two')")
+    assert _scripts(pair.apply(1)) == 2  # the first batch learns the replica role
+    applied = pair.writer.applied_lsn()
+    assert applied is not None
+
+    pair.run("INSERT INTO q (id, v) VALUES (3, 'three')")
+    (batch,) = pair.batches(pair.read(), None)
+
+    class Crash(Exception):
+        pass
+
+    def crash(name: str, **_: Any) -> None:
+        raise Crash(name)
+
+    with monkeypatch.context() as m:
+        m.setattr(script, "fault_point", crash)
+        with pytest.raises(Crash, match="apply.before_commit"):
+            apply_batch(None, batch, pair.writer, distributed=False)
+    assert pair.target.query("SELECT count(*) FROM q") == [(2,)]
+    assert pair.writer.applied_lsn() == applied
+
+    # Another consumer committed past us meanwhile: this one is fenced off.
+    pair.target.execute("UPDATE pgsieve.applied SET end_lsn = 'FFFF/0' WHERE subscription_id "
+                        f"= '{pair.subscription_id}'")
+    with pytest.raises(ApplyFenced):
+        apply_batch(None, batch, pair.writer, distributed=False)
+    assert pair.target.query("SELECT count(*) FROM q") == [(2,)]
+    assert pair.writer.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
