@@ -52,8 +52,9 @@ def literal(value: str | None) -> str:
 def eligible(writer: TargetWriter, plan: BatchPlan, staged: Mapping[str, Any],
              direct: Mapping[str, DirectTable] | None, expected: Lsn | None) -> bool:
     """Whether the batch can go as one script: every table with rows written directly
-    (or none: a batch of messages only records its end), nothing staged or truncated, a recorded position to fence on, the replica role
-    already tried, and string literals that mean what they say."""
+    (or none: a batch of messages only records its end), nothing staged or truncated, a
+    recorded position to fence on, the replica role already tried, and string literals
+    that mean what they say."""
     if (direct is None or staged or plan.truncates or expected is None
             or writer.replica_role_known() is None):
         return False

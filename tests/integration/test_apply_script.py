@@ -93,7 +93,7 @@ def test_a_moved_fence_or_a_crash_before_the_commit_leaves_the_target_as_before(
 
     with monkeypatch.context() as m:
         m.setattr(script, "fault_point", crash)
-        with pytest.raises(Crash, match="apply.before_commit"):
+        with pytest.raises(Crash, match=r"apply\.before_commit"):
             apply_batch(None, batch, pair.writer, distributed=False)
     assert pair.target.query("SELECT count(*) FROM q") == [(2,)]
     assert pair.writer.applied_lsn() == applied
