@@ -198,37 +198,29 @@ HASH = "hash_record_extended(ROW(id, grp, name, amount, created), 0)"
 def floor(source: LocalCluster, target: LocalCluster) -> float:
     """The least any comparison of every row pays here: each server scanning and hashing
     its rows (the source under the new filter), both at once, nothing sent anywhere."""
-    def run(dsn: str, where: str, out: list[float]) -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            started = time.perf_counter()
-            conn.execute(f"SELECT sum({HASH} % 7) FROM big{where}")
-            out.append(time.perf_counter() - started)
-
-    took: list[float] = []
-    started = time.perf_counter()
-    other = threading.Thread(target=run, args=(target.dsn("bench"), "", took))
-    other.start()
-    run(source.dsn("bench"), f" WHERE {NEW}", took)
-    other.join()
-    return time.perf_counter() - started
+    return _both_at_once(source, target, "SELECT sum({hash} % 7) FROM big{where}")
 
 
 def send_floor(source: LocalCluster, target: LocalCluster) -> float:
     """The least any comparison that moves every row's key and hash off the servers pays
     here: each server producing them as a binary COPY (the diff's own query), both at
     once, written to ``/dev/null`` by the server itself — no client reads a byte."""
-    def run(dsn: str, where: str, out: list[float]) -> None:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            started = time.perf_counter()
-            conn.execute(f"COPY (SELECT id, {HASH} FROM big{where}) TO '/dev/null' "
+    return _both_at_once(source, target,
+                         "COPY (SELECT id, {hash} FROM big{where}) TO '/dev/null' "
                          "(FORMAT binary)")
-            out.append(time.perf_counter() - started)
 
-    took: list[float] = []
+
+def _both_at_once(source: LocalCluster, target: LocalCluster, statement: str) -> float:
+    """Seconds for ``statement`` to run on both servers at once: on the source's rows
+    under the new filter, on all of the target's."""
+    def run(dsn: str, where: str) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(statement.format(hash=HASH, where=where).encode())
+
     started = time.perf_counter()
-    other = threading.Thread(target=run, args=(target.dsn("bench"), "", took))
+    other = threading.Thread(target=run, args=(target.dsn("bench"), ""))
     other.start()
-    run(source.dsn("bench"), f" WHERE {NEW}", took)
+    run(source.dsn("bench"), f" WHERE {NEW}")
     other.join()
     return time.perf_counter() - started
 
