@@ -118,16 +118,6 @@ LIMIT 1
 USING INDEX), else the primary key: the index PostgreSQL's apply worker looks rows up by."""
 
 
-_OID_BY_NAME = ("(SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                "WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p'))")
-_SHAPE_SQL = tuple(q.replace("%s", _OID_BY_NAME)
-                   for q in (_COLUMNS_SQL, _UNIQUE_SQL, IDENTITY_SQL))
-"""A table's columns, unique keys and identity by its name: sent with ``_TABLE_SQL`` in
-one pipeline, so reading a shape is one round trip (on a busy two-core machine every
-round trip waits for the server to be scheduled: four of them were a third of a turn's
-time at 100 subscriptions per worker)."""
-
-
 class TableMissing(LookupError):
     pass
 
@@ -309,16 +299,14 @@ class TargetWriter:
         if cached is not None:
             return cached
         schema, rel = split_name(name)
-        with self.conn.pipeline():
-            cursors = [self.conn.execute(q, (schema, rel)) for q in (_TABLE_SQL, *_SHAPE_SQL)]
-        found = cursors[0].fetchone()
+        found = self.conn.execute(_TABLE_SQL, (schema, rel)).fetchone()
         if found is None:
             raise TableMissing(f"{schema}.{rel}")
         oid, relkind, nsp, relname = found
         columns: list[TargetColumn] = []
         generated: list[str] = []
         types: dict[str, str] = {}
-        for row in cursors[1]:
+        for row in self.conn.execute(_COLUMNS_SQL, (oid,)):
             name_, type_name, stage_type, collation, gen, not_null, has_def, has_eq = row
             types[name_] = type_name
             if gen:
@@ -326,8 +314,8 @@ class TargetWriter:
                 continue
             columns.append(TargetColumn(name_, type_name, stage_type, collation, False,
                                         bool(not_null), bool(has_def), bool(has_eq)))
-        unique = tuple(frozenset(r[0]) for r in cursors[2])
-        ident = cursors[3].fetchone()
+        unique = tuple(frozenset(r[0]) for r in self.conn.execute(_UNIQUE_SQL, (oid,)))
+        ident = self.conn.execute(IDENTITY_SQL, (oid,)).fetchone()
         table = TargetTable(nsp, relname, int(oid), relkind, tuple(columns), tuple(generated),
                             unique, tuple(ident[0]) if ident else ())
         self._tables[name] = table
