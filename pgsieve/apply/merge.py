@@ -116,10 +116,11 @@ def merge(
     before = {name: replace(c) for name, c in counts.items()} if direct else {}
     try:
         try:
-            small = _merge_small(writer, batch, plan, staged, expected_applied, direct,
-                                 outcome)
-            recorded = small[0] if small is not None else _merge_in_transaction(
-                writer, batch, plan, staged, counts, expected_applied, direct, outcome)
+            recorded = _merge_small(writer, batch, plan, staged, expected_applied, direct,
+                                    outcome)
+            if recorded is None:
+                recorded = _merge_in_transaction(writer, batch, plan, staged, counts,
+                                                 expected_applied, direct, outcome)
         except (_StageInstead, DirectMismatch):
             # Nothing committed: the same batch again, every table through staging (the
             # counts go back to what the plan counted; a conflict policy adds again).
@@ -141,21 +142,20 @@ def merge(
 def _merge_small(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
                  staged: dict[str, StagedTable], expected_applied: Lsn | None,
                  direct: dict[str, DirectTable] | None, outcome: MergeOutcome
-                 ) -> tuple[Lsn | None] | None:
+                 ) -> Lsn | None:
     """A batch written without staging, as one script (:mod:`.script`): the applied LSN
-    it recorded — or None, nothing sent, when the batch is not one for a script."""
+    it recorded — or None, nothing sent, when the batch is not one for a script (a
+    script always leaves a position recorded: it needs one to fence on)."""
     if direct is None or expected_applied is None or not script.eligible(
             writer, plan, staged, direct, expected_applied):
         return None
     started = time.perf_counter()
-    done = script.merge_as_script(writer, batch, plan, direct, expected_applied)
-    if done is None:
-        return None
-    recorded, written = done
+    recorded, written = script.merge_as_script(writer, batch, plan, direct,
+                                               expected_applied)
     outcome.timings["merge_script"] = time.perf_counter() - started
     outcome.rows_written += written
     outcome.direct.extend(name for name in plan.tables if name in direct)
-    return (recorded,)
+    return recorded
 
 
 def _merge_in_transaction(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,

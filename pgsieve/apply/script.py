@@ -37,8 +37,9 @@ from pgsieve.platform.faults import fault_point
 from pgsieve.wire.lsn import Lsn
 
 MAX_STATEMENTS = 256
-"""Above this many statements a batch goes the pipelined way (one string per batch is
-built in memory; past a few hundred statements the round trips saved no longer matter)."""
+"""Above this many row statements a batch goes the pipelined way (one string per batch
+is built in memory; past a few hundred statements the round trips saved no longer
+matter)."""
 
 
 def literal(value: str | None) -> str:
@@ -61,8 +62,16 @@ def eligible(writer: TargetWriter, plan: BatchPlan, staged: Mapping[str, Any],
     for name, tp in plan.tables.items():
         if tp.reason() is not None or (len(tp.effect) and name not in direct):
             return False
+    if sum(_statements(d) for d in direct.values()) > MAX_STATEMENTS:
+        return False
     status = writer.conn.pgconn.parameter_status(b"standard_conforming_strings")
     return status == b"on"
+
+
+def _statements(direct: DirectTable) -> int:
+    """How many statements :func:`_table_statements` writes for ``direct``."""
+    return (len(direct.absent) + len(direct.deletes)
+            + sum(len(rows) for rows in direct.updates.values()) + len(direct.inserts))
 
 
 class _Script:
@@ -112,9 +121,9 @@ def _table_statements(script: _Script, conn: psycopg.Connection[Any], tp: TableP
 
 
 def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
-                    direct: Mapping[str, DirectTable], expected: Lsn) -> tuple[Lsn, int] | None:
-    """Apply the batch as one script and commit it; the applied LSN recorded and the rows
-    written — or None when it has too many statements (nothing was sent then)."""
+                    direct: Mapping[str, DirectTable], expected: Lsn) -> tuple[Lsn, int]:
+    """Apply the batch (one :func:`eligible` took) as one script and commit it; the
+    applied LSN recorded and the rows written."""
     conn = writer.conn
     ident = literal(writer.subscription_id)
     script = _Script()
@@ -138,8 +147,6 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
                    f"commit_time = COALESCE({commit_time}, commit_time), updated_at = now() "
                    f"WHERE subscription_id = {ident}", 1)
         recorded = batch.end_lsn
-    if len(script.parts) > MAX_STATEMENTS:
-        return None
     try:
         _run(conn, script, batch, expected)
         # Everything written and the applied LSN with it: a crash now must leave the
