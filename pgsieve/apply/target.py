@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 STAGE_TRUNCATE_AFTER_ROWS = 20_000
 """A staging table emptied with DELETE is TRUNCATEd once this many dead rows add up."""
 SHAPE_TTL_SECONDS = 5.0
-"""Target table shapes are read again after this long (or when a batch fails on them)."""
-"""A staging table emptied with DELETE is TRUNCATEd once this many dead rows add up."""
+"""Target table shapes are checked again after this long (one query for all of a
+writer's tables; re-read where they changed), or re-read when a batch fails on them."""
 
 SCHEMA = "pgsieve"
 APPLIED_TABLE = "applied"
@@ -66,10 +66,30 @@ COMMENT ON TABLE {SCHEMA}.{APPLIED_TABLE} IS
     'pgsieve: per subscription, the end LSN of the last source transaction this database holds';
 """
 
-_TABLE_SQL = """
-SELECT c.oid, c.relkind::text, n.nspname, c.relname
+_FINGERPRINT = """
+concat_ws('/', c.xmin::text, n.nspname, c.relname, c.relreplident::text,
+    (SELECT string_agg(concat_ws(':', a.attnum, a.xmin::text), ',' ORDER BY a.attnum)
+     FROM pg_attribute a WHERE a.attrelid = c.oid AND a.attnum > 0),
+    (SELECT string_agg(concat_ws(':', i.indexrelid, i.xmin::text, i.indisvalid,
+                                 i.indisready, i.indisreplident), ',' ORDER BY i.indexrelid)
+     FROM pg_index i WHERE i.indrelid = c.oid))
+"""
+"""What a table's shape is read from, in one string: the row versions (``xmin``) of its
+``pg_class`` and ``pg_attribute`` rows and of its indexes' ``pg_index`` rows, and the
+flags an index build or a replica identity change sets. Any ALTER TABLE, index created
+or dropped, rename or replica identity change gives another string; a re-check of every
+cached table is one query (see :meth:`TargetWriter.refresh_shapes`)."""
+
+_TABLE_SQL = f"""
+SELECT c.oid, c.relkind::text, n.nspname, c.relname, {_FINGERPRINT}
 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
 WHERE n.nspname = %s AND c.relname = %s AND c.relkind IN ('r', 'p')
+"""
+
+_FINGERPRINTS_SQL = f"""
+SELECT c.oid, {_FINGERPRINT}
+FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE c.oid = ANY(%s)
 """
 
 _COLUMNS_SQL = """
@@ -158,6 +178,7 @@ class TargetWriter:
         self.token = secrets.token_hex(3)
         self._sub_tag = hashlib.sha1(subscription_id.encode()).hexdigest()[:10]  # noqa: S324
         self._tables: dict[str, TargetTable] = {}
+        self._fingerprints: dict[str, str] = {}
         self._shapes_read_at = 0.0
         self._staging: dict[int, tuple[str, tuple[Any, ...]]] = {}
         self._stages_empty: set[str] = set()
@@ -282,15 +303,35 @@ class TargetWriter:
         """Forget cached table shapes (read again on next use), and whether the target
         role may set the replication role (its grants may have changed too)."""
         self._tables.clear()
+        self._fingerprints.clear()
         self._replica_role = None
         self._shapes_read_at = time.monotonic()
 
     def refresh_shapes(self) -> bool:
-        """Forget the cached shapes once they are ``SHAPE_TTL_SECONDS`` old; whether they
-        were (a batch on fresh shapes need not retry on a catalog error)."""
-        if time.monotonic() - self._shapes_read_at < SHAPE_TTL_SECONDS and self._tables:
+        """Check the cached shapes once they are ``SHAPE_TTL_SECONDS`` old, and forget
+        those whose catalog rows changed (read again on next use); whether the shapes
+        were checked now (a batch on fresh shapes need not retry on a catalog error).
+
+        Why a check and not a re-read: four catalog queries per table every few seconds
+        per subscription were a third of a turn's time at 100 subscriptions per worker.
+        The check is one query for all of the writer's tables, comparing
+        :data:`_FINGERPRINT` with the one read with the shape (in the same statement as
+        the table's name, before its columns: a change in between only costs a re-read).
+        The replica-role answer is forgotten as before (a revoked grant shows at once)."""
+        now = time.monotonic()
+        if now - self._shapes_read_at < SHAPE_TTL_SECONDS and self._tables:
             return False
-        self.invalidate()
+        if not self._tables:
+            self.invalidate()
+            return True
+        by_oid = {t.oid: name for name, t in self._tables.items()}
+        current = dict(self.conn.execute(_FINGERPRINTS_SQL, (list(by_oid),)).fetchall())
+        for oid, name in by_oid.items():
+            if current.get(oid) != self._fingerprints.get(name):
+                del self._tables[name]
+                self._fingerprints.pop(name, None)
+        self._replica_role = None
+        self._shapes_read_at = now
         return True
 
     def table(self, name: str) -> TargetTable:
@@ -302,7 +343,7 @@ class TargetWriter:
         found = self.conn.execute(_TABLE_SQL, (schema, rel)).fetchone()
         if found is None:
             raise TableMissing(f"{schema}.{rel}")
-        oid, relkind, nsp, relname = found
+        oid, relkind, nsp, relname, fingerprint = found
         columns: list[TargetColumn] = []
         generated: list[str] = []
         types: dict[str, str] = {}
@@ -319,6 +360,7 @@ class TargetWriter:
         table = TargetTable(nsp, relname, int(oid), relkind, tuple(columns), tuple(generated),
                             unique, tuple(ident[0]) if ident else ())
         self._tables[name] = table
+        self._fingerprints[name] = fingerprint
         return table
 
     def column_types(self, table: TargetTable) -> dict[str, str]:

@@ -1,0 +1,81 @@
+"""Target table shapes cached by a :class:`TargetWriter` (real target cluster): once
+``SHAPE_TTL_SECONDS`` old they are checked in one query, kept while the catalog is
+unchanged and read again for exactly the tables whose catalog rows changed — a new
+column, a new unique index, a replica identity index, a rename, a table dropped and
+created again. Every one of these must be seen: a stale shape would apply rows by the
+wrong key or drop a column's values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from pgsieve.apply.target import TableMissing, TargetWriter
+from tests.conftest import Database
+
+
+@pytest.fixture
+def writer(target_db: Database) -> Iterator[TargetWriter]:
+    target_db.execute("""
+        CREATE TABLE a (id int PRIMARY KEY, v text);
+        CREATE TABLE b (id int PRIMARY KEY, w text);
+    """)
+    w = TargetWriter(target_db.dsn, "shapes")
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _expire(writer: TargetWriter) -> None:
+    writer._shapes_read_at -= 3600  # as if the TTL had passed
+
+
+def test_unchanged_shapes_are_kept_past_their_ttl(writer: TargetWriter) -> None:
+    a, b = writer.table("public.a"), writer.table("public.b")
+    _expire(writer)
+    assert writer.refresh_shapes() is True  # checked now: as fresh as a re-read
+    assert writer.table("public.a") is a and writer.table("public.b") is b
+    # within the TTL nothing is checked
+    assert writer.refresh_shapes() is False
+
+
+@pytest.mark.parametrize(("ddl", "changed"), [
+    ("ALTER TABLE a ADD COLUMN extra int", lambda t: "extra" in [c.name for c in t.columns]),
+    ("ALTER TABLE a DROP COLUMN v", lambda t: [c.name for c in t.columns] == ["id"]),
+    ("ALTER TABLE a ALTER COLUMN v SET NOT NULL",
+     lambda t: [c.not_null for c in t.columns] == [True, True]),
+    ("ALTER TABLE a ALTER COLUMN v TYPE varchar(5)",
+     lambda t: t.columns[1].type_name == "character varying(5)"),
+    ("CREATE UNIQUE INDEX a_v ON a (v)", lambda t: frozenset({"v"}) in t.unique),
+    ("CREATE UNIQUE INDEX a_v ON a (v); ALTER TABLE a ALTER COLUMN v SET NOT NULL;"
+     "ALTER TABLE a REPLICA IDENTITY USING INDEX a_v", lambda t: t.identity == ("v",)),
+    ("ALTER TABLE a DROP CONSTRAINT a_pkey", lambda t: t.identity == () and not t.unique),
+    ("DROP TABLE a; CREATE TABLE a (id bigint PRIMARY KEY, v text, z int)",
+     lambda t: [c.name for c in t.columns] == ["id", "v", "z"]),
+])
+def test_a_changed_table_is_read_again_and_only_it(
+        writer: TargetWriter, target_db: Database, ddl: str,
+        changed: Callable[..., bool]) -> None:
+    a, b = writer.table("public.a"), writer.table("public.b")
+    assert not changed(a)
+    target_db.execute(ddl)
+    _expire(writer)
+    writer.refresh_shapes()
+    fresh = writer.table("public.a")
+    assert fresh is not a and changed(fresh)
+    assert writer.table("public.b") is b
+
+
+def test_a_renamed_or_dropped_table_is_missing_after_the_check(
+        writer: TargetWriter, target_db: Database) -> None:
+    writer.table("public.a")
+    writer.table("public.b")
+    target_db.execute("ALTER TABLE a RENAME TO a2; DROP TABLE b")
+    _expire(writer)
+    writer.refresh_shapes()
+    for name in ("public.a", "public.b"):
+        with pytest.raises(TableMissing):
+            writer.table(name)
+    assert [c.name for c in writer.table("public.a2").columns] == ["id", "v"]
