@@ -54,10 +54,12 @@ def world(client, source_db: Database, target_db: Database, metadata_engine,
     consistent = source_db.query(
         "SELECT lsn::text FROM pg_create_logical_replication_slot('pgsieve_m', 'pgoutput')")
     source_db.execute("INSERT INTO public.orders SELECT generate_series(1, 20000)")
-    # The test clusters commit asynchronously: wait until that WAL is written.
+    # The test clusters commit asynchronously: wait until that WAL is flushed (logical
+    # decoding — the sampler's peek at the slot — reads flushed WAL only; waiting for it
+    # to be merely written let the peek find nothing pending on a fast machine).
     end = source_db.query("SELECT pg_current_wal_insert_lsn()::text")[0][0]
     deadline = time.monotonic() + 5
-    while source_db.query("SELECT pg_current_wal_lsn() < %s::pg_lsn", (end,))[0][0]:
+    while source_db.query("SELECT pg_current_wal_flush_lsn() < %s::pg_lsn", (end,))[0][0]:
         assert time.monotonic() < deadline
         time.sleep(0.02)
     src = client.post("/api/v1/sources", json={"name": "src", "dsn": source_db.dsn}).json()
