@@ -7,9 +7,12 @@ wrong key or drop a column's values."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
+import psycopg
 import pytest
+from psycopg import conninfo
 
 from pgsieve.apply.target import TableMissing, TargetWriter
 from tests.conftest import Database
@@ -79,3 +82,48 @@ def test_a_renamed_or_dropped_table_is_missing_after_the_check(
         with pytest.raises(TableMissing):
             writer.table(name)
     assert [c.name for c in writer.table("public.a2").columns] == ["id", "v"]
+
+
+@pytest.fixture
+def plain_role(target_db: Database) -> Iterator[str]:
+    """A login role of this test's own on the target cluster, not a superuser."""
+    role = f"shapes_{target_db.name}"[:60]
+    target_db.execute(f"CREATE ROLE {role} LOGIN NOSUPERUSER")
+    try:
+        yield role
+    finally:
+        with contextlib.suppress(psycopg.Error):
+            target_db.execute(f"DROP OWNED BY {role}; DROP ROLE {role}")
+
+
+def _learn_role(writer: TargetWriter) -> bool:
+    with writer.conn.transaction():
+        return writer.replica_role(writer.conn)
+
+
+def test_the_replica_role_answer_follows_the_role_across_checks(
+        target_db: Database, plain_role: str) -> None:
+    """A superuser's answer is kept across checks (every batch can go as one script);
+    a role that lost superuser is asked again at the next check, and a role that gained
+    it too — without a batch having to fail first."""
+    target_db.execute("CREATE TABLE a (id int PRIMARY KEY, v text)")
+    dsn = conninfo.make_conninfo(target_db.dsn, user=plain_role)
+    with contextlib.closing(TargetWriter(dsn, "roles")) as writer:
+        writer.table("public.a")
+        target_db.execute(f"ALTER ROLE {plain_role} SUPERUSER")
+        assert _learn_role(writer) is True
+        _expire(writer)
+        writer.refresh_shapes()
+        assert writer.replica_role_known() is True  # kept: still a superuser
+
+        target_db.execute(f"ALTER ROLE {plain_role} NOSUPERUSER")
+        _expire(writer)
+        writer.refresh_shapes()
+        assert writer.replica_role_known() is None  # asked again at the next batch
+        assert _learn_role(writer) is False
+
+        target_db.execute(f"ALTER ROLE {plain_role} SUPERUSER")
+        _expire(writer)
+        writer.refresh_shapes()
+        assert writer.replica_role_known() is None
+        assert _learn_role(writer) is True
