@@ -334,7 +334,7 @@ class TargetWriter:
             if current.get(oid) != self._fingerprints.get(name):
                 del self._tables[name]
                 self._fingerprints.pop(name, None)
-        superuser = bool(rows) and all(bool(r[2]) for r in rows)
+        superuser = bool(rows and rows[0][2])  # the same value on every row
         if not (self._replica_role and superuser):
             self._replica_role = None
         self._shapes_read_at = now
