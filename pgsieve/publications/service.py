@@ -704,13 +704,16 @@ def apply_publication(
     create: bool,
     commit: bool = True,
     on_applied: Callable[[ApplyResult], None] | None = None,
+    before_ddl: Callable[[psycopg.Connection[Any]], None] | None = None,
     lock_timeout_ms: int = DDL_LOCK_TIMEOUT_MS,
     statement_timeout_ms: int = DDL_STATEMENT_TIMEOUT_MS,
 ) -> ApplyResult:
     """Make the catalog match ``pub`` in one transaction (rolled back unless ``commit``).
 
-    ``on_applied`` runs after the DDL and the identity probe, before the commit; if it
-    raises, the source transaction rolls back. Raises PgsieveError subclasses only
+    ``before_ddl`` runs in that transaction before the DDL (a reconciliation locks the
+    tables and exports its snapshot there); ``on_applied`` runs after the DDL and the
+    identity probe, before the commit; if either raises, the source transaction rolls
+    back. Raises PgsieveError subclasses only
     (409 publication_exists / publication_busy, 422 with PostgreSQL's message, 4xx
     source_unreachable on a lost connection).
     """
@@ -723,6 +726,8 @@ def apply_publication(
             if create and before is not None:
                 raise Conflict(f"a publication named '{pub.name}' already exists on the source",
                                code=PublicationCode.EXISTS)
+            if before_ddl is not None:
+                before_ddl(conn)
             baseline = _identity_failures(conn, pub)
             for statement in _statements(conn, pub, before.definition if before else None):
                 conn.execute(statement, prepare=False)

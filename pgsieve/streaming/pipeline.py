@@ -71,6 +71,7 @@ from pgsieve.streaming.appliednotes import (
 from pgsieve.streaming.catchup import catch_up
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
+from pgsieve.streaming.markers import Reached, marker_for, reach_marker
 from pgsieve.streaming.transports import (
     PgoutputOptions,
     SqlTransport,
@@ -94,6 +95,9 @@ IDLE_RECORD_EVERY = 5.0
 CONTROL_SAFETY_EVERY = 30.0
 """A scheduler's stream re-reads its subscription at least this often (see
 ``_StreamRun.control_on_request``)."""
+MARKER_RETRY_SECONDS = 0.5
+"""A stream stopped before a reconciliation marker whose rows are not staged yet is
+taken up again this soon."""
 SHOW_PENDING_CHANGES = 5_000
 """A batch this big records what it holds before it applies (see _before_apply)."""
 """How often an idle position is recorded at the target and confirmed (WAL release)."""
@@ -111,6 +115,8 @@ class CycleOutcome:
     detail: str = ""
     batches: int = 0
     changes: int = 0
+    retry_after: float | None = None
+    """A retry sooner than the default (a stream waiting at a reconciliation marker)."""
 
     @property
     def requeue(self) -> bool:
@@ -118,7 +124,9 @@ class CycleOutcome:
 
     @property
     def delay(self) -> float:
-        return 5.0 if self.outcome == "retry" else 0.0
+        if self.outcome != "retry":
+            return 0.0
+        return 5.0 if self.retry_after is None else self.retry_after
 
 
 class LeaseHolder(Protocol):
@@ -280,6 +288,7 @@ class ConsumeCycle:
                 proto_version=proto,
                 binary=bool(options.get("binary", False)),
                 streaming=bool(options.get("streaming", True)),
+                messages=True,  # a filter change's reconciliation marker (.markers)
             )
             kind = str(options.get("transport", "auto"))
 
@@ -468,6 +477,8 @@ class _StreamRun:
                 now = time.monotonic()
                 if isinstance(item, Transaction):
                     self._idle_pending = None
+                    if len(item.changes) == 1 and self._at_marker(item):
+                        continue
                     self.batcher.add(item, now)
                     fault_point("cycle.decoded")
                     if self.batcher.full:
@@ -523,6 +534,8 @@ class _StreamRun:
                     if isinstance(item, Transaction):
                         worked = True
                         self._idle_pending = None
+                        if len(item.changes) == 1 and self._at_marker(item):
+                            continue
                         self.batcher.add(item, now)
                         fault_point("cycle.decoded")
                         if self.batcher.full:
@@ -552,6 +565,33 @@ class _StreamRun:
         if reader is not None:
             reader.after_turn(self._current_source_lsn(time.monotonic()))
         return worked
+
+    def _at_marker(self, txn: Transaction) -> bool:
+        """A filter change's marker for this subscription (:mod:`.markers`): what came
+        before is applied first; True when the marker was dealt with here (applied, or
+        applied before), False when it goes on as an ordinary transaction. Raises
+        :class:`_Stop` (retry soon) while its corrections are not staged."""
+        marker = marker_for(txn, self.cycle.subscription_id)
+        if marker is None:
+            return False
+        if len(self.batcher):
+            self._flush()
+        if self.keeper.lost.is_set():
+            raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
+                                     self.changes))
+        result = reach_marker(self.cycle.sessions, self.cycle.settings,
+                              self.cycle.subscription_id, self.writer, txn, marker)
+        if result.reached is Reached.WAITING:
+            txn.close()
+            raise _Stop(CycleOutcome("retry", result.detail, self.batches, self.changes,
+                                     retry_after=MARKER_RETRY_SECONDS))
+        if result.reached is Reached.APPLIED:
+            fault_point("cycle.after_commit")
+            self.consumer.confirm(txn.end_lsn)
+            txn.close()
+            return True
+        self._control(time.monotonic())  # a fall-back took tables out of the stream
+        return False
 
     # -- between batches ---------------------------------------------------------------
     def request_control(self) -> None:

@@ -349,11 +349,19 @@ class Scheduler:
     def _drop(self, held: _Held, outcome: CycleOutcome) -> None:
         with self._cond:
             self._held.pop(held.subscription_id, None)
+        soon = outcome.retry_after
         if outcome.outcome == "retry":
-            self._retry_at[held.subscription_id] = time.monotonic() + RETRY_AFTER
+            self._retry_at[held.subscription_id] = time.monotonic() + (
+                RETRY_AFTER if soon is None else soon)
         log.info("letting go of subscription %s: %s %s", held.subscription_id,
                  outcome.outcome, outcome.detail)
         self._let_go(held)
+        if outcome.outcome == "retry" and soon is not None:
+            # Taken up again by this worker without waiting for the next sweep.
+            timer = threading.Timer(soon, self._adopt_unless_stopping,
+                                    (held.subscription_id,))
+            timer.daemon = True
+            timer.start()
 
     def _let_go(self, held: _Held) -> None:
         """Close the stream (nothing more is applied), then free both locks."""

@@ -9,25 +9,38 @@ is a ``resync`` job in ``mode: diff`` per affected subscription, enqueued after 
 publication change and the job rows commit: its snapshot is taken after the ALTER
 PUBLICATION, the stream applies the new filter from the ALTER on (pgoutput re-reads the
 publication), and the table's catch-up continues from the diff's snapshot.
+
+Where the target is known to be right under the old filter (the table streams, and the
+change moves rows only), the reconciliation is scoped to the rows the change moves
+(:mod:`.moved`): :class:`ChangePoint` locks the tables and exports a snapshot in the
+ALTER's own transaction and marks its commit in every slot's stream; the job stages the
+rows to add and the keys to remove read under that snapshot, and the stream merges them
+at the marker.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from pgsieve.platform.errors import NotFound
-from pgsieve.platform.models import Job, Source, Subscription, utcnow
+from pgsieve.platform.errors import Conflict, ErrorCode, NotFound
+from pgsieve.platform.models import Job, Source, Subscription, new_id, utcnow
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SyncState
 from pgsieve.publications.catalog import read_publications, read_tables
 from pgsieve.rowfilter.change import RowCounts, TableChange, count_change, table_changes
 from pgsieve.rowfilter.effective import Publication
+from pgsieve.sync import moved
+from pgsieve.sync.snapshot import SnapshotError, hold_imported_snapshot
 from pgsieve.sync.syncjob import active_sync_job, add_sync_job, initial_sync_pending
+
+log = logging.getLogger(__name__)
 
 
 def users(session: Session, source: Source, name: str) -> list[Subscription]:
@@ -118,14 +131,107 @@ def _what_happens(change: TableChange, in_subscription: bool) -> str:
     return "none"  # per-operation filters only: no existing row changes
 
 
-def reconcile(session: Session, source: Source, name: str, before: Before,
-              conn: psycopg.Connection[Any]) -> list[dict[str, Any]]:
-    """After the change committed: a diff job per subscription with affected tables,
-    committed here (the caller enqueues the returned jobs)."""
+class ChangePoint:
+    """The publication change as one point of every stream, for the subscriptions whose
+    tables can be reconciled by the rows the change moves (:mod:`.moved`).
 
+    :meth:`before_ddl` and :meth:`after_ddl` run inside the change's source transaction:
+    the first locks the candidate tables and exports the snapshot, the second decides per
+    subscription, has a helper hold the snapshot, adds the jobs to the metadata session
+    (committed with the publication's row) and emits the marker. If the helper cannot
+    start, no marker is emitted and every subscription gets the full diff."""
+
+    def __init__(self, session: Session, source: Source, name: str, before: Before,
+                 new_definition: Publication, settings: Settings, source_dsn: str) -> None:
+        self.session = session
+        self.source = source
+        self.name = name
+        self.before = before
+        self.settings = settings
+        self.source_dsn = source_dsn
+        self.snapshot: str | None = None
+        self.jobs: dict[str, dict[str, Any]] = {}
+        """subscription id -> its reconcile item (job committed with the change)."""
+        self.marker = new_id()
+        members = {t.table for t in new_definition.tables}
+        for pubs in before.publications.values():
+            for p in pubs:
+                if p.name == name:
+                    members |= {t.table for t in p.tables}
+        self.candidates = sorted(
+            t.table_name for sub in users(session, source, name)
+            if sub.id in before.publications and not initial_sync_pending(session, sub)
+            for t in sub.tables if t.table_name in members and t.sync_state == "ready")
+
+    def before_ddl(self, conn: psycopg.Connection[Any]) -> None:
+        if self.candidates:
+            self.snapshot = moved.lock_and_export(conn, self.candidates)
+
+    def after_ddl(self, conn: psycopg.Connection[Any]) -> None:
+        if self.snapshot is None:
+            return
+        infos = {t.qualified: t for t in read_tables(conn)}
+        plans: dict[str, tuple[Subscription, list[moved.MovedTable]]] = {}
+        for sub in users(self.session, self.source, self.name):
+            pubs = self.before.publications.get(sub.id)
+            if pubs is None or initial_sync_pending(self.session, sub):
+                continue
+            after = read_publications(conn, list(sub.publications))
+            states = {t.table_name: str(t.sync_state) for t in sub.tables}
+            affected = [c for c in table_changes(pubs, after, list(infos.values()))
+                        if c.reconcilable and c.table in states]
+            scoped = [moved.moved_table(c, infos.get(c.table), states[c.table])
+                      for c in affected]
+            if affected and all(m is not None for m in scoped):
+                plans[sub.id] = (sub, [m for m in scoped if m is not None])
+        if not plans:
+            return
+        job_ids = {sid: new_id() for sid in plans}
+        try:
+            held = hold_imported_snapshot(
+                self.source_dsn, self.snapshot, f"reconcile:{self.marker}",
+                database_url=self.settings.effective_database_url,
+                job_ids=list(job_ids.values()),
+                lease_seconds=self.settings.consumer_lease_seconds)
+        except SnapshotError as exc:
+            log.warning("filter change of %s: cannot hold its snapshot (%s); the targets "
+                        "are reconciled by a full diff", self.name, exc)
+            return
+        for sid, (sub, tables) in plans.items():
+            self.session.add(Job(
+                id=job_ids[sid], kind="resync", subscription_id=sid, state=JobState.QUEUED,
+                details={"tables": [m.table for m in tables], "mode": "diff",
+                         "reason": "reconcile", "publication": self.name,
+                         "scope": moved.SCOPE, "marker": self.marker,
+                         "moved": [m.as_dict() for m in tables],
+                         "snapshot": held.as_dict()}))
+            self.jobs[sid] = {"subscription_id": sid, "subscription": sub.name,
+                              "tables": [m.table for m in tables], "job_id": job_ids[sid],
+                              "error": None, "method": moved.SCOPE}
+        try:
+            self.session.flush()
+        except IntegrityError:
+            self.session.rollback()
+            raise Conflict("a subscription using this publication started a sync job "
+                           "meanwhile; try again", code=ErrorCode.SYNC_IN_PROGRESS) from None
+        moved.emit_marker(conn, self.marker, {sid: str(item["job_id"])
+                                              for sid, item in self.jobs.items()})
+
+
+def reconcile(session: Session, source: Source, name: str, before: Before,
+              conn: psycopg.Connection[Any],
+              scoped: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """After the change committed: a diff job per subscription with affected tables,
+    committed here (the caller enqueues the returned jobs); subscriptions in ``scoped``
+    got theirs with the change (:class:`ChangePoint`)."""
+
+    scoped = scoped or {}
     tables = read_tables(conn)
     out: list[dict[str, Any]] = []
     for sub in users(session, source, name):
+        if sub.id in scoped:
+            out.append(scoped[sub.id])
+            continue
         pubs = before.publications.get(sub.id)
         if pubs is None:
             continue

@@ -50,6 +50,9 @@ HELPER_MODULE = "pgsieve.sync.snapshot"
 DEFAULT_GRACE_SECONDS = 600.0
 """How long a helper keeps its snapshot for a job whose runner stopped heart-beating."""
 POLL_SECONDS = 1.0
+JOBS_APPEAR_SECONDS = 60.0
+"""How long a helper holding an imported snapshot waits for its jobs' rows to appear (they
+commit right after the transaction that exported the snapshot)."""
 
 
 class SnapshotError(RuntimeError):
@@ -158,7 +161,40 @@ def hold_snapshot(
     }
     # The next spare is started by the sync job when it ends, not here: its interpreter
     # start would take CPU from this job's copy (measured: ~8 % of a 2-core sync).
+    return _ask(_take_helper(), request, slot, timeout)
+
+
+def hold_imported_snapshot(
+    source_dsn: str,
+    snapshot: str,
+    tag: str,
+    *,
+    database_url: str,
+    job_ids: list[str],
+    lease_seconds: float,
+    grace_seconds: float = DEFAULT_GRACE_SECONDS,
+    timeout: float = 30.0,
+) -> ExportedSnapshot:
+    """Start a detached helper that imports ``snapshot`` (exported by a transaction that
+    is still open: a filter change's, see :mod:`.moved`) and exports it again, holding it
+    while any of ``job_ids`` runs (or is not created yet, for ``grace_seconds``). The
+    exporting transaction may then commit: the snapshot lives on in the helper. ``tag``
+    names it in the jobs' ``released_snapshots``."""
+    request = {
+        "dsn": source_dsn,
+        "import": snapshot,
+        "slot": tag,
+        "database_url": database_url,
+        "job_ids": job_ids,
+        "lease_seconds": lease_seconds,
+        "grace_seconds": grace_seconds,
+    }
     proc = _take_helper()
+    return _ask(proc, request, tag, timeout)
+
+
+def _ask(proc: subprocess.Popen[bytes], request: dict[str, Any], slot: str,
+         timeout: float) -> ExportedSnapshot:
     assert proc.stdin is not None
     assert proc.stdout is not None
     proc.stdin.write(json.dumps(request).encode())
@@ -175,7 +211,7 @@ def hold_snapshot(
     proc.stdout.close()
     if not line:
         _terminate(proc)
-        raise SnapshotError(f"the snapshot helper for slot '{slot}' gave no answer")
+        raise SnapshotError(f"the snapshot helper for '{slot}' gave no answer")
     answer = json.loads(line)
     if not answer.get("ok"):
         proc.wait(timeout=30)
@@ -273,14 +309,18 @@ def _is_helper(pid: int) -> bool:
 # -- the helper process --------------------------------------------------------------------
 
 
-def _job_wants_snapshot(database_url: str, job_id: str, slot: str, grace: timedelta) -> bool:
-    """False once the job is over or gone, or no runner renewed its lease for ``grace``."""
+def _job_wants_snapshot(database_url: str, job_id: str, slot: str, grace: timedelta,
+                        missing_ok: bool = False) -> bool:
+    """False once the job is over or gone, or no runner renewed its lease for ``grace``
+    (``missing_ok``: a job not created yet still wants it)."""
     from pgsieve.platform.db import session_scope
     from pgsieve.platform.models import Job, utcnow
 
     with session_scope(database_url) as session:
         job = session.get(Job, job_id)
-        if job is None or job.state in JOB_ENDED:
+        if job is None:
+            return missing_ok
+        if job.state in JOB_ENDED:
             return False
         released = job.details.get("released_snapshots") or []
         if slot in released:
@@ -300,6 +340,8 @@ def _helper_main() -> int:
     # SIGTERM keeps its default: the process ends at once and the server, seeing the
     # connection close, drops the snapshot. SIGINT (a terminal's Ctrl-C) is not for us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if "import" in request:
+        return _hold_imported(request, grace)
     try:
         conn = psycopg.connect(secure_conninfo(request["dsn"], purpose=Purpose.STREAM),
                                autocommit=True, replication="database",
@@ -336,6 +378,50 @@ def _helper_main() -> int:
 
                     log.warning("snapshot helper: cannot read the job: %s",
                                 scrub_secrets(str(exc)))
+    finally:
+        with contextlib.suppress(Exception):
+            conn.close()
+
+
+def _hold_imported(request: dict[str, Any], grace: timedelta) -> int:
+    """The helper holding a snapshot another transaction exported (see
+    :func:`hold_imported_snapshot`): imported in a read-only transaction, exported again
+    under the name the jobs use."""
+    started = time.monotonic()
+    try:
+        conn = psycopg.connect(secure_conninfo(request["dsn"], purpose=Purpose.STREAM),
+                               autocommit=True, application_name="pgsieve-snapshot")
+        conn.execute("SET idle_in_transaction_session_timeout = 0")
+        conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(
+            sql.Literal(request["import"])))
+        row = conn.execute("SELECT pg_catalog.pg_export_snapshot()").fetchone()
+        assert row is not None
+        name = str(row[0])
+    except psycopg.Error as exc:
+        from pgsieve.platform.credentials import scrub_secrets
+
+        _answer({"ok": False, "code": ErrorCode.SNAPSHOT_FAILED,
+                 "error": scrub_secrets(str(exc).strip()) or type(exc).__name__})
+        return 1
+    _answer({"ok": True, "consistent_lsn": "0/0", "snapshot": name})
+    jobs = [str(j) for j in request["job_ids"]]
+    sock = conn.pgconn.socket
+    try:
+        while True:
+            ready, _, _ = select.select([sock], [], [], POLL_SECONDS)
+            if ready:
+                return 0
+            early = time.monotonic() - started < JOBS_APPEAR_SECONDS
+            try:
+                if not any(_job_wants_snapshot(request["database_url"], j, request["slot"],
+                                               grace, missing_ok=early) for j in jobs):
+                    return 0
+            except Exception as exc:  # metadata store hiccup: keep holding
+                from pgsieve.platform.credentials import scrub_secrets
+
+                log.warning("snapshot helper: cannot read the jobs: %s",
+                            scrub_secrets(str(exc)))
     finally:
         with contextlib.suppress(Exception):
             conn.close()

@@ -82,6 +82,7 @@ from pgsieve.spark.sync import (
     task_slots,
     warm_up,
 )
+from pgsieve.sync import moved
 from pgsieve.sync.diffsync import diff_table
 from pgsieve.sync.snapshot import (
     ExportedSnapshot,
@@ -114,6 +115,9 @@ log = logging.getLogger(__name__)
 SYNC_KINDS = ("initial_sync", "resync")
 ACTIVE_STATES = ("queued", "running")
 MAX_ATTEMPTS = 5
+MOVED_WAIT_SECONDS = 60.0
+"""How long a moved-rows reconciliation's runner waits for the stream to merge what it
+staged before it lets the job be (the stream ends it when it reaches the marker)."""
 PARTITION_BYTES = 256 << 20
 BLOCK_SIZE = 8192
 
@@ -386,6 +390,11 @@ class SyncJobRunner:
     # -- the job ---------------------------------------------------------------------------
     def _run(self) -> None:
         ctx = self._context()
+        with self._owned() as (_, job):
+            scope = job.details.get("scope")
+        if scope == moved.SCOPE:
+            self._stage_moved(ctx)
+            return
         with self._owned() as (session, job):
             tables = self._tables(session, ctx)
             missing = [n for n in ctx.tables if n not in tables]
@@ -419,6 +428,59 @@ class SyncJobRunner:
         for name in pending:
             self._tablesync(ctx, name)
         self._finish(ctx)
+
+    def _stage_moved(self, ctx: _Context) -> None:
+        """A filter change reconciled by the rows it moves (:mod:`.moved`): stage them
+        under the change's snapshot, then wait a while for the stream to merge them at
+        its marker (the stream ends the job). Run again (the watchdog re-enqueues a job
+        whose runner stopped), it finds them staged, or merged, and does no work twice."""
+        with self._owned() as (_, job):
+            details = dict(job.details)
+        marker = str(details["marker"])
+        tables = [moved.MovedTable.from_dict(d) for d in details["moved"]]
+        snap = ExportedSnapshot.from_dict(details["snapshot"])
+        state = moved.staged_state(ctx.target_dsn, marker, ctx.subscription_id,
+                                   self.settings.connect_timeout)
+        if state is not None and state.merged:
+            moved.finish_job(self.sessions, self.job_id, state.tables)
+            return
+        if state is None:
+            with self._owned() as (_, job):
+                job.details = {**job.details, "phase": "staging"}
+
+            def progress(table: str, added: int, removed: int) -> None:
+                with contextlib.suppress(_Lost), self._owned() as (_, job):
+                    self._set_table_state(job, table, staged={"added": added,
+                                                              "removed": removed})
+                    job.progress_done = int(job.progress_done or 0) + added + removed
+
+            with self._timed("diff_stage"):
+                staged = moved.stage_corrections(
+                    ctx.source_dsn, snap.name, ctx.target_dsn, marker, ctx.subscription_id,
+                    tables, connect_timeout=self.settings.connect_timeout,
+                    on_progress=progress)
+        else:
+            staged = state.tables
+        total = sum(int(t["added"]) + int(t["removed"]) for t in staged)
+        with self._owned() as (_, job):
+            released = list(job.details.get("released_snapshots") or [])
+            job.details = {**job.details, "phase": "waiting_for_stream",
+                           "released_snapshots": [*released, snap.slot],
+                           "timings": {k: round(v, 3) for k, v in self.timings.items()}}
+            job.progress_done = job.progress_total = total
+        deadline = time.monotonic() + MOVED_WAIT_SECONDS
+        while time.monotonic() < deadline:
+            with self.sessions() as session:
+                now = session.get(Job, self.job_id)
+                if now is None or now.state != JobState.RUNNING or now.owner != self.owner:
+                    return  # merged by the stream (or no longer ours)
+            if self._keeper is not None and self._keeper.lost.is_set():
+                return
+            time.sleep(0.25)
+        with self._owned() as (_, job):
+            # The stream has not reached the marker (disabled, say): it ends the job when
+            # it does; the watchdog looks at it again meanwhile.
+            job.owner = None
 
     def _warm_up_spark(self) -> None:
         """Start Spark (and its Python workers) while the slot and snapshot are created:

@@ -40,7 +40,14 @@ from pgsieve.wire.assembler import (
 from pgsieve.wire.batch import _SWAP, MessageBatch
 from pgsieve.wire.decoder import Decoder, pg_timestamp
 from pgsieve.wire.lsn import Lsn
-from pgsieve.wire.messages import Origin, ProtocolError, Relation, Truncate, Type
+from pgsieve.wire.messages import (
+    LogicalMessage,
+    Origin,
+    ProtocolError,
+    Relation,
+    Truncate,
+    Type,
+)
 from pgsieve.wire.relations import UnknownRelationError
 
 _BEGIN: Final = 0x42  # B
@@ -193,6 +200,26 @@ class RawChanges(Changes):
         if self._batch is not None:
             return self._batch.nbytes(self._start, self._stop)
         return sum(map(len, self.raw_messages))
+
+
+def lone_logical_message(txn: Transaction) -> LogicalMessage | None:
+    """The transactional logical message ``txn`` consists of, when that is all it holds
+    (a transaction that only called ``pg_logical_emit_message``, as pgsieve's
+    reconciliation marker does); None otherwise. Cheap enough for every transaction: a
+    length check, and a packed transaction holds row changes only."""
+    changes = txn.changes
+    if len(changes) != 1:
+        return None
+    if isinstance(changes, RawChanges):
+        if changes._batch is not None:
+            return None
+        raw = changes.raw_messages[0]
+        if raw[:1] != b"M":
+            return None
+        msg = changes._decoder.decode(raw)
+    else:
+        msg = next(iter(changes)).message
+    return msg if isinstance(msg, LogicalMessage) else None
 
 
 class TransactionSplitter:

@@ -93,6 +93,8 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
         "mode": job.details.get("mode") or "copy",
         "diff": job.details.get("diff"),
         "reason": job.details.get("reason"),
+        "scope": job.details.get("scope"),
+        "phase": job.details.get("phase"),
         "attempts": int(job.details.get("attempts", 0)),
         "last_error": job.details.get("last_error"),
         "spark": job.details.get("spark"),

@@ -191,6 +191,7 @@ def _save(
     row: PublicationRow | None,
     *,
     dry_run: bool,
+    point: reconcile.ChangePoint | None = None,
 ) -> tuple[Publication, LivePublication, list[PublicationIssue]]:
     """Validate, apply in one source transaction, write the metadata inside it, commit
     both; on any failure neither keeps the change."""
@@ -213,10 +214,13 @@ def _save(
             session.rollback()
             raise Conflict(f"a publication named '{pub.name}' already exists",
                            code=PublicationCode.EXISTS) from None
+        if point is not None:
+            point.after_ddl(conn)
 
     try:
         result = apply_publication(conn, pub, create=row is None, commit=not dry_run,
-                                   on_applied=write_metadata)
+                                   on_applied=write_metadata,
+                                   before_ddl=None if point is None else point.before_ddl)
         warnings = warnings + [w for w in result.warnings if w not in warnings]
         if not dry_run:
             try:
@@ -354,8 +358,12 @@ def patch_publication(
         pub = _patched(row, body)
         reconciling = body.reconcile == "diff" and not dry_run
         before = _before_reconcile(session, source, name, conn) if reconciling else None
-        desired, live, warnings = _save(session, conn, source, pub, row, dry_run=dry_run)
-        reconciled = (reconcile.reconcile(session, source, name, before, conn)
+        point = None if before is None else reconcile.ChangePoint(
+            session, source, name, before, pub, settings, box.decrypt(source.dsn_encrypted))
+        desired, live, warnings = _save(session, conn, source, pub, row, dry_run=dry_run,
+                                        point=point)
+        reconciled = (reconcile.reconcile(session, source, name, before, conn,
+                                          None if point is None else point.jobs)
                       if before is not None else None)
     for item in reconciled or []:
         if item["job_id"] is not None:

@@ -91,11 +91,14 @@ class DiffCounts(BaseModel):
 
 
 class TableDiff(DiffCounts):
-    method: Literal["hashes_in_worker", "hashes_at_target", "whole_rows"] | None = Field(
+    method: Literal["hashes_in_worker", "hashes_at_target", "whole_rows",
+                    "moved_rows"] | None = Field(
         default=None, description="how rows were compared — hashes_in_worker (one integer "
         "key: keys and row hashes of both ends compared in the worker), hashes_at_target "
         "(keys and row hashes staged at the target), whole_rows (a column's type differs "
-        "between the ends: every row staged); null for diffs recorded before it was shown")
+        "between the ends: every row staged), moved_rows (a filter change reconciled by "
+        "the rows it moves alone, merged at the change's point in the stream: `compared` "
+        "counts those rows); null for diffs recorded before it was shown")
 
 
 class JobTable(BaseModel):
@@ -131,6 +134,12 @@ class JobOut(BaseModel):
     reason: str | None = Field(
         default=None, description="why the job exists when pgsieve started it (a "
         "publication change reconciled: reconcile; a failed table retried: retry)")
+    scope: Literal["moved_rows"] | None = Field(
+        default=None, description="moved_rows: a filter change reconciled by the rows it "
+        "moves (the tables stay in the stream; the stream merges the staged rows at the "
+        "change's point); null: the tables are compared whole")
+    phase: str | None = Field(
+        default=None, description="moved_rows: staging, waiting_for_stream, merged")
     attempts: int = 0
     last_error: str | None = None
     spark: dict[str, Any] | None = Field(

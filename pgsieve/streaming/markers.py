@@ -1,0 +1,141 @@
+"""A filter change's marker met by a subscription's stream (see :mod:`pgsieve.sync.moved`).
+
+The marker is the ALTER PUBLICATION's own transaction: everything before it in the
+stream was filtered by the old filter, everything after by the new one. The stream
+therefore applies what precedes it, then — in the marker's own target transaction —
+the corrections the reconciliation job staged (rows to add, keys to remove, read under
+the snapshot of that very point), recording the marker's end LSN as applied: exactly
+once, like any batch. Three other endings:
+
+* the corrections are not staged yet: the stream stops before the marker and is taken
+  up again shortly (nothing after the marker is applied meanwhile);
+* the job failed (its snapshot was lost, say): the tables leave the stream at the marker
+  and a full diff job takes them (:func:`fall_back`), as a reconciliation did before;
+* no job was ever recorded for it (the change that emitted it failed): after
+  :data:`~pgsieve.sync.moved.ORPHAN_MARKER_SECONDS` it is an ordinary empty transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from pgsieve.platform import dispatch
+from pgsieve.platform.models import Job, Subscription, new_id, utcnow
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.states import JOB_ENDED, JobState, SyncState
+from pgsieve.sync import moved
+from pgsieve.sync.syncjob import add_sync_job
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.splitter import lone_logical_message
+
+log = logging.getLogger(__name__)
+
+
+class Reached(StrEnum):
+    APPLIED = "applied"
+    """Corrections merged and the marker recorded as applied (confirm its end LSN)."""
+    WAITING = "waiting"
+    """Not staged yet: stop before the marker, come back soon."""
+    ORDINARY = "ordinary"
+    """Apply the marker's transaction as an ordinary (empty) one."""
+
+
+@dataclass(frozen=True)
+class MarkerResult:
+    reached: Reached
+    detail: str = ""
+
+
+def marker_for(txn: Transaction, subscription_id: str) -> moved.Marker | None:
+    """The reconciliation marker ``txn`` is, if it concerns this subscription."""
+    marker = moved.parse_marker(lone_logical_message(txn))
+    if marker is None or subscription_id not in marker.subscriptions:
+        return None
+    return marker
+
+
+class _NotStaged(Exception):
+    """Rolls the marker's target transaction back: nothing to merge yet."""
+
+
+def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscription_id: str,
+                 writer: Any, txn: Transaction, marker: moved.Marker) -> MarkerResult:
+    """Everything before the marker is applied; what to do with it (see the module)."""
+    job_id = marker.subscriptions[subscription_id]
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        state = None if job is None else job.state
+        fell_back = None if job is None else job.details.get("fell_back_to")
+    if job is None:
+        age = (datetime.now(UTC) - txn.commit_time).total_seconds()
+        if age > moved.ORPHAN_MARKER_SECONDS:
+            log.warning("subscription %s: reconciliation marker %s has no job; passed over",
+                        subscription_id, marker.id)
+            return MarkerResult(Reached.ORDINARY, "no job")
+        return MarkerResult(Reached.WAITING, f"waiting for reconciliation job {job_id}")
+    if state == JobState.FAILED or fell_back is not None:
+        if fell_back is None:
+            fall_back(sessions, settings, subscription_id, job_id)
+        return MarkerResult(Reached.ORDINARY, "full diff")
+    conn = writer.conn
+    writer.applied_unknown()
+    try:
+        with conn.transaction():
+            current = writer.lock_applied(conn)
+            if current is not None and current >= txn.end_lsn:
+                raise _NotStaged("applied already")
+            writer.replica_role(conn)  # as the apply: no ordinary triggers fire
+            merged = moved.merge_corrections(conn, marker.id, subscription_id)
+            if merged is None:
+                raise _NotStaged("not staged")
+            writer.write_applied(conn, txn.end_lsn, txn.commit_lsn, txn.commit_time)
+    except _NotStaged as why:
+        writer.applied_unknown()
+        if str(why) == "applied already":
+            return MarkerResult(Reached.APPLIED, "applied already")
+        if state in JOB_ENDED:
+            return MarkerResult(Reached.ORDINARY, "job ended")
+        return MarkerResult(Reached.WAITING,
+                            f"waiting for reconciliation job {job_id} to stage its rows")
+    writer.applied_committed(txn.end_lsn)
+    moved.finish_job(sessions, job_id, merged.tables, merged.seconds)
+    log.info("subscription %s: filter change reconciled at %s (+%d -%d ~%d rows)",
+             subscription_id, txn.end_lsn, merged.added, merged.removed, merged.updated)
+    return MarkerResult(Reached.APPLIED)
+
+
+def fall_back(sessions: sessionmaker[Session], settings: Settings, subscription_id: str,
+              job_id: str) -> None:
+    """The moved-rows reconciliation failed: at the marker, its tables leave the stream
+    and a full diff job takes them (its own snapshot, then catch-up, as any resync)."""
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        sub = session.get(Subscription, subscription_id)
+        if job is None or sub is None or job.details.get("fell_back_to"):
+            return
+        tables = list(job.details.get("tables") or [])
+        for t in sub.tables:
+            if t.table_name in tables and t.sync_state in (SyncState.CATCHUP, SyncState.READY):
+                t.sync_state, t.sync_lsn, t.rows_copied, t.error = SyncState.INIT, None, 0, None
+        diff = Job(id=new_id(), kind="resync", subscription_id=subscription_id,
+                   state=JobState.QUEUED,
+                   details={"tables": tables, "mode": "diff", "reason": "reconcile",
+                            "publication": job.details.get("publication"),
+                            "after_job": job_id,
+                            "routes_changed_at": utcnow().isoformat()})
+        job.details = {**job.details, "fell_back_to": diff.id}
+        new = add_sync_job(session, diff)
+    if new is None:
+        log.error("subscription %s: reconciling by moved rows failed (job %s) and another "
+                  "sync job runs: run POST /subscriptions/%s/sync {mode: diff} for %s",
+                  subscription_id, job_id, subscription_id, ", ".join(tables))
+        return
+    dispatch.initial_sync(settings, new)
+    log.warning("subscription %s: reconciling by moved rows failed (job %s); a full diff "
+                "(job %s) takes its tables", subscription_id, job_id, new)

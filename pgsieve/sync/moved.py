@@ -1,0 +1,417 @@
+"""A filter change reconciled by the rows it moves, at the exact point of the change.
+
+A full diff (:mod:`.diffsync`) looks at every published row of the table; after a change
+that moves 2 % of them that is 98 % of work that changes nothing. On a target that was
+right under the old effective filter, only rows matching exactly one of the old and the
+new filter change membership (a row "matches" when the filter is true). This module
+reconciles those alone, exactly:
+
+1. **One point.** pgsieve runs the ``ALTER PUBLICATION`` itself, in a transaction that
+   first takes ``SHARE`` locks on the affected tables (:func:`lock_and_export`): no write
+   to them commits between its snapshot and its commit. It exports that snapshot, has a
+   detached helper import it (:func:`pgsieve.sync.snapshot.hold_imported_snapshot`) and
+   emits a transactional logical message, the *marker* (:func:`emit_marker`). Every
+   slot decodes the marker exactly at the ALTER's commit: changes before it were
+   filtered by the old filter, changes after it by the new one.
+2. **The corrections, read later without blocking writers.** A sync job
+   (:func:`stage_corrections`) reads, under the held snapshot, the rows to add (``new
+   AND NOT old``, published columns) and the keys to remove (``old AND NOT new``), and
+   stages them at the target in tables of schema ``pgsieve``, committed together with a
+   row of ``pgsieve.reconcile_staged`` that says they are complete.
+3. **Applied in stream order** (:func:`merge_corrections`, called by the stream when it
+   reaches the marker): in the marker's own target transaction the staged keys are
+   deleted, the rows to add inserted, the staging dropped, and the marker's end LSN
+   recorded as applied. Exactly once by the same rule as every batch.
+
+Where it does not apply (a column added to a column list, per-operation filters that
+differ from the initial-sync filter, partitioned tables, a table still syncing) the full
+diff runs instead: see :func:`moved_table`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psycopg
+from psycopg import sql
+from sqlalchemy.orm import Session, sessionmaker
+
+from pgsieve.apply.target import IDENTITY_SQL, SCHEMA
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.errors import ErrorCode
+from pgsieve.platform.models import Job, utcnow
+from pgsieve.platform.states import JOB_ENDED, JobState
+from pgsieve.rowfilter.change import TableChange
+from pgsieve.rowfilter.effective import TableInfo
+from pgsieve.rowfilter.parse import parse_table_name
+from pgsieve.sync.diffrun import names
+from pgsieve.sync.diffsync import _SAME_TEXT
+from pgsieve.sync.syncplan import SyncError
+from pgsieve.wire.messages import LogicalMessage
+
+log = logging.getLogger(__name__)
+
+MARKER_PREFIX = "pgsieve.reconcile"
+"""The logical message prefix of a reconciliation marker."""
+STAGED_TABLE = "reconcile_staged"
+SCOPE = "moved_rows"
+"""``details.scope`` of a reconciliation job of this kind (and each table's method)."""
+ORPHAN_MARKER_SECONDS = 120.0
+"""A marker naming a subscription that has no job for it this long after its commit is
+let through (the PATCH that emitted it failed before its metadata committed)."""
+
+_DDL = f"""
+CREATE SCHEMA IF NOT EXISTS {SCHEMA};
+CREATE TABLE IF NOT EXISTS {SCHEMA}.{STAGED_TABLE} (
+    marker text NOT NULL,
+    subscription_id text NOT NULL,
+    tables jsonb NOT NULL,
+    staged_at timestamptz NOT NULL DEFAULT now(),
+    merged jsonb,
+    PRIMARY KEY (marker, subscription_id)
+);
+COMMENT ON TABLE {SCHEMA}.{STAGED_TABLE} IS
+    'pgsieve: corrections of a filter change, staged until the stream reaches its marker';
+"""
+
+
+@dataclass(frozen=True)
+class MovedTable:
+    """One table of a subscription reconciled by the rows it moves."""
+
+    table: str
+    before: str | None
+    """The initial-sync filter before the change (None: every row)."""
+    after: str | None
+    columns: tuple[str, ...]
+    """The columns published after the change, in order."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "columns": list(self.columns)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MovedTable:
+        return cls(str(data["table"]), data.get("before"), data.get("after"),
+                   tuple(data["columns"]))
+
+
+_ALL_OPS = ("insert", "update", "delete")
+
+
+def moved_table(change: TableChange, info: TableInfo | None, sync_state: str) -> MovedTable | None:
+    """The table's reconciliation by moved rows, or None when only a full diff is right:
+
+    * the table streams (``ready``): its target holds exactly the source's rows under the
+      old filter only then;
+    * a plain table (partitions and partitioned tables take the full diff);
+    * no column added to the column list (every row needs the new column's values);
+    * before and after, every DML operation is published with the initial-sync filter
+      (otherwise the target is not simply "the rows matching the filter").
+    """
+    before, after = change.before, change.after
+    if (before is None or after is None or not change.reconcilable or change.added_columns
+            or sync_state != "ready" or info is None or info.partitioned
+            or info.parent is not None or not after.expanded):
+        return None
+    for side in (before, after):
+        if any(op not in side.filters or side.filters[op] != side.filter for op in _ALL_OPS):
+            return None
+    return MovedTable(change.table, before.filter, after.filter, tuple(after.expanded))
+
+
+# -- at the source, inside the ALTER's transaction --------------------------------------
+
+
+def lock_and_export(conn: psycopg.Connection[Any], tables: Sequence[str]) -> str:
+    """First in the publication change's transaction: ``SHARE`` locks on ``tables`` (no
+    write to them can commit until this transaction does), then the snapshot, exported.
+    Rows read under it are the tables' rows at the ALTER's commit."""
+    idents = [sql.Identifier(*parse_table_name(t)) for t in sorted(set(tables))]
+    conn.execute(sql.SQL("LOCK TABLE {} IN SHARE MODE").format(sql.SQL(", ").join(idents)))
+    row = conn.execute("SELECT pg_catalog.pg_export_snapshot()").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def emit_marker(conn: psycopg.Connection[Any], marker: str,
+                subscriptions: dict[str, str]) -> None:
+    """The marker, in the ALTER's transaction: decoded by every slot at its commit.
+    ``subscriptions``: the job of each subscription it concerns."""
+    payload = json.dumps({"id": marker, "subscriptions": subscriptions})
+    conn.execute("SELECT pg_catalog.pg_logical_emit_message(true, %s, %s)",
+                 (MARKER_PREFIX, payload))
+
+
+@dataclass(frozen=True)
+class Marker:
+    id: str
+    subscriptions: dict[str, str]
+    """subscription id -> its reconciliation job."""
+
+
+def parse_marker(message: LogicalMessage | None) -> Marker | None:
+    """A reconciliation marker from a decoded logical message (None: not one)."""
+    if message is None or message.prefix != MARKER_PREFIX or not message.transactional:
+        return None
+    try:
+        data = json.loads(message.content)
+        return Marker(str(data["id"]), {str(k): str(v)
+                                        for k, v in dict(data["subscriptions"]).items()})
+    except (ValueError, KeyError, TypeError):
+        log.warning("ignoring a malformed %s message", MARKER_PREFIX)
+        return None
+
+
+# -- the job: stage the corrections at the target ----------------------------------------
+
+
+def _stage_name(marker: str, subscription_id: str, index: int) -> str:
+    return f"reconcile_{marker[:12]}_{subscription_id[:8]}_{index}"
+
+
+def _truth(expr: str | None) -> sql.Composable:
+    """A filter as PostgreSQL printed it (``pg_get_expr``), true when it is true."""
+    return sql.SQL("true") if expr is None else sql.SQL("(({}) IS TRUE)").format(sql.SQL(expr))
+
+
+@dataclass(frozen=True)
+class StagedState:
+    tables: list[dict[str, Any]]
+    """What was staged (merged: what was applied, per table)."""
+    merged: bool
+
+
+def staged_state(target_dsn: str, marker: str, subscription_id: str,
+                 connect_timeout: int = 10) -> StagedState | None:
+    """Where the corrections of ``marker`` for the subscription are (None: not staged)."""
+    with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.CONTROL,
+                                         connect_timeout=connect_timeout),
+                         autocommit=True) as tgt:
+        return _state(tgt, marker, subscription_id)
+
+
+def _state(tgt: psycopg.Connection[Any], marker: str, subscription_id: str,
+           lock: bool = False) -> StagedState | None:
+    exists = tgt.execute("SELECT to_regclass(%s) IS NOT NULL",
+                         (f"{SCHEMA}.{STAGED_TABLE}",)).fetchone()
+    if not exists or not exists[0]:
+        return None
+    row = tgt.execute(f"SELECT tables, merged FROM {SCHEMA}.{STAGED_TABLE} "
+                      "WHERE marker = %s AND subscription_id = %s"
+                      + (" FOR UPDATE" if lock else ""),
+                      (marker, subscription_id)).fetchone()
+    if row is None:
+        return None
+    return StagedState(list(row[1] if row[1] is not None else row[0]), row[1] is not None)
+
+
+def stage_corrections(source_dsn: str, snapshot: str, target_dsn: str, marker: str,
+                      subscription_id: str, tables: Sequence[MovedTable], *,
+                      connect_timeout: int = 10,
+                      on_progress: Callable[[str, int, int], None] | None = None
+                      ) -> list[dict[str, Any]]:
+    """Read each table's rows to add and keys to remove under ``snapshot`` and stage them
+    at the target, all in one target transaction with the ``reconcile_staged`` row (so
+    they are staged completely or not at all). Idempotent: staged already, it returns
+    what was staged. ``on_progress(table, added, removed)`` after each table."""
+    with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.STREAM,
+                                         connect_timeout=connect_timeout,
+                                         application_name="pgsieve-reconcile"),
+                         autocommit=True) as tgt, \
+            psycopg.connect(secure_conninfo(source_dsn, purpose=Purpose.STREAM,
+                                            connect_timeout=connect_timeout,
+                                            application_name="pgsieve-reconcile"),
+                            autocommit=True) as src:
+        with tgt.transaction():
+            tgt.execute("SELECT pg_advisory_xact_lock(hashtext('pgsieve.ensure_schema'))")
+            tgt.execute(_DDL.encode())
+        done = _state(tgt, marker, subscription_id)
+        if done is not None:
+            return done.tables
+        tgt.execute(f"DELETE FROM {SCHEMA}.{STAGED_TABLE} WHERE merged IS NOT NULL "
+                    "AND staged_at < now() - interval '7 days'")
+        for conn in (tgt, src):
+            for name, value in _SAME_TEXT:
+                conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name),
+                                                           sql.Literal(value)))
+        src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+        try:
+            src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+        except (psycopg.errors.InvalidParameterValue,
+                psycopg.errors.ObjectNotInPrerequisiteState) as exc:
+            raise SyncError(f"the snapshot of the filter change is gone ({exc}); the "
+                            "stream reconciles these tables with a full diff instead",
+                            code=ErrorCode.SNAPSHOT_FAILED) from None
+        out: list[dict[str, Any]] = []
+        with tgt.transaction():
+            for index, moved in enumerate(tables):
+                item = _stage_table(src, tgt, moved, _stage_name(marker, subscription_id,
+                                                                 index))
+                out.append(item)
+                if on_progress is not None:
+                    on_progress(moved.table, item["added"], item["removed"])
+            tgt.execute(f"INSERT INTO {SCHEMA}.{STAGED_TABLE} (marker, subscription_id, tables) "
+                        "VALUES (%s, %s, %s)", (marker, subscription_id, json.dumps(out)))
+        src.execute("COMMIT")
+        return out
+
+
+def _stage_table(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
+                 moved: MovedTable, stage: str) -> dict[str, Any]:
+    """Stage one table's corrections: published columns of the rows to add, and the keys
+    of the rows to remove (their other columns NULL), ``_pgsieve_remove`` telling which."""
+    schema, name = parse_table_name(moved.table)
+    target = sql.Identifier(schema, name)
+    oid = tgt.execute("SELECT c.oid FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+                      "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
+                      (schema, name)).fetchone()
+    if oid is None:
+        raise SyncError(f"{moved.table} does not exist at the target",
+                        code=ErrorCode.UNKNOWN_TABLE)
+    key = _key(tgt, moved.table, int(oid[0]))
+    missing = [c for c in key if c not in moved.columns]
+    if missing:
+        raise SyncError(f"{moved.table}: the key column(s) {', '.join(missing)} are not "
+                        "published (column list): compare by key is impossible",
+                        code=ErrorCode.DIFF_NEEDS_KEY)
+    columns = list(moved.columns)
+    staging = sql.Identifier(SCHEMA, stage)
+    tgt.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(staging))
+    tgt.execute(sql.SQL(
+        "CREATE TABLE {s} AS SELECT {cols}, false AS _pgsieve_remove FROM {t} WITH NO DATA"
+    ).format(s=staging, cols=names(columns), t=target))
+    old, new = _truth(moved.before), _truth(moved.after)
+    added = _pipe(src, tgt, sql.SQL(
+        "COPY (SELECT {cols}, false FROM ONLY {t} WHERE {new} AND NOT {old}) TO STDOUT"
+    ).format(cols=names(columns), t=target, new=new, old=old),
+        sql.SQL("COPY {s} ({cols}, _pgsieve_remove) FROM STDIN").format(
+            s=staging, cols=names(columns)))
+    removed = _pipe(src, tgt, sql.SQL(
+        "COPY (SELECT {cols}, true FROM ONLY {t} WHERE {old} AND NOT {new}) TO STDOUT"
+    ).format(cols=names(key), t=target, new=new, old=old),
+        sql.SQL("COPY {s} ({cols}, _pgsieve_remove) FROM STDIN").format(
+            s=staging, cols=names(key)))
+    return {"table": moved.table, "stage": stage, "columns": columns, "key": key,
+            "added": added, "removed": removed, "method": SCOPE}
+
+
+def _key(tgt: psycopg.Connection[Any], table: str, oid: int) -> list[str]:
+    row = tgt.execute(IDENTITY_SQL, (oid,)).fetchone()
+    if not row or not row[0]:
+        raise SyncError(f"{table} has no primary key or replica identity index at the "
+                        "target: compare by key is impossible (use mode copy)",
+                        code=ErrorCode.DIFF_NEEDS_KEY)
+    return [str(c) for c in row[0]]
+
+
+def _pipe(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any], out: sql.Composed,
+          into: sql.Composed) -> int:
+    """Source COPY TO into target COPY FROM, chunk by chunk; the rows moved."""
+    rows = 0
+    with src.cursor().copy(out) as reader, tgt.cursor().copy(into) as writer:
+        for chunk in reader:
+            rows += bytes(chunk).count(b"\n")
+            writer.write(chunk)
+    return rows
+
+
+# -- the stream: merge at the marker -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Merged:
+    added: int
+    removed: int
+    updated: int
+    tables: list[dict[str, Any]]
+    seconds: float
+
+
+def merge_corrections(conn: psycopg.Connection[Any], marker: str,
+                      subscription_id: str) -> Merged | None:
+    """Inside the marker's target transaction: apply the staged corrections and drop
+    them. None when nothing is staged for the marker (yet)."""
+    started = time.perf_counter()
+    state = _state(conn, marker, subscription_id, lock=True)
+    if state is None or state.merged:
+        return None
+    tables = state.tables
+    added = removed = updated = 0
+    out = []
+    for item in tables:
+        schema, name = parse_table_name(item["table"])
+        target = sql.Identifier(schema, name)
+        staging = sql.Identifier(SCHEMA, item["stage"])
+        key = list(item["key"])
+        match = sql.SQL(" AND ").join(
+            sql.SQL("t.{c} = s.{c}").format(c=sql.Identifier(c)) for c in key)
+        gone = conn.execute(sql.SQL(
+            "DELETE FROM {t} t USING {s} s WHERE s._pgsieve_remove AND {m}").format(
+                t=target, s=staging, m=match)).rowcount
+        replaced = conn.execute(sql.SQL(
+            "DELETE FROM {t} t USING {s} s WHERE NOT s._pgsieve_remove AND {m}").format(
+                t=target, s=staging, m=match)).rowcount
+        cols = names(item["columns"])
+        put = conn.execute(sql.SQL(
+            "INSERT INTO {t} ({cols}) SELECT {cols} FROM {s} WHERE NOT _pgsieve_remove"
+        ).format(t=target, cols=cols, s=staging)).rowcount
+        conn.execute(sql.SQL("DROP TABLE {}").format(staging))
+        removed += max(0, gone)
+        updated += max(0, replaced)
+        added += max(0, put) - max(0, replaced)
+        out.append({**item, "added": max(0, put) - max(0, replaced), "removed": max(0, gone),
+                    "updated": max(0, replaced)})
+    conn.execute(f"UPDATE {SCHEMA}.{STAGED_TABLE} SET merged = %s WHERE marker = %s "
+                 "AND subscription_id = %s", (json.dumps(out), marker, subscription_id))
+    return Merged(added, removed, updated, out, time.perf_counter() - started)
+
+
+def drop_staged(target_dsn: str, marker: str, subscription_id: str,
+                connect_timeout: int = 10) -> None:
+    """Forget corrections that will not be merged (the stream took the full diff)."""
+    with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.CONTROL,
+                                         connect_timeout=connect_timeout),
+                         autocommit=True) as tgt, tgt.transaction():
+        state = _state(tgt, marker, subscription_id, lock=True)
+        if state is None or state.merged:
+            return
+        for item in state.tables:
+            tgt.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(
+                sql.Identifier(SCHEMA, item["stage"])))
+        if state is not None:
+            tgt.execute(f"DELETE FROM {SCHEMA}.{STAGED_TABLE} WHERE marker = %s "
+                        "AND subscription_id = %s", (marker, subscription_id))
+
+
+def finish_job(sessions: sessionmaker[Session], job_id: str, tables: list[dict[str, Any]],
+               merge_seconds: float | None = None) -> None:
+    """The corrections are at the target: the job is done, with what it wrote."""
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        if job is None or job.state in JOB_ENDED:
+            return
+        totals = {"compared": 0, "added": 0, "removed": 0, "updated": 0}
+        states = dict(job.details.get("table_state") or {})
+        for item in tables:
+            counts = {"compared": int(item["added"]) + int(item["removed"])
+                      + int(item.get("updated", 0)),
+                      "added": int(item["added"]), "removed": int(item["removed"]),
+                      "updated": int(item.get("updated", 0))}
+            for k, v in counts.items():
+                totals[k] += v
+            states[item["table"]] = {**states.get(item["table"], {}), "finished": True,
+                                     "diff": {**counts, "method": SCOPE}}
+        timings = dict(job.details.get("timings") or {})
+        if merge_seconds is not None:
+            timings["diff_merge"] = round(merge_seconds, 3)
+        job.details = {**job.details, "diff": totals, "table_state": states,
+                       "phase": "merged", "timings": timings}
+        job.state, job.finished_at, job.error, job.owner = JobState.DONE, utcnow(), None, None
+        job.progress_done = totals["compared"]
+        job.progress_total = totals["compared"]
+        session.commit()
