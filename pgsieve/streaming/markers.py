@@ -26,6 +26,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform import dispatch
+from pgsieve.platform.faults import fault_point
 from pgsieve.platform.models import Job, Subscription, new_id, utcnow
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JOB_ENDED, JobState, SyncState
@@ -95,6 +96,7 @@ def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscripti
             if merged is None:
                 raise _NotStaged("not staged")
             writer.write_applied(conn, txn.end_lsn, txn.commit_lsn, txn.commit_time)
+            fault_point("cycle.mid_marker")  # crash tests: merged, not committed
     except _NotStaged as why:
         writer.applied_unknown()
         if str(why) == "applied already":

@@ -44,6 +44,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from pgsieve.apply.target import IDENTITY_SQL, SCHEMA
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
+from pgsieve.platform.faults import fault_point
 from pgsieve.platform.models import Job, utcnow
 from pgsieve.platform.states import JOB_ENDED, JobState
 from pgsieve.rowfilter.change import TableChange
@@ -257,6 +258,7 @@ def stage_corrections(source_dsn: str, snapshot: str, target_dsn: str, marker: s
                     on_progress(moved.table, item["added"], item["removed"])
             tgt.execute(f"INSERT INTO {SCHEMA}.{STAGED_TABLE} (marker, subscription_id, tables) "
                         "VALUES (%s, %s, %s)", (marker, subscription_id, json.dumps(out)))
+            fault_point("sync.moved_staged")  # crash tests: staged, not committed
         src.execute("COMMIT")
         return out
 

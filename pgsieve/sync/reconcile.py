@@ -242,7 +242,8 @@ def reconcile(session: Session, source: Source, name: str, before: Before,
         if not affected:
             continue
         item: dict[str, Any] = {"subscription_id": sub.id, "subscription": sub.name,
-                                "tables": affected, "job_id": None, "error": None}
+                                "tables": affected, "job_id": None, "error": None,
+                                "method": None}
         if initial_sync_pending(session, sub):
             item["error"] = ("the initial sync has not completed: its tables are copied "
                              "as they are published when it reaches them")
@@ -264,5 +265,6 @@ def reconcile(session: Session, source: Source, name: str, before: Before,
                 item["error"] = (f"sync job {running} of this subscription started first; "
                                  "run POST …/sync {mode: diff} for these tables after it")
             item["job_id"] = job_id
+            item["method"] = None if job_id is None else "diff"
         out.append(item)
     return out

@@ -163,6 +163,13 @@ class ReconcileOut(BaseModel):
     tables: list[str]
     job_id: str | None
     error: str | None = None
+    method: Literal["moved_rows", "diff"] | None = Field(
+        default=None, description="moved_rows: the tables stay in the stream, and only the "
+        "rows the change moves are read (under the snapshot of the change, taken in its own "
+        "transaction) and merged at the change's point in the stream; diff: the tables leave "
+        "the stream and are compared whole under a snapshot taken after the change (a "
+        "column added to a column list, a partitioned table, a table not yet streaming, "
+        "per-operation filters); null when no job was started")
 
 
 class PlanSide(BaseModel):

@@ -1,0 +1,228 @@
+"""A filter change reconciled by the rows it moves (issue 19, ``pgsieve/sync/moved.py``):
+the ALTER's transaction marks its point in every slot's stream; the job stages the rows
+to add and the keys to remove under the snapshot of that point; the stream merges them
+at the marker. Real clusters, a real ``pgsieve worker`` and ``beat`` on Redis, writes on
+the source throughout; the oracle is the source itself, and a native subscriber of the
+same publication is shown not to end right.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+import tests.integration.pipeline_env as pipeline_env_module
+from pgsieve.sync.moved import MARKER_PREFIX, emit_marker, lock_and_export, parse_marker
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.splitter import TransactionSplitter, lone_logical_message
+from tests.conftest import Database
+from tests.integration.pipeline_env import PipelineEnv, pipeline_env, wait_until
+from tests.integration.sync_env import native_copy, rows
+from tests.integration.test_reconcile import (
+    ROWS,
+    SCHEMA,
+    Reader,
+    Writes,
+    _equal_to_source,
+    _job_done,
+    _ready,
+)
+
+pytestmark = pytest.mark.spark
+
+REDIS_DB = 10
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[PipelineEnv]:
+    monkeypatch.setattr(pipeline_env_module, "REDIS_DB", REDIS_DB)
+    with pipeline_env(tmp_path) as deployment:
+        yield deployment
+
+
+def test_the_marker_is_the_alter_transaction_alone_in_the_stream(source_db: Database):
+    """Bytes from a real server: the marker's transaction is found by
+    ``lone_logical_message`` (and parsed), ordinary one-row transactions are not; the
+    SHARE lock taken before the export makes a writer wait for the commit."""
+    source_db.execute(SCHEMA + "CREATE PUBLICATION pub FOR TABLE items WHERE (region = 'eu');")
+    source_db.execute("SELECT pg_create_logical_replication_slot('moved_wire', 'pgoutput')")
+    source_db.execute("INSERT INTO items VALUES (1, 'eu', 'a')")
+    with psycopg.connect(source_db.dsn) as conn:
+        snapshot = lock_and_export(conn, ["public.items"])
+        assert snapshot
+        blocked = threading.Event()
+
+        def write() -> None:
+            with psycopg.connect(source_db.dsn, autocommit=True) as other:
+                other.execute("INSERT INTO items VALUES (2, 'eu', 'b')")
+            blocked.set()
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        time.sleep(0.5)
+        assert not blocked.is_set()  # the SHARE lock holds writers until the commit
+        conn.execute("ALTER PUBLICATION pub SET TABLE items WHERE (region = 'us')")
+        emit_marker(conn, "m1", {"sub-a": "job-a"})
+        conn.commit()
+    writer.join(10)
+    assert blocked.is_set()
+    # Decoding reads flushed WAL only (the test cluster commits asynchronously).
+    peek = ("SELECT lsn::text, data FROM pg_logical_slot_peek_binary_changes('moved_wire', "
+            "NULL, NULL, 'proto_version', '1', 'publication_names', 'pub', 'messages', 'true')")
+    deadline = time.monotonic() + 15
+    data = source_db.query(peek)
+    while len(data) < 7 and time.monotonic() < deadline:  # B I C, B M C (+ a Relation)
+        time.sleep(0.2)
+        data = source_db.query(peek)
+    splitter = TransactionSplitter(proto_version=1)
+    txns: list[Transaction] = []
+    for lsn, raw in data:
+        hi, lo = lsn.split("/")
+        item = splitter.feed_bytes(bytes(raw), (int(hi, 16) << 32) | int(lo, 16))
+        if isinstance(item, Transaction):
+            txns.append(item)
+    assert [len(t.changes) for t in txns] == [1, 1]  # the eu insert, then the marker
+    assert lone_logical_message(txns[0]) is None
+    message = lone_logical_message(txns[1])
+    assert message is not None and message.prefix == MARKER_PREFIX
+    marker = parse_marker(message)
+    assert marker is not None and marker.id == "m1"
+    assert marker.subscriptions == {"sub-a": "job-a"}
+    # The row written while the lock was held committed after the ALTER: filtered by
+    # the new filter ('us'), so not sent.
+    assert rows(source_db, "items", "id") == [(1,), (2,)]
+
+
+def _setup(env: PipelineEnv, source_db: Database, target_db: Database,
+           native_db: Database | None = None) -> tuple[str, str]:
+    source_db.execute(SCHEMA + ROWS)
+    target_db.execute(SCHEMA)
+    src, tgt = env.register(source_db, target_db)
+    env.api("POST", f"/sources/{src}/publications", json={
+        "name": "pub", "tables": [{"table": "public.items", "where": "region = 'eu'"}]})
+    sub_id = env.api("POST", "/subscriptions", json={
+        "name": "eu-replica", "source_id": src, "target_id": tgt, "publications": ["pub"],
+        "copy_data": True, "options": {"batch_max_wait_ms": 200}})["id"]
+    if native_db is not None:
+        native_db.execute(SCHEMA)
+        native_copy(source_db, native_db, "nat_moved", ["pub"])
+    return src, sub_id
+
+
+def _patch(env: PipelineEnv, src: str, where: str) -> dict[str, Any]:
+    r = env.client.patch(f"/api/v1/sources/{src}/publications/pub", json={
+        "alter_tables": [{"table": "public.items", "where": where}], "reconcile": "diff"})
+    assert r.status_code == 200, r.text
+    [item] = r.json()["reconcile"]
+    return dict(item)
+
+
+class States(threading.Thread):
+    """Samples the table's sync state: a moved-rows reconciliation never takes it out of
+    the stream."""
+
+    def __init__(self, env: PipelineEnv, sub_id: str) -> None:
+        super().__init__(daemon=True)
+        self.env, self.sub_id = env, sub_id
+        self.stop = threading.Event()
+        self.seen: set[str] = set()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for t in self.env.subscription(self.sub_id)["tables"]:
+                self.seen.add(t["sync_state"])
+            time.sleep(0.2)
+
+
+def _staging_left(target_db: Database) -> int:
+    return int(target_db.query(
+        "SELECT count(*) FROM pg_tables WHERE schemaname = 'pgsieve' "
+        "AND tablename LIKE 'reconcile\\_%' AND tablename <> 'reconcile_staged'")[0][0])
+
+
+def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_merging(
+        env: PipelineEnv, source_db: Database, target_db: Database, native_db: Database):
+    """The filter moves (eu -> us) under writes. The worker is killed with the rows
+    staged but not committed, the next one with the merge written but not committed; the
+    third ends it. The table never leaves the stream, readers never see it emptied, the
+    target ends equal to the source's us rows, no staging is left; native keeps the eu
+    rows and misses the us ones."""
+    src, sub_id = _setup(env, source_db, target_db, native_db)
+    first = env.start_worker("first", PGSIEVE_FAULTS="sync.moved_staged@1")
+    env.start_beat()
+    wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
+    writes, reader, states = Writes(source_db.dsn), Reader(target_db.dsn), States(env, sub_id)
+    for t in (writes, reader, states):
+        t.start()
+    try:
+        item = _patch(env, src, "region = 'us'")
+        assert item["method"] == "moved_rows" and item["error"] is None, item
+        wait_until(lambda: first.poll() is not None, 120, "the worker to die staging", env)
+        env.kill(first)
+        second = env.start_worker("second", PGSIEVE_FAULTS="cycle.mid_marker@1")
+        wait_until(lambda: second.poll() is not None, 120, "the worker to die merging", env)
+        env.kill(second)
+        env.start_worker("third")
+        job = _job_done(env, item["job_id"])
+        time.sleep(1)
+    finally:
+        for t in (writes, reader, states):
+            t.stop.set()
+        for t in (writes, reader, states):
+            t.join(30)
+    assert writes.error is None and writes.count > 100, writes.error
+    assert job["scope"] == "moved_rows" and job["phase"] == "merged"
+    assert job["reason"] == "reconcile" and job["mode"] == "diff"
+    [table] = job["tables"]
+    assert table["diff"]["method"] == "moved_rows"
+    # About a third of 30,000 rows left (eu) and a third came (us), nothing re-copied.
+    assert 8000 < table["diff"]["added"] < 12000 and 8000 < table["diff"]["removed"] < 12000
+    assert states.seen == {"ready"}, states.seen
+    assert reader.smallest is not None and reader.smallest > 8000
+    _equal_to_source(env, source_db, target_db, "region = 'us'")
+    assert _staging_left(target_db) == 0
+    assert target_db.query("SELECT count(*) FROM pgsieve.reconcile_staged "
+                           "WHERE merged IS NULL")[0][0] == 0
+    native = set(rows(native_db, "items"))
+    assert native != set(rows(source_db, "items WHERE region = 'us'"))
+    assert any(r[1] == "eu" for r in native)  # rows that no longer match stay there
+
+
+def test_a_lost_snapshot_falls_back_to_a_full_diff_at_the_marker(
+        env: PipelineEnv, source_db: Database, target_db: Database):
+    """The snapshot the change exported is gone before the job reads under it (its
+    holder's session ended): the job fails with ``snapshot_failed``, the stream takes
+    the table out at the marker and a full diff job (``after_job``) puts it right."""
+    src, sub_id = _setup(env, source_db, target_db)
+    worker = env.start_worker()
+    env.start_beat()
+    wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
+    env.kill(worker)
+    item = _patch(env, src, "region = 'ap'")
+    assert item["method"] == "moved_rows", item
+    source_db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                      "WHERE application_name = 'pgsieve-snapshot'")
+    source_db.execute("UPDATE items SET val = val || '*' WHERE id % 7 = 0")
+    env.start_worker("again")
+    wait_until(lambda: env.api("GET", f"/jobs/{item['job_id']}")["state"] == "failed", 120,
+               "the moved-rows job to fail", env)
+    failed = env.api("GET", f"/jobs/{item['job_id']}")
+    assert failed["error_code"] == "snapshot_failed", failed
+
+    def follow_up() -> dict[str, Any] | None:
+        jobs = [j for j in env.api("GET", "/jobs") if j["subscription_id"] == sub_id
+                and j["reason"] == "reconcile" and j["id"] != item["job_id"]]
+        return jobs[0] if jobs else None
+
+    wait_until(lambda: follow_up() is not None, 120, "the full diff job", env)
+    full = follow_up()
+    assert full is not None and full["scope"] is None and full["mode"] == "diff"
+    _job_done(env, full["id"])
+    wait_until(lambda: _ready(env, sub_id), 120, "the table back in the stream", env)
+    _equal_to_source(env, source_db, target_db, "region = 'ap'")
