@@ -15,7 +15,13 @@ exactly the new filter's rows:
 * pgsieve copy — the same job in ``mode: copy`` (the table emptied and copied again);
 * native re-copy — ``TRUNCATE`` and ``CREATE SUBSCRIPTION … WITH (copy_data = true)``
   until synchronized: what native's drop/re-add + ``REFRESH PUBLICATION WITH
-  (copy_data)`` costs for the table (its copy; the catalog steps are negligible).
+  (copy_data)`` costs for the table (its copy; the catalog steps are negligible);
+* pgsieve moved rows — the whole product path: a subscription streaming from a real
+  ``pgsieve worker`` (Redis, metadata store), and ``PATCH …/publications/{name}`` with
+  ``reconcile: diff``; timed from the PATCH until its job is done (the rows the change
+  moves staged under the change's own snapshot and merged by the stream at its marker).
+  The PATCH's own time is shown too: the source's writers to the table wait for it
+  (the SHARE lock of the change's transaction).
 
 Meanwhile a reader looks rows up by key at the target every 10 ms; the longest lookup is
 the time readers were blocked (a TRUNCATE holds ACCESS EXCLUSIVE until its copy commits).
@@ -29,10 +35,14 @@ written to ``/dev/null`` by the server — what a diff that moves them to compar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing
 import os
 import random
+import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -40,7 +50,9 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from fastapi.testclient import TestClient
 
+from pgsieve.api.app import create_app
 from pgsieve.platform.credentials import SecretBox
 from pgsieve.platform.db import session_factory, session_scope
 from pgsieve.platform.migrate import upgrade
@@ -70,6 +82,9 @@ def load(source: LocalCluster, target: LocalCluster, rows: int) -> None:
                 "INSERT INTO big SELECT g, g %% 100, 'name ' || g, (g %% 1000) * 1.25, "
                 "now() - g * interval '1 second' FROM generate_series(%s::bigint, %s::bigint) g",
                 (lo, min(lo + step - 1, rows)))
+        # A filter on grp with UPDATE and DELETE published (moved rows) needs grp in the
+        # replica identity.
+        conn.execute("ALTER TABLE big REPLICA IDENTITY FULL")
         conn.execute("VACUUM (ANALYZE, FREEZE) big")
         conn.execute(f"CREATE PUBLICATION pb FOR TABLE big WHERE ({NEW}) "
                      "WITH (publish = 'insert')")
@@ -168,6 +183,81 @@ def pgsieve(settings: Settings, source: LocalCluster, target: LocalCluster, n: i
     return elapsed, details
 
 
+REDIS_URL = os.environ.get("PGSIEVE_BENCH_REDIS", "redis://127.0.0.1:6379/15")
+TOKEN = "bench-token-0123456789abcdef"  # noqa: S105 - a local benchmark's own
+SECRET_KEY = "bench-secret-0123456789abcdef"  # noqa: S105
+
+
+def moved_rows(root: Path, source: LocalCluster, target: LocalCluster
+               ) -> tuple[float, float, dict[str, Any]]:
+    """The product path: API, a real worker streaming the subscription, the PATCH with
+    ``reconcile: diff``; seconds until the job is done, the PATCH's seconds, the job."""
+    db_url = f"sqlite:///{root / 'moved.db'}"
+    upgrade(db_url)
+    queue = f"pgsieve-reconcile-bench-{secrets.token_hex(5)}"
+    settings = Settings(home=root / "home", database_url=db_url, broker_url=REDIS_URL,
+                        api_token=TOKEN, secret_key=SECRET_KEY, celery_queue=queue,
+                        allowed_hosts="127.0.0.1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PGSIEVE_")}
+    env.update({"PGSIEVE_HOME": str(root / "home"), "PGSIEVE_DATABASE_URL": db_url,
+                "PGSIEVE_BROKER_URL": REDIS_URL, "PGSIEVE_API_TOKEN": TOKEN,
+                "PGSIEVE_SECRET_KEY": SECRET_KEY, "PGSIEVE_CELERY_QUEUE": queue,
+                "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1"})
+    worker: subprocess.Popen[bytes] | None = None
+    with TestClient(create_app(settings)) as client:
+        client.headers["Authorization"] = f"Bearer {TOKEN}"
+        api = "/api/v1"
+        sid = client.post(f"{api}/sources", json={"name": "s", "dsn": source.dsn("bench")}
+                          ).json()["id"]
+        tid = client.post(f"{api}/targets", json={"name": "t", "dsn": target.dsn("bench")}
+                          ).json()["id"]
+        r = client.post(f"{api}/sources/{sid}/publications", json={
+            "name": "pm", "tables": [{"table": "public.big", "where": OLD}]})
+        assert r.status_code == 201, r.text
+        r = client.post(f"{api}/subscriptions", json={
+            "name": "moved", "source_id": sid, "target_id": tid, "publications": ["pm"],
+            "copy_data": False})
+        assert r.status_code == 201, r.text
+        sub_id = r.json()["id"]
+        log = (root / "worker.log").open("ab")
+        worker = subprocess.Popen([sys.executable, "-m", "pgsieve.cli", "worker"], env=env,
+                                  stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        try:
+            deadline = time.monotonic() + 120
+            while not client.get(f"{api}/subscriptions/{sub_id}").json().get("consumer"):
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the worker did not take the subscription "
+                                     f"(log: {root / 'worker.log'})")
+                time.sleep(0.5)
+            time.sleep(3)  # its stream open and caught up
+            started = time.perf_counter()
+            r = client.patch(f"{api}/sources/{sid}/publications/pm", json={
+                "alter_tables": [{"table": "public.big", "where": NEW}],
+                "reconcile": "diff"})
+            patched = time.perf_counter() - started
+            assert r.status_code == 200, r.text
+            [item] = r.json()["reconcile"]
+            if item["method"] != "moved_rows":
+                raise SystemExit(f"expected a moved-rows reconciliation: {item}")
+            while True:
+                job = client.get(f"{api}/jobs/{item['job_id']}").json()
+                if job["state"] in ("done", "failed"):
+                    break
+                time.sleep(0.02)
+            elapsed = time.perf_counter() - started
+            if job["state"] != "done":
+                raise SystemExit(f"the moved-rows job failed: {job}")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, 15)
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(worker.pid, 9)
+    return elapsed, patched, job
+
+
 def native(source: LocalCluster, target: LocalCluster) -> float:
     started = time.perf_counter()
     with psycopg.connect(target.dsn("bench"), autocommit=True) as conn:
@@ -255,12 +345,19 @@ def main() -> None:
         print("| method | seconds | rows written | max reader wait (ms) |")
         print("|---|---:|---:|---:|")
         results: dict[str, float] = {}
-        for n, name in enumerate(["pgsieve diff", "pgsieve copy", "native re-copy"], 1):
+        for n, name in enumerate(["pgsieve diff", "pgsieve copy", "native re-copy",
+                                  "pgsieve moved rows"], 1):
             old_target(source, target)
             reader = Reader(target.dsn("bench"), args.rows)
             reader.start()
             written: int | str
-            if name == "native re-copy":
+            if name == "pgsieve moved rows":
+                seconds, patched, job = moved_rows(root, source, target)
+                diff = job["diff"]
+                written = sum(int(diff[k]) for k in ("added", "removed", "updated"))
+                print(f"    {name}: the PATCH (source writers to the table wait) "
+                      f"{patched:.2f} s; phases: {job.get('timings')}")
+            elif name == "native re-copy":
                 seconds = native(source, target)
                 written = "all"
             else:
@@ -277,6 +374,9 @@ def main() -> None:
                   f"{'(' + format(total, ',') + ')' if written == 'all' else ''} | "
                   f"{reader.slowest * 1000:.0f} |")
         print()
+        moved = results["pgsieve moved rows"]
+        print(f"moved rows vs pgsieve copy: {results['pgsieve copy'] / moved:.2f}×, vs native "
+              f"re-copy: {results['native re-copy'] / moved:.2f}× (goal ≥ 3×)")
         print(f"diff vs pgsieve copy: {results['pgsieve copy'] / results['pgsieve diff']:.2f}×, "
               f"vs native re-copy: {results['native re-copy'] / results['pgsieve diff']:.2f}× "
               "(goal ≥ 3×)")

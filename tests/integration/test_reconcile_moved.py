@@ -83,8 +83,9 @@ def test_the_marker_is_the_alter_transaction_alone_in_the_stream(source_db: Data
     splitter = TransactionSplitter(proto_version=1)
     txns: list[Transaction] = []
     for lsn, raw in data:
-        hi, lo = lsn.split("/")
-        item = splitter.feed_bytes(bytes(raw), (int(hi, 16) << 32) | int(lo, 16))
+        hi, lo = str(lsn).split("/")
+        assert isinstance(raw, bytes)
+        item = splitter.feed_bytes(raw, (int(hi, 16) << 32) | int(lo, 16))
         if isinstance(item, Transaction):
             txns.append(item)
     assert [len(t.changes) for t in txns] == [1, 1]  # the eu insert, then the marker
@@ -141,9 +142,11 @@ class States(threading.Thread):
 
 
 def _staging_left(target_db: Database) -> int:
-    return int(target_db.query(
+    [(count,)] = target_db.query(
         "SELECT count(*) FROM pg_tables WHERE schemaname = 'pgsieve' "
-        "AND tablename LIKE 'reconcile\\_%' AND tablename <> 'reconcile_staged'")[0][0])
+        "AND tablename LIKE 'reconcile\\_%' AND tablename <> 'reconcile_staged'")
+    assert isinstance(count, int)
+    return count
 
 
 def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_merging(
