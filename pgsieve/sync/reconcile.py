@@ -37,7 +37,7 @@ from pgsieve.publications.catalog import read_publications, read_tables
 from pgsieve.rowfilter.change import RowCounts, TableChange, count_change, table_changes
 from pgsieve.rowfilter.effective import Publication
 from pgsieve.sync import moved
-from pgsieve.sync.snapshot import SnapshotError, hold_imported_snapshot
+from pgsieve.sync.snapshot import SnapshotError, hold_imported_snapshot, prestart_helper
 from pgsieve.sync.syncjob import active_sync_job, add_sync_job, initial_sync_pending
 
 log = logging.getLogger(__name__)
@@ -158,14 +158,20 @@ class ChangePoint:
             for p in pubs:
                 if p.name == name:
                     members |= {t.table for t in p.tables}
-        self.candidates = sorted(
+        self.candidates = sorted({
             t.table_name for sub in users(session, source, name)
             if sub.id in before.publications and not initial_sync_pending(session, sub)
-            for t in sub.tables if t.table_name in members and t.sync_state == "ready")
+            for t in sub.tables if t.table_name in members and t.sync_state == "ready"})
+        if self.candidates:
+            # The helper that will hold the snapshot, started now: the source's writers to
+            # these tables wait for the change's transaction, not for an interpreter.
+            prestart_helper()
 
     def before_ddl(self, conn: psycopg.Connection[Any]) -> None:
-        if self.candidates:
-            self.snapshot = moved.lock_and_export(conn, self.candidates)
+        existing = {t.qualified for t in read_tables(conn)} if self.candidates else set()
+        tables = [t for t in self.candidates if t in existing]
+        if tables:
+            self.snapshot = moved.lock_and_export(conn, tables)
 
     def after_ddl(self, conn: psycopg.Connection[Any]) -> None:
         if self.snapshot is None:

@@ -115,7 +115,7 @@ log = logging.getLogger(__name__)
 SYNC_KINDS = ("initial_sync", "resync")
 ACTIVE_STATES = ("queued", "running")
 MAX_ATTEMPTS = 5
-MOVED_WAIT_SECONDS = 60.0
+MOVED_WAIT_SECONDS = 10.0
 """How long a moved-rows reconciliation's runner waits for the stream to merge what it
 staged before it lets the job be (the stream ends it when it reaches the marker)."""
 PARTITION_BYTES = 256 << 20
@@ -468,7 +468,9 @@ class SyncJobRunner:
                            "released_snapshots": [*released, snap.slot],
                            "timings": {k: round(v, 3) for k, v in self.timings.items()}}
             job.progress_done = job.progress_total = total
-        deadline = time.monotonic() + MOVED_WAIT_SECONDS
+        # A live stream reaches the marker within a second or so; a disabled one only
+        # when it is enabled again (the stream ends the job then).
+        deadline = time.monotonic() + (MOVED_WAIT_SECONDS if ctx.enabled else 0.0)
         while time.monotonic() < deadline:
             with self.sessions() as session:
                 now = session.get(Job, self.job_id)
