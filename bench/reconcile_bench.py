@@ -230,7 +230,7 @@ def moved_rows(root: Path, source: LocalCluster, target: LocalCluster
                     raise SystemExit(f"the worker did not take the subscription "
                                      f"(log: {root / 'worker.log'})")
                 time.sleep(0.5)
-            time.sleep(3)  # its stream open and caught up
+            _quiet(worker.pid)  # its stream open and caught up, its Spark warmed up
             started = time.perf_counter()
             r = client.patch(f"{api}/sources/{sid}/publications/pm", json={
                 "alter_tables": [{"table": "public.big", "where": NEW}],
@@ -256,6 +256,35 @@ def moved_rows(root: Path, source: LocalCluster, target: LocalCluster
             except subprocess.TimeoutExpired:
                 os.killpg(worker.pid, 9)
     return elapsed, patched, job
+
+
+def _group_ticks(pgid: int) -> int:
+    """CPU ticks used so far by the processes of a process group (the worker, its JVM)."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # pgrp
+            total += int(fields[11]) + int(fields[12])  # utime + stime
+    return total
+
+
+def _quiet(pgid: int, timeout: float = 120.0) -> None:
+    """Wait until the worker is idle (under 5 % of a core over a second), as a worker
+    that has been running for a while is: its start (Spark's JVM warming up) must not be
+    measured as part of the reconciliation."""
+    hz = os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = _group_ticks(pgid)
+        time.sleep(1.0)
+        if (_group_ticks(pgid) - before) / hz < 0.05:
+            return
 
 
 def native(source: LocalCluster, target: LocalCluster) -> float:

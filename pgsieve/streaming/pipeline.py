@@ -95,7 +95,7 @@ IDLE_RECORD_EVERY = 5.0
 CONTROL_SAFETY_EVERY = 30.0
 """A scheduler's stream re-reads its subscription at least this often (see
 ``_StreamRun.control_on_request``)."""
-MARKER_RETRY_SECONDS = 0.2
+MARKER_RETRY_SECONDS = 1.0
 """A stream stopped before a reconciliation marker whose rows are not staged yet is
 taken up again this soon."""
 SHOW_PENDING_CHANGES = 5_000

@@ -77,6 +77,7 @@ from pgsieve.streaming.pipeline import (
 )
 from pgsieve.streaming.pushwaits import PUSH_REARM_FIRST, PushWaits
 from pgsieve.streaming.transports import TransportError
+from pgsieve.sync import moved
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
@@ -177,12 +178,34 @@ class Scheduler:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+        moved.on_staged(self._rows_staged)
+
+    def _rows_staged(self, subscription_id: str) -> None:
+        """A reconciliation's rows were staged in this process: a stream of ours waiting
+        at its marker is taken up now rather than at its next retry."""
+        with self._cond:
+            waiting = (subscription_id not in self._held
+                       and subscription_id in self._retry_at and not self._stopping.is_set())
+            if waiting:
+                self._retry_at[subscription_id] = 0.0
+        if waiting:
+            threading.Thread(target=self._adopt_if_unheld, args=(subscription_id,),
+                             name="pgsieve-adopt-staged", daemon=True).start()
+
+    def _adopt_if_unheld(self, subscription_id: str) -> None:
+        """Take a subscription up again after a short pause (not a duplicate adoption:
+        the staged-rows wake-up and the retry timer may both come)."""
+        with self._cond:
+            if subscription_id in self._held or subscription_id in self._adopting:
+                return
+        self._adopt_unless_stopping(subscription_id)
 
     def stop(self, timeout: float = 30.0) -> list[str]:
         """Warm shutdown: finish the turns running (they apply and confirm what they
         read), let go of every subscription and hand each over (a ``consume_cycle`` task
         another worker adopts). Returns the subscriptions handed over."""
         self._stopping.set()
+        moved.forget_staged_listener(self._rows_staged)
         with self._cond:
             self._cond.notify_all()
         self._push_waits.wake()
@@ -358,8 +381,7 @@ class Scheduler:
         self._let_go(held)
         if outcome.outcome == "retry" and soon is not None:
             # Taken up again by this worker without waiting for the next sweep.
-            timer = threading.Timer(soon, self._adopt_unless_stopping,
-                                    (held.subscription_id,))
+            timer = threading.Timer(soon, self._adopt_if_unheld, (held.subscription_id,))
             timer.daemon = True
             timer.start()
 

@@ -296,7 +296,11 @@ class SyncJobRunner:
 
     # -- entry point ----------------------------------------------------------------------
     def run(self) -> RunOutcome:
-        prestart_helper()  # a no-op when an earlier job left a spare ready
+        with self.sessions() as session:
+            job = session.get(Job, self.job_id)
+            moves_rows = job is not None and job.details.get("scope") == moved.SCOPE
+        if not moves_rows:  # a moved-rows job reads under the change's snapshot
+            prestart_helper()  # a no-op when an earlier job left a spare ready
         if not claim(self.sessions, self.job_id, self.owner, self.lease):
             with self.sessions() as session:
                 job = session.get(Job, self.job_id)
@@ -333,7 +337,8 @@ class SyncJobRunner:
             finally:
                 # The next sync finds a helper ready; started only now, so that its
                 # interpreter does not take CPU from this job's copy.
-                prestart_helper()
+                if not moves_rows:
+                    prestart_helper()
 
     # -- metadata helpers -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -459,9 +464,15 @@ class SyncJobRunner:
                     ctx.source_dsn, snap.name, ctx.target_dsn, marker, ctx.subscription_id,
                     tables, connect_timeout=self.settings.connect_timeout,
                     on_progress=progress)
+            # Of which reading and staging the rows (the rest: connecting, the snapshot).
+            self.timings["diff_stage_rows"] = sum(float(t.get("seconds", 0.0))
+                                                  for t in staged)
+            self.timings["diff_stage_read"] = sum(float(t.get("read_seconds", 0.0))
+                                                  for t in staged)
         else:
             staged = state.tables
         total = sum(int(t["added"]) + int(t["removed"]) for t in staged)
+        moved.notify_staged(ctx.subscription_id)
         with self._owned() as (_, job):
             released = list(job.details.get("released_snapshots") or [])
             job.details = {**job.details, "phase": "waiting_for_stream",
