@@ -258,6 +258,41 @@ def moved_rows(root: Path, source: LocalCluster, target: LocalCluster
     return elapsed, patched, job
 
 
+def read_floor(source: LocalCluster) -> float:
+    """What finding the moved rows costs the source at least (no index on grp): one
+    scan under both filters, the rows written by the server itself to /dev/null."""
+    moved = f"(({NEW}) IS TRUE) IS DISTINCT FROM (({OLD}) IS TRUE)"
+    with psycopg.connect(source.dsn("bench"), autocommit=True) as src:
+        started = time.perf_counter()
+        src.execute(f"COPY (SELECT * FROM big WHERE {moved}) TO '/dev/null'".encode())
+        return time.perf_counter() - started
+
+
+def write_floor(source: LocalCluster, target: LocalCluster) -> float:
+    """What writing the moved rows in place costs the target at least, whoever decides
+    them: the rows leaving (grp 0) deleted by key and the rows coming (grp 50) inserted,
+    in one transaction after the same checkpoint as every method (rolled back). Both row
+    sets are prepared first, outside the timing."""
+    with psycopg.connect(target.dsn("bench"), autocommit=True) as tgt, \
+            psycopg.connect(source.dsn("bench"), autocommit=True) as src:
+        tgt.execute("BEGIN")
+        tgt.execute("CREATE TEMP TABLE gone AS SELECT id FROM big WHERE grp = 0")
+        tgt.execute("CREATE TEMP TABLE came (LIKE big)")
+        with src.cursor().copy("COPY (SELECT * FROM big WHERE grp = 50) TO STDOUT") as out, \
+                tgt.cursor().copy("COPY came FROM STDIN") as into:
+            for chunk in out:
+                into.write(chunk)
+        tgt.execute("ANALYZE gone")
+        tgt.execute("SET LOCAL enable_hashjoin = off")
+        tgt.execute("SET LOCAL enable_mergejoin = off")
+        started = time.perf_counter()
+        tgt.execute("DELETE FROM big USING gone WHERE big.id = gone.id")
+        tgt.execute("INSERT INTO big SELECT * FROM came")
+        elapsed = time.perf_counter() - started
+        tgt.execute("ROLLBACK")
+    return elapsed
+
+
 def _group_ticks(pgid: int) -> int:
     """CPU ticks used so far by the processes of a process group (the worker, its JVM)."""
     total = 0
@@ -381,6 +416,16 @@ def main() -> None:
             reader.start()
             written: int | str
             if name == "pgsieve moved rows":
+                reader.stop_and_join()
+                writes = write_floor(source, target)
+                reads = read_floor(source)
+                print(f"    read floor: the source's rows that move, found by one scan and "
+                      f"written by the server to /dev/null: {reads:.2f} s")
+                print(f"    write floor: the moved rows deleted and inserted by key at the "
+                      f"target, plain SQL after the same checkpoint: {writes:.2f} s")
+                old_target(source, target)
+                reader = Reader(target.dsn("bench"), args.rows)
+                reader.start()
                 seconds, patched, job = moved_rows(root, source, target)
                 diff = job["diff"]
                 written = sum(int(diff[k]) for k in ("added", "removed", "updated"))

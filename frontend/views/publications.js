@@ -244,7 +244,9 @@ function publicationEditor(sourceId, pub, reload) {
     const out = await patch(path, { ...body(), reconcile: reconcile.checked ? "diff" : "none" });
     const started = (out.reconcile || []).map((r) => h("li", {},
       r.job_id ? ["reconciling ", h("a", { href: `#/subscriptions/${r.subscription_id}` },
-        r.subscription), ` (${r.tables.join(", ")}): job ${r.job_id}`]
+        r.subscription), ` (${r.tables.join(", ")}`
+        + `${r.method === "moved_rows" ? ", only the rows that move" : ", compared whole"}): `
+        + `job ${r.job_id}`]
         : `${r.subscription}: ${r.error}`));
     await reload();
     if (started.length) {

@@ -314,9 +314,16 @@ export async function subscriptionDetail(root, ctx, id) {
 
   function jobLine(job) {
     const { done = 0, total = null } = job.progress || {};
-    const what = job.reason === "reconcile" ? "reconciliation (filter change)"
+    const moved = job.scope === "moved_rows";
+    const what = moved ? "reconciliation by the rows the filter change moves"
+      : job.reason === "reconcile" ? "reconciliation (filter change)"
       : job.mode === "diff" ? "diff resync" : job.kind.replace("_", " ");
     const d = job.diff;
+    const waiting = moved && !d
+      ? (job.phase === "waiting_for_stream"
+        ? `${fmt.count(done)} rows staged, merged when the stream reaches the change…`
+        : "reading the rows that move…")
+      : "comparing…";
     return h("div", { class: "job", "data-test": `sync-job-${job.id}` },
       h("span", {}, `${what} of ${job.tables.map((t) => t.table).join(", ")}: `),
       badge(job.state),
@@ -324,7 +331,7 @@ export async function subscriptionDetail(root, ctx, id) {
         ? h("span", { "data-test": "diff-counts" }, d
           ? `${fmt.count(d.compared)} rows compared · ${fmt.count(d.added)} added · `
             + `${fmt.count(d.removed)} removed · ${fmt.count(d.updated)} updated`
-          : "comparing…")
+          : waiting)
         : progressBar(done, total, `${fmt.count(done)} / ${total == null ? "?" : fmt.count(total)}`),
       h("span", { class: "muted" }, fmt.time(job.created_at)),
       job.error ? h("div", { class: "error" }, job.error) : null);

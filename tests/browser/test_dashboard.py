@@ -284,8 +284,9 @@ def test_table_sync_progress_bars(page: Page, live: LiveDeployment, source_db: D
 def test_filter_change_planned_in_the_editor_and_reconciled(
         page: Page, live: LiveDeployment, source_db: Database, target_db: Database):
     """Editing a publication's filter shows, before saving, the rows it adds to and
-    removes from each subscription's target; saving (reconcile checked) starts a diff job
-    shown with its counts on the subscription page, and the target ends on the new filter."""
+    removes from each subscription's target; saving (reconcile checked) starts a job that
+    reconciles only the rows the change moves, shown with its counts on the subscription
+    page, and the target ends on the new filter."""
     source_db.execute(SOURCE)
     target_db.execute(TARGET)
     src = live.api("POST", "/sources", json={"name": "shop", "dsn": source_db.dsn})
@@ -312,9 +313,10 @@ def test_filter_change_planned_in_the_editor_and_reconciled(
     expect(editor.get_by_test_id("reconcile")).to_be_checked()
     editor.get_by_test_id("save-publication").click()
     expect(page.get_by_test_id("reconcile-jobs")).to_contain_text("reconciling eu-replica")
+    expect(page.get_by_test_id("reconcile-jobs")).to_contain_text("only the rows that move")
     page.goto(f"/#/subscriptions/{sub['id']}")
     jobs = page.get_by_test_id("job-list")
-    expect(jobs).to_contain_text("reconciliation (filter change)")
+    expect(jobs).to_contain_text("reconciliation by the rows the filter change moves")
     expect(jobs.get_by_test_id("diff-counts").first).to_contain_text(
         "250 added · 250 removed · 0 updated", timeout=120_000)
     shot(page, "subscription-reconcile-job")
