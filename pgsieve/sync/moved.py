@@ -51,6 +51,7 @@ from pgsieve.platform.states import JOB_ENDED, JobState
 from pgsieve.rowfilter.change import TableChange
 from pgsieve.rowfilter.effective import TableInfo
 from pgsieve.rowfilter.parse import parse_table_name
+from pgsieve.security import audit
 from pgsieve.sync.diffrun import names
 from pgsieve.sync.diffsync import _SAME_TEXT
 from pgsieve.sync.syncplan import SyncError
@@ -462,3 +463,13 @@ def finish_job(sessions: sessionmaker[Session], job_id: str, tables: list[dict[s
         job.progress_done = totals["compared"]
         job.progress_total = totals["compared"]
         session.commit()
+    audit_reconcile_end(sessions, job_id, done=True)
+
+
+def audit_reconcile_end(sessions: sessionmaker[Session], job_id: str, done: bool) -> None:
+    """A reconciliation's outcome in the audit log, next to the PATCH that started it:
+    method ``JOB``, the job as its resource, status 200 (done) or 500 (failed)."""
+    audit.write(sessions, audit.AuditRecord(
+        actor="pgsieve", role="system", method="JOB", route="/api/v1/jobs/{job_id}",
+        path=f"/api/v1/jobs/{job_id}", resource_type="jobs", resource_id=job_id,
+        request_id=f"reconcile:{job_id}", status=200 if done else 500, client=None))

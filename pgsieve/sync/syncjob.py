@@ -909,6 +909,13 @@ class SyncJobRunner:
                     "differences": differences}}
         if start_stream:
             dispatch.consume_cycle(self.settings, ctx.subscription_id)
+        if self._reconciles():
+            moved.audit_reconcile_end(self.sessions, self.job_id, done=True)
+
+    def _reconciles(self) -> bool:
+        with self.sessions() as session:
+            job = session.get(Job, self.job_id)
+            return job is not None and job.details.get("reason") == "reconcile"
 
     def _fail(self, message: str, code: str) -> None:
         """The job failed for good: recorded on the job, on each of its tables not yet
@@ -932,6 +939,8 @@ class SyncJobRunner:
             if (sub is not None and job.kind == "initial_sync"
                     and sub.state in (SubscriptionState.INITIALIZING, SubscriptionState.SYNCING)):
                 sub.state, sub.error = SubscriptionState.ERROR, f"initial sync failed: {message}"
+        if self._reconciles():
+            moved.audit_reconcile_end(self.sessions, self.job_id, done=False)
         self._restore_deferred_indexes()
 
     def _restore_deferred_indexes(self) -> None:

@@ -187,6 +187,9 @@ def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_mergi
     # About a third of 30,000 rows left (eu) and a third came (us), nothing re-copied.
     assert 8000 < table["diff"]["added"] < 12000 and 8000 < table["diff"]["removed"] < 12000
     assert states.seen == {"ready"}, states.seen
+    # Its outcome in the audit log, next to the PATCH that started it.
+    events = env.api("GET", f"/audit?resource={item['job_id']}")["events"]
+    assert [(e["method"], e["status"], e["actor"]) for e in events] == [("JOB", 200, "pgsieve")]
     assert reader.smallest is not None and reader.smallest > 8000
     _equal_to_source(env, source_db, target_db, "region = 'us'")
     assert _staging_left(target_db) == 0
@@ -217,6 +220,8 @@ def test_a_lost_snapshot_falls_back_to_a_full_diff_at_the_marker(
                "the moved-rows job to fail", env)
     failed = env.api("GET", f"/jobs/{item['job_id']}")
     assert failed["error_code"] == "snapshot_failed", failed
+    events = env.api("GET", f"/audit?resource={item['job_id']}")["events"]
+    assert [(e["method"], e["status"]) for e in events] == [("JOB", 500)]
 
     def follow_up() -> dict[str, Any] | None:
         jobs = [j for j in env.api("GET", "/jobs") if j["subscription_id"] == sub_id
