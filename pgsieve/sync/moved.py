@@ -397,23 +397,30 @@ def merge_corrections(conn: psycopg.Connection[Any], marker: str,
         key = list(item["key"])
         match = sql.SQL(" AND ").join(
             sql.SQL("t.{c} = s.{c}").format(c=sql.Identifier(c)) for c in key)
+        gone = conn.execute(sql.SQL(
+            "DELETE FROM {t} t USING {s} s WHERE s._pgsieve_remove AND {m}").format(
+                t=target, s=staging, m=match)).rowcount
+        cols = list(item["columns"])
+        others = [c for c in cols if c not in key]
+        # A row to add that the target has already (a drifted target) gets the source's
+        # values: the insert's own key lookup finds it, no second pass over the staging.
+        on_conflict = sql.SQL("DO NOTHING") if not others else sql.SQL(
+            "DO UPDATE SET {}").format(sql.SQL(", ").join(
+                sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c)) for c in others))
         counted = conn.execute(sql.SQL(
-            "WITH d AS (DELETE FROM {t} t USING {s} s WHERE {m} RETURNING s._pgsieve_remove) "
-            "SELECT count(*) FILTER (WHERE _pgsieve_remove), "
-            "count(*) FILTER (WHERE NOT _pgsieve_remove) FROM d").format(
-                t=target, s=staging, m=match)).fetchone()
+            "WITH i AS (INSERT INTO {t} ({cols}) SELECT {cols} FROM {s} "
+            "WHERE NOT _pgsieve_remove ON CONFLICT ({key}) {conflict} "
+            "RETURNING xmax = 0 AS inserted) "
+            "SELECT count(*) FILTER (WHERE inserted), count(*) FILTER (WHERE NOT inserted) "
+            "FROM i").format(t=target, cols=names(cols), s=staging, key=names(key),
+                             conflict=on_conflict)).fetchone()
         assert counted is not None
-        gone, replaced = int(counted[0]), int(counted[1])
-        cols = names(item["columns"])
-        put = conn.execute(sql.SQL(
-            "INSERT INTO {t} ({cols}) SELECT {cols} FROM {s} WHERE NOT _pgsieve_remove"
-        ).format(t=target, cols=cols, s=staging)).rowcount
+        put, replaced = int(counted[0]), int(counted[1])
         conn.execute(sql.SQL("DROP TABLE {}").format(staging))
         removed += max(0, gone)
-        updated += max(0, replaced)
-        added += max(0, put) - max(0, replaced)
-        out.append({**item, "added": max(0, put) - max(0, replaced), "removed": max(0, gone),
-                    "updated": max(0, replaced)})
+        updated += replaced
+        added += put
+        out.append({**item, "added": put, "removed": max(0, gone), "updated": replaced})
     conn.execute(f"UPDATE {SCHEMA}.{STAGED_TABLE} SET merged = %s WHERE marker = %s "
                  "AND subscription_id = %s", (json.dumps(out), marker, subscription_id))
     return Merged(added, removed, updated, out, time.perf_counter() - started)
