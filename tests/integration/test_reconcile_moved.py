@@ -296,3 +296,38 @@ def test_changes_moved_rows_cannot_take_are_compared_whole(
     _equal_to_source(env, source_db, target_db, "region IN ('eu', 'us')")
     wait_until(lambda: rows(target_db, "events") == rows(
         source_db, "events WHERE region IN ('eu', 'us')"), 60, "events equal", env)
+
+
+def test_one_change_reconciles_every_subscription_of_the_publication(
+        env: PipelineEnv, source_db: Database, target_db: Database, native_db: Database):
+    """Two subscriptions of one publication (two targets): one PATCH, one snapshot held
+    for both jobs, each stream merging at its own copy of the marker; one subscription is
+    disabled meanwhile and merges once enabled again."""
+    src, first_id = _setup(env, source_db, target_db)
+    native_db.execute(SCHEMA)  # here: the second pgsieve target
+    second_tgt = env.api("POST", "/targets", json={"name": "second", "dsn": native_db.dsn})
+    second_id = env.api("POST", "/subscriptions", json={
+        "name": "eu-second", "source_id": src, "target_id": second_tgt["id"],
+        "publications": ["pub"], "copy_data": True,
+        "options": {"batch_max_wait_ms": 200}})["id"]
+    env.start_worker()
+    env.start_beat()
+    wait_until(lambda: _ready(env, first_id) and _ready(env, second_id), 180,
+               "the initial syncs", env)
+    env.api("POST", f"/subscriptions/{second_id}/disable")
+    r = env.client.patch(f"/api/v1/sources/{src}/publications/pub", json={
+        "alter_tables": [{"table": "public.items", "where": "region <> 'eu'"}],
+        "reconcile": "diff"})
+    assert r.status_code == 200, r.text
+    items = {i["subscription_id"]: i for i in r.json()["reconcile"]}
+    assert {i["method"] for i in items.values()} == {"moved_rows"}
+    source_db.execute("UPDATE items SET region = 'eu' WHERE id % 10 = 0")
+    _job_done(env, items[first_id]["job_id"])
+    wait_until(lambda: env.api("GET", f"/jobs/{items[second_id]['job_id']}")["phase"]
+               == "waiting_for_stream", 60, "the second job's rows staged", env)
+    assert env.api("GET", f"/jobs/{items[second_id]['job_id']}")["state"] == "running"
+    env.api("POST", f"/subscriptions/{second_id}/enable")
+    _job_done(env, items[second_id]["job_id"])
+    _equal_to_source(env, source_db, target_db, "region <> 'eu'")
+    wait_until(lambda: rows(native_db, "items") == rows(source_db, "items WHERE region <> 'eu'"),
+               60, "the second target equal to the source", env)
