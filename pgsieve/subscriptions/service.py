@@ -35,6 +35,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SubscriptionState, SyncState
 from pgsieve.publications.catalog import read_publications, read_tables
 from pgsieve.rowfilter.effective import effective_filters
+from pgsieve.sync import moved
 from pgsieve.wire.lsn import InvalidLsn, Lsn, format_lsn
 
 log = logging.getLogger(__name__)
@@ -267,6 +268,11 @@ def _forget_target_record(
         return
     try:
         writer.forget(sub.id)
+        try:  # corrections of a filter change staged and never merged
+            moved.forget_subscription(writer.conn, sub.id)
+        except Exception as exc:  # best effort, as above
+            log.warning("subscription %s: cannot drop its staged corrections: %s",
+                        sub.name, scrub_secrets(str(exc)))
     finally:
         writer.close()
 

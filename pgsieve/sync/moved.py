@@ -473,6 +473,25 @@ def finish_job(sessions: sessionmaker[Session], job_id: str, tables: list[dict[s
     audit_reconcile_end(sessions, job_id, done=True)
 
 
+def forget_subscription(conn: psycopg.Connection[Any], subscription_id: str) -> None:
+    """A deleted subscription's corrections that were staged and never merged: dropped
+    with their record (the subscription's delete calls this at its target)."""
+    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                          (f"{SCHEMA}.{STAGED_TABLE}",)).fetchone()
+    if not exists or not exists[0]:
+        return
+    with conn.transaction():
+        rows = conn.execute(f"SELECT tables FROM {SCHEMA}.{STAGED_TABLE} "
+                            "WHERE subscription_id = %s AND merged IS NULL",
+                            (subscription_id,)).fetchall()
+        for (tables,) in rows:
+            for item in tables:
+                conn.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(
+                    sql.Identifier(SCHEMA, item["stage"])))
+        conn.execute(f"DELETE FROM {SCHEMA}.{STAGED_TABLE} WHERE subscription_id = %s",
+                     (subscription_id,))
+
+
 def audit_reconcile_end(sessions: sessionmaker[Session], job_id: str, done: bool) -> None:
     """A reconciliation's outcome in the audit log, next to the PATCH that started it:
     method ``JOB``, the job as its resource, status 200 (done) or 500 (failed)."""

@@ -21,7 +21,7 @@ import tests.integration.pipeline_env as pipeline_env_module
 from pgsieve.sync.moved import MARKER_PREFIX, emit_marker, lock_and_export, parse_marker
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.splitter import TransactionSplitter, lone_logical_message
-from tests.conftest import Database
+from tests.conftest import Database, _fresh_db
 from tests.integration.pipeline_env import PipelineEnv, pipeline_env, wait_until
 from tests.integration.sync_env import native_copy, rows
 from tests.integration.test_reconcile import (
@@ -300,9 +300,10 @@ def test_changes_moved_rows_cannot_take_are_compared_whole(
 
 def test_one_change_reconciles_every_subscription_of_the_publication(
         env: PipelineEnv, source_db: Database, target_db: Database, native_db: Database):
-    """Two subscriptions of one publication (two targets): one PATCH, one snapshot held
-    for both jobs, each stream merging at its own copy of the marker; one subscription is
-    disabled meanwhile and merges once enabled again."""
+    """Three subscriptions of one publication (three targets): one PATCH, one snapshot
+    held for the three jobs, each stream merging at its own copy of the marker. One
+    subscription is disabled meanwhile and merges once enabled again; one is disabled and
+    deleted with its rows staged: its staging goes with it."""
     src, first_id = _setup(env, source_db, target_db)
     native_db.execute(SCHEMA)  # here: the second pgsieve target
     second_tgt = env.api("POST", "/targets", json={"name": "second", "dsn": native_db.dsn})
@@ -314,7 +315,16 @@ def test_one_change_reconciles_every_subscription_of_the_publication(
     env.start_beat()
     wait_until(lambda: _ready(env, first_id) and _ready(env, second_id), 180,
                "the initial syncs", env)
+    third = _fresh_db(target_db.cluster, "third")  # kept: closing it drops the database
+    third_db = next(third)
+    third_db.execute(SCHEMA)
+    third_tgt = env.api("POST", "/targets", json={"name": "third", "dsn": third_db.dsn})
+    third_id = env.api("POST", "/subscriptions", json={
+        "name": "eu-third", "source_id": src, "target_id": third_tgt["id"],
+        "publications": ["pub"], "copy_data": True})["id"]
+    wait_until(lambda: _ready(env, third_id), 180, "the third initial sync", env)
     env.api("POST", f"/subscriptions/{second_id}/disable")
+    env.api("POST", f"/subscriptions/{third_id}/disable")
     r = env.client.patch(f"/api/v1/sources/{src}/publications/pub", json={
         "alter_tables": [{"table": "public.items", "where": "region <> 'eu'"}],
         "reconcile": "diff"})
@@ -326,8 +336,17 @@ def test_one_change_reconciles_every_subscription_of_the_publication(
     wait_until(lambda: env.api("GET", f"/jobs/{items[second_id]['job_id']}")["phase"]
                == "waiting_for_stream", 60, "the second job's rows staged", env)
     assert env.api("GET", f"/jobs/{items[second_id]['job_id']}")["state"] == "running"
+    wait_until(lambda: env.api("GET", f"/jobs/{items[third_id]['job_id']}")["phase"]
+               == "waiting_for_stream", 60, "the third job's rows staged", env)
+    assert _staging_left(third_db) == 1
+    r = env.client.delete(f"/api/v1/subscriptions/{third_id}")
+    assert r.status_code in (200, 204), r.text
+    assert _staging_left(third_db) == 0
+    assert third_db.query("SELECT count(*) FROM pgsieve.reconcile_staged")[0][0] == 0
     env.api("POST", f"/subscriptions/{second_id}/enable")
     _job_done(env, items[second_id]["job_id"])
+    assert _staging_left(native_db) == 0
     _equal_to_source(env, source_db, target_db, "region <> 'eu'")
     wait_until(lambda: rows(native_db, "items") == rows(source_db, "items WHERE region <> 'eu'"),
                60, "the second target equal to the source", env)
+    third.close()
