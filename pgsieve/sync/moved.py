@@ -24,8 +24,8 @@ reconciles those alone, exactly:
    recorded as applied. Exactly once by the same rule as every batch.
 
 Where it does not apply (a column added to a column list, per-operation filters that
-differ from the initial-sync filter, partitioned tables, a table still syncing) the full
-diff runs instead: see :func:`moved_table`.
+differ from the initial-sync filter, a partition published on its own, a table still
+syncing) the full diff runs instead: see :func:`moved_table`.
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ class MovedTable:
     after: str | None
     columns: tuple[str, ...]
     """The columns published after the change, in order."""
+    whole_tree: bool = False
+    """A partitioned table published via its root: read with its partitions."""
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "columns": list(self.columns)}
@@ -100,7 +102,7 @@ class MovedTable:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MovedTable:
         return cls(str(data["table"]), data.get("before"), data.get("after"),
-                   tuple(data["columns"]))
+                   tuple(data["columns"]), bool(data.get("whole_tree", False)))
 
 
 _ALL_OPS = ("insert", "update", "delete")
@@ -111,20 +113,23 @@ def moved_table(change: TableChange, info: TableInfo | None, sync_state: str) ->
 
     * the table streams (``ready``): its target holds exactly the source's rows under the
       old filter only then;
-    * a plain table (partitions and partitioned tables take the full diff);
+    * a plain table, or a partitioned one published via its root (it is then read with
+      its partitions, as the stream sends them); a partition published on its own takes
+      the full diff;
     * no column added to the column list (every row needs the new column's values);
     * before and after, every DML operation is published with the initial-sync filter
       (otherwise the target is not simply "the rows matching the filter").
     """
     before, after = change.before, change.after
     if (before is None or after is None or not change.reconcilable or change.added_columns
-            or sync_state != "ready" or info is None or info.partitioned
+            or sync_state != "ready" or info is None
             or info.parent is not None or not after.expanded):
         return None
     for side in (before, after):
         if any(op not in side.filters or side.filters[op] != side.filter for op in _ALL_OPS):
             return None
-    return MovedTable(change.table, before.filter, after.filter, tuple(after.expanded))
+    return MovedTable(change.table, before.filter, after.filter, tuple(after.expanded),
+                      info.partitioned)
 
 
 # -- at the source, inside the ALTER's transaction --------------------------------------
@@ -318,8 +323,9 @@ def _stage_table(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
     # One scan of the source for both: a row to remove carries its columns too (they
     # are not used), which costs less than reading the table twice.
     _pipe(src, tgt, sql.SQL(
-        "COPY (SELECT {cols}, NOT {new} FROM ONLY {t} WHERE {new} IS DISTINCT FROM {old}) "
-        "TO STDOUT").format(cols=names(columns), t=target, new=new, old=old),
+        "COPY (SELECT {cols}, NOT {new} FROM {only}{t} WHERE {new} IS DISTINCT FROM {old}) "
+        "TO STDOUT").format(cols=names(columns), t=target, new=new, old=old,
+                            only=sql.SQL("" if moved.whole_tree else "ONLY ")),
         sql.SQL("COPY {s} ({cols}, _pgsieve_remove) FROM STDIN").format(
             s=staging, cols=names(columns)))
     read = time.perf_counter() - started

@@ -56,19 +56,21 @@ def test_what_takes_the_full_diff():
                                     publish=no_delete)]
     mixed_after = [us, mixed_before[1]]
     assert moved_table(_change(mixed_before, mixed_after), ITEMS, "ready") is None
-    # Partitioned tables and partitions: the full diff (it reads leaves with the root's
-    # filter, as the copy does).
+    # A partition published on its own: the full diff. A partitioned table published via
+    # its root: read with its partitions.
     ops = ("insert", "update", "delete")
     cols = ("id", "region")
-    for info in (PARTED, LEAF):
+    for info, whole_tree in ((PARTED, True), (LEAF, None)):
         change = TableChange(info.qualified,
                              Side("(region = 'eu')", dict.fromkeys(ops, "(region = 'eu')"),
                                   None, cols),
                              Side("(region = 'us')", dict.fromkeys(ops, "(region = 'us')"),
                                   None, cols))
-        assert change.reconcilable and moved_table(change, info, "ready") is None
-        plain = TableInfo("public", info.name, columns=cols)
-        assert moved_table(change, plain, "ready") is not None
+        got = moved_table(change, info, "ready")
+        assert change.reconcilable
+        assert (None if got is None else got.whole_tree) is whole_tree
+        plain = moved_table(change, TableInfo("public", info.name, columns=cols), "ready")
+        assert plain is not None and not plain.whole_tree
 
 
 def test_markers_are_parsed_only_from_pgsieve_transactional_messages():
