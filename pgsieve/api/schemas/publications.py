@@ -80,10 +80,13 @@ class PublicationPatch(StrictModel):
         default="none",
         description="none: as PostgreSQL, a changed filter or column list applies to "
         "changes made after it only (rows that now match stay missing at the targets, "
-        "rows that no longer match stay). diff: after the change commits, every "
-        "subscription using the publication gets a resync job in mode diff for each "
-        "table whose rows or columns change, so its target ends equal to the source's "
-        "rows under the new effective filter (see POST …/plan first). Ignored by plan",
+        "rows that no longer match stay). diff: every subscription using the "
+        "publication gets a reconciliation job for the tables whose rows or columns "
+        "change, so its target ends equal to the source's rows under the new effective "
+        "filter (see POST …/plan first): by the rows the change moves alone, merged at the "
+        "change's point in the stream (streaming plain tables, filters only: the response "
+        "says method moved_rows), else by comparing the tables whole (method diff). "
+        "Ignored by plan",
     )
 
 
