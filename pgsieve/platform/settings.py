@@ -75,6 +75,13 @@ class Settings(BaseSettings):
         "task slots (more than this machine has cores) from the measured crossover on "
         "(see pgsieve/spark/apply.py choose_apply_path)",
     )
+    diff_spark_min_rows: int | Literal["auto"] = Field(
+        default="auto",
+        description="a whole-table diff (mode diff) of a table with at least this many "
+        "rows and one integer key compares it by key ranges in Spark tasks; 0: never; auto: "
+        "from the size above which the worker would not hold both ends' keys and hashes "
+        "itself (20,000,000 rows)",
+    )
     hot_path: Literal["auto", "compiled", "python"] = Field(
         default="auto",
         description="the apply's per-change hot path: auto — compiled when make deps built "

@@ -15,6 +15,7 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
+from pgsieve.spark.diff import RANGE, KeyRangeRequest, compare_key_ranges, key_ranges
 from pgsieve.spark.sync import (
     CopyPartition,
     TableCopy,
@@ -22,7 +23,14 @@ from pgsieve.spark.sync import (
     partition_query,
     read_copies_together,
 )
-from pgsieve.sync.hashdiff import Keys, compare_key_hashes, parse_key_hashes
+from pgsieve.sync.hashdiff import (
+    KeyDifferences,
+    Keys,
+    compare_key_hashes,
+    diff_streams,
+    joined,
+    parse_key_hashes,
+)
 from pgsieve.sync.syncplan import SourceTable, TargetTable, canonical
 
 INTEGER_KEYS = frozenset({"smallint", "integer", "bigint"})
@@ -112,6 +120,20 @@ def names(columns: Sequence[str], prefix: str = "") -> sql.Composable:
                               for c in columns)
 
 
+@dataclass(frozen=True)
+class RangedCompare:
+    """What Spark tasks comparing key ranges need (see :mod:`pgsieve.spark.diff`)."""
+
+    spark: Any
+    source_dsn: str
+    target_dsn: str
+    snapshot: str
+    pieces: int
+    settings: tuple[tuple[str, str], ...]
+    connect_timeout: int = 10
+    job_group: str | None = None
+
+
 @dataclass
 class DiffRun:
     """One diff's two open transactions (the source's under the snapshot, the target's
@@ -126,6 +148,8 @@ class DiffRun:
     key: list[str]
     clock: float
     phases: dict[str, float] = field(default_factory=dict)
+    ranged: RangedCompare | None = None
+    """Compare by key ranges in Spark tasks (:meth:`by_integer_key`), not in the worker."""
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
@@ -243,6 +267,10 @@ class DiffRun:
             for relation, _, _ in self.source.leaves)
         target_rows = sql.SQL("SELECT {k}::int8, {h} FROM {tbl}").format(
             k=k, h=self._row_hash(hashable), tbl=self.target.from_clause)
+        if self.ranged is not None:
+            differences, compared = self._compare_ranges(
+                source_rows, target_rows, self._row_hash(hashable))
+            return self._write_differences(differences, compared)
         copy_out = "COPY ({}) TO STDOUT (FORMAT binary)"
         # Both servers scan and hash at once; this thread only collects their bytes.
         source_bytes, target_bytes = read_copies_together([
@@ -253,6 +281,50 @@ class DiffRun:
         self.lap("diff_stage")
         differences = compare_key_hashes(source, target)
         self.lap("diff_compare")
+        return self._write_differences(differences, len(source))
+
+    def _compare_ranges(self, source_rows: sql.Composable, target_rows: sql.Composable,
+                        row_hash: sql.Composable) -> tuple[KeyDifferences, int]:
+        """The comparison as Spark tasks, one key range each (:mod:`pgsieve.spark.diff`):
+        the key's span at both ends cut into ``ranged.pieces`` ranges, each task reading
+        its range through the key's own index."""
+        ranged = self.ranged
+        assert ranged is not None
+        spans = [conn.execute(sql.SQL("SELECT min(k), max(k) FROM ({}) AS r(k, h)").format(
+            rows)).fetchone() for conn, rows in ((self.src, source_rows),
+                                                 (self.tgt, target_rows))]
+        lows = [int(s[0]) for s in spans if s is not None and s[0] is not None]
+        highs = [int(s[1]) for s in spans if s is not None and s[1] is not None]
+        ranges = key_ranges(min(lows), max(highs), ranged.pieces) if lows else []
+        k = sql.Identifier(self.key[0])
+        in_range = sql.SQL(RANGE)
+        conditions = [in_range] + ([sql.SQL("({})").format(sql.SQL(self.copy.row_filter))]
+                                   if self.copy.row_filter is not None else [])
+        source_ranged = sql.SQL(" UNION ALL ").join(
+            sql.SQL("SELECT {k}::int8, {h} FROM ONLY {rel} WHERE {where}").format(
+                k=k, h=row_hash, rel=sql.SQL(relation),
+                where=sql.SQL(" AND ").join(conditions))
+            for relation, _, _ in self.source.leaves)
+        target_ranged = sql.SQL("SELECT {k}::int8, {h} FROM {tbl} WHERE {r}").format(
+            k=k, h=row_hash, tbl=self.target.from_clause, r=in_range)
+        request = KeyRangeRequest(
+            source_dsn=ranged.source_dsn, target_dsn=ranged.target_dsn,
+            snapshot=ranged.snapshot, source_query=source_ranged.as_string(self.src),
+            target_query=target_ranged.as_string(self.tgt), key=self.key[0],
+            settings=ranged.settings, ranges=tuple(ranges),
+            connect_timeout=ranged.connect_timeout)
+        parts = compare_key_ranges(ranged.spark, request, diff_streams,
+                                   job_group=ranged.job_group)
+        self.lap("diff_stage")
+        differences, compared = joined(parts)
+        self.lap("diff_compare")
+        return differences, compared
+
+    def _write_differences(self, differences: KeyDifferences,
+                           compared: int) -> tuple[int, int, int, int]:
+        """Delete, fetch and write what the comparison found, in the target transaction."""
+        tgt, src = self.tgt, self.src
+        k = sql.Identifier(self.key[0])
         tbl = sql.SQL(canonical(self.source.table))
         removed = 0
         for keys in _chunks(differences.delete):
@@ -287,7 +359,7 @@ class DiffRun:
                 "WHERE NOT EXISTS (SELECT 1 FROM {tbl} t WHERE t.{k} = s.{k})").format(
                 tbl=tbl, k=k, cols=names(columns), scols=names(columns, "s."))).rowcount
         self.lap("diff_write")
-        return len(source), removed, updated, added
+        return compared, removed, updated, added
 
     def _fetch_changed(self) -> None:
         """The rows to insert or update, read again from the source by key under the

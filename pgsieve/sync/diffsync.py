@@ -52,8 +52,14 @@ from pgsieve.apply.target import IDENTITY_SQL
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
-from pgsieve.spark.sync import TableCopy
-from pgsieve.sync.diffrun import IN_WORKER_MAX_ROWS, INTEGER_KEYS, DiffRun, names
+from pgsieve.spark.sync import TableCopy, task_slots
+from pgsieve.sync.diffrun import (
+    IN_WORKER_MAX_ROWS,
+    INTEGER_KEYS,
+    DiffRun,
+    RangedCompare,
+    names,
+)
 from pgsieve.sync.syncplan import SourceTable, SyncError, TargetTable
 
 log = logging.getLogger(__name__)
@@ -135,10 +141,27 @@ _SAME_TEXT = (("TimeZone", "UTC"), ("DateStyle", "ISO, YMD"), ("IntervalStyle", 
 back to the source as text), whatever each server's defaults."""
 
 
+RANGE_ROWS = 2_000_000
+"""Keys per range at most when Spark tasks compare by key ranges (32 MB per end)."""
+
+
+@dataclass(frozen=True)
+class SparkRanges:
+    """A whole-table diff may compare by key ranges in Spark tasks (see
+    :mod:`pgsieve.spark.diff`): from ``min_rows`` rows on, in two ranges per task slot at
+    least, and at most :data:`RANGE_ROWS` keys per range. ``spark`` starts (or returns)
+    the session: only a table that takes this path needs it."""
+
+    spark: Callable[[], Any]
+    min_rows: int
+    job_group: str | None = None
+
+
 def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTable,
                target: TargetTable, copy: TableCopy, *, connect_timeout: int = 10,
                replica_role: bool = True,
-               on_progress: Callable[[int], None] | None = None) -> DiffResult:
+               on_progress: Callable[[int], None] | None = None,
+               spark_ranges: SparkRanges | None = None) -> DiffResult:
     """Make the target table equal to ``source`` (its filter and columns) at ``snapshot``,
     in one target transaction of plain DML; ``on_progress(rows compared so far)`` about
     every second while the source's rows (or their hashes) stream in."""
@@ -185,10 +208,20 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
         try:
             same_types = all(target.columns[c.name].type_name == c.type_name
                              for c in source.columns)
+            integer_key = (len(key) == 1
+                           and target.columns[key[0]].type_name in INTEGER_KEYS)
+            rows = _rows_at_most(tgt, target, source) if integer_key else 0
             if not same_types:
                 method, counts = "whole_rows", run.whole_rows()
-            elif (len(key) == 1 and target.columns[key[0]].type_name in INTEGER_KEYS
-                  and _rows_at_most(tgt, target, source) <= IN_WORKER_MAX_ROWS):
+            elif (integer_key and spark_ranges is not None and spark_ranges.min_rows > 0
+                  and rows >= spark_ranges.min_rows):
+                spark = spark_ranges.spark()
+                pieces = max(2 * task_slots(spark), -(-int(rows) // RANGE_ROWS))
+                run.ranged = RangedCompare(
+                    spark, source_dsn, target_dsn, snapshot, pieces, _SAME_TEXT,
+                    connect_timeout, spark_ranges.job_group)
+                method, counts = "hashes_in_spark", run.by_integer_key()
+            elif integer_key and rows <= IN_WORKER_MAX_ROWS:
                 method, counts = "hashes_in_worker", run.by_integer_key()
             else:
                 method, counts = "hashes_at_target", run.by_hash()

@@ -100,3 +100,25 @@ def compare_key_hashes(source: KeyHashes, target: KeyHashes) -> KeyDifferences:
     kept[pos[found]] = True
     return KeyDifferences(delete=target.keys[~kept], insert=source.keys[~found],
                           update=source.keys[changed])
+
+
+def diff_streams(source: bytes, target: bytes) -> tuple[bytes, bytes, bytes, int]:
+    """:func:`compare_key_hashes` of two binary COPY streams, as bytes (what a Spark task
+    comparing one key range returns: the keys to delete, insert and update as int64
+    arrays, and the source rows it compared)."""
+    src = parse_key_hashes([source])
+    differences = compare_key_hashes(src, parse_key_hashes([target]))
+    return (differences.delete.astype(np.int64).tobytes(),
+            differences.insert.astype(np.int64).tobytes(),
+            differences.update.astype(np.int64).tobytes(), len(src))
+
+
+def joined(parts: list[tuple[bytes, bytes, bytes, int]]) -> tuple[KeyDifferences, int]:
+    """The differences of every range, as one (the ranges do not overlap)."""
+    def keys(blobs: list[bytes]) -> Keys:
+        arrays = [np.frombuffer(b, dtype=np.int64) for b in blobs]
+        return np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+
+    return KeyDifferences(delete=keys([p[0] for p in parts]),
+                          insert=keys([p[1] for p in parts]),
+                          update=keys([p[2] for p in parts])), sum(p[3] for p in parts)

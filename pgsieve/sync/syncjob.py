@@ -83,7 +83,8 @@ from pgsieve.spark.sync import (
     warm_up,
 )
 from pgsieve.sync import moved
-from pgsieve.sync.diffsync import diff_table
+from pgsieve.sync.diffrun import IN_WORKER_MAX_ROWS
+from pgsieve.sync.diffsync import SparkRanges, diff_table
 from pgsieve.sync.snapshot import (
     ExportedSnapshot,
     SnapshotError,
@@ -673,7 +674,8 @@ class SyncJobRunner:
                 result = diff_table(ctx.source_dsn, snap.name, ctx.target_dsn, source,
                                     target, copy,
                                     connect_timeout=self.settings.connect_timeout,
-                                    on_progress=partial(self._diff_progress, ctx, name))
+                                    on_progress=partial(self._diff_progress, ctx, name),
+                                    spark_ranges=self._spark_ranges())
             for phase, seconds in result.phases.items():
                 self.timings[phase] = self.timings.get(phase, 0.0) + seconds
             verify = self._after_table(ctx, snap, name, source, target)
@@ -695,6 +697,15 @@ class SyncJobRunner:
                     results[name] = verify
                     job.details = {**job.details, "verify_results": results}
                 self._update_totals(session, job, ctx)
+
+    def _spark_ranges(self) -> SparkRanges | None:
+        """When a whole-table diff compares by key ranges in Spark tasks
+        (``PGSIEVE_DIFF_SPARK_MIN_ROWS``)."""
+        setting = self.settings.diff_spark_min_rows
+        min_rows = IN_WORKER_MAX_ROWS if setting == "auto" else int(setting)
+        if min_rows <= 0:
+            return None
+        return SparkRanges(self._spark_factory, min_rows, self._group)
 
     def _diff_progress(self, ctx: _Context, name: str, staged: int) -> None:
         """Rows of the source compared so far (staged at the target), shown as the

@@ -12,12 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pgsieve.spark.diff import key_ranges
 from pgsieve.sync.hashdiff import (
     SIGNATURE,
     TRAILER,
     KeyHashes,
     KeyHashFormatError,
     compare_key_hashes,
+    diff_streams,
+    joined,
     parse_key_hashes,
 )
 
@@ -93,3 +96,32 @@ def test_malformed_streams_raise(stream):
 def test_a_repeated_key_raises():
     with pytest.raises(KeyHashFormatError, match="twice"):
         parse_key_hashes([copy_out([(1, 5), (1, 6)])])
+
+
+@settings(max_examples=150, deadline=None)
+@given(source=table_st, target=table_st, pieces=st.integers(min_value=1, max_value=9))
+def test_compared_by_key_ranges_the_differences_are_the_same(source, target, pieces):
+    """What Spark tasks return per key range, joined, equals the one comparison: the
+    ranges cover every key of both ends exactly once."""
+    whole = compare_key_hashes(side(source), side(target))
+    keys = list(source) + list(target)
+    ranges = key_ranges(min(keys), max(keys), pieces) if keys else []
+    assert len(ranges) <= pieces
+
+    def within(rows: dict[int, int], lo: int, hi: int) -> dict[int, int]:
+        return {k: h for k, h in rows.items() if lo <= k < hi}
+
+    parts = [diff_streams(copy_out(within(source, lo, hi)), copy_out(within(target, lo, hi)))
+             for lo, hi in ranges]
+    joined_differences, compared = joined(parts)
+    assert compared == len(source)
+    for name in ("delete", "insert", "update"):
+        assert sorted(getattr(joined_differences, name).tolist()) == sorted(
+            getattr(whole, name).tolist())
+
+
+def test_key_ranges_cover_the_span_in_order():
+    assert key_ranges(1, 10, 3) == [(1, 5), (5, 8), (8, 11)]
+    assert key_ranges(5, 5, 4) == [(5, 6)]
+    assert key_ranges(3, 2, 4) == []
+    assert key_ranges(-(2 ** 63), 2 ** 63 - 1, 2)[-1][1] == 2 ** 63

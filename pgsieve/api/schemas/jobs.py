@@ -91,10 +91,12 @@ class DiffCounts(BaseModel):
 
 
 class TableDiff(DiffCounts):
-    method: Literal["hashes_in_worker", "hashes_at_target", "whole_rows",
-                    "moved_rows"] | None = Field(
+    method: Literal["hashes_in_worker", "hashes_in_spark", "hashes_at_target",
+                    "whole_rows", "moved_rows"] | None = Field(
         default=None, description="how rows were compared — hashes_in_worker (one integer "
-        "key: keys and row hashes of both ends compared in the worker), hashes_at_target "
+        "key: keys and row hashes of both ends compared in the worker), hashes_in_spark (the "
+        "same by key ranges, one Spark task each: big tables, PGSIEVE_DIFF_SPARK_MIN_ROWS), "
+        "hashes_at_target "
         "(keys and row hashes staged at the target), whole_rows (a column's type differs "
         "between the ends: every row staged), moved_rows (a filter change reconciled by "
         "the rows it moves alone, merged at the change's point in the stream: `compared` "
