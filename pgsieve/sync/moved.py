@@ -204,9 +204,18 @@ def _stage_name(marker: str, subscription_id: str, index: int) -> str:
     return f"reconcile_{marker[:12]}_{subscription_id[:8]}_{index}"
 
 
-def _truth(expr: str | None) -> sql.Composable:
-    """A filter as PostgreSQL printed it (``pg_get_expr``), true when it is true."""
-    return sql.SQL("true") if expr is None else sql.SQL("(({}) IS TRUE)").format(sql.SQL(expr))
+def _filter(expr: str | None) -> sql.Composable:
+    """A filter as PostgreSQL printed it (``pg_get_expr``); None: every row."""
+    return sql.SQL("true") if expr is None else sql.SQL("({})").format(sql.SQL(expr))
+
+
+def moved_condition(before: str | None, after: str | None) -> sql.Composable:
+    """Rows that match exactly one of the filters (a NULL filter result is no match), as
+    two branches whose filter parts an index on the filtered column can serve (a tenant
+    moved from ``t = 5`` to ``t = 7``: two index scans, not a scan of the table)."""
+    old, new = _filter(before), _filter(after)
+    return sql.SQL("(({new}) AND NOT coalesce({old}, false)) OR "
+                   "(({old}) AND NOT coalesce({new}, false))").format(new=new, old=old)
 
 
 @dataclass(frozen=True)
@@ -318,13 +327,13 @@ def _stage_table(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
     tgt.execute(sql.SQL(
         "CREATE TABLE {s} AS SELECT {cols}, false AS _pgsieve_remove FROM {t} WITH NO DATA"
     ).format(s=staging, cols=names(columns), t=target))
-    old, new = _truth(moved.before), _truth(moved.after)
     started = time.perf_counter()
-    # One scan of the source for both: a row to remove carries its columns too (they
-    # are not used), which costs less than reading the table twice.
+    # One query for both: a row to remove carries its columns too (they are not used),
+    # which costs less than reading the table twice.
     _pipe(src, tgt, sql.SQL(
-        "COPY (SELECT {cols}, NOT {new} FROM {only}{t} WHERE {new} IS DISTINCT FROM {old}) "
-        "TO STDOUT").format(cols=names(columns), t=target, new=new, old=old,
+        "COPY (SELECT {cols}, NOT coalesce({new}, false) FROM {only}{t} WHERE {moved}) "
+        "TO STDOUT").format(cols=names(columns), t=target, new=_filter(moved.after),
+                            moved=moved_condition(moved.before, moved.after),
                             only=sql.SQL("" if moved.whole_tree else "ONLY ")),
         sql.SQL("COPY {s} ({cols}, _pgsieve_remove) FROM STDIN").format(
             s=staging, cols=names(columns)))

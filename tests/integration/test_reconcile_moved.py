@@ -8,6 +8,7 @@ same publication is shown not to end right.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -16,9 +17,16 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg import sql
 
 import tests.integration.pipeline_env as pipeline_env_module
-from pgsieve.sync.moved import MARKER_PREFIX, emit_marker, lock_and_export, parse_marker
+from pgsieve.sync.moved import (
+    MARKER_PREFIX,
+    emit_marker,
+    lock_and_export,
+    moved_condition,
+    parse_marker,
+)
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.splitter import TransactionSplitter, lone_logical_message
 from tests.conftest import Database, _fresh_db
@@ -98,6 +106,29 @@ def test_the_marker_is_the_alter_transaction_alone_in_the_stream(source_db: Data
     # The row written while the lock was held committed after the ALTER: filtered by
     # the new filter ('us'), so not sent.
     assert rows(source_db, "items", "id") == [(1,), (2,)]
+
+
+def test_the_moved_rows_are_found_through_an_index_on_the_filtered_column(
+        source_db: Database):
+    """A tenant moved from one filter to another: with an index on the filtered column
+    the rows that move are read by two index scans, not a scan of the table; exactly the
+    rows matching one filter and not the other (NULL is no match)."""
+    source_db.execute("""
+        CREATE TABLE ev (id int PRIMARY KEY, tenant int, payload text);
+        INSERT INTO ev SELECT n, CASE WHEN n % 101 = 0 THEN NULL ELSE n % 50 END, 'p'
+            FROM generate_series(1, 200000) n;
+        CREATE INDEX ON ev (tenant);
+        ANALYZE ev;
+    """)
+    condition = moved_condition("(tenant = 5)", "((tenant = 7) OR (tenant IS NULL))")
+    with psycopg.connect(source_db.dsn) as conn:
+        query = sql.SQL("SELECT id FROM ev WHERE {}").format(condition).as_string(conn)
+        plan = json.dumps(conn.execute("EXPLAIN (FORMAT JSON) " + query).fetchone())
+        got = {r[0] for r in conn.execute(query)}
+    assert "Seq Scan" not in plan and "Index" in plan, plan
+    want = {r[0] for r in source_db.query(
+        "SELECT id FROM ev WHERE tenant = 5 OR tenant = 7 OR tenant IS NULL")}
+    assert got == want
 
 
 def _setup(env: PipelineEnv, source_db: Database, target_db: Database,
