@@ -360,14 +360,11 @@ def _key(tgt: psycopg.Connection[Any], table: str, oid: int) -> list[str]:
 
 
 def _pipe(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any], out: sql.Composed,
-          into: sql.Composed) -> int:
-    """Source COPY TO into target COPY FROM, chunk by chunk; the rows moved."""
-    rows = 0
+          into: sql.Composed) -> None:
+    """Source COPY TO into target COPY FROM, chunk by chunk."""
     with src.cursor().copy(out) as reader, tgt.cursor().copy(into) as writer:
         for chunk in reader:
-            rows += bytes(chunk).count(b"\n")
             writer.write(chunk)
-    return rows
 
 
 # -- the stream: merge at the marker -------------------------------------------------------
@@ -439,23 +436,6 @@ def merge_corrections(conn: psycopg.Connection[Any], marker: str,
     conn.execute(f"UPDATE {SCHEMA}.{STAGED_TABLE} SET merged = %s WHERE marker = %s "
                  "AND subscription_id = %s", (json.dumps(out), marker, subscription_id))
     return Merged(added, removed, updated, out, time.perf_counter() - started)
-
-
-def drop_staged(target_dsn: str, marker: str, subscription_id: str,
-                connect_timeout: int = 10) -> None:
-    """Forget corrections that will not be merged (the stream took the full diff)."""
-    with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.CONTROL,
-                                         connect_timeout=connect_timeout),
-                         autocommit=True) as tgt, tgt.transaction():
-        state = _state(tgt, marker, subscription_id, lock=True)
-        if state is None or state.merged:
-            return
-        for item in state.tables:
-            tgt.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(
-                sql.Identifier(SCHEMA, item["stage"])))
-        if state is not None:
-            tgt.execute(f"DELETE FROM {SCHEMA}.{STAGED_TABLE} WHERE marker = %s "
-                        "AND subscription_id = %s", (marker, subscription_id))
 
 
 def finish_job(sessions: sessionmaker[Session], job_id: str, tables: list[dict[str, Any]],
