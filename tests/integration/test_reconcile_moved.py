@@ -356,6 +356,10 @@ def test_one_change_reconciles_every_subscription_of_the_publication(
     wait_until(lambda: _ready(env, third_id), 180, "the third initial sync", env)
     env.api("POST", f"/subscriptions/{second_id}/disable")
     env.api("POST", f"/subscriptions/{third_id}/disable")
+    # A disable stops the stream asynchronously (as native's does its apply worker):
+    # wait until neither streams, or one may still reach the marker and merge.
+    wait_until(lambda: all(env.subscription(s)["consumer"] is None
+                           for s in (second_id, third_id)), 60, "the streams stopped", env)
     r = env.client.patch(f"/api/v1/sources/{src}/publications/pub", json={
         "alter_tables": [{"table": "public.items", "where": "region <> 'eu'"}],
         "reconcile": "diff"})
