@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -358,26 +359,28 @@ def _helper_main() -> int:
                  "error": scrub_secrets(str(exc).strip()) or type(exc).__name__})
         return 1
     _answer({"ok": True, "consistent_lsn": str(lsn), "snapshot": name})
+    return _hold(conn, lambda: _job_wants_snapshot(request["database_url"],
+                                                   request["job_id"], slot, grace))
+
+
+def _hold(conn: psycopg.Connection[Any], wanted: Callable[[], bool]) -> int:
+    """Keep ``conn`` (and its snapshot) open and idle until the server closes it or
+    ``wanted()`` (asked every ``POLL_SECONDS``) says no more."""
     sock = conn.pgconn.socket
-    checked = 0.0
     try:
         while True:
             # Readable means the server spoke on an idle connection: it is closing it.
             ready, _, _ = select.select([sock], [], [], POLL_SECONDS)
             if ready:
                 return 0
-            now = time.monotonic()
-            if now - checked >= POLL_SECONDS:
-                checked = now
-                try:
-                    if not _job_wants_snapshot(request["database_url"], request["job_id"],
-                                               slot, grace):
-                        return 0
-                except Exception as exc:  # metadata store hiccup: keep holding
-                    from pgsieve.platform.credentials import scrub_secrets
+            try:
+                if not wanted():
+                    return 0
+            except Exception as exc:  # metadata store hiccup: keep holding
+                from pgsieve.platform.credentials import scrub_secrets
 
-                    log.warning("snapshot helper: cannot read the job: %s",
-                                scrub_secrets(str(exc)))
+                log.warning("snapshot helper: cannot read its jobs: %s",
+                            scrub_secrets(str(exc)))
     finally:
         with contextlib.suppress(Exception):
             conn.close()
@@ -406,25 +409,13 @@ def _hold_imported(request: dict[str, Any], grace: timedelta) -> int:
         return 1
     _answer({"ok": True, "consistent_lsn": "0/0", "snapshot": name})
     jobs = [str(j) for j in request["job_ids"]]
-    sock = conn.pgconn.socket
-    try:
-        while True:
-            ready, _, _ = select.select([sock], [], [], POLL_SECONDS)
-            if ready:
-                return 0
-            early = time.monotonic() - started < JOBS_APPEAR_SECONDS
-            try:
-                if not any(_job_wants_snapshot(request["database_url"], j, request["slot"],
-                                               grace, missing_ok=early) for j in jobs):
-                    return 0
-            except Exception as exc:  # metadata store hiccup: keep holding
-                from pgsieve.platform.credentials import scrub_secrets
 
-                log.warning("snapshot helper: cannot read the jobs: %s",
-                            scrub_secrets(str(exc)))
-    finally:
-        with contextlib.suppress(Exception):
-            conn.close()
+    def wanted() -> bool:
+        early = time.monotonic() - started < JOBS_APPEAR_SECONDS
+        return any(_job_wants_snapshot(request["database_url"], j, request["slot"], grace,
+                                       missing_ok=early) for j in jobs)
+
+    return _hold(conn, wanted)
 
 
 def _answer(payload: dict[str, Any]) -> None:
