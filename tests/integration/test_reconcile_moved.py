@@ -276,6 +276,22 @@ CREATE TABLE events_ap PARTITION OF events FOR VALUES IN ('ap');
 """
 
 
+def _streaming(env: PipelineEnv, source_db: Database, target_db: Database,
+               tables: list[dict[str, Any]]) -> tuple[str, str]:
+    """Publication ``pub`` of ``tables`` (partitioned ones via their root), a subscription
+    copying and streaming it, a worker and beat: returns once its tables are ready."""
+    src, tgt = env.register(source_db, target_db)
+    env.api("POST", f"/sources/{src}/publications", json={
+        "name": "pub", "publish_via_partition_root": True, "tables": tables})
+    sub_id = env.api("POST", "/subscriptions", json={
+        "name": "eu-replica", "source_id": src, "target_id": tgt, "publications": ["pub"],
+        "copy_data": True, "options": {"batch_max_wait_ms": 200}})["id"]
+    env.start_worker()
+    env.start_beat()
+    wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
+    return src, sub_id
+
+
 def test_changes_moved_rows_cannot_take_are_compared_whole(
         env: PipelineEnv, source_db: Database, target_db: Database):
     """A column added to a column list (every row needs its values) and a partitioned
@@ -290,17 +306,9 @@ def test_changes_moved_rows_cannot_take_are_compared_whole(
             FROM generate_series(1, 3000) n;
     """)
     target_db.execute(SCHEMA + PARTED.split("PARTITION BY")[0] + ";")
-    src, tgt = env.register(source_db, target_db)
-    env.api("POST", f"/sources/{src}/publications", json={
-        "name": "pub", "publish_via_partition_root": True, "tables": [
-            {"table": "public.items", "where": "region = 'eu'", "columns": ["id", "region"]},
-            {"table": "public.events", "where": "region = 'eu'"}]})
-    sub_id = env.api("POST", "/subscriptions", json={
-        "name": "eu-replica", "source_id": src, "target_id": tgt, "publications": ["pub"],
-        "copy_data": True, "options": {"batch_max_wait_ms": 200}})["id"]
-    env.start_worker()
-    env.start_beat()
-    wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
+    src, sub_id = _streaming(env, source_db, target_db, [
+        {"table": "public.items", "where": "region = 'eu'", "columns": ["id", "region"]},
+        {"table": "public.events", "where": "region = 'eu'"}])
     writes = Writes(source_db.dsn)
     writes.start()
     try:
@@ -397,16 +405,8 @@ def test_a_partitioned_table_published_via_its_root_moves_its_rows(
             FROM generate_series(1, 6000) n;
     """)
     target_db.execute(PARTED.split("PARTITION BY")[0] + ";")
-    src, tgt = env.register(source_db, target_db)
-    env.api("POST", f"/sources/{src}/publications", json={
-        "name": "pub", "publish_via_partition_root": True,
-        "tables": [{"table": "public.events", "where": "region = 'eu'"}]})
-    sub_id = env.api("POST", "/subscriptions", json={
-        "name": "eu-replica", "source_id": src, "target_id": tgt, "publications": ["pub"],
-        "copy_data": True, "options": {"batch_max_wait_ms": 200}})["id"]
-    env.start_worker()
-    env.start_beat()
-    wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
+    src, _ = _streaming(env, source_db, target_db, [
+        {"table": "public.events", "where": "region = 'eu'"}])
     stop = threading.Event()
 
     def write() -> None:
