@@ -23,6 +23,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+import psycopg
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform import dispatch
@@ -61,10 +62,6 @@ def marker_for(txn: Transaction, subscription_id: str) -> moved.Marker | None:
     return marker
 
 
-class _NotStaged(Exception):
-    """Rolls the marker's target transaction back: nothing to merge yet."""
-
-
 def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscription_id: str,
                  writer: Any, txn: Transaction, marker: moved.Marker) -> MarkerResult:
     """Everything before the marker is applied; what to do with it (see the module)."""
@@ -86,20 +83,21 @@ def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscripti
         return MarkerResult(Reached.ORDINARY, "full diff")
     conn = writer.conn
     writer.applied_unknown()
-    try:
-        with conn.transaction():
-            current = writer.lock_applied(conn)
-            if current is not None and current >= txn.end_lsn:
-                raise _NotStaged("applied already")
+    merged: moved.Merged | None = None
+    already = False
+    with conn.transaction() as tx:
+        current = writer.lock_applied(conn)
+        already = current is not None and current >= txn.end_lsn
+        if not already:
             writer.replica_role(conn)  # as the apply: no ordinary triggers fire
             merged = moved.merge_corrections(conn, marker.id, subscription_id)
-            if merged is None:
-                raise _NotStaged("not staged")
-            writer.write_applied(conn, txn.end_lsn, txn.commit_lsn, txn.commit_time)
-            fault_point("cycle.mid_marker")  # crash tests: merged, not committed
-    except _NotStaged as why:
+        if merged is None:
+            raise psycopg.Rollback(tx)  # nothing to write: leaves the block, rolled back
+        writer.write_applied(conn, txn.end_lsn, txn.commit_lsn, txn.commit_time)
+        fault_point("cycle.mid_marker")  # crash tests: merged, not committed
+    if merged is None:
         writer.applied_unknown()
-        if str(why) == "applied already":
+        if already:
             return MarkerResult(Reached.APPLIED, "applied already")
         if state in JOB_ENDED:
             return MarkerResult(Reached.ORDINARY, "job ended")
