@@ -174,6 +174,20 @@ class Settings(BaseSettings):
         description="transport auto: a held-open replication session reads a stream "
         "within this much WAL of the source; one further behind is read in SQL windows",
     )
+    read_ahead_min_bytes: int = Field(
+        default=64 << 20, ge=0,
+        description="a stream at least this far behind when its SQL windows open is read "
+        "by a second process, ahead of the apply (0: never)",
+    )
+    read_ahead_processes: int = Field(
+        default=1, ge=0, le=64,
+        description="read-ahead processes a worker process runs at most (streams past "
+        "that read their windows themselves)",
+    )
+    read_ahead_buffer_bytes: int = Field(
+        default=128 << 20, ge=1 << 20,
+        description="decoded output a read-ahead process holds for the apply at most",
+    )
     idle_poll_seconds: float = Field(
         default=0.5, gt=0, le=60,
         description="how soon a subscription whose turn found nothing looks again",

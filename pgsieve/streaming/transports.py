@@ -27,7 +27,7 @@ import re
 import select
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -155,6 +155,10 @@ class SqlTransport:
     backends at once (0: never) — see :meth:`_split_window`.
     """
 
+    DECODE_FUNCTION = "pg_logical_slot_peek_binary_changes"
+    """Peeked: the slot moves only on :meth:`confirm` (a read-ahead process reads a
+    temporary copy of the slot with ``…_get_…`` instead, see :mod:`.readahead`)."""
+
     def __init__(
         self,
         dsn: str,
@@ -281,7 +285,7 @@ class SqlTransport:
                 yield iter((IDLE,))
                 time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
                 continue
-            stats = _WindowStats()
+            stats = WindowStats()
             middle = self._split_window(start, upto)
             if middle is None:
                 yield self._idle_at_end(self._read_window(start, upto, stats), stats, start,
@@ -305,7 +309,7 @@ class SqlTransport:
             else:
                 self._window = self.window_bytes
 
-    def _idle_at_end(self, session: Iterator[SessionEntry], stats: _WindowStats, start: Lsn,
+    def _idle_at_end(self, session: Iterator[SessionEntry], stats: WindowStats, start: Lsn,
                      upto: Lsn, to_the_end: bool) -> Iterator[SessionEntry]:
         """The window's entries, then — when nothing of ours commits in [confirmed, upto] —
         the idle marker, in the SAME session: once recorded and confirmed, the slot can
@@ -318,7 +322,7 @@ class SqlTransport:
             self._idle = upto if upto > start else None
             yield IDLE
 
-    def _read_window(self, start: Lsn, upto: Lsn, stats: _WindowStats) -> Iterator[
+    def _read_window(self, start: Lsn, upto: Lsn, stats: WindowStats) -> Iterator[
             MessageBatch | RawMessage]:
         """One peek up to ``upto``: aggregated into chunks when the window is small enough
         for the server to hold its output, else row by row."""
@@ -376,7 +380,7 @@ class SqlTransport:
         self._helper_busy = True
         return middle
 
-    def _second_part(self, start: Lsn, upto: Lsn, stats: _WindowStats) -> Iterator[
+    def _second_part(self, start: Lsn, upto: Lsn, stats: WindowStats) -> Iterator[
             MessageBatch | RawMessage]:
         helper = self._helper
         assert helper is not None
@@ -409,7 +413,7 @@ class SqlTransport:
         opts: list[str] = []
         for key, value in self.options.as_dict().items():
             opts += [key, value]
-        return sql.SQL("pg_logical_slot_peek_binary_changes({slot}, {upto}::pg_lsn, NULL{opts})"
+        return sql.SQL(self.DECODE_FUNCTION + "({slot}, {upto}::pg_lsn, NULL{opts})"
                        ).format(slot=sql.Literal(slot), upto=sql.Literal(str(upto)),
                                 opts=sql.SQL("").join(sql.SQL(", ") + sql.Literal(o)
                                                       for o in opts))
@@ -444,13 +448,19 @@ class SqlTransport:
                  peek=self._peek_call(slot, upto)).as_bytes(self._conn)
 
     def _read_batches(self, conn: psycopg.Connection[tuple[Any, ...]], query: bytes | None,
-                      stats: _WindowStats) -> Iterator[MessageBatch]:
+                      stats: WindowStats) -> Iterator[MessageBatch]:
         """Run an aggregated peek (or read the one already sent when ``query`` is None)
         and yield its chunks in order."""
+        yield from self._chunks_in_order(self._copy_rows(conn, query, aggregate=True), stats)
+
+    def _chunks_in_order(self, rows: Iterable[bytes | memoryview], stats: WindowStats
+                         ) -> Iterator[MessageBatch]:
+        """The aggregated peek's COPY rows (see :meth:`_batch_query`) as its chunks, in
+        order and checked; also for rows read by another process (:mod:`.readahead`)."""
         expected = 1
         nbytes = 0
         early: dict[int, MessageBatch] = {}  # chunks that came before their turn
-        for row in self._copy_rows(conn, query, aggregate=True):
+        for row in rows:
             if _NULL_CHUNK.match(row):  # a number without a chunk
                 continue
             fields, len1, first, len2, count, size = _BATCH_HEAD.unpack_from(row, 0)
@@ -479,10 +489,14 @@ class SqlTransport:
                 yield batch
         if early:
             raise TransportError(f"chunks missing in the COPY stream from message {expected}")
-        if stats.rows and self._fixed_chunk is None:  # aim for chunks of about _CHUNK_BYTES
-            self._chunk = max(256, min(65536, _CHUNK_BYTES * (expected - 1) // max(1, nbytes)))
+        self._adapt_chunk(expected - 1, nbytes)
 
-    def _peek_rows(self, upto: Lsn, stats: _WindowStats) -> Iterator[RawMessage]:
+    def _adapt_chunk(self, messages: int, nbytes: int) -> None:
+        """After a window of ``messages`` in ``nbytes``: aim for chunks of ~_CHUNK_BYTES."""
+        if messages and self._fixed_chunk is None:
+            self._chunk = max(256, min(65536, _CHUNK_BYTES * messages // max(1, nbytes)))
+
+    def _peek_rows(self, upto: Lsn, stats: WindowStats) -> Iterator[RawMessage]:
         """The window one message per COPY row (one C call per row, no per-row Python
         machinery beyond slicing)."""
         unpack = _ROW_HEAD.unpack_from
@@ -580,7 +594,9 @@ class SqlTransport:
 
 
 @dataclass
-class _WindowStats:
+class WindowStats:
+    """What a window gave: messages, and whether a transaction completed in it."""
+
     rows: int = 0
     complete: bool = False
 

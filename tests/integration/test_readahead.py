@@ -1,0 +1,174 @@
+"""A backlog read ahead by a second process (issue 20, item 2) on a real publisher: the
+read-ahead process consumes a temporary copy of the slot, this process applies and
+confirms the slot itself — every committed transaction delivered once, in order, across
+windows, a streamed transaction spanning windows, the read-ahead process killed with
+SIGKILL in the middle, and the hand-over to SQL windows once caught up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
+from pgsieve.streaming.readahead import ReadAheadTransport, read_ahead_or
+from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.lsn import Lsn
+from tests.conftest import Database
+from tests.integration.test_turnreader import commit_ends, setup
+
+OPTIONS = PgoutputOptions(publication_names=("pub",), proto_version=2)
+
+
+def read_ahead(db: Database, window: int = 256 << 10) -> ReadAheadTransport:
+    inner = SqlTransport(db.dsn, "s", OPTIONS, window_bytes=window, split_bytes=0)
+    transport = read_ahead_or(inner, db.dsn, min_bytes=1, processes=4, buffer_bytes=1 << 20)
+    assert isinstance(transport, ReadAheadTransport)
+    return transport
+
+
+class Turns:
+    """Turns as the scheduler takes them: one session, confirm what it gave."""
+
+    def __init__(self, consumer: SlotConsumer) -> None:
+        self.consumer = consumer
+        self.ends: list[Lsn] = []
+        self.sizes: list[int] = []
+
+    def turn(self) -> None:
+        for item in self.consumer.items(time.monotonic() + 1.0, quiet=True):
+            if isinstance(item, Transaction):
+                self.ends.append(item.end_lsn)
+                self.sizes.append(len(item.changes))
+                item.close()
+            elif isinstance(item, IdleProgress | Quiet):
+                break
+        if self.ends:
+            self.consumer.confirm(self.ends[-1])
+
+    def until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            assert time.monotonic() < deadline, f"timed out at {len(self.ends)}"
+            self.turn()
+
+
+def wait_flushed(db: Database) -> None:
+    end = db.query("SELECT pg_current_wal_insert_lsn()")[0][0]
+    deadline = time.monotonic() + 10
+    while not db.query("SELECT pg_current_wal_flush_lsn() >= %s", (end,))[0][0]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def slots(db: Database) -> list[str]:
+    return [str(r[0]) for r in db.query("SELECT slot_name FROM pg_replication_slots "
+                                        "ORDER BY 1")]
+
+
+def confirmed(db: Database) -> Lsn:
+    return Lsn.parse(str(db.query("SELECT confirmed_flush_lsn::text FROM "
+                                  "pg_replication_slots WHERE slot_name = 's'")[0][0]))
+
+
+def test_read_ahead_delivers_every_transaction_once_and_moves_only_on_confirm(
+        source_db: Database):
+    setup(source_db)
+    commit_ends(source_db, 0, 400, size=5_000)  # ~2 MB: several 256 kB windows
+    before = confirmed(source_db)
+    transport = read_ahead(source_db)
+    child = transport.child_pid
+    assert child is not None
+    consumer = SlotConsumer(transport, proto_version=2)
+    turns = Turns(consumer)
+    turns.turn()
+    assert turns.ends, "the first turn gets the first window"
+    time.sleep(1.0)  # the child reads on; the slot itself stays where it was confirmed
+    assert confirmed(source_db) == turns.ends[-1] > before
+    assert any(name.startswith("pgsieve_ahead_") for name in slots(source_db))
+    turns.until(lambda: len(turns.ends) >= 400)
+    assert len(turns.ends) == 400 and turns.ends == sorted(set(turns.ends))
+    assert transport.windows >= 4
+    assert confirmed(source_db) == turns.ends[-1]
+
+    # Caught up: the read-ahead process ends (with its temporary slot); windows read here.
+    turns.turn()
+    deadline = time.monotonic() + 10
+    while transport.reading_ahead and time.monotonic() < deadline:
+        turns.turn()
+    assert not transport.reading_ahead and transport.reached_end
+    assert slots(source_db) == ["s"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+    commit_ends(source_db, 1000, 5)
+    turns.until(lambda: len(turns.ends) >= 405)
+    assert len(turns.ends) == 405 and turns.ends == sorted(set(turns.ends))
+    consumer.close()
+
+
+def test_a_streamed_transaction_spanning_windows_arrives_whole_once(source_db: Database):
+    """With ``streaming = on`` (and the suite's 64 kB ``logical_decoding_work_mem``) a large
+    transaction comes in chunks before its commit. Each window the read-ahead process
+    consumes is a decoding session of its own, which sends the transaction still in
+    progress again from its start: it must arrive whole and once, not accumulated."""
+    setup(source_db)
+    with source_db.connect() as conn:
+        conn.execute("INSERT INTO ev SELECT g, repeat(md5(g::text), 20) "
+                     "FROM generate_series(1, 20000) g")
+    commit_ends(source_db, 50_000, 20)
+    transport = read_ahead(source_db, window=512 << 10)
+    consumer = SlotConsumer(transport, proto_version=2)
+    turns = Turns(consumer)
+    turns.until(lambda: len(turns.ends) >= 21)
+    assert turns.sizes[0] == 20000 and turns.sizes[1:] == [1] * 20
+    assert transport.windows >= 3, "the transaction was meant to span windows"
+    assert consumer.stats.sessions >= 3
+    consumer.close()
+
+
+def test_read_ahead_process_killed_mid_backlog_loses_and_repeats_nothing(
+        source_db: Database):
+    setup(source_db)
+    commit_ends(source_db, 0, 600, size=5_000)
+    transport = read_ahead(source_db)
+    consumer = SlotConsumer(transport, proto_version=2)
+    turns = Turns(consumer)
+    turns.until(lambda: len(turns.ends) >= 100)
+    child = transport.child_pid
+    assert child is not None and transport.reading_ahead
+    os.kill(child, signal.SIGKILL)
+    turns.until(lambda: len(turns.ends) >= 600)
+    assert not transport.reading_ahead, "a dead read-ahead process leaves SQL windows"
+    assert len(turns.ends) == 600 and turns.ends == sorted(set(turns.ends))
+    assert confirmed(source_db) == turns.ends[-1]
+    deadline = time.monotonic() + 10  # its temporary slot goes with its session
+    while slots(source_db) != ["s"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert slots(source_db) == ["s"]
+    consumer.close()
+
+
+def test_only_a_backlog_past_the_bound_is_read_ahead_and_processes_are_capped(
+        source_db: Database):
+    setup(source_db)
+    commit_ends(source_db, 0, 50, size=5_000)
+    wait_flushed(source_db)  # (the suite's clusters commit asynchronously)
+    small = SqlTransport(source_db.dsn, "s", OPTIONS, split_bytes=0)
+    assert read_ahead_or(small, source_db.dsn, min_bytes=64 << 20, processes=1,
+                         buffer_bytes=1 << 20) is small
+    assert read_ahead_or(small, source_db.dsn, min_bytes=0, processes=1,
+                         buffer_bytes=1 << 20) is small
+    first = read_ahead_or(small, source_db.dsn, min_bytes=1, processes=1,
+                          buffer_bytes=1 << 20)
+    other = SqlTransport(source_db.dsn, "s", OPTIONS, split_bytes=0)
+    assert read_ahead_or(other, source_db.dsn, min_bytes=1, processes=1,
+                         buffer_bytes=1 << 20) is other, "one process at most"
+    first.close()
+    again = read_ahead_or(other, source_db.dsn, min_bytes=1, processes=1,
+                          buffer_bytes=1 << 20)
+    assert isinstance(again, ReadAheadTransport), "a closed one frees its place"
+    again.close()
