@@ -47,6 +47,7 @@ from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.apply import BackgroundApplier, apply_batch
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.readahead import ReadAheadTransport, read_ahead_or
 from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.batch import MessageBatch
@@ -100,9 +101,11 @@ def cluster_cpu(cluster: LocalCluster) -> float:
 
 
 def own_cpu() -> float:
-    """CPU seconds of this process (all its threads) and its reaped children."""
+    """CPU seconds of this process (all its threads) and its reaped children (the
+    read-ahead process, once a run ended it)."""
     me = resource.getrusage(resource.RUSAGE_SELF)
-    return me.ru_utime + me.ru_stime
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 class CpuMeter:
@@ -215,21 +218,30 @@ WORKLOADS = {
 }
 
 
+MODES = {"sequential": "pgs", "pipelined": "pip", "read-ahead": "rah",
+         "read-ahead+pipelined": "rap"}
+"""pgsieve's ways to drain the backlog, each into its own target database and slot:
+reading, planning and applying one after the other in this process (as a scheduler turn
+without read-ahead); with the apply in a thread (:class:`BackgroundApplier`); with the
+windows read by a second process (:mod:`pgsieve.streaming.readahead`, as a worker reads
+a large backlog); and both."""
+
+
 def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: int,
                  txn_rows: int, limits: BatchLimits, distributed: bool | None,
-                 spark: Any) -> None:
+                 spark: Any, modes: list[str], ahead_window: int) -> None:
     db = f"src_{wl.name}"
     pub.psql(f"CREATE DATABASE {db}")
-    for name in (f"nat_{wl.name}", f"pgs_{wl.name}", f"pip_{wl.name}"):
+    for name in (f"nat_{wl.name}", *(f"{MODES[m]}_{wl.name}" for m in modes)):
         sub.psql(f"CREATE DATABASE {name}")
     src_dsn, nat_dsn = pub.dsn(db), sub.dsn(f"nat_{wl.name}")
-    pgs_dsn, pip_dsn = sub.dsn(f"pgs_{wl.name}"), sub.dsn(f"pip_{wl.name}")
+    mode_dsns = {m: sub.dsn(f"{MODES[m]}_{wl.name}") for m in modes}
     with psycopg.connect(src_dsn, autocommit=True) as conn:
         conn.execute(wl.ddl.encode())
         if wl.prepare:
             conn.execute(wl.prepare.encode())
         conn.execute(f"CREATE PUBLICATION pb FOR TABLE {wl.table} WHERE ({wl.filter})".encode())
-    for dsn in (nat_dsn, pgs_dsn, pip_dsn):
+    for dsn in (nat_dsn, *mode_dsns.values()):
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(wl.ddl.encode())
             if wl.prepare:  # the initial rows that pass the filter, as an initial sync would
@@ -239,7 +251,7 @@ def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: in
         conn.execute(f"CREATE SUBSCRIPTION nat_{wl.name} CONNECTION '{src_dsn}' "
                      "PUBLICATION pb WITH (copy_data = false, enabled = false)".encode())
     with psycopg.connect(src_dsn, autocommit=True) as conn:
-        for slot in (f"pgs_{wl.name}", f"pip_{wl.name}"):
+        for slot in (f"{MODES[m]}_{wl.name}" for m in modes):
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (slot,))
         t0 = time.perf_counter()
         total = wl.run(conn, changes, txn_rows)
@@ -264,30 +276,29 @@ def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: in
         nat.execute(f"ALTER SUBSCRIPTION nat_{wl.name} DISABLE".encode())
         native_rows = nat.execute(wl.compare_sql.encode()).fetchone()
     print(f"[{wl.name}] native: {native_s:.2f}s", flush=True)
-    floors = decode_floors(src_dsn, f"pgs_{wl.name}")
+    floors = decode_floors(src_dsn, f"{MODES[modes[0]]}_{wl.name}")
     print(f"[{wl.name}] floors: server decode (one backend) {floors['decode_s']:.2f}s, "
           f"pgsieve reading alone {floors['read_s']:.2f}s", flush=True)
 
-    # -- pgsieve, as the consume cycle does it, and pipelined ---------------------------
+    # -- pgsieve, each way ---------------------------------------------------------------
     stats = {}
     cpu = {"native": native_cpu}
-    for mode, dsn, slot in (("sequential", pgs_dsn, f"pgs_{wl.name}"),
-                            ("pipelined", pip_dsn, f"pip_{wl.name}")):
+    for mode in modes:
         with CpuMeter(pub, sub) as meter:
-            stats[mode] = consume(mode, wl, src_dsn, dsn, slot, end, limits, distributed,
-                                  spark)
+            stats[mode] = consume(mode, wl, src_dsn, mode_dsns[mode], f"{MODES[mode]}_{wl.name}",
+                                  end, limits, distributed, spark, ahead_window)
         cpu[mode] = meter
 
     # -- same result? ---------------------------------------------------------------------
-    with psycopg.connect(nat_dsn) as a, psycopg.connect(pgs_dsn) as b, \
-            psycopg.connect(pip_dsn) as c:
+    with psycopg.connect(nat_dsn) as a:
         ra = a.execute(wl.compare_sql.encode()).fetchone()
-        rb = b.execute(wl.compare_sql.encode()).fetchone()
-        rc = c.execute(wl.compare_sql.encode()).fetchone()
-    assert ra == rb == rc, f"{wl.name}: native {ra} != pgsieve {rb} / {rc}"
+    for mode, dsn in mode_dsns.items():
+        with psycopg.connect(dsn) as b:
+            rb = b.execute(wl.compare_sql.encode()).fetchone()
+        assert ra == rb, f"{wl.name}: native {ra} != pgsieve {mode} {rb}"
     assert native_rows == ra, f"{wl.name}: native was not complete when timed"
     wl.result = {"source_changes": total, "native_s": native_s, "rows": ra[0] if ra else 0,
-                 **floors,
+                 "modes": modes, **floors,
                  **{f"{mode}_{k}": v for mode, st in stats.items() for k, v in st.items()},
                  "cpu": {run: m.used for run, m in cpu.items()}}
 
@@ -333,9 +344,11 @@ def decode_floors(src_dsn: str, slot: str) -> dict[str, float]:
 
 
 def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn,
-            limits: BatchLimits, distributed: bool | None, spark: Any) -> dict[str, Any]:
+            limits: BatchLimits, distributed: bool | None, spark: Any,
+            ahead_window: int) -> dict[str, Any]:
     """Drain the slot into ``dsn``: SlotConsumer → MicroBatcher → apply_batch → confirm,
-    sequentially (as the consume cycle) or with :class:`BackgroundApplier`."""
+    one after the other or with :class:`BackgroundApplier` (``…pipelined``), the windows
+    read by this process or by a read-ahead process (``read-ahead…``)."""
     options = PgoutputOptions(("pb",), proto_version=PROTO)
     writer = TargetWriter(dsn, "bench", source_dsn=src_dsn)
     writer.ensure_schema()
@@ -345,7 +358,15 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
     stage_times: dict[str, float] = {}
     held: list[list[Transaction]] = []
     t0 = time.perf_counter()
-    consumer = SlotConsumer(SqlTransport(src_dsn, slot, options), proto_version=PROTO)
+    transport: SqlTransport | ReadAheadTransport = SqlTransport(src_dsn, slot, options)
+    if mode.startswith("read-ahead"):
+        transport.close()
+        transport = read_ahead_or(
+            SqlTransport(src_dsn, slot, options, window_bytes=ahead_window, split_bytes=0),
+            src_dsn, min_bytes=1, processes=1,
+            buffer_bytes=Settings().read_ahead_buffer_bytes)
+        assert isinstance(transport, ReadAheadTransport)
+    consumer = SlotConsumer(transport, proto_version=PROTO)
     background = BackgroundApplier(spark, writer, distributed=distributed)
 
     def applied(results: list[ApplyResult]) -> None:
@@ -365,7 +386,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
             return
         held.append(txns)
         batch = ApplyBatch("bench", txns, routes)
-        if mode == "sequential":
+        if not mode.endswith("pipelined"):
             applied([apply_batch(spark, batch, writer, distributed=distributed)])
         else:
             applied(background.submit(batch))
@@ -378,7 +399,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
             done = item.end_lsn >= end
         elif isinstance(item, IdleProgress):
             done = done or item.lsn >= end
-        if mode == "pipelined":
+        if mode.endswith("pipelined"):
             applied(background.ready())
         if batcher.due(now) or (done and len(batcher)):
             flush()
@@ -400,18 +421,20 @@ GOALS = {"mixed": 2.0, "hot": 5.0}
 
 
 def report(workloads: list[Workload]) -> None:
-    print("\n| workload | source changes | replicated | native | pgsieve (as the consume cycle) "
-          "| pgsieve (pipelined) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    modes = workloads[0].result["modes"] if workloads else []
+    print("\n| workload | source changes | replicated | native | "
+          + " | ".join(f"pgsieve ({m})" for m in modes) + " |")
+    print("|---|---:|---:|---:|" + "---:|" * len(modes))
     for wl in workloads:
         r = wl.result
-        rep = r["sequential_replicated"]
+        rep = r[f"{modes[0]}_replicated"]
         nat = rep / r["native_s"]
-        seq = rep / r["sequential_s"]
-        pip = r["pipelined_replicated"] / r["pipelined_s"]
+        cells = []
+        for m in modes:
+            rate = r[f"{m}_replicated"] / r[f"{m}_s"]
+            cells.append(f"{r[f'{m}_s']:.2f} s, {rate:,.0f}/s, **{rate / nat:.2f}×**")
         print(f"| {wl.name} | {r['source_changes']:,} | {rep:,} | {r['native_s']:.2f} s, "
-              f"{nat:,.0f}/s | {r['sequential_s']:.2f} s, {seq:,.0f}/s, **{seq / nat:.2f}×** | "
-              f"{r['pipelined_s']:.2f} s, {pip:,.0f}/s, **{pip / nat:.2f}×** |")
+              f"{nat:,.0f}/s | " + " | ".join(cells) + " |")
     print("\n(changes/s count replicated changes — those passing the filter — over the same "
           "wall-clock time for each.)")
     cores = os.cpu_count() or 1
@@ -441,8 +464,8 @@ def report_limits(workloads: list[Workload]) -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for wl in workloads:
         r = wl.result
-        for run, wall in (("native", r["native_s"]), ("sequential", r["sequential_s"]),
-                          ("pipelined", r["pipelined_s"])):
+        for run, wall in (("native", r["native_s"]),
+                          *((m, r[f"{m}_s"]) for m in r["modes"])):
             c = r["cpu"][run]
             print(f"| {wl.name} | {run} | {wall:.2f} | {r['native_s'] / wall:.2f}× | "
                   f"{wall / r['decode_s']:.2f}× | {c['source']:.2f} | {c['target']:.2f} | "
@@ -565,6 +588,11 @@ def main() -> None:
     parser.add_argument("--txn-rows", type=int, default=10,
                         help="rows changed per source transaction (native pays per commit)")
     parser.add_argument("--workloads", default="mixed,hot")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"pgsieve's ways to drain the backlog, of {', '.join(MODES)}")
+    parser.add_argument("--ahead-window-mb", type=int, default=16,
+                        help="WAL per window a read-ahead process reads (a worker reads "
+                        "PGSIEVE_TURN_WINDOW_BYTES, 16 MiB by default)")
     parser.add_argument("--distributed", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--max-changes", type=int, default=BatchLimits().max_changes)
     parser.add_argument("--spark-master", default="local[*]")
@@ -608,13 +636,17 @@ def main() -> None:
     try:
         for name in args.workloads.split(","):
             wl = WORKLOADS[name]
-            run_workload(pub, sub, wl, args.changes, args.txn_rows, limits, distributed, spark)
+            run_workload(pub, sub, wl, args.changes, args.txn_rows, limits, distributed, spark,
+                         args.modes.split(","), args.ahead_window_mb << 20)
             done.append(wl)
         report(done)
         report_limits(done)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"\npeak RSS of this process (pgsieve's reading, planning and staging, the "
               f"whole run): {peak:,.0f} MiB")
+        ahead = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        if ahead:
+            print(f"peak RSS of a read-ahead process: {ahead:,.0f} MiB")
     finally:
         pub.destroy()
         sub.destroy()

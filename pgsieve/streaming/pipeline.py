@@ -72,6 +72,7 @@ from pgsieve.streaming.catchup import catch_up
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
 from pgsieve.streaming.markers import Reached, marker_for, reach_marker
+from pgsieve.streaming.readahead import read_ahead_or
 from pgsieve.streaming.transports import (
     PgoutputOptions,
     SqlTransport,
@@ -293,7 +294,8 @@ class ConsumeCycle:
             kind = str(options.get("transport", "auto"))
 
             def make(k: str) -> Transport:
-                return self._transport(k, source_dsn, slot, pg_options, window_bytes)
+                return self._transport(k, source_dsn, slot, pg_options, window_bytes,
+                                       auto=kind == "auto")
 
             # A lone cycle reads SQL windows for auto; a scheduler's turns let the
             # TurnReader choose (and switch) the transport.
@@ -331,15 +333,22 @@ class ConsumeCycle:
         return str(path)
 
     def _transport(self, kind: str, dsn: str, slot: str, options: PgoutputOptions,
-                   window_bytes: int | None = None) -> Transport:
+                   window_bytes: int | None = None, *, auto: bool = False) -> Transport:
         if kind == "walsender":
             # A scheduler's turns (window_bytes set) share one session held open.
             return WalsenderTransport(dsn, slot, options, held_open=window_bytes is not None)
         if window_bytes is None:
             return SqlTransport(dsn, slot, options)
         # A turn reads one bounded window: no second backend for it (a split window is
-        # read in two parts, and a turn ends after the first).
-        return SqlTransport(dsn, slot, options, window_bytes=window_bytes, split_bytes=0)
+        # read in two parts, and a turn ends after the first). A large backlog is read
+        # ahead by a second process instead, while this one applies (.readahead).
+        windows = SqlTransport(dsn, slot, options, window_bytes=window_bytes, split_bytes=0)
+        min_bytes = self.settings.read_ahead_min_bytes
+        if auto and min_bytes:  # auto reads a backlog within the push bound pushed
+            min_bytes = max(min_bytes, self.settings.push_max_backlog_bytes + 1)
+        return read_ahead_or(windows, dsn, min_bytes=min_bytes,
+                             processes=self.settings.read_ahead_processes,
+                             buffer_bytes=self.settings.read_ahead_buffer_bytes)
 
     def spark(self) -> Any:
         """The worker's SparkSession, started only when a job really needs it: small

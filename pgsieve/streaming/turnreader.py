@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 
 from pgsieve.streaming.consumer import ConsumerItem, SlotConsumer
+from pgsieve.streaming.readahead import ReadAheadTransport
 from pgsieve.streaming.transports import (
     SqlTransport,
     Transport,
@@ -55,7 +56,7 @@ def first_transport(kind: str, make_transport: Callable[[str], Transport],
     the slot is a former holder's on its way out: SQL windows wait for it to go (a
     held-open session waits by itself)."""
     transport = make_transport("sql" if kind == "auto" else kind)
-    if not isinstance(transport, SqlTransport):
+    if not isinstance(transport, SqlTransport | ReadAheadTransport):
         return transport
     if kind == "auto" and transport.backlog_bytes <= max_push_backlog:
         transport.close()
@@ -140,7 +141,8 @@ class TurnReader:
                     and source_lsn.value - delivered.value > self.max_push_backlog):
                 self._switch("sql")
             return
-        reached_end = isinstance(self.transport, SqlTransport) and self.transport.reached_end
+        reached_end = (isinstance(self.transport, SqlTransport | ReadAheadTransport)
+                       and self.transport.reached_end)
         if reached_end and time.monotonic() >= self._push_refused_until:
             self._switch("walsender")
 
@@ -149,7 +151,7 @@ class TurnReader:
         self._drop_items()
         old.close()
         new = self._make_transport(kind)
-        if isinstance(new, SqlTransport):
+        if isinstance(new, SqlTransport | ReadAheadTransport):
             new.wait_released(RELEASE_WAIT)
         self.consumer.transport = new
         self.switches += 1

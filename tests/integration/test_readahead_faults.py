@@ -1,0 +1,111 @@
+"""Kill tests for a backlog read ahead by a second process (issue 20, item 2), with real
+worker processes: kill -9 the read-ahead process, or the worker that applies, in the
+middle of a catch-up — the target ends identical to a native subscriber fed the same
+workload, and the slot is never confirmed past what the target recorded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from tests.conftest import Database
+from tests.integration.pipeline_env import (
+    PipelineEnv,
+    native_subscription,
+    pipeline_env,
+    wait_until,
+)
+from tests.integration.test_pipeline import (
+    create_subscription,
+    prepare,
+    targets_match,
+    workload,
+)
+from tests.integration.test_pipeline_faults import _slot_behind_target
+
+READ_AHEAD = {
+    # Every backlog is read ahead, in small windows: many of them to kill in the middle of.
+    "PGSIEVE_READ_AHEAD_MIN_BYTES": "1",
+    "PGSIEVE_TURN_WINDOW_BYTES": str(64 << 10),
+    "PGSIEVE_READ_AHEAD_BUFFER_BYTES": str(1 << 20),
+    "PGSIEVE_PUSH_MAX_BACKLOG_BYTES": str(1 << 20),  # (transport auto pushes below this)
+}
+
+
+def read_ahead_children(parent: int) -> list[int]:
+    """The read-ahead processes whose parent is ``parent`` (0: any parent)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"pgsieve.streaming.readahead" in cmdline and (parent == 0 or ppid == parent):
+            found.append(int(entry.name))
+    return found
+
+
+def wait_for_child(env: PipelineEnv, worker: int) -> int:
+    children: list[int] = []
+
+    def started() -> bool:
+        children[:] = read_ahead_children(worker)
+        return bool(children)
+
+    wait_until(started, 60, "the worker to start a read-ahead process", env, interval=0.02)
+    return children[0]
+
+
+def temporary_slots(source: Database) -> list[str]:
+    return [str(r[0]) for r in source.query(
+        "SELECT slot_name FROM pg_replication_slots WHERE slot_name LIKE 'pgsieve_ahead_%%'")]
+
+
+def backlog(tmp_path: Path, source: Database, target: Database, native: Database,
+            env: PipelineEnv) -> str:
+    prepare(source, target, native)
+    sub_id = create_subscription(env, source, target)
+    native_subscription(source, native, "native_ahead", ["pub_items", "pub_events"])
+    workload(source, seed=20, transactions=4000)
+    return sub_id
+
+
+def test_read_ahead_process_killed_mid_catch_up(tmp_path: Path, source_db: Database,
+                                                target_db: Database, native_db: Database):
+    with pipeline_env(tmp_path) as env:
+        sub_id = backlog(tmp_path, source_db, target_db, native_db, env)
+        worker = env.start_worker(**READ_AHEAD)
+        child = wait_for_child(env, worker.pid)
+        time.sleep(0.3)  # a few windows in
+        os.kill(child, signal.SIGKILL)
+        wait_until(lambda: targets_match(source_db, target_db, native_db), 120,
+                   "the target to equal native's", env)
+        assert worker.poll() is None, "the worker carried on"
+        assert _slot_behind_target(source_db, target_db, "pgsieve_pipe") is True
+        assert f"read-ahead process {child} ends (the read-ahead process ended)" in env.logs()
+        assert env.subscription(sub_id)["state"] == "streaming"
+        wait_until(lambda: not temporary_slots(source_db), 30,
+                   "the killed process's temporary slot to go")
+
+
+def test_worker_killed_mid_catch_up_takes_its_read_ahead_process_along(
+        tmp_path: Path, source_db: Database, target_db: Database, native_db: Database):
+    with pipeline_env(tmp_path) as env:
+        backlog(tmp_path, source_db, target_db, native_db, env)
+        worker = env.start_worker("first", **READ_AHEAD)
+        child = wait_for_child(env, worker.pid)
+        time.sleep(0.3)
+        os.kill(worker.pid, signal.SIGKILL)  # the worker alone: its child must notice
+        worker.wait(30)
+        wait_until(lambda: not read_ahead_children(0) or child not in read_ahead_children(0),
+                   30, "the orphaned read-ahead process to exit", env, interval=0.1)
+        wait_until(lambda: not temporary_slots(source_db), 30,
+                   "its temporary slot to go", env)
+        env.start_worker("second", **READ_AHEAD)
+        wait_until(lambda: targets_match(source_db, target_db, native_db), 120,
+                   "the target to equal native's", env)
