@@ -218,13 +218,15 @@ WORKLOADS = {
 }
 
 
-MODES = {"sequential": "pgs", "pipelined": "pip", "read-ahead": "rah",
-         "read-ahead+pipelined": "rap"}
+MODES = {"sequential": "pgs", "pipelined": "pip", "turn-windows": "tw",
+         "read-ahead": "rah", "read-ahead+pipelined": "rap"}
 """pgsieve's ways to drain the backlog, each into its own target database and slot:
-reading, planning and applying one after the other in this process (as a scheduler turn
-without read-ahead); with the apply in a thread (:class:`BackgroundApplier`); with the
-windows read by a second process (:mod:`pgsieve.streaming.readahead`, as a worker reads
-a large backlog); and both."""
+reading, planning and applying one after the other in this process, in large windows
+each decoded by two backends (as a lone consume cycle); with the apply in a thread
+(:class:`BackgroundApplier`); one after the other in the windows a worker's turns read
+(``--ahead-window-mb``, one backend each: what a worker did before read-ahead); with
+those windows read by a second process (:mod:`pgsieve.streaming.readahead`, as a worker
+reads a large backlog now); and that with the apply in a thread."""
 
 
 def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: int,
@@ -359,12 +361,17 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
     held: list[list[Transaction]] = []
     t0 = time.perf_counter()
     transport: SqlTransport | ReadAheadTransport = SqlTransport(src_dsn, slot, options)
+    if mode == "turn-windows":
+        transport.close()
+        transport = SqlTransport(src_dsn, slot, options, window_bytes=ahead_window,
+                                 split_bytes=0)
     if mode.startswith("read-ahead"):
         transport.close()
         transport = read_ahead_or(
             SqlTransport(src_dsn, slot, options, window_bytes=ahead_window, split_bytes=0),
             src_dsn, min_bytes=1, processes=1,
-            buffer_bytes=Settings().read_ahead_buffer_bytes)
+            buffer_bytes=Settings().read_ahead_buffer_bytes,
+            max_window_bytes=Settings().read_ahead_max_window_bytes)
         assert isinstance(transport, ReadAheadTransport)
     consumer = SlotConsumer(transport, proto_version=PROTO)
     background = BackgroundApplier(spark, writer, distributed=distributed)
@@ -408,6 +415,9 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
     flush()
     applied(background.wait())
     seconds = time.perf_counter() - t0
+    if isinstance(transport, ReadAheadTransport):
+        print(f"[{wl.name}] read-ahead: {transport.windows} windows, waited for them "
+              f"{transport.waited:.2f}s", flush=True)
     background.close()
     consumer.close()
     writer.close()

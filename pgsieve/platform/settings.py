@@ -184,6 +184,11 @@ class Settings(BaseSettings):
         description="read-ahead processes a worker process runs at most (streams past "
         "that read their windows themselves)",
     )
+    read_ahead_max_window_bytes: int = Field(
+        default=256 << 20, ge=64 << 10,
+        description="WAL one window of a read-ahead process decodes at most (its windows "
+        "start at a turn's and double; a turn reads part of one where it is larger)",
+    )
     read_ahead_buffer_bytes: int = Field(
         default=128 << 20, ge=1 << 20,
         description="decoded output a read-ahead process holds for the apply at most",

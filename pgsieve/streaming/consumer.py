@@ -9,7 +9,8 @@ Exactly-once across reconnects and restarts rests on two rules:
   so after a crash the server re-sends whatever the target does not hold yet.
 
 Each decoding session gets a fresh :class:`TransactionAssembler`: the server re-sends
-Relation messages and in-progress (streamed) transactions from their start.
+Relation messages and in-progress (streamed) transactions from their start (a session
+that only goes on with a decoding session the previous one left, keeps its splitter).
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class SlotConsumer:
         self._delivered = resume_after
         self._delivered_message: Lsn | None = resume_after
         self.stats = ConsumerStats()
+        self._carried: TransactionSplitter | None = None
 
     @property
     def delivered(self) -> Lsn | None:
@@ -105,13 +107,9 @@ class SlotConsumer:
         not confirmed yet."""
         for session in self.transport.sessions(deadline):
             self.stats.sessions += 1
-            # Rows stay raw bytes until the apply stage reads them (see TransactionSplitter).
-            assembler = TransactionSplitter(
-                memory_limit=self.memory_limit,
-                spill_dir=self.spill_dir,
-                proto_version=self.proto_version,
-            )
+            assembler = self._assembler_for_session()
             messages = 0
+            ended = False
             try:
                 for entry in session:
                     if entry is None:
@@ -140,13 +138,33 @@ class SlotConsumer:
                         yield item
                     elif isinstance(item, Transaction):
                         item.close()
+                ended = True
                 if quiet:
                     yield QUIET
             finally:
                 self.stats.messages += messages
-                self.stats.spilled_transactions += assembler.spilled_transactions
                 self.stats.pending_streams = assembler.pending_xids
-                assembler.close()
+                if ended and getattr(self.transport, "carries_over", False):
+                    self._carried = assembler  # the next session goes on with its window
+                else:
+                    self.stats.spilled_transactions += assembler.spilled_transactions
+                    assembler.close()
+
+    def _assembler_for_session(self) -> TransactionSplitter:
+        """A fresh splitter per session — the server starts again at the slot's confirmed
+        position — except where the transport's session goes on with the decoding session
+        the previous one left at its deadline (a read-ahead process's window, larger than
+        a turn: :mod:`.readahead`); then the previous splitter, with whatever transaction
+        it holds open, carries on."""
+        carried, self._carried = self._carried, None
+        if carried is not None:
+            if getattr(self.transport, "continues_previous", False):
+                return carried
+            self.stats.spilled_transactions += carried.spilled_transactions
+            carried.close()
+        # Rows stay raw bytes until the apply stage reads them (see TransactionSplitter).
+        return TransactionSplitter(memory_limit=self.memory_limit, spill_dir=self.spill_dir,
+                                   proto_version=self.proto_version)
 
     def _idle_progress(self, assembler: TransactionSplitter) -> IdleProgress | None:
         position = self.transport.idle_position()
@@ -179,4 +197,7 @@ class SlotConsumer:
         self.stats.confirmed = lsn
 
     def close(self) -> None:
+        carried, self._carried = self._carried, None
+        if carried is not None:
+            carried.close()
         self.transport.close()

@@ -348,7 +348,8 @@ class ConsumeCycle:
             min_bytes = max(min_bytes, self.settings.push_max_backlog_bytes + 1)
         return read_ahead_or(windows, dsn, min_bytes=min_bytes,
                              processes=self.settings.read_ahead_processes,
-                             buffer_bytes=self.settings.read_ahead_buffer_bytes)
+                             buffer_bytes=self.settings.read_ahead_buffer_bytes,
+                             max_window_bytes=self.settings.read_ahead_max_window_bytes)
 
     def spark(self) -> Any:
         """The worker's SparkSession, started only when a job really needs it: small

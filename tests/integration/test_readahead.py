@@ -24,9 +24,12 @@ from tests.integration.test_turnreader import commit_ends, setup
 OPTIONS = PgoutputOptions(publication_names=("pub",), proto_version=2)
 
 
-def read_ahead(db: Database, window: int = 256 << 10) -> ReadAheadTransport:
+def read_ahead(db: Database, window: int = 256 << 10, max_window: int = 0
+               ) -> ReadAheadTransport:
+    """Windows of ``window`` bytes (growing up to ``max_window``, if larger)."""
     inner = SqlTransport(db.dsn, "s", OPTIONS, window_bytes=window, split_bytes=0)
-    transport = read_ahead_or(inner, db.dsn, min_bytes=1, processes=4, buffer_bytes=1 << 20)
+    transport = read_ahead_or(inner, db.dsn, min_bytes=1, processes=4, buffer_bytes=1 << 20,
+                              max_window_bytes=max_window)
     assert isinstance(transport, ReadAheadTransport)
     return transport
 
@@ -39,8 +42,8 @@ class Turns:
         self.ends: list[Lsn] = []
         self.sizes: list[int] = []
 
-    def turn(self) -> None:
-        for item in self.consumer.items(time.monotonic() + 1.0, quiet=True):
+    def turn(self, seconds: float = 1.0) -> None:
+        for item in self.consumer.items(time.monotonic() + seconds, quiet=True):
             if isinstance(item, Transaction):
                 self.ends.append(item.end_lsn)
                 self.sizes.append(len(item.changes))
@@ -50,11 +53,12 @@ class Turns:
         if self.ends:
             self.consumer.confirm(self.ends[-1])
 
-    def until(self, done: Callable[[], bool], timeout: float = 60.0) -> None:
+    def until(self, done: Callable[[], bool], timeout: float = 60.0,
+              seconds: float = 1.0) -> None:
         deadline = time.monotonic() + timeout
         while not done():
             assert time.monotonic() < deadline, f"timed out at {len(self.ends)}"
-            self.turn()
+            self.turn(seconds)
 
 
 def wait_flushed(db: Database) -> None:
@@ -127,6 +131,32 @@ def test_a_streamed_transaction_spanning_windows_arrives_whole_once(source_db: D
     assert turns.sizes[0] == 20000 and turns.sizes[1:] == [1] * 20
     assert transport.windows >= 3, "the transaction was meant to span windows"
     assert consumer.stats.sessions >= 3
+    consumer.close()
+
+
+def test_a_window_larger_than_a_turn_goes_on_in_the_next_turns(source_db: Database):
+    """Windows grow (256 kB, 512 kB, … up to 8 MB); turns with no time to spare take one
+    chunk each, so windows, and transactions, are cut between turns: the consumer carries
+    its splitter from one turn's session to the next within a window, and starts afresh at
+    the next window — every transaction whole and once, the large streamed one too."""
+    setup(source_db)
+    with source_db.connect() as conn:
+        conn.execute("INSERT INTO ev SELECT g, repeat(md5(g::text), 20) "
+                     "FROM generate_series(1, 20000) g")
+    commit_ends(source_db, 50_000, 600, size=5_000)
+    inner = SqlTransport(source_db.dsn, "s", OPTIONS, window_bytes=256 << 10, split_bytes=0,
+                         chunk_messages=256)  # small chunks: many per window
+    transport = read_ahead_or(inner, source_db.dsn, min_bytes=1, processes=4,
+                              buffer_bytes=1 << 20, max_window_bytes=8 << 20)
+    assert isinstance(transport, ReadAheadTransport)
+    consumer = SlotConsumer(transport, proto_version=2)
+    turns = Turns(consumer)
+    turns.until(lambda: len(turns.ends) >= 601, seconds=0.005)
+    assert turns.sizes[0] == 20000 and turns.sizes[1:] == [1] * 600
+    assert turns.ends == sorted(set(turns.ends))
+    sessions, windows = consumer.stats.sessions, transport.windows
+    assert sessions > 2 * windows, (sessions, windows)  # windows were cut between turns
+    assert 3 <= windows < 30, "windows grew"
     consumer.close()
 
 
