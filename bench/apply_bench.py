@@ -218,20 +218,21 @@ WORKLOADS = {
 }
 
 
-MODES = {"sequential": "pgs", "pipelined": "pip", "turn-windows": "tw",
-         "read-ahead": "rah", "read-ahead+pipelined": "rap"}
+MODES = {"sequential": "pgs", "pipelined": "pip", "fixed-windows": "fw",
+         "turn-windows": "tw", "read-ahead": "rah", "read-ahead+pipelined": "rap"}
 """pgsieve's ways to drain the backlog, each into its own target database and slot:
 reading, planning and applying one after the other in this process, in large windows
 each decoded by two backends (as a lone consume cycle); with the apply in a thread
-(:class:`BackgroundApplier`); one after the other in the windows a worker's turns read
-(``--ahead-window-mb``, one backend each: what a worker did before read-ahead); with
-those windows read by a second process (:mod:`pgsieve.streaming.readahead`, as a worker
-reads a large backlog now); and that with the apply in a thread."""
+(:class:`BackgroundApplier`); one after the other in the fixed windows a worker's turns
+read before the fourteenth session (``--window-mb``, one backend each); in a worker's
+windows now (from ``--window-mb``, doubling up to ``--max-window-mb``, read in parts by
+turns); those windows read by a second process (:mod:`pgsieve.streaming.readahead`);
+and that with the apply in a thread."""
 
 
 def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: int,
                  txn_rows: int, limits: BatchLimits, distributed: bool | None,
-                 spark: Any, modes: list[str], ahead_window: int) -> None:
+                 spark: Any, modes: list[str], windows: tuple[int, int]) -> None:
     db = f"src_{wl.name}"
     pub.psql(f"CREATE DATABASE {db}")
     for name in (f"nat_{wl.name}", *(f"{MODES[m]}_{wl.name}" for m in modes)):
@@ -288,7 +289,7 @@ def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: in
     for mode in modes:
         with CpuMeter(pub, sub) as meter:
             stats[mode] = consume(mode, wl, src_dsn, mode_dsns[mode], f"{MODES[mode]}_{wl.name}",
-                                  end, limits, distributed, spark, ahead_window)
+                                  end, limits, distributed, spark, windows)
         cpu[mode] = meter
 
     # -- same result? ---------------------------------------------------------------------
@@ -347,7 +348,7 @@ def decode_floors(src_dsn: str, slot: str) -> dict[str, float]:
 
 def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn,
             limits: BatchLimits, distributed: bool | None, spark: Any,
-            ahead_window: int) -> dict[str, Any]:
+            windows: tuple[int, int]) -> dict[str, Any]:
     """Drain the slot into ``dsn``: SlotConsumer → MicroBatcher → apply_batch → confirm,
     one after the other or with :class:`BackgroundApplier` (``…pipelined``), the windows
     read by this process or by a read-ahead process (``read-ahead…``)."""
@@ -361,17 +362,20 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
     held: list[list[Transaction]] = []
     t0 = time.perf_counter()
     transport: SqlTransport | ReadAheadTransport = SqlTransport(src_dsn, slot, options)
-    if mode == "turn-windows":
+    first_window, max_window = windows
+    if mode in ("fixed-windows", "turn-windows"):
         transport.close()
-        transport = SqlTransport(src_dsn, slot, options, window_bytes=ahead_window,
-                                 split_bytes=0)
+        transport = SqlTransport(
+            src_dsn, slot, options, window_bytes=first_window, split_bytes=0,
+            max_window_bytes=max_window if mode == "turn-windows" else 0,
+            resumable_windows=True)
     if mode.startswith("read-ahead"):
         transport.close()
         transport = read_ahead_or(
-            SqlTransport(src_dsn, slot, options, window_bytes=ahead_window, split_bytes=0),
+            SqlTransport(src_dsn, slot, options, window_bytes=first_window, split_bytes=0,
+                         max_window_bytes=max_window),
             src_dsn, min_bytes=1, processes=1,
-            buffer_bytes=Settings().read_ahead_buffer_bytes,
-            max_window_bytes=Settings().read_ahead_max_window_bytes)
+            buffer_bytes=Settings().read_ahead_buffer_bytes)
         assert isinstance(transport, ReadAheadTransport)
     consumer = SlotConsumer(transport, proto_version=PROTO)
     background = BackgroundApplier(spark, writer, distributed=distributed)
@@ -600,9 +604,11 @@ def main() -> None:
     parser.add_argument("--workloads", default="mixed,hot")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"pgsieve's ways to drain the backlog, of {', '.join(MODES)}")
-    parser.add_argument("--ahead-window-mb", type=int, default=16,
-                        help="WAL per window a read-ahead process reads (a worker reads "
-                        "PGSIEVE_TURN_WINDOW_BYTES, 16 MiB by default)")
+    parser.add_argument("--window-mb", type=int, default=Settings().turn_window_bytes >> 20,
+                        help="a worker's first window (PGSIEVE_TURN_WINDOW_BYTES)")
+    parser.add_argument("--max-window-mb", type=int,
+                        default=Settings().turn_max_window_bytes >> 20,
+                        help="a worker's largest window (PGSIEVE_TURN_MAX_WINDOW_BYTES)")
     parser.add_argument("--distributed", choices=("auto", "on", "off"), default="auto")
     parser.add_argument("--max-changes", type=int, default=BatchLimits().max_changes)
     parser.add_argument("--spark-master", default="local[*]")
@@ -647,7 +653,8 @@ def main() -> None:
         for name in args.workloads.split(","):
             wl = WORKLOADS[name]
             run_workload(pub, sub, wl, args.changes, args.txn_rows, limits, distributed, spark,
-                         args.modes.split(","), args.ahead_window_mb << 20)
+                         args.modes.split(","),
+                         (args.window_mb << 20, args.max_window_mb << 20))
             done.append(wl)
         report(done)
         report_limits(done)

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -95,7 +96,7 @@ def consume(dsn: str, kind: str, end: Lsn, n_changes: int) -> None:
     assert seen == n_changes, (kind, seen, n_changes)
 
 
-CONSUMERS: dict[str, dict[str, int]] = {  # SqlTransport settings per consumer reader
+CONSUMERS: dict[str, dict[str, Any]] = {  # SqlTransport settings per consumer reader
     "consumer_sql": {},  # the defaults: aggregated chunks, large windows on two backends
     "consumer_sql_one": {"split_bytes": 0},
     "consumer_sql_rows": {"aggregate_bytes": 0},

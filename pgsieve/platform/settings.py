@@ -166,6 +166,12 @@ class Settings(BaseSettings):
         description="WAL one subscription's turn reads at most (grows for a transaction "
         "that does not fit)",
     )
+    turn_max_window_bytes: int = Field(
+        default=256 << 20, ge=64 << 10,
+        description="on a backlog, windows double from PGSIEVE_TURN_WINDOW_BYTES up to "
+        "this much WAL (each decodes again from the slot's restart_lsn); a turn reads part "
+        "of a larger window and the next turn goes on with it",
+    )
     turn_seconds: float = Field(
         default=1.0, gt=0, le=600, description="reading time of one turn at most",
     )
@@ -183,11 +189,6 @@ class Settings(BaseSettings):
         default=1, ge=0, le=64,
         description="read-ahead processes a worker process runs at most (streams past "
         "that read their windows themselves)",
-    )
-    read_ahead_max_window_bytes: int = Field(
-        default=256 << 20, ge=64 << 10,
-        description="WAL one window of a read-ahead process decodes at most (its windows "
-        "start at a turn's and double; a turn reads part of one where it is larger)",
     )
     read_ahead_buffer_bytes: int = Field(
         default=128 << 20, ge=1 << 20,

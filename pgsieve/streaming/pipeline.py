@@ -339,17 +339,18 @@ class ConsumeCycle:
             return WalsenderTransport(dsn, slot, options, held_open=window_bytes is not None)
         if window_bytes is None:
             return SqlTransport(dsn, slot, options)
-        # A turn reads one bounded window: no second backend for it (a split window is
-        # read in two parts, and a turn ends after the first). A large backlog is read
-        # ahead by a second process instead, while this one applies (.readahead).
-        windows = SqlTransport(dsn, slot, options, window_bytes=window_bytes, split_bytes=0)
+        # A turn reads at most one window, on one backend, and goes on with it in the
+        # next turn where it is larger than a turn. A large backlog may be read ahead by
+        # a second process instead, while this one applies (.readahead).
+        windows = SqlTransport(dsn, slot, options, window_bytes=window_bytes, split_bytes=0,
+                               max_window_bytes=self.settings.turn_max_window_bytes,
+                               resumable_windows=True)
         min_bytes = self.settings.read_ahead_min_bytes
         if auto and min_bytes:  # auto reads a backlog within the push bound pushed
             min_bytes = max(min_bytes, self.settings.push_max_backlog_bytes + 1)
         return read_ahead_or(windows, dsn, min_bytes=min_bytes,
                              processes=self.settings.read_ahead_processes,
-                             buffer_bytes=self.settings.read_ahead_buffer_bytes,
-                             max_window_bytes=self.settings.read_ahead_max_window_bytes)
+                             buffer_bytes=self.settings.read_ahead_buffer_bytes)
 
     def spark(self) -> Any:
         """The worker's SparkSession, started only when a job really needs it: small

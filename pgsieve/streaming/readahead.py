@@ -50,6 +50,7 @@ from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.streaming.transports import (
     IDLE,
     PgoutputOptions,
+    ResumableWindow,
     SessionEntry,
     SqlTransport,
     WindowStats,
@@ -73,8 +74,7 @@ _live_lock = threading.Lock()
 
 
 def read_ahead_or(inner: SqlTransport, dsn: str, *, min_bytes: int, processes: int,
-                  buffer_bytes: int, max_window_bytes: int = 256 << 20
-                  ) -> SqlTransport | ReadAheadTransport:
+                  buffer_bytes: int) -> SqlTransport | ReadAheadTransport:
     """``inner`` read ahead by a child process when its backlog is at least ``min_bytes``
     (0: never) and fewer than ``processes`` read-ahead processes run in this process."""
     global _live
@@ -85,8 +85,7 @@ def read_ahead_or(inner: SqlTransport, dsn: str, *, min_bytes: int, processes: i
             return inner
         _live += 1
     try:
-        return ReadAheadTransport(inner, dsn, buffer_bytes=buffer_bytes,
-                                  max_window_bytes=max_window_bytes)
+        return ReadAheadTransport(inner, dsn, buffer_bytes=buffer_bytes)
     except BaseException:
         with _live_lock:
             _live -= 1
@@ -103,19 +102,15 @@ class ReadAheadTransport:
     for good when the child fails, and once a window reached the end of WAL (a caught-up
     stream gains nothing from a second process)."""
 
-    def __init__(self, inner: SqlTransport, dsn: str, *, buffer_bytes: int,
-                 max_window_bytes: int) -> None:
+    def __init__(self, inner: SqlTransport, dsn: str, *, buffer_bytes: int) -> None:
         self._inner = inner
         self.slot = inner.slot
         self.options = inner.options
         self.backlog_bytes = inner.backlog_bytes
         self._reached_end = False
         self._idle: Lsn | None = None
-        self._chunks: Iterator[SessionEntry] | None = None
-        """The window being read (its chunks in order), across sessions."""
-        self._stats = WindowStats()
-        self._resumable = False
-        """The last session stopped at its deadline between two chunks of the window."""
+        self._window: ResumableWindow | None = None
+        """The window being read, across sessions."""
         self.continues_previous = False
         """The session just yielded goes on with the window the previous one left at its
         deadline: the consumer keeps its splitter (see SlotConsumer)."""
@@ -126,7 +121,7 @@ class ReadAheadTransport:
         self.waited = 0.0
         """Seconds this process waited for (and copied in) the child's frames."""
         self._proc: subprocess.Popen[bytes] | None = None
-        self._start(dsn, buffer_bytes, max_window_bytes)
+        self._start(dsn, buffer_bytes)
 
     @property
     def reached_end(self) -> bool:
@@ -142,12 +137,11 @@ class ReadAheadTransport:
         return None if self._proc is None else self._proc.pid
 
     # -- the child -------------------------------------------------------------------------
-    def _start(self, dsn: str, buffer_bytes: int, max_window_bytes: int) -> None:
+    def _start(self, dsn: str, buffer_bytes: int) -> None:
         config = {"dsn": dsn, "slot": self.slot, "options": dataclasses.asdict(self.options),
                   "window_bytes": self._inner.window_bytes,
                   "poll_interval": self._inner.poll_interval, "buffer_bytes": buffer_bytes,
-                  "max_window_bytes": max(self._inner.window_bytes, min(
-                      max_window_bytes, self._inner.aggregate_bytes))}
+                  "max_window_bytes": self._inner.max_window_bytes}
         proc = subprocess.Popen([sys.executable, "-m", "pgsieve.streaming.readahead"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert proc.stdin is not None
@@ -163,6 +157,7 @@ class ReadAheadTransport:
     def _retire(self, why: str, *, warn: bool = False) -> None:
         """End the child; from now on the slot is read in SQL windows by this process."""
         proc, self._proc = self._proc, None
+        self._window = None  # (what is left of it is read again, from the slot)
         if proc is None:
             return
         log.log(logging.WARNING if warn else logging.INFO,
@@ -217,10 +212,11 @@ class ReadAheadTransport:
     # -- Transport -------------------------------------------------------------------------
     def sessions(self, deadline: float) -> Iterator[Iterator[SessionEntry]]:
         while self._proc is not None and time.monotonic() < deadline:
-            if self._chunks is not None and not self._resumable:
+            window = self._window
+            if window is not None and not window.resumable:
                 self._retire("a window was left unread part-way")  # (the caller stopped)
                 break
-            if self._chunks is None:
+            if window is None:
                 if self._reached_end:
                     self._retire("the stream is caught up")
                     self._inner.reached_end = True
@@ -232,41 +228,38 @@ class ReadAheadTransport:
                 except _ChildGone as exc:
                     self._retire(str(exc), warn=True)
                     break
+                self.continues_previous = False
                 if first is None:  # nothing new yet (the child waits for WAL, or decodes)
                     self._idle = None
-                    self.continues_previous = False
                     yield iter((IDLE,))
                     continue
-                self._stats = WindowStats()
-                self._chunks = self._inner._chunks_in_order(self._rows(first), self._stats)
-                self.continues_previous = False
+                window = self._window = ResumableWindow(self._entries(first),
+                                                        self._window_read)
             else:
                 self.continues_previous = True
-            self._resumable = False
-            yield self._window_part(self._chunks, deadline)
+            yield self._part(window, deadline)
         if self._proc is None:
             self.continues_previous = self.carries_over = False
             yield from self._inner.sessions(deadline)
 
-    def _window_part(self, chunks: Iterator[SessionEntry], deadline: float
-                     ) -> Iterator[SessionEntry]:
-        """The current window's chunks until its end — or until ``deadline``: a window
-        may be larger than a turn, and the next turn's session continues it (the
-        consumer carries its splitter over, since the server's decoding session goes on)."""
+    def _part(self, window: ResumableWindow, deadline: float) -> Iterator[SessionEntry]:
         self.carries_over = False
+        yield from window.part(deadline)
+        self.carries_over = window.cut
+
+    def _window_read(self) -> None:
+        self._window = None
+        self.windows += 1
+
+    def _entries(self, first: tuple[int, int, int, memoryview]) -> Iterator[SessionEntry]:
+        """A window's chunks in order, then IDLE if it held nothing of ours."""
+        stats = WindowStats()
         try:
-            for chunk in chunks:
-                yield chunk
-                if time.monotonic() >= deadline:
-                    self._resumable = self.carries_over = True
-                    return
+            yield from self._inner._chunks_in_order(self._rows(first), stats)
         except _ChildGone as exc:
-            self._chunks = None
             self._retire(str(exc), warn=True)  # the caller's next session: SQL windows
             return
-        self._chunks = None
-        self.windows += 1
-        if self._stats.rows == 0 and self._idle is not None:
+        if stats.rows == 0 and self._idle is not None:
             yield IDLE
 
     def _rows(self, frame: tuple[int, int, int, memoryview] | None
@@ -321,7 +314,7 @@ class _CopyReader(SqlTransport):
         self.slot = copy
         super()._check_slot()
 
-    def windows(self, put: Any, max_window: int) -> None:
+    def read_windows(self, put: Any, max_window: int) -> None:
         """Read window after window, forever; ``put(frame)`` each (blocks when full).
 
         The first window is a turn's, so that the apply starts soon; each window after one
@@ -431,7 +424,7 @@ def main() -> None:
             reader = _CopyReader(config["dsn"], config["slot"], options,
                                  window_bytes=int(config["window_bytes"]),
                                  poll_interval=float(config["poll_interval"]), split_bytes=0)
-            reader.windows(outbox.put, int(config["max_window_bytes"]))
+            reader.read_windows(outbox.put, int(config["max_window_bytes"]))
         except Exception as exc:  # whatever it is, the parent must hear of it
             message = scrub_secrets(f"{type(exc).__name__}: {exc}".strip()).encode()
             outbox.put(_FRAME.pack(_ERROR, 0, 0, len(message)) + message)

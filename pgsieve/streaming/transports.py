@@ -22,12 +22,13 @@ transactions it already delivered. Neither transport ever moves the slot by itse
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import re
 import select
 import struct
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -140,6 +141,39 @@ _WALSENDER_HOLD = 0.05  # seconds a batch may wait for more messages in all
 _OWN_PREVIOUS_WAIT = 5.0  # a held-open stream waits this long for its own old walsender
 
 
+class ResumableWindow:
+    """One decoding session's entries (a window), read across several of the consumer's
+    sessions when it is larger than a turn: each :meth:`part` ends at its deadline between
+    two entries, and the next goes on where it stopped — the consumer then keeps its
+    splitter (``continues_previous``), since the server's session goes on too.
+
+    A part the caller left before it ended (closed it) leaves the window unresumable: the
+    transport drops it and starts again from the slot's confirmed position."""
+
+    def __init__(self, entries: Iterator[SessionEntry], on_done: Callable[[], None]) -> None:
+        self._entries = entries
+        self._on_done = on_done
+        self.resumable = False
+        self.done = False
+        self.cut = False
+        """The last part ended at its deadline, the window not read to its end."""
+
+    def part(self, deadline: float) -> Iterator[SessionEntry]:
+        self.resumable = self.cut = False
+        for entry in self._entries:
+            yield entry
+            if entry is not IDLE and time.monotonic() >= deadline:
+                self.resumable = self.cut = True
+                return
+        self.done = True
+        self._on_done()
+
+    def close(self) -> None:
+        close = getattr(self._entries, "close", None)
+        if close is not None:
+            close()
+
+
 class _TooLarge(Exception):
     """The server would not aggregate a window (too large): read it row by row instead."""
 
@@ -153,6 +187,12 @@ class SqlTransport:
     ``chunk_messages``: messages per chunk (default: adapted to about 4 MB per chunk).
     ``split_bytes``: an aggregated window of at least this much WAL is decoded by two
     backends at once (0: never) — see :meth:`_split_window`.
+    ``max_window_bytes``: on a backlog, each window after one that held messages is twice
+    the last, up to this (every peek decodes again from the slot's ``restart_lsn``, which
+    moves only at the source's periodic running-transactions records, so small windows
+    over a long backlog cost the source far more than the WAL they read).
+    ``resumable_windows``: a session ends at its deadline even inside a window, and the
+    next goes on with that window (a scheduler's turns: windows larger than a turn).
     """
 
     DECODE_FUNCTION = "pg_logical_slot_peek_binary_changes"
@@ -170,10 +210,22 @@ class SqlTransport:
         aggregate_bytes: int = 256 << 20,
         chunk_messages: int | None = None,
         split_bytes: int = 32 << 20,
+        max_window_bytes: int = 0,
+        resumable_windows: bool = False,
     ) -> None:
         self.slot = slot
         self.options = options
         self.window_bytes = window_bytes
+        self.max_window_bytes = max(window_bytes, min(max_window_bytes, aggregate_bytes))
+        self.resumable_windows = resumable_windows
+        self._open_window: ResumableWindow | None = None
+        self.windows = 0
+        """Windows read to their end that held messages."""
+        self.continues_previous = False
+        """The session just yielded goes on with the window the previous one was cut from
+        (``resumable_windows``): the consumer keeps its splitter."""
+        self.carries_over = False
+        """The session that just ended was cut from a window that goes on."""
         self.poll_interval = poll_interval
         self.aggregate_bytes = aggregate_bytes
         self.split_bytes = split_bytes
@@ -267,6 +319,14 @@ class SqlTransport:
         read_upto = self._confirmed or Lsn(0)
         last_read: tuple[Lsn, Lsn] | None = None
         while time.monotonic() < deadline:
+            if self._open_window is not None:  # a window the last turn was cut from
+                window = self._open_window
+                if window.resumable:
+                    self.continues_previous = True
+                    yield self._part(window, deadline)
+                    continue
+                self._drop_open_window()  # the caller left it part-way: read again
+            self.continues_previous = False
             # Every peek decodes from the slot's confirmed position; what the caller has not
             # confirmed yet comes again (the consumer drops it), so the window is measured
             # from what was already read, or an unconfirmed window would repeat forever.
@@ -286,7 +346,21 @@ class SqlTransport:
                 time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
                 continue
             stats = WindowStats()
-            middle = self._split_window(start, upto)
+            middle = None if self.resumable_windows else self._split_window(start, upto)
+            if self.resumable_windows:
+                entries = self._idle_at_end(self._read_window(start, upto, stats), stats,
+                                            start, upto, upto >= end)
+                window = self._open_window = ResumableWindow(
+                    entries, functools.partial(self._next_window, stats, upto, end))
+                yield self._part(window, deadline)
+                if not window.done:
+                    continue  # (the rest of the window comes in the next sessions)
+                if stats.complete or stats.rows == 0:
+                    read_upto = max(read_upto, upto)
+                    last_read = (start, upto)
+                if stats.rows == 0:
+                    time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
+                continue
             if middle is None:
                 yield self._idle_at_end(self._read_window(start, upto, stats), stats, start,
                                         upto, upto >= end)
@@ -303,11 +377,31 @@ class SqlTransport:
                 last_read = (start, upto)
             if stats.rows == 0:
                 time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
-            elif not stats.complete and upto < end:
-                # A transaction larger than the window: widen it, or it never completes.
-                self._window *= 2
             else:
-                self._window = self.window_bytes
+                self._next_window(stats, upto, end)
+
+    def _next_window(self, stats: WindowStats, upto: Lsn, end: Lsn) -> None:
+        """The next window's size, once this one was read to its end."""
+        self.windows += stats.rows > 0
+        if stats.rows and not stats.complete and upto < end:
+            # A transaction larger than the window: widen it, or it never completes.
+            self._window *= 2
+        elif stats.rows and upto < end and self.max_window_bytes > self.window_bytes:
+            self._window = min(self._window * 2, self.max_window_bytes)  # a backlog
+        else:
+            self._window = self.window_bytes
+
+    def _part(self, window: ResumableWindow, deadline: float) -> Iterator[SessionEntry]:
+        self.carries_over = False
+        yield from window.part(deadline)
+        if window.done:
+            self._open_window = None
+        self.carries_over = window.cut
+
+    def _drop_open_window(self) -> None:
+        window, self._open_window = self._open_window, None
+        if window is not None:
+            window.close()  # an abandoned COPY: the connection is opened again
 
     def _idle_at_end(self, session: Iterator[SessionEntry], stats: WindowStats, start: Lsn,
                      upto: Lsn, to_the_end: bool) -> Iterator[SessionEntry]:
@@ -589,8 +683,12 @@ class SqlTransport:
         self._confirmed = lsn
 
     def close(self) -> None:
+        window, self._open_window = self._open_window, None
         self._close_helper()
         self._conn.close()
+        if window is not None:
+            with contextlib.suppress(Exception):
+                window.close()
 
 
 @dataclass
