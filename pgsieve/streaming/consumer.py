@@ -56,6 +56,8 @@ ConsumerItem = Item | IdleProgress | Quiet
 @dataclass
 class ConsumerStats:
     sessions: int = 0
+    continued: int = 0
+    """Sessions that went on with the previous one's decoding session (its splitter)."""
     messages: int = 0
     transactions: int = 0
     skipped: int = 0
@@ -159,6 +161,7 @@ class SlotConsumer:
         carried, self._carried = self._carried, None
         if carried is not None:
             if getattr(self.transport, "continues_previous", False):
+                self.stats.continued += 1
                 return carried
             self.stats.spilled_transactions += carried.spilled_transactions
             carried.close()

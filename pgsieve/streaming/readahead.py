@@ -71,6 +71,33 @@ _CHILD_EXIT_WAIT = 2.0
 
 _live = 0
 _live_lock = threading.Lock()
+_spare: subprocess.Popen[bytes] | None = None
+_spare_lock = threading.Lock()
+
+
+def _spawn() -> subprocess.Popen[bytes]:
+    # In the worker's process group (a kill of the group takes it along); it also exits
+    # at EOF on its stdin, when this process dies alone.
+    return subprocess.Popen([sys.executable, "-m", "pgsieve.streaming.readahead"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+
+
+def prestart_read_ahead() -> None:
+    """Keep one read-ahead process started and waiting for its settings: its interpreter
+    and libpq loaded (about 0.5 s of CPU) before a backlog needs it, not on its path."""
+    global _spare
+    with _spare_lock:
+        if _spare is None or _spare.poll() is not None:
+            _spare = _spawn()
+
+
+def _take_child() -> subprocess.Popen[bytes]:
+    global _spare
+    with _spare_lock:
+        proc, _spare = _spare, None
+    if proc is None or proc.poll() is not None:
+        proc = _spawn()
+    return proc
 
 
 def read_ahead_or(inner: SqlTransport, dsn: str, *, min_bytes: int, processes: int,
@@ -85,7 +112,9 @@ def read_ahead_or(inner: SqlTransport, dsn: str, *, min_bytes: int, processes: i
             return inner
         _live += 1
     try:
-        return ReadAheadTransport(inner, dsn, buffer_bytes=buffer_bytes)
+        transport = ReadAheadTransport(inner, dsn, buffer_bytes=buffer_bytes)
+        prestart_read_ahead()  # for the next backlog
+        return transport
     except BaseException:
         with _live_lock:
             _live -= 1
@@ -142,8 +171,7 @@ class ReadAheadTransport:
                   "window_bytes": self._inner.window_bytes,
                   "poll_interval": self._inner.poll_interval, "buffer_bytes": buffer_bytes,
                   "max_window_bytes": self._inner.max_window_bytes}
-        proc = subprocess.Popen([sys.executable, "-m", "pgsieve.streaming.readahead"],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        proc = _take_child()
         assert proc.stdin is not None
         assert proc.stdout is not None
         # The DSN (with its password) goes through the pipe, never the command line.

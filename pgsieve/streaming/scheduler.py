@@ -76,6 +76,7 @@ from pgsieve.streaming.pipeline import (
     _Stop,
 )
 from pgsieve.streaming.pushwaits import PUSH_REARM_FIRST, PushWaits
+from pgsieve.streaming.readahead import prestart_read_ahead
 from pgsieve.streaming.transports import TransportError
 from pgsieve.sync import moved
 from pgsieve.wire.lsn import Lsn
@@ -179,6 +180,8 @@ class Scheduler:
             thread.start()
             self._threads.append(thread)
         moved.on_staged(self._rows_staged)
+        if self.settings.read_ahead_min_bytes and self.settings.read_ahead_processes:
+            prestart_read_ahead()
 
     def _rows_staged(self, subscription_id: str) -> None:
         """A reconciliation's rows were staged in this process: a stream of ours waiting

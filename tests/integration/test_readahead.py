@@ -158,7 +158,7 @@ def test_a_window_larger_than_a_turn_goes_on_in_the_next_turns(source_db: Databa
     turns.until(lambda: len(turns.ends) >= 601, seconds=0.005)
     assert turns.sizes[0] == 20000 and turns.sizes[1:] == [1] * 600
     assert turns.ends == sorted(set(turns.ends))
-    assert consumer.stats.sessions > 40, "windows were cut between turns"
+    assert consumer.stats.continued >= 5, "windows were cut between turns"
     turns.turn()  # the rest of the last window (the slot's peek ends with it)
     assert 3 <= transport.windows < 30, "windows grew"
     assert confirmed(source_db) == turns.ends[-1]

@@ -6,6 +6,7 @@ workload, and the slot is never confirmed past what the target recorded."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -51,14 +52,17 @@ def read_ahead_children(parent: int) -> list[int]:
 
 
 def wait_for_child(env: PipelineEnv, worker: int) -> int:
-    children: list[int] = []
+    """The read-ahead process reading a backlog for ``worker`` (as its log names it: the
+    worker also keeps a spare one started, idle)."""
+    found: list[int] = []
 
     def started() -> bool:
-        children[:] = read_ahead_children(worker)
-        return bool(children)
+        found[:] = [int(m) for m in re.findall(r"a second process \(pid (\d+)\) reads it ahead",
+                                               env.logs())]
+        return bool(found) and found[-1] in read_ahead_children(worker)
 
     wait_until(started, 60, "the worker to start a read-ahead process", env, interval=0.02)
-    return children[0]
+    return found[-1]
 
 
 def temporary_slots(source: Database) -> list[str]:
@@ -98,12 +102,13 @@ def test_worker_killed_mid_catch_up_takes_its_read_ahead_process_along(
     with pipeline_env(tmp_path) as env:
         backlog(tmp_path, source_db, target_db, native_db, env)
         worker = env.start_worker("first", **READ_AHEAD)
-        child = wait_for_child(env, worker.pid)
+        wait_for_child(env, worker.pid)
         time.sleep(0.3)
-        os.kill(worker.pid, signal.SIGKILL)  # the worker alone: its child must notice
+        children = read_ahead_children(worker.pid)  # the one reading, and the spare
+        os.kill(worker.pid, signal.SIGKILL)  # the worker alone: its children must notice
         worker.wait(30)
-        wait_until(lambda: not read_ahead_children(0) or child not in read_ahead_children(0),
-                   30, "the orphaned read-ahead process to exit", env, interval=0.1)
+        wait_until(lambda: not set(children) & set(read_ahead_children(0)), 30,
+                   "the orphaned read-ahead processes to exit", env, interval=0.1)
         wait_until(lambda: not temporary_slots(source_db), 30,
                    "its temporary slot to go", env)
         env.start_worker("second", **READ_AHEAD)
