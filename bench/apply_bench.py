@@ -46,8 +46,12 @@ from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.apply import BackgroundApplier, apply_batch
-from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
-from pgsieve.streaming.readahead import ReadAheadTransport, read_ahead_or
+from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
+from pgsieve.streaming.readahead import (
+    ReadAheadTransport,
+    prestart_read_ahead,
+    read_ahead_or,
+)
 from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.batch import MessageBatch
@@ -230,6 +234,11 @@ turns); those windows read by a second process (:mod:`pgsieve.streaming.readahea
 and that with the apply in a thread."""
 
 
+TURN_MODES = ("fixed-windows", "turn-windows", "read-ahead", "read-ahead+pipelined")
+"""Modes read in a worker's turns (of ``PGSIEVE_TURN_SECONDS``), each applied at its end."""
+TURN_SECONDS = Settings().turn_seconds
+
+
 def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: int,
                  txn_rows: int, limits: BatchLimits, distributed: bool | None,
                  spark: Any, modes: list[str], windows: tuple[int, int]) -> None:
@@ -360,6 +369,9 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
     replicated = batches = 0
     stage_times: dict[str, float] = {}
     held: list[list[Transaction]] = []
+    if mode.startswith("read-ahead"):  # as a worker keeps one ready (before the clock)
+        prestart_read_ahead()
+        time.sleep(1.0)
     t0 = time.perf_counter()
     transport: SqlTransport | ReadAheadTransport = SqlTransport(src_dsn, slot, options)
     first_window, max_window = windows
@@ -403,20 +415,27 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
             applied(background.submit(batch))
 
     done = False
-    for item in consumer.items(time.monotonic() + 3600):
-        now = time.monotonic()
-        if isinstance(item, Transaction):
-            batcher.add(item, now)
-            done = item.end_lsn >= end
-        elif isinstance(item, IdleProgress):
-            done = done or item.lsn >= end
-        if mode.endswith("pipelined"):
-            applied(background.ready())
-        if batcher.due(now) or (done and len(batcher)):
-            flush()
-        if done:
-            break
-    flush()
+    turns = mode in TURN_MODES
+    while not done:
+        # A worker's turns: reading stops at the turn's deadline (between two chunks of
+        # a window), and what the turn read is applied and confirmed at its end.
+        for item in consumer.items(time.monotonic() + (TURN_SECONDS if turns else 3600),
+                                   quiet=turns):
+            now = time.monotonic()
+            if isinstance(item, Transaction):
+                batcher.add(item, now)
+                done = item.end_lsn >= end
+            elif isinstance(item, IdleProgress):
+                done = done or item.lsn >= end
+            elif isinstance(item, Quiet):
+                break
+            if mode.endswith("pipelined"):
+                applied(background.ready())
+            if batcher.due(now) or (done and len(batcher)):
+                flush()
+            if done:
+                break
+        flush()
     applied(background.wait())
     seconds = time.perf_counter() - t0
     if isinstance(transport, ReadAheadTransport):

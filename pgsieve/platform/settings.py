@@ -186,9 +186,11 @@ class Settings(BaseSettings):
         "by a second process, ahead of the apply (0: never)",
     )
     read_ahead_processes: int = Field(
-        default=1, ge=0, le=64,
-        description="read-ahead processes a worker process runs at most (streams past "
-        "that read their windows themselves)",
+        default=0, ge=0, le=64,
+        description="read-ahead processes a worker process runs at most (0: none; streams "
+        "past that read their windows themselves). Off by default: on a 2-core host shared "
+        "with both databases the second process costs more CPU than its overlap saves "
+        "(bench/RESULTS.md); a worker host with cores to spare gains from it",
     )
     read_ahead_buffer_bytes: int = Field(
         default=128 << 20, ge=1 << 20,

@@ -168,7 +168,7 @@ class ReadAheadTransport:
     # -- the child -------------------------------------------------------------------------
     def _start(self, dsn: str, buffer_bytes: int) -> None:
         config = {"dsn": dsn, "slot": self.slot, "options": dataclasses.asdict(self.options),
-                  "window_bytes": self._inner.window_bytes,
+                  "window_bytes": self._inner._window,
                   "poll_interval": self._inner.poll_interval, "buffer_bytes": buffer_bytes,
                   "max_window_bytes": self._inner.max_window_bytes}
         proc = _take_child()

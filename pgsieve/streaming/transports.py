@@ -187,10 +187,13 @@ class SqlTransport:
     ``chunk_messages``: messages per chunk (default: adapted to about 4 MB per chunk).
     ``split_bytes``: an aggregated window of at least this much WAL is decoded by two
     backends at once (0: never) — see :meth:`_split_window`.
-    ``max_window_bytes``: on a backlog, each window after one that held messages is twice
-    the last, up to this (every peek decodes again from the slot's ``restart_lsn``, which
-    moves only at the source's periodic running-transactions records, so small windows
-    over a long backlog cost the source far more than the WAL they read).
+    ``max_window_bytes``: a backlog's windows are up to this large — the first one as
+    large as the backlog when opened, each after one that held messages twice the last —
+    because every peek decodes again from the slot's ``restart_lsn``, which moves only at
+    the source's periodic running-transactions records, and re-sends what was not
+    confirmed yet: small windows over a long backlog cost far more than the WAL they read
+    (bench/RESULTS.md, fourteenth session). Once caught up, windows are
+    ``window_bytes`` again.
     ``resumable_windows``: a session ends at its deadline even inside a window, and the
     next goes on with that window (a scheduler's turns: windows larger than a turn).
     """
@@ -246,6 +249,9 @@ class SqlTransport:
         """The last window read reached the flushed end of WAL (the stream is caught
         up): a turn's reader may switch to a push stream (see streaming.turnreader)."""
         self._check_slot()
+        # A backlog is read in as few windows as the bound allows: each decodes again from
+        # the slot's restart_lsn, and what it re-sends (unconfirmed) is read again.
+        self._window = min(max(self.backlog_bytes, self._window), self.max_window_bytes)
 
     def _open(self) -> psycopg.Connection[tuple[Any, ...]]:
         conn = psycopg.connect(secure_conninfo(self._dsn, purpose=Purpose.STREAM),

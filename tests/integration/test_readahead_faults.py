@@ -28,6 +28,7 @@ from tests.integration.test_pipeline_faults import _slot_behind_target
 
 READ_AHEAD = {
     # Every backlog is read ahead, in small windows: many of them to kill in the middle of.
+    "PGSIEVE_READ_AHEAD_PROCESSES": "1",
     "PGSIEVE_READ_AHEAD_MIN_BYTES": "1",
     "PGSIEVE_TURN_WINDOW_BYTES": str(64 << 10),
     "PGSIEVE_READ_AHEAD_BUFFER_BYTES": str(1 << 20),
@@ -71,11 +72,11 @@ def temporary_slots(source: Database) -> list[str]:
 
 
 def backlog(tmp_path: Path, source: Database, target: Database, native: Database,
-            env: PipelineEnv) -> str:
+            env: PipelineEnv, transactions: int = 4000) -> str:
     prepare(source, target, native)
     sub_id = create_subscription(env, source, target)
     native_subscription(source, native, "native_ahead", ["pub_items", "pub_events"])
-    workload(source, seed=20, transactions=4000)
+    workload(source, seed=20, transactions=transactions)
     return sub_id
 
 
@@ -114,3 +115,32 @@ def test_worker_killed_mid_catch_up_takes_its_read_ahead_process_along(
         env.start_worker("second", **READ_AHEAD)
         wait_until(lambda: targets_match(source_db, target_db, native_db), 120,
                    "the target to equal native's", env)
+
+
+def test_worker_killed_while_its_turns_read_a_window_in_parts(
+        tmp_path: Path, source_db: Database, target_db: Database, native_db: Database):
+    """No read-ahead (the default): the backlog's one large window is read by many short
+    turns, each applying and confirming its part; kill -9 the worker in the middle."""
+    with pipeline_env(tmp_path) as env:
+        backlog(tmp_path, source_db, target_db, native_db, env, transactions=10000)
+        parts = {"PGSIEVE_TURN_SECONDS": "0.02",
+                 "PGSIEVE_PUSH_MAX_BACKLOG_BYTES": str(1 << 20)}
+        worker = env.start_worker("first", **parts)
+        wait_until(lambda: source_lsn_applied(target_db) is not None, 60,
+                   "the first batches to apply", env, interval=0.05)
+        env.kill(worker)
+        assert not targets_match(source_db, target_db, native_db), "killed mid catch-up"
+        assert _slot_behind_target(source_db, target_db, "pgsieve_pipe") is True
+        assert not read_ahead_children(0)
+        env.start_worker("second", **parts)
+        wait_until(lambda: targets_match(source_db, target_db, native_db), 120,
+                   "the target to equal native's", env)
+        assert _slot_behind_target(source_db, target_db, "pgsieve_pipe") is True
+
+
+def source_lsn_applied(target: Database) -> str | None:
+    """The LSN the target recorded as applied (None before its first batch)."""
+    if not target.query("SELECT to_regclass('pgsieve.applied')")[0][0]:
+        return None
+    value = target.query("SELECT max(end_lsn)::text FROM pgsieve.applied")[0][0]
+    return None if value is None else str(value)
