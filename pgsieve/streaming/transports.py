@@ -222,6 +222,7 @@ class SqlTransport:
         self.max_window_bytes = max(window_bytes, min(max_window_bytes, aggregate_bytes))
         self.resumable_windows = resumable_windows
         self._open_window: ResumableWindow | None = None
+        self._closed = False
         self.windows = 0
         """Windows read to their end that held messages."""
         self.continues_previous = False
@@ -663,7 +664,8 @@ class SqlTransport:
                 # Abandoned mid-COPY (the caller stopped reading) or failed: the connection
                 # may still be streaming, so start a fresh one; the server ends the peek.
                 if main:
-                    self._reconnect()
+                    if not self._closed:
+                        self._reconnect()
                 else:
                     self._close_helper()
             # The connection was busy with the COPY: confirmations made meanwhile wait
@@ -689,12 +691,13 @@ class SqlTransport:
         self._confirmed = lsn
 
     def close(self) -> None:
+        self._closed = True
         window, self._open_window = self._open_window, None
         self._close_helper()
         self._conn.close()
         if window is not None:
             with contextlib.suppress(Exception):
-                window.close()
+                window.close()  # (its COPY's connection is closed: not opened again)
 
 
 @dataclass

@@ -128,10 +128,10 @@ def test_worker_killed_while_its_turns_read_a_window_in_parts(
         worker = env.start_worker("first", **parts)
         wait_until(lambda: source_lsn_applied(target_db) is not None, 60,
                    "the first batches to apply", env, interval=0.05)
+        assert not read_ahead_children(worker.pid), "read-ahead is off by default"
         env.kill(worker)
         assert not targets_match(source_db, target_db, native_db), "killed mid catch-up"
         assert _slot_behind_target(source_db, target_db, "pgsieve_pipe") is True
-        assert not read_ahead_children(0)
         env.start_worker("second", **parts)
         wait_until(lambda: targets_match(source_db, target_db, native_db), 120,
                    "the target to equal native's", env)
