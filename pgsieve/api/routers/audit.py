@@ -28,7 +28,8 @@ def get_audit(
                                     "under it (a source's slots and publications)")] = None,
     resource_type: Annotated[str | None, Query(max_length=40)] = None,
     actor: Annotated[str | None, Query(max_length=63, description="a token name")] = None,
-    before: Annotated[int | None, Query(ge=1, description="events older than this id")] = None,
+    before: Annotated[int | None, Query(ge=1, le=2**63 - 1,
+                                        description="events older than this id")] = None,
     limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> dict[str, Any]:
     """Newest first, ``limit`` per page; follow ``next_before`` for older events."""
