@@ -439,8 +439,12 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
     applied(background.wait())
     seconds = time.perf_counter() - t0
     if isinstance(transport, ReadAheadTransport):
-        print(f"[{wl.name}] read-ahead: {transport.windows} windows, waited for them "
-              f"{transport.waited:.2f}s", flush=True)
+        child_rss = 0
+        if transport.child_pid is not None:  # (it ends with the transport)
+            status = Path(f"/proc/{transport.child_pid}/status").read_text()
+            child_rss = int(status.split("VmHWM:")[1].split()[0]) // 1024
+        print(f"[{wl.name}] read-ahead: waited for the child {transport.waited:.2f}s; its "
+              f"peak RSS {child_rss} MiB", flush=True)
     background.close()
     consumer.close()
     writer.close()
@@ -680,9 +684,6 @@ def main() -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"\npeak RSS of this process (pgsieve's reading, planning and staging, the "
               f"whole run): {peak:,.0f} MiB")
-        ahead = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        if ahead:
-            print(f"peak RSS of a read-ahead process: {ahead:,.0f} MiB")
     finally:
         pub.destroy()
         sub.destroy()
