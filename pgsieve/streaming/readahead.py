@@ -47,6 +47,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.spares import SpareProcess
 from pgsieve.streaming.transports import (
     IDLE,
     PgoutputOptions,
@@ -71,8 +72,6 @@ _CHILD_EXIT_WAIT = 2.0
 
 _live = 0
 _live_lock = threading.Lock()
-_spare: subprocess.Popen[bytes] | None = None
-_spare_lock = threading.Lock()
 
 
 def _spawn() -> subprocess.Popen[bytes]:
@@ -82,22 +81,13 @@ def _spawn() -> subprocess.Popen[bytes]:
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
 
 
+_spare = SpareProcess(_spawn)
+
+
 def prestart_read_ahead() -> None:
     """Keep one read-ahead process started and waiting for its settings: its interpreter
     and libpq loaded (about 0.5 s of CPU) before a backlog needs it, not on its path."""
-    global _spare
-    with _spare_lock:
-        if _spare is None or _spare.poll() is not None:
-            _spare = _spawn()
-
-
-def _take_child() -> subprocess.Popen[bytes]:
-    global _spare
-    with _spare_lock:
-        proc, _spare = _spare, None
-    if proc is None or proc.poll() is not None:
-        proc = _spawn()
-    return proc
+    _spare.prestart()
 
 
 def read_ahead_or(inner: SqlTransport, dsn: str, *, min_bytes: int, processes: int,
@@ -171,7 +161,7 @@ class ReadAheadTransport:
                   "window_bytes": self._inner._window,
                   "poll_interval": self._inner.poll_interval, "buffer_bytes": buffer_bytes,
                   "max_window_bytes": self._inner.max_window_bytes}
-        proc = _take_child()
+        proc = _spare.take()
         assert proc.stdin is not None
         assert proc.stdout is not None
         # The DSN (with its password) goes through the pipe, never the command line.

@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from psycopg import sql
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
+from pgsieve.platform.spares import SpareProcess
 from pgsieve.platform.states import JOB_ENDED
 from pgsieve.wire.lsn import Lsn
 
@@ -231,8 +231,6 @@ def _ask(proc: subprocess.Popen[bytes], request: dict[str, Any], slot: str,
 
 _children: dict[int, subprocess.Popen[bytes]] = {}
 """Helpers this process started (reaped on release, so none lingers as a zombie)."""
-_spare: subprocess.Popen[bytes] | None = None
-_spare_lock = threading.Lock()
 
 
 def _spawn() -> subprocess.Popen[bytes]:
@@ -246,23 +244,17 @@ def _spawn() -> subprocess.Popen[bytes]:
     )
 
 
+_spare = SpareProcess(_spawn)
+
+
 def prestart_helper() -> None:
     """Keep one helper started and waiting for its request (its interpreter and libpq
-    loaded): a snapshot then takes the time of the slot's creation alone. An idle spare
-    exits when this process does (its stdin closes)."""
-    global _spare
-    with _spare_lock:
-        if _spare is None or _spare.poll() is not None:
-            _spare = _spawn()
+    loaded): a snapshot then takes the time of the slot's creation alone."""
+    _spare.prestart()
 
 
 def _take_helper() -> subprocess.Popen[bytes]:
-    global _spare
-    with _spare_lock:
-        proc, _spare = _spare, None
-    if proc is None or proc.poll() is not None:
-        proc = _spawn()
-    return proc
+    return _spare.take()
 
 
 def _reap() -> None:
