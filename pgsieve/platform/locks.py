@@ -222,9 +222,12 @@ class AdvisoryLocks:
         return int(self._conn.info.backend_pid)
 
     def try_lock(self, slot: str) -> bool:
+        """Take the slot's lock; False when anyone holds it — this worker too: two streams
+        of one slot must not overlap, and the first one's unlock would free the second's
+        (session-level locks are counted, ``slots`` is not)."""
         with self._mutex:
             if slot in self.slots:
-                return True
+                return False
             row = self._conn.execute(
                 "SELECT pg_try_advisory_lock(hashtext(%s), hashtext(%s))",
                 advisory_key(slot)).fetchone()

@@ -84,6 +84,8 @@ from pgsieve.wire.lsn import Lsn
 log = logging.getLogger(__name__)
 
 RETRY_AFTER = 5.0
+RELEASE_WAIT = 30.0
+"""How long an adoption waits for the same subscription's release to end."""
 """A subscription let go for a transient failure is adopted again after this long."""
 SOURCE_LSN_EVERY = 2.0
 """How often the source's WAL position (for lag) is read, per source and worker."""
@@ -147,6 +149,10 @@ class Scheduler:
         self._cond = threading.Condition()
         self._held: dict[str, _Held] = {}
         self._adopting: set[str] = set()
+        self._releasing: set[str] = set()
+        """Taken out of ``_held`` and being let go: not adopted again until its stream is
+        closed and its locks freed (a stream adopted meanwhile would have its locks freed
+        by the old one's release, and two streams of one slot would overlap)."""
         self._ready: list[tuple[float, int, str]] = []  # (due, seq, subscription) heap
         self._seq = 0
         self._sources: dict[str, _SourceState] = {}
@@ -272,7 +278,12 @@ class Scheduler:
         ``not_running``, ``stopping``, or the outcome of a failed start (``retry``,
         ``error``)."""
         with self._cond:
-            duplicate = subscription_id in self._held or subscription_id in self._adopting
+            # Being let go (a stream stopped at its marker, a transient failure): wait
+            # for its locks to be freed before taking them again.
+            self._cond.wait_for(lambda: subscription_id not in self._releasing,
+                                timeout=RELEASE_WAIT)
+            duplicate = (subscription_id in self._held or subscription_id in self._adopting
+                         or subscription_id in self._releasing)
             if not duplicate:
                 if self._stopping.is_set():
                     return "stopping"
@@ -372,9 +383,19 @@ class Scheduler:
         return state.lsn
 
     # -- letting go ----------------------------------------------------------------------
+    def _take_out(self, held: _Held) -> bool:
+        """Out of ``_held`` and into ``_releasing``, at once (call with ``_cond`` held):
+        between the two, an adoption would find it neither held nor being let go.
+        False when it is not the one held."""
+        if self._held.get(held.subscription_id) is not held:
+            return False
+        del self._held[held.subscription_id]
+        self._releasing.add(held.subscription_id)
+        return True
+
     def _drop(self, held: _Held, outcome: CycleOutcome) -> None:
         with self._cond:
-            self._held.pop(held.subscription_id, None)
+            self._take_out(held)
         soon = outcome.retry_after
         if outcome.outcome == "retry":
             self._retry_at[held.subscription_id] = time.monotonic() + (
@@ -389,7 +410,16 @@ class Scheduler:
             timer.start()
 
     def _let_go(self, held: _Held) -> None:
-        """Close the stream (nothing more is applied), then free both locks."""
+        """Close the stream (nothing more is applied), then free both locks; only then
+        may the subscription be adopted again."""
+        try:
+            self._close_and_unlock(held)
+        finally:
+            with self._cond:
+                self._releasing.discard(held.subscription_id)
+                self._cond.notify_all()
+
+    def _close_and_unlock(self, held: _Held) -> None:
         if held.stream is not None and held.stream.run.reader is not None:
             self._switches += held.stream.run.reader.switches
         if held.stream is not None:
@@ -555,7 +585,10 @@ class Scheduler:
             with self._cond:
                 held = dict(self._held)
             try:
-                for subscription_id in self._beat(held):
+                lost = self._beat(held)
+                with self._cond:  # (one let go since the copy was taken is no loss)
+                    lost = {sid for sid in lost if self._held.get(sid) is held[sid]}
+                for subscription_id in lost:
                     log.warning("the consumer lock of %s was taken over", subscription_id)
                     held[subscription_id].lost.set()
             except Exception as exc:  # the advisory locks still guard the slots
@@ -655,7 +688,7 @@ class Scheduler:
                 .where(Subscription.enabled.is_(True), Subscription.state == "streaming")
             ).all()
         with self._cond:
-            mine = set(self._held) | self._adopting
+            mine = set(self._held) | self._adopting | self._releasing
         out = [sid for sid, beat in rows
                if sid not in mine and (beat is None or now - beat > takeover)
                and self._retry_at.get(sid, 0.0) <= mono]
@@ -696,10 +729,9 @@ class Scheduler:
     def _shed(self, held: _Held) -> None:
         """Let go of a subscription between its turns (never in the middle of one)."""
         with self._cond:
-            if self._held.get(held.subscription_id) is not held:
-                return
             # Out of the queue: a runner that picks its entry finds it gone.
-            self._held.pop(held.subscription_id)
+            if not self._take_out(held):
+                return
         with held.turn_mutex:
             self._let_go(held)
 
