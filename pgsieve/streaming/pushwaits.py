@@ -207,7 +207,7 @@ def keepalives_seen(fileno: int, seen: int) -> int | None:
     except OSError:
         return None
     finally:
-        sock.detach()  # the connection's descriptor stays psycopg2's
+        sock.detach()  # the descriptor stays the replication session's
     size = _KEEPALIVE.size
     if not data or len(data) == PEEK_BYTES or len(data) < seen:
         return None  # a full peek may hide data behind it; less than seen: read meanwhile

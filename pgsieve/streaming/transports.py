@@ -8,9 +8,9 @@ committed. The consumer therefore resets its assembler at every session start an
 transactions it already delivered. Neither transport ever moves the slot by itself: only
 :meth:`confirm`, called with what the target durably holds, does.
 
-* :class:`WalsenderTransport` — ``START_REPLICATION SLOT … LOGICAL`` through psycopg2's
-  ReplicationCursor (psycopg 3 cannot stream replication). Push: low latency when live.
-  Answers keepalives, sends standby status updates, reconnects with backoff.
+* :class:`WalsenderTransport` — ``START_REPLICATION SLOT … LOGICAL`` at the libpq level
+  (:mod:`.replication`). Push: low latency when live. Answers keepalives with what was
+  confirmed and nothing else, reconnects with backoff.
 * :class:`SqlTransport` — ``pg_logical_slot_peek_binary_changes`` up to a bounded LSN
   window, then ``pg_replication_slot_advance`` on confirm. Polling, but the server
   decodes faster than the walsender ships: it wins on a backlog. Each peek decodes again
@@ -33,13 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import psycopg
-import psycopg2
-import psycopg2.extensions
-import psycopg2.extras
 from psycopg import pq, sql
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.streaming.replication import ReplicationError, ReplicationSession
 from pgsieve.wire.batch import MessageBatch
 from pgsieve.wire.lsn import Lsn
 from pgsieve.wire.messages import ProtocolError
@@ -712,7 +710,7 @@ class WindowStats:
 
 
 class WalsenderTransport:
-    """``START_REPLICATION`` over psycopg2; reconnects with exponential backoff."""
+    """``START_REPLICATION`` (:mod:`.replication`); reconnects with exponential backoff."""
 
     def __init__(
         self,
@@ -720,7 +718,6 @@ class WalsenderTransport:
         slot: str,
         options: PgoutputOptions,
         *,
-        status_interval: float = 10.0,
         max_backoff: float = 30.0,
         max_attempts: int = 8,
         held_open: bool = False,
@@ -728,7 +725,6 @@ class WalsenderTransport:
         self.dsn = dsn
         self.slot = slot
         self.options = options
-        self.status_interval = status_interval
         self.max_backoff = max_backoff
         self.max_attempts = max_attempts
         self.held_open = held_open
@@ -736,8 +732,7 @@ class WalsenderTransport:
         keeps iterating it), a read never waits (nothing buffered: IDLE at once), and a
         broken session or a failed connect raises instead of sleeping a backoff in the
         caller's turn (the scheduler retries the subscription)."""
-        self._conn: Any = None
-        self._cur: Any = None
+        self._conn: ReplicationSession | None = None
         self._previous_pid: int | None = None
         self._confirmed: Lsn | None = None
         self._in_clear = False
@@ -748,32 +743,25 @@ class WalsenderTransport:
         # connection open: this call starts a new session (Relation messages come once
         # per session), so that one goes first.
         self._disconnect()
-        self._conn = psycopg2.connect(
-            secure_conninfo(self.dsn, purpose=Purpose.STREAM),
-            connection_factory=psycopg2.extras.LogicalReplicationConnection,
-            application_name="pgsieve-consumer",
-        )
-        self._cur = self._conn.cursor()
+        conn = ReplicationSession(secure_conninfo(self.dsn, purpose=Purpose.STREAM),
+                                  application_name="pgsieve-consumer")
         try:
-            self._in_clear = not bool(self._conn.info.ssl_in_use)
-        except (psycopg2.Error, AttributeError):
-            self._in_clear = False
-        start = self._confirmed.value if self._confirmed else 0
-        self._cur.start_replication(
-            slot_name=self.slot,
-            decode=False,
-            start_lsn=start,
-            options=self.options.as_dict(),
-            status_interval=self.status_interval,
-        )
+            self._in_clear = not conn.ssl_in_use
+            conn.start(self.slot, self._confirmed.value if self._confirmed else 0,
+                       self.options.as_dict())
+        except BaseException:
+            self._previous_pid = conn.backend_pid
+            conn.close()
+            raise
+        self._conn = conn
 
     def _disconnect(self) -> None:
-        if self._conn is not None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
             with contextlib.suppress(Exception):
-                self._previous_pid = self._conn.get_backend_pid()
+                self._previous_pid = conn.backend_pid
             with contextlib.suppress(Exception):
-                self._conn.close()
-        self._conn = self._cur = None
+                conn.close()
 
     def _own_previous(self, message: str) -> bool:
         """The slot is still held by our own session that just ended (its walsender
@@ -783,11 +771,11 @@ class WalsenderTransport:
 
     def fileno(self) -> int | None:
         """The replication connection's socket (to wait for the server's push), if open."""
-        if self._conn is None or self._conn.closed:
+        if self._conn is None:
             return None
         try:
-            return int(self._conn.fileno())
-        except psycopg2.Error:
+            return self._conn.fileno()
+        except Exception:  # the connection is gone
             return None
 
     def in_clear(self) -> bool:
@@ -800,7 +788,7 @@ class WalsenderTransport:
         while time.monotonic() < deadline:
             try:
                 self._connect()
-            except psycopg2.Error as exc:
+            except ReplicationError as exc:
                 message = scrub_secrets(str(exc).strip())
                 # A held-open stream takes the slot under its advisory lock: a walsender
                 # still on it is a former holder's on its way out (a killed worker's).
@@ -834,23 +822,22 @@ class WalsenderTransport:
     def idle_position(self) -> Lsn | None:
         """The server's sent position from its last keepalive (every transaction that
         commits before it has been sent)."""
-        if self._cur is None or not self._cur.wal_end:
-            return None
-        return Lsn(self._cur.wal_end)
+        wal_end = self._conn.wal_end if self._conn is not None else 0
+        return Lsn(wal_end) if wal_end else None
 
     def confirm(self, lsn: Lsn) -> None:
         if self._confirmed is not None and lsn <= self._confirmed:
             return
         self._confirmed = lsn
-        if self._cur is not None:
-            with contextlib.suppress(psycopg2.Error):
-                self._cur.send_feedback(flush_lsn=lsn.value, apply_lsn=lsn.value, force=True)
+        if self._conn is not None:
+            with contextlib.suppress(ReplicationError):  # a new session starts there
+                self._conn.confirm(lsn.value)
 
     def close(self) -> None:
         self._disconnect()
 
 
-def _permanent(exc: psycopg2.Error) -> bool:
+def _permanent(exc: ReplicationError) -> bool:
     """Errors no retry will cure: missing slot, slot held by another process, bad options."""
     text = str(exc)
     return any(
@@ -879,8 +866,10 @@ class _WalsenderSession:
         backlog then costs one libpq read per message here and nothing else per message
         (see the splitter), and a live stream is delayed by milliseconds. A lone message
         goes as it is."""
-        cur = self.t._cur
-        read = cur.read_message
+        conn = self.t._conn
+        assert conn is not None
+        read = conn.read_message
+        fileno = conn.fileno()
         held_open = self.t.held_open
         linger = 0.0 if held_open else _WALSENDER_LINGER
         while time.monotonic() < self.deadline:
@@ -891,28 +880,28 @@ class _WalsenderSession:
                         yield IDLE
                         continue
                     timeout = max(0.0, min(1.0, self.deadline - time.monotonic()))
-                    ready, _, _ = select.select([cur], [], [], timeout)
+                    ready, _, _ = select.select([fileno], [], [], timeout)
                     if not ready:
                         yield IDLE
                     continue
-                datas = [msg.payload]
-                lsns = [msg.data_start]
+                lsns = [msg[0]]
+                datas = [msg[1]]
                 add_data, add_lsn = datas.append, lsns.append
                 count, size = 1, len(datas[0])
                 hold_until = time.monotonic() + _WALSENDER_HOLD
                 while count < _WALSENDER_BATCH and size < _WALSENDER_BATCH_BYTES:
                     msg = read()
                     if msg is None:  # more on its way? (a backlog arrives in bursts)
-                        if (not linger or not select.select([cur], [], [], linger)[0]
+                        if (not linger or not select.select([fileno], [], [], linger)[0]
                                 or time.monotonic() > hold_until):
                             break
                         continue
-                    payload = msg.payload
+                    lsn, payload = msg
                     add_data(payload)
-                    add_lsn(msg.data_start)
+                    add_lsn(lsn)
                     count += 1
                     size += len(payload)
-            except psycopg2.Error as exc:
+            except ReplicationError as exc:
                 # What was read but not handed over comes again after reconnecting.
                 self.failed_with = scrub_secrets(str(exc).strip())
                 log.warning("walsender stream broke: %s", self.failed_with)

@@ -1,17 +1,18 @@
 """Every session pgsieve opens on a source or target starts with its own settings, whatever
-the database, the role or the DSN's options say (issue 17): psycopg 3 and psycopg2 (the
-walsender transport) alike, control-plane and streaming sessions each with their timeout."""
+the database, the role or the DSN's options say (issue 17): psycopg 3 connections and
+replication sessions (the walsender transport) alike, control-plane and streaming
+sessions each with their timeout."""
 
 from __future__ import annotations
 
 from urllib.parse import quote
 
 import psycopg
-import psycopg2
 import pytest
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.pgserver import connect
+from pgsieve.streaming.replication import ReplicationSession
 from tests.conftest import Database
 
 SHOW = ("SELECT current_setting('standard_conforming_strings'), current_setting('search_path'),"
@@ -38,13 +39,13 @@ def test_settings_hold_from_the_first_statement(hostile: Database, purpose: Purp
         assert conn.execute(SHOW).fetchone() == expected
         if purpose is Purpose.STREAM:  # a long statement is not cut short
             conn.execute("SELECT pg_sleep(0.2)")
-    raw = psycopg2.connect(conninfo)
+    session = ReplicationSession(conninfo, application_name="pgsieve-test")
     try:
-        with raw.cursor() as cur:
-            cur.execute(SHOW)
-            assert cur.fetchone() == expected
+        result = session.pgconn.exec_(SHOW.encode())
+        values = tuple(result.get_value(0, i) for i in range(4))
+        assert tuple(v.decode() if v is not None else None for v in values) == expected
     finally:
-        raw.close()
+        session.close()
 
 
 def test_control_sessions_time_out(hostile: Database):

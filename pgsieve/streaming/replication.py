@@ -1,0 +1,157 @@
+"""One logical replication session (``START_REPLICATION SLOT … LOGICAL``) at the libpq
+level, through psycopg's ``pq`` — the client side of the streaming replication protocol
+that :class:`~pgsieve.streaming.transports.WalsenderTransport` reads.
+
+Why not a library's replication cursor: psycopg 3 has none, and psycopg2's answers the
+server's keepalives with a flush position of its own making — it moves its flush LSN to
+a keepalive's WAL end whenever the last message read starts at or before what the client
+last confirmed. Messages do not start in commit order (a transaction that began before
+the last confirmed commit starts before it), so a keepalive in the middle of such a
+transaction confirmed transactions read but not yet applied, and a worker killed then
+lost them (``tests/integration/test_walsender_feedback.py`` shows it on a real server).
+Here the server hears exactly what pgsieve confirmed, nothing else.
+
+Messages (PostgreSQL's "Streaming Replication Protocol"): the server sends CopyData
+holding XLogData (``w``: start, WAL end, send time, then the pgoutput message) or a
+primary keepalive (``k``: WAL end, send time, reply requested); the client sends
+standby status updates (``r``: written, flushed, applied, send time, reply requested).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+from psycopg import pq
+from psycopg.conninfo import make_conninfo
+
+_XLOG_DATA = struct.Struct("!QQq")  # after the 'w': start, WAL end, send time
+_KEEPALIVE = struct.Struct("!QqB")  # after the 'k': WAL end, send time, reply requested
+_STATUS = struct.Struct("!cQQQqB")  # 'r', written, flushed, applied, send time, reply
+_HEAD = 1 + _XLOG_DATA.size
+_PG_EPOCH = 946_684_800  # 2000-01-01 in Unix seconds: the protocol's timestamps start there
+
+
+class ReplicationError(Exception):
+    """A replication session could not start, or broke (libpq's message)."""
+
+
+def quote_ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def quote_literal(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def start_command(slot: str, start_lsn: int, options: dict[str, str]) -> bytes:
+    """``START_REPLICATION SLOT "slot" LOGICAL X/Y ("option" 'value', …)``."""
+    opts = ", ".join(f"{quote_ident(k)} {quote_literal(v)}" for k, v in options.items())
+    lsn = f"{start_lsn >> 32:X}/{start_lsn & 0xFFFFFFFF:X}"
+    return (f"START_REPLICATION SLOT {quote_ident(slot)} LOGICAL {lsn}"
+            + (f" ({opts})" if opts else "")).encode()
+
+
+def _now() -> int:
+    """Microseconds since 2000-01-01, as the protocol's timestamps count."""
+    return int((time.time() - _PG_EPOCH) * 1_000_000)
+
+
+class ReplicationSession:
+    """A connection in replication mode streaming one slot. Not thread safe."""
+
+    def __init__(self, conninfo: str, application_name: str) -> None:
+        self.pgconn = pq.PGconn.connect(make_conninfo(
+            conninfo, replication="database", application_name=application_name).encode())
+        if self.pgconn.status != pq.ConnStatus.OK:
+            message = _error(self.pgconn)
+            self.pgconn.finish()
+            raise ReplicationError(message)
+        self.wal_end = 0
+        """The server's WAL end as of the last message read (XLogData or keepalive)."""
+        self.confirmed = 0
+        """What status updates report as written, flushed and applied: only ever what
+        :meth:`confirm` was told."""
+
+    @property
+    def backend_pid(self) -> int:
+        return int(self.pgconn.backend_pid)
+
+    @property
+    def ssl_in_use(self) -> bool:
+        return bool(self.pgconn.ssl_in_use)
+
+    def fileno(self) -> int:
+        return int(self.pgconn.socket)
+
+    def start(self, slot: str, start_lsn: int, options: dict[str, str]) -> None:
+        self.pgconn.send_query(start_command(slot, start_lsn, options))
+        result = self.pgconn.get_result()
+        if result is None or result.status != pq.ExecStatus.COPY_BOTH:
+            message = (result.get_error_message().strip() if result is not None else ""
+                       ) or _error(self.pgconn)
+            while self.pgconn.get_result() is not None:
+                pass
+            raise ReplicationError(message)
+        self.confirmed = start_lsn
+
+    def read_message(self) -> tuple[int, bytes] | None:
+        """The next XLogData as (start LSN, pgoutput message), or None when no whole
+        message is buffered. Keepalives are consumed here: their WAL end noted, and a
+        reply sent when the server asks for one (with what was confirmed, no more)."""
+        pgconn = self.pgconn
+        consumed = False
+        while True:
+            try:
+                nbytes, data = pgconn.get_copy_data(1)
+            except Exception as exc:  # psycopg.OperationalError: the connection broke
+                raise ReplicationError(str(exc).strip() or _error(pgconn)) from None
+            if nbytes == 0:
+                if consumed:
+                    return None
+                try:
+                    pgconn.consume_input()
+                except Exception as exc:
+                    raise ReplicationError(str(exc).strip() or _error(pgconn)) from None
+                consumed = True
+                continue
+            if nbytes < 0:  # the server ended the COPY: an error (terminated, say)
+                result = pgconn.get_result()
+                message = (result.get_error_message().strip() if result is not None
+                           else "") or _error(pgconn)
+                raise ReplicationError(message or "the server ended the replication stream")
+            kind = data[0]
+            if kind == 0x77:  # 'w' XLogData
+                if nbytes < _HEAD:
+                    raise ReplicationError("XLogData message too short")
+                start, self.wal_end, _ = _XLOG_DATA.unpack_from(data, 1)
+                return start, bytes(data[_HEAD:])
+            if kind == 0x6B:  # 'k' primary keepalive
+                if nbytes < 1 + _KEEPALIVE.size:
+                    raise ReplicationError("keepalive message too short")
+                self.wal_end, _, reply = _KEEPALIVE.unpack_from(data, 1)
+                if reply:
+                    self.send_status()
+                continue
+            raise ReplicationError(f"unexpected replication message {chr(kind)!r}")
+
+    def confirm(self, lsn: int) -> None:
+        """The target durably holds everything up to ``lsn``: tell the server."""
+        if lsn > self.confirmed:
+            self.confirmed = lsn
+        self.send_status()
+
+    def send_status(self) -> None:
+        lsn = self.confirmed
+        try:
+            self.pgconn.put_copy_data(_STATUS.pack(b"r", lsn, lsn, lsn, _now(), 0))
+            self.pgconn.flush()
+        except Exception as exc:
+            raise ReplicationError(str(exc).strip() or _error(self.pgconn)) from None
+
+    def close(self) -> None:
+        self.pgconn.finish()
+
+
+def _error(pgconn: pq.abc.PGconn) -> str:
+    return pgconn.get_error_message().strip()

@@ -1,0 +1,80 @@
+"""The slot's confirmed position is only ever what pgsieve confirmed (exactly once).
+
+A replication client library may answer the server's keepalives with a flush position of
+its own making: psycopg2 moves its flush LSN to a keepalive's WAL end whenever the last
+message it read starts at or before what the client last confirmed. Messages do not
+start in commit order — a transaction that began before the last confirmed commit starts
+(its Begin, its first changes) before it — so a keepalive that arrives in the middle of
+such a transaction (the server asks for a reply once half of ``wal_sender_timeout``
+passes without one while its output waits on a slow reader) confirmed every transaction
+before it, including one read but not yet applied. A worker killed then lost it: the slot
+never sent it again. Real cluster, real walsender.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Generator
+
+import psycopg
+
+from pgsieve.streaming.consumer import ConsumerItem, SlotConsumer
+from pgsieve.streaming.transports import PgoutputOptions, WalsenderTransport
+from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.lsn import Lsn
+from tests.conftest import Database
+
+OPTIONS = PgoutputOptions(publication_names=("pub",), proto_version=2, streaming=False)
+
+
+def _next_transaction(items: Generator[ConsumerItem, None, None]) -> Transaction:
+    for item in items:
+        if isinstance(item, Transaction):
+            return item
+    raise AssertionError("the stream ended")
+
+
+def _confirmed(db: Database) -> Lsn:
+    [(lsn,)] = db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                        "WHERE slot_name = 'fb'")
+    return Lsn.parse(str(lsn))
+
+
+def test_a_keepalive_in_the_middle_of_a_transaction_confirms_nothing_unapplied(
+        source_db: Database) -> None:
+    # The server asks for a reply after 3 s without one (half of wal_sender_timeout), and
+    # ends the session after 6 s.
+    source_db.execute(f'ALTER DATABASE "{source_db.name}" SET wal_sender_timeout = 6000')
+    source_db.execute("CREATE TABLE a (id int PRIMARY KEY, pad text); "
+                      "CREATE PUBLICATION pub FOR TABLE a")
+    source_db.execute("SELECT pg_create_logical_replication_slot('fb', 'pgoutput')")
+    consumer = SlotConsumer(WalsenderTransport(source_db.dsn, "fb", OPTIONS, held_open=True),
+                            proto_version=2)
+    items = consumer.items(math.inf, quiet=True)
+    try:
+        with psycopg.connect(source_db.dsn) as long:
+            # A long transaction's changes, all before T1's commit.
+            long.execute("INSERT INTO a SELECT g, repeat('x', 100) "
+                         "FROM generate_series(100000, 199999) g")
+            source_db.execute("INSERT INTO a VALUES (1, 't1')")
+            t1 = _next_transaction(items)
+            consumer.confirm(t1.end_lsn)  # applied: the only confirmation made here
+            source_db.execute("INSERT INTO a VALUES (2, 't2')")
+            long.commit()
+        t2 = _next_transaction(items)  # read, not applied, not confirmed
+        assert t2.end_lsn > t1.end_lsn
+        # The walsender now writes the long transaction to a reader that has stopped;
+        # three seconds after the last reply it asks for one, queued behind the changes
+        # sent so far.
+        time.sleep(3.8)
+        big = _next_transaction(items)
+        assert len(big.changes) == 100_000
+        for txn in (t1, t2, big):
+            txn.close()
+        time.sleep(1)  # (a reply sent while reading has reached the server)
+        assert _confirmed(source_db) == t1.end_lsn, f"T2 ends at {t2.end_lsn}"
+    finally:
+        items.close()
+        consumer.close()
+        source_db.execute("SELECT pg_drop_replication_slot('fb')")
