@@ -104,7 +104,9 @@ def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscripti
         return MarkerResult(Reached.WAITING,
                             f"waiting for reconciliation job {job_id} to stage its rows")
     writer.applied_committed(txn.end_lsn)
-    moved.finish_job(sessions, job_id, merged.tables, merged.seconds)
+    follow_up = moved.finish_job(sessions, job_id, merged.tables, merged.seconds)
+    if follow_up is not None:  # the subscription's tables moved rows could not take
+        dispatch.initial_sync(settings, follow_up)
     log.info("subscription %s: filter change reconciled at %s (+%d -%d ~%d rows)",
              subscription_id, txn.end_lsn, merged.added, merged.removed, merged.updated)
     return MarkerResult(Reached.APPLIED)
@@ -119,7 +121,8 @@ def fall_back(sessions: sessionmaker[Session], settings: Settings, subscription_
         sub = session.get(Subscription, subscription_id)
         if job is None or sub is None or job.details.get("fell_back_to"):
             return
-        tables = list(job.details.get("tables") or [])
+        # (and the tables moved rows could not take, out of the stream since the change)
+        tables = [*(job.details.get("tables") or []), *(job.details.get(moved.THEN_DIFF) or [])]
         for t in sub.tables:
             if t.table_name in tables and t.sync_state in (SyncState.CATCHUP, SyncState.READY):
                 t.sync_state, t.sync_lsn, t.rows_copied, t.error = SyncState.INIT, None, 0, None

@@ -40,13 +40,14 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.apply.target import IDENTITY_SQL, SCHEMA
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
-from pgsieve.platform.models import Job, utcnow
+from pgsieve.platform.models import Job, new_id, utcnow
 from pgsieve.platform.states import JOB_ENDED, JobState
 from pgsieve.rowfilter.change import TableChange
 from pgsieve.rowfilter.effective import TableInfo
@@ -63,6 +64,9 @@ MARKER_PREFIX = "pgsieve.reconcile"
 """The logical message prefix of a reconciliation marker."""
 STAGED_TABLE = "reconcile_staged"
 SCOPE = "moved_rows"
+THEN_DIFF = "then_diff"
+"""A moved-rows job's details: the subscription's affected tables moved rows cannot take,
+out of the stream since the change, compared whole by a job started when this one ends."""
 """``details.scope`` of a reconciliation job of this kind (and each table's method)."""
 ORPHAN_MARKER_SECONDS = 120.0
 """A marker naming a subscription that has no job for it this long after its commit is
@@ -113,9 +117,10 @@ def moved_table(change: TableChange, info: TableInfo | None, sync_state: str) ->
 
     * the table streams (``ready``): its target holds exactly the source's rows under the
       old filter only then;
-    * a plain table, or a partitioned one published via its root (it is then read with
-      its partitions, as the stream sends them); a partition published on its own takes
-      the full diff;
+    * a plain table, a partition published on its own (read alone: the stream sends its
+      rows under its own name, filtered by its own filter), or a partitioned table
+      published via its root (read with its partitions, as the stream sends them); a
+      partitioned partition (a middle level) takes the full diff;
     * no column added to the column list (every row needs the new column's values);
     * before and after, every DML operation is published with the initial-sync filter
       (otherwise the target is not simply "the rows matching the filter").
@@ -123,7 +128,7 @@ def moved_table(change: TableChange, info: TableInfo | None, sync_state: str) ->
     before, after = change.before, change.after
     if (before is None or after is None or not change.reconcilable or change.added_columns
             or sync_state != "ready" or info is None
-            or info.parent is not None or not after.expanded):
+            or (info.parent is not None and info.partitioned) or not after.expanded):
         return None
     for side in (before, after):
         if any(op not in side.filters or side.filters[op] != side.filter for op in _ALL_OPS):
@@ -439,33 +444,65 @@ def merge_corrections(conn: psycopg.Connection[Any], marker: str,
 
 
 def finish_job(sessions: sessionmaker[Session], job_id: str, tables: list[dict[str, Any]],
-               merge_seconds: float | None = None) -> None:
-    """The corrections are at the target: the job is done, with what it wrote."""
+               merge_seconds: float | None = None) -> str | None:
+    """The corrections are at the target: the job is done, with what it wrote. Returns
+    the follow-up diff job of its other tables (:data:`THEN_DIFF`), committed with it
+    (the caller enqueues it; the sync watchdog would otherwise)."""
+    follow_up: str | None = None
     with sessions() as session:
         job = session.get(Job, job_id)
         if job is None or job.state in JOB_ENDED:
-            return
-        totals = {"compared": 0, "added": 0, "removed": 0, "updated": 0}
-        states = dict(job.details.get("table_state") or {})
-        for item in tables:
-            counts = {"compared": int(item["added"]) + int(item["removed"])
-                      + int(item.get("updated", 0)),
-                      "added": int(item["added"]), "removed": int(item["removed"]),
-                      "updated": int(item.get("updated", 0))}
-            for k, v in counts.items():
-                totals[k] += v
-            states[item["table"]] = {**states.get(item["table"], {}), "finished": True,
-                                     "diff": {**counts, "method": SCOPE}}
-        timings = dict(job.details.get("timings") or {})
-        if merge_seconds is not None:
-            timings["diff_merge"] = round(merge_seconds, 3)
-        job.details = {**job.details, "diff": totals, "table_state": states,
-                       "phase": "merged", "timings": timings}
-        job.state, job.finished_at, job.error, job.owner = JobState.DONE, utcnow(), None, None
-        job.progress_done = totals["compared"]
-        job.progress_total = totals["compared"]
-        session.commit()
+            return None
+        _mark_merged(job, tables, merge_seconds)
+        whole = list(job.details.get(THEN_DIFF) or [])
+        if whole and job.subscription_id is not None:
+            session.flush()  # ended first: one active sync job per subscription
+            follow_up = new_id()
+            job.details = {**job.details, "followed_by": follow_up}
+            session.add(Job(
+                id=follow_up, kind="resync", subscription_id=job.subscription_id,
+                state=JobState.QUEUED,
+                details={"tables": whole, "mode": "diff", "reason": "reconcile",
+                         "publication": job.details.get("publication"), "after_job": job_id,
+                         "routes_changed_at": job.details.get("routes_changed_at")
+                         or utcnow().isoformat()}))
+        try:
+            session.commit()
+        except IntegrityError:  # the user started a sync job meanwhile
+            session.rollback()
+            follow_up = None
+            job = session.get(Job, job_id)
+            assert job is not None
+            _mark_merged(job, tables, merge_seconds)
+            session.commit()
+            log.error("subscription %s: %s stay out of the stream until a diff compares "
+                      "them: run POST /subscriptions/%s/sync {mode: diff} after the sync "
+                      "job running now", job.subscription_id, ", ".join(whole),
+                      job.subscription_id)
     audit_reconcile_end(sessions, job_id, done=True)
+    return follow_up
+
+
+def _mark_merged(job: Job, tables: list[dict[str, Any]], merge_seconds: float | None) -> None:
+    totals = {"compared": 0, "added": 0, "removed": 0, "updated": 0}
+    states = dict(job.details.get("table_state") or {})
+    for item in tables:
+        counts = {"compared": int(item["added"]) + int(item["removed"])
+                  + int(item.get("updated", 0)),
+                  "added": int(item["added"]), "removed": int(item["removed"]),
+                  "updated": int(item.get("updated", 0))}
+        for k, v in counts.items():
+            totals[k] += v
+        states[item["table"]] = {**states.get(item["table"], {}), "finished": True,
+                                 "diff": {**counts, "method": SCOPE}}
+    timings = dict(job.details.get("timings") or {})
+    if merge_seconds is not None:
+        timings["diff_merge"] = round(merge_seconds, 3)
+    job.details = {**job.details, "diff": totals, "table_state": states,
+                   "phase": "merged", "timings": timings}
+    job.state, job.finished_at, job.error, job.owner = JobState.DONE, utcnow(), None, None
+    job.progress_done = totals["compared"]
+    job.progress_total = totals["compared"]
 
 
 def forget_subscription(conn: psycopg.Connection[Any], subscription_id: str) -> None:

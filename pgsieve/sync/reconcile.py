@@ -132,8 +132,10 @@ def _what_happens(change: TableChange, in_subscription: bool) -> str:
 
 
 class ChangePoint:
-    """The publication change as one point of every stream, for the subscriptions whose
-    tables can be reconciled by the rows the change moves (:mod:`.moved`).
+    """The publication change as one point of every stream, for the subscriptions with
+    tables that can be reconciled by the rows the change moves (:mod:`.moved`). A
+    subscription's other affected tables (a column added, per-operation filters, …) leave
+    the stream and are compared whole by a second job once the moved rows are merged.
 
     :meth:`before_ddl` and :meth:`after_ddl` run inside the change's source transaction:
     the first locks the candidate tables and exports the snapshot, the second decides per
@@ -177,7 +179,7 @@ class ChangePoint:
         if self.snapshot is None:
             return
         infos = {t.qualified: t for t in read_tables(conn)}
-        plans: dict[str, tuple[Subscription, list[moved.MovedTable]]] = {}
+        plans: dict[str, tuple[Subscription, list[moved.MovedTable], list[str]]] = {}
         for sub in users(self.session, self.source, self.name):
             pubs = self.before.publications.get(sub.id)
             if pubs is None or initial_sync_pending(self.session, sub):
@@ -188,8 +190,10 @@ class ChangePoint:
                         if c.reconcilable and c.table in states]
             scoped = [moved.moved_table(c, infos.get(c.table), states[c.table])
                       for c in affected]
-            if affected and all(m is not None for m in scoped):
-                plans[sub.id] = (sub, [m for m in scoped if m is not None])
+            movable = [m for m in scoped if m is not None]
+            if movable:
+                whole = [c.table for c, m in zip(affected, scoped, strict=True) if m is None]
+                plans[sub.id] = (sub, movable, whole)
         if not plans:
             return
         job_ids = {sid: new_id() for sid in plans}
@@ -203,17 +207,19 @@ class ChangePoint:
             log.warning("filter change of %s: cannot hold its snapshot (%s); the targets "
                         "are reconciled by a full diff", self.name, exc)
             return
-        for sid, (sub, tables) in plans.items():
-            self.session.add(Job(
-                id=job_ids[sid], kind="resync", subscription_id=sid, state=JobState.QUEUED,
-                details={"tables": [m.table for m in tables], "mode": "diff",
-                         "reason": "reconcile", "publication": self.name,
-                         "scope": moved.SCOPE, "marker": self.marker,
-                         "moved": [m.as_dict() for m in tables],
-                         "snapshot": held.as_dict()}))
+        for sid, (sub, tables, whole) in plans.items():
+            details: dict[str, Any] = {
+                "tables": [m.table for m in tables], "mode": "diff", "reason": "reconcile",
+                "publication": self.name, "scope": moved.SCOPE, "marker": self.marker,
+                "moved": [m.as_dict() for m in tables], "snapshot": held.as_dict()}
+            if whole:  # (they leave the stream in reconcile(), once the change committed)
+                details[moved.THEN_DIFF] = whole
+            self.session.add(Job(id=job_ids[sid], kind="resync", subscription_id=sid,
+                                 state=JobState.QUEUED, details=details))
             self.jobs[sid] = {"subscription_id": sid, "subscription": sub.name,
-                              "tables": [m.table for m in tables], "job_id": job_ids[sid],
-                              "error": None, "method": moved.SCOPE}
+                              "tables": sorted([m.table for m in tables] + whole),
+                              "job_id": job_ids[sid], "error": None, "method": moved.SCOPE,
+                              "diff_tables": whole}
         try:
             self.session.flush()
         except IntegrityError:
@@ -222,6 +228,16 @@ class ChangePoint:
                            "meanwhile; try again", code=ErrorCode.SYNC_IN_PROGRESS) from None
         moved.emit_marker(conn, self.marker, {sid: str(item["job_id"])
                                               for sid, item in self.jobs.items()})
+
+
+def _leave_stream(session: Session, sub: Subscription, tables: list[str]) -> None:
+    """Out of the stream now, with their job: the stream applies the new filter from the
+    ALTER on, and until the diff's snapshot (taken later) covers them its changes could
+    only meet a target still shaped by the old filter."""
+    for table in sub.tables:
+        if table.table_name in tables and table.sync_state in ("catchup", "ready"):
+            table.sync_state, table.sync_lsn, table.rows_copied = SyncState.INIT, None, 0
+            table.error = None
 
 
 def reconcile(session: Session, source: Source, name: str, before: Before,
@@ -236,7 +252,14 @@ def reconcile(session: Session, source: Source, name: str, before: Before,
     out: list[dict[str, Any]] = []
     for sub in users(session, source, name):
         if sub.id in scoped:
-            out.append(scoped[sub.id])
+            planned = scoped[sub.id]
+            if planned.get("diff_tables"):
+                _leave_stream(session, sub, planned["diff_tables"])
+                job = session.get(Job, planned["job_id"])
+                if job is not None:  # the follow-up diff waits for a stream past this
+                    job.details = {**job.details, "routes_changed_at": utcnow().isoformat()}
+                session.commit()
+            out.append(planned)
             continue
         pubs = before.publications.get(sub.id)
         if pubs is None:
@@ -254,13 +277,7 @@ def reconcile(session: Session, source: Source, name: str, before: Before,
             item["error"] = ("the initial sync has not completed: its tables are copied "
                              "as they are published when it reaches them")
         else:
-            # Out of the stream now, with the job: the stream applies the new filter
-            # from the ALTER on, and until the diff's snapshot (taken later) covers them
-            # its changes could only meet a target still shaped by the old filter.
-            for table in sub.tables:
-                if table.table_name in affected and table.sync_state in ("catchup", "ready"):
-                    table.sync_state, table.sync_lsn, table.rows_copied = SyncState.INIT, None, 0
-                    table.error = None
+            _leave_stream(session, sub, affected)
             job_id = add_sync_job(session, Job(
                 kind="resync", subscription_id=sub.id, state=JobState.QUEUED,
                 details={"tables": affected, "mode": "diff", "reason": "reconcile",

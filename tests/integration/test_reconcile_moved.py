@@ -292,12 +292,83 @@ def _streaming(env: PipelineEnv, source_db: Database, target_db: Database,
     return src, sub_id
 
 
-def test_changes_moved_rows_cannot_take_are_compared_whole(
+def test_partitions_published_on_their_own_move_their_rows(
         env: PipelineEnv, source_db: Database, target_db: Database):
-    """A column added to a column list (every row needs its values) and a partitioned
-    table published via its root take the whole-table diff (``method: diff``): the tables
-    leave the stream, are compared under a snapshot taken after the change and come back;
-    with writes running, the target ends equal to the source under the new definition."""
+    """Two partitions listed in the publication with filters of their own (not via the
+    root): each is a table of the subscription, streamed under its own name and read
+    alone for its moved rows, merged at the marker while writes go through the root;
+    the tables never leave the stream, and the other partition is never read."""
+    source_db.execute(PARTED + """
+        INSERT INTO events SELECT n, (ARRAY['eu', 'us', 'ap'])[n % 3 + 1], 'e' || n
+            FROM generate_series(1, 6000) n;
+    """)
+    target_db.execute(";".join(
+        f"CREATE TABLE events_{r} (id int, region text NOT NULL, val text, "
+        "PRIMARY KEY (id, region))" for r in ("us", "ap")))
+    src, tgt = env.register(source_db, target_db)
+    env.api("POST", f"/sources/{src}/publications", json={
+        "name": "pub", "tables": [{"table": f"public.events_{r}", "where": "id % 2 = 0"}
+                                  for r in ("us", "ap")]})
+    sub_id = env.api("POST", "/subscriptions", json={
+        "name": "leaves", "source_id": src, "target_id": tgt, "publications": ["pub"],
+        "copy_data": True, "options": {"batch_max_wait_ms": 200}})["id"]
+    env.start_worker()
+    env.start_beat()
+    wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
+    stop = threading.Event()
+
+    def write() -> None:
+        n = 10_000
+        with psycopg.connect(source_db.dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                n += 1
+                conn.execute("INSERT INTO events VALUES (%s, %s, 'w')",
+                             (n, ("eu", "us", "ap")[n % 3]))
+                conn.execute("DELETE FROM events WHERE id = %s", (n - 7,))
+                time.sleep(0.005)
+
+    writer = threading.Thread(target=write, daemon=True)
+    states = States(env, sub_id)
+    writer.start()
+    states.start()
+    try:
+        r = env.client.patch(f"/api/v1/sources/{src}/publications/pub", json={
+            "alter_tables": [{"table": f"public.events_{r}", "where": "id % 5 = 0"}
+                             for r in ("us", "ap")],
+            "reconcile": "diff"})
+        assert r.status_code == 200, r.text
+        [item] = r.json()["reconcile"]
+        assert item["method"] == "moved_rows", item
+        assert sorted(item["tables"]) == ["public.events_ap", "public.events_us"]
+        job = _job_done(env, item["job_id"])
+        time.sleep(1)
+    finally:
+        stop.set()
+        states.stop.set()
+        writer.join(30)
+        states.join(30)
+    assert states.seen == {"ready"}, states.seen
+    # Of each partition's 2,000 rows a tenth moves in (odd multiples of 5) and two
+    # fifths move out (even, not multiples of 5).
+    for t in job["tables"]:
+        assert 150 < t["diff"]["added"] < 250 and 700 < t["diff"]["removed"] < 900, t
+    lsn = source_lsn(source_db)
+    wait_until(lambda: bool(target_db.query(
+        "SELECT coalesce(min(end_lsn) >= %s::pg_lsn, false) FROM pgsieve.applied", (lsn,))[0][0]),
+        120, "pgsieve caught up", env)
+    for r in ("us", "ap"):
+        assert rows(target_db, f"events_{r}") == rows(
+            source_db, f"ONLY events_{r} WHERE id % 5 = 0"), r
+
+
+def test_tables_moved_rows_cannot_take_are_compared_whole_after_the_others_moved(
+        env: PipelineEnv, source_db: Database, target_db: Database):
+    """One PATCH, two tables of one subscription: a column added to ``items``' column
+    list (every row needs its values: moved rows cannot do it) and a filter change on
+    the partitioned ``events`` (published via its root). ``events`` stays in the stream
+    and gets its moved rows at the marker; ``items`` leaves the stream at once and is
+    compared whole by a second job (``after_job``) once the first one merged. With writes
+    running, both end equal to the source under the new definition."""
     source_db.execute(SCHEMA + ROWS + PARTED + """
         -- A column list must cover the replica identity, a filter only use it.
         CREATE UNIQUE INDEX items_id_region ON items (id, region);
@@ -320,9 +391,15 @@ def test_changes_moved_rows_cannot_take_are_compared_whole(
             "reconcile": "diff"})
         assert r.status_code == 200, r.text
         [item] = r.json()["reconcile"]
-        assert item["method"] == "diff" and sorted(item["tables"]) == [
-            "public.events", "public.items"], item
-        job = _job_done(env, item["job_id"])
+        assert item["method"] == "moved_rows" and item["diff_tables"] == ["public.items"]
+        assert item["tables"] == ["public.events", "public.items"], item
+        # items is out of the stream from the change on; events never leaves it.
+        states = {t["table"]: t["sync_state"] for t in env.subscription(sub_id)["tables"]}
+        assert states["public.events"] == "ready" and states["public.items"] != "ready"
+        first = _job_done(env, item["job_id"])
+        assert first["scope"] == "moved_rows" and first["followed_by"], first
+        assert [t["table"] for t in first["tables"]] == ["public.events"]
+        second = _job_done(env, first["followed_by"])
         wait_until(lambda: _ready(env, sub_id), 120, "the tables back in the stream", env)
         source_db.execute("INSERT INTO events VALUES (900001, 'us', 'late')")
         time.sleep(1)
@@ -330,7 +407,10 @@ def test_changes_moved_rows_cannot_take_are_compared_whole(
         writes.stop.set()
         writes.join(30)
     assert writes.error is None and writes.count > 100, writes.error
-    assert job["scope"] is None and {t["diff"]["method"] for t in job["tables"]} <= {
+    assert second["after_job"] == item["job_id"] and second["reason"] == "reconcile"
+    assert second["scope"] is None and [t["table"] for t in second["tables"]] == [
+        "public.items"]
+    assert {t["diff"]["method"] for t in second["tables"]} <= {
         "hashes_in_worker", "hashes_at_target", "whole_rows"}
     _equal_to_source(env, source_db, target_db, "region IN ('eu', 'us')")
     wait_until(lambda: rows(target_db, "events") == rows(

@@ -95,6 +95,8 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
         "reason": job.details.get("reason"),
         "scope": job.details.get("scope"),
         "phase": job.details.get("phase"),
+        "after_job": job.details.get("after_job"),
+        "followed_by": job.details.get("followed_by") or job.details.get("fell_back_to"),
         "attempts": int(job.details.get("attempts", 0)),
         "last_error": job.details.get("last_error"),
         "spark": job.details.get("spark"),

@@ -142,6 +142,12 @@ class JobOut(BaseModel):
         "change's point); null: the tables are compared whole")
     phase: str | None = Field(
         default=None, description="moved_rows: staging, waiting_for_stream, merged")
+    after_job: str | None = Field(
+        default=None, description="the moved-rows reconciliation this job follows: it "
+        "compares whole the tables that one could not take, or those of a failed one")
+    followed_by: str | None = Field(
+        default=None, description="moved_rows: the job started after it (the whole diff "
+        "of the subscription's other affected tables, or of all of them if it failed)")
     attempts: int = 0
     last_error: str | None = None
     spark: dict[str, Any] | None = Field(

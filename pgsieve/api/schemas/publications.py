@@ -171,8 +171,12 @@ class ReconcileOut(BaseModel):
         "rows the change moves are read (under the snapshot of the change, taken in its own "
         "transaction) and merged at the change's point in the stream; diff: the tables leave "
         "the stream and are compared whole under a snapshot taken after the change (a "
-        "column added to a column list, a partitioned table, a table not yet streaming, "
-        "per-operation filters); null when no job was started")
+        "column added to a column list, a partitioned partition, a table not yet "
+        "streaming, per-operation filters); null when no job was started")
+    diff_tables: list[str] = Field(
+        default_factory=list, description="with moved_rows: the subscription's affected "
+        "tables moved rows cannot take — they leave the stream now and are compared whole "
+        "by a second job (after_job = job_id) once the moved rows are merged")
 
 
 class PlanSide(BaseModel):
