@@ -22,10 +22,13 @@ from psycopg import sql
 import tests.integration.pipeline_env as pipeline_env_module
 from pgsieve.sync.moved import (
     MARKER_PREFIX,
+    MovedTable,
     emit_marker,
     lock_and_export,
+    merge_corrections,
     moved_condition,
     parse_marker,
+    stage_corrections,
 )
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.splitter import TransactionSplitter, lone_logical_message
@@ -129,6 +132,31 @@ def test_the_moved_rows_are_found_through_an_index_on_the_filtered_column(
     want = {r[0] for r in source_db.query(
         "SELECT id FROM ev WHERE tenant = 5 OR tenant = 7 OR tenant IS NULL")}
     assert got == want
+
+
+def test_the_merge_puts_right_a_row_to_add_the_target_holds_already(
+        source_db: Database, target_db: Database):
+    """Moved rows trust the target, but one that drifted is not left wrong: the plain
+    INSERT of the rows to add meets a row the target holds already and the merge takes
+    them again with ON CONFLICT, which gives that row the source's values."""
+    source_db.execute(SCHEMA + "INSERT INTO items SELECT n, (ARRAY['eu', 'us'])[n % 2 + 1], "
+                      "'v' || n FROM generate_series(1, 1000) n")
+    target_db.execute(SCHEMA + "INSERT INTO items SELECT n, 'eu', 'v' || n "
+                      "FROM generate_series(2, 1000, 2) n; "
+                      "INSERT INTO items VALUES (1, 'us', 'old')")
+    moved = MovedTable("public.items", "(region = 'eu')", "(region = 'us')",
+                       ("id", "region", "val"))
+    with psycopg.connect(source_db.dsn) as conn:
+        snapshot = lock_and_export(conn, ["public.items"])
+        [staged] = stage_corrections(source_db.dsn, snapshot, target_db.dsn, "m", "sub",
+                                     [moved])
+        conn.rollback()
+    assert (staged["added"], staged["removed"]) == (500, 500)
+    with psycopg.connect(target_db.dsn) as tgt, tgt.transaction():
+        merged = merge_corrections(tgt, "m", "sub")
+    assert merged is not None
+    assert (merged.added, merged.removed, merged.updated) == (499, 500, 1)
+    assert rows(target_db, "items") == rows(source_db, "items WHERE region = 'us'")
 
 
 def _setup(env: PipelineEnv, source_db: Database, target_db: Database,
