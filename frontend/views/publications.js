@@ -242,11 +242,16 @@ function publicationEditor(sourceId, pub, reload) {
       h("button", { type: "button", class: "link", onclick: () => editor.remove() }, "Cancel")));
   submitting(editor, async () => {
     const out = await patch(path, { ...body(), reconcile: reconcile.checked ? "diff" : "none" });
+    const how = (r) => {
+      if (r.method !== "moved_rows") return `${r.tables.join(", ")}, compared whole`;
+      const whole = r.diff_tables || [];
+      const moved = r.tables.filter((t) => !whole.includes(t));
+      return `${moved.join(", ")}, only the rows that move`
+        + (whole.length ? `; then ${whole.join(", ")}, compared whole` : "");
+    };
     const started = (out.reconcile || []).map((r) => h("li", {},
       r.job_id ? ["reconciling ", h("a", { href: `#/subscriptions/${r.subscription_id}` },
-        r.subscription), ` (${r.tables.join(", ")}`
-        + `${r.method === "moved_rows" ? ", only the rows that move" : ", compared whole"}): `
-        + `job ${r.job_id}`]
+        r.subscription), ` (${how(r)}): job ${r.job_id}`]
         : `${r.subscription}: ${r.error}`));
     await reload();
     if (started.length) {
