@@ -223,20 +223,26 @@ WORKLOADS = {
 
 
 MODES = {"sequential": "pgs", "pipelined": "pip", "fixed-windows": "fw",
-         "turn-windows": "tw", "read-ahead": "rah", "read-ahead+pipelined": "rap"}
+         "turn-windows": "tw", "split-turn-windows": "stw", "read-ahead": "rah",
+         "read-ahead+pipelined": "rap"}
 """pgsieve's ways to drain the backlog, each into its own target database and slot:
 reading, planning and applying one after the other in this process, in large windows
 each decoded by two backends (as a lone consume cycle); with the apply in a thread
 (:class:`BackgroundApplier`); one after the other in the fixed windows a worker's turns
 read before the fourteenth session (``--window-mb``, one backend each); in a worker's
 windows now (from ``--window-mb``, doubling up to ``--max-window-mb``, read in parts by
-turns); those windows read by a second process (:mod:`pgsieve.streaming.readahead`);
-and that with the apply in a thread."""
+turns, on one backend); those windows each decoded by two backends, the second part a
+decoding session read after the first (fifteenth session); those windows read by a
+second process (:mod:`pgsieve.streaming.readahead`); and that with the apply in a
+thread."""
 
 
-TURN_MODES = ("fixed-windows", "turn-windows", "read-ahead", "read-ahead+pipelined")
+TURN_MODES = ("fixed-windows", "turn-windows", "split-turn-windows", "read-ahead",
+              "read-ahead+pipelined")
 """Modes read in a worker's turns (of ``PGSIEVE_TURN_SECONDS``), each applied at its end."""
 TURN_SECONDS = Settings().turn_seconds
+SPLIT_BYTES = 32 << 20
+"""A window this large is decoded by two backends (SqlTransport's default)."""
 
 
 def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: int,
@@ -375,11 +381,12 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
     t0 = time.perf_counter()
     transport: SqlTransport | ReadAheadTransport = SqlTransport(src_dsn, slot, options)
     first_window, max_window = windows
-    if mode in ("fixed-windows", "turn-windows"):
+    if mode in ("fixed-windows", "turn-windows", "split-turn-windows"):
         transport.close()
         transport = SqlTransport(
-            src_dsn, slot, options, window_bytes=first_window, split_bytes=0,
-            max_window_bytes=max_window if mode == "turn-windows" else 0,
+            src_dsn, slot, options, window_bytes=first_window,
+            split_bytes=SPLIT_BYTES if mode == "split-turn-windows" else 0,
+            max_window_bytes=max_window if mode != "fixed-windows" else 0,
             resumable_windows=True)
     if mode.startswith("read-ahead"):
         transport.close()

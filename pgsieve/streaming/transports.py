@@ -148,15 +148,20 @@ class ResumableWindow:
     A part the caller left before it ended (closed it) leaves the window unresumable: the
     transport drops it and starts again from the slot's confirmed position."""
 
-    def __init__(self, entries: Iterator[SessionEntry], on_done: Callable[[], None]) -> None:
+    def __init__(self, entries: Iterator[SessionEntry], on_done: Callable[[], None],
+                 upto: Lsn | None = None) -> None:
         self._entries = entries
         self._on_done = on_done
+        self.upto = upto
+        """Where the window ends (None: the first part of a split window)."""
         self.resumable = False
+        self.started = False
         self.done = False
         self.cut = False
         """The last part ended at its deadline, the window not read to its end."""
 
     def part(self, deadline: float) -> Iterator[SessionEntry]:
+        self.started = True
         self.resumable = self.cut = False
         for entry in self._entries:
             yield entry
@@ -220,6 +225,11 @@ class SqlTransport:
         self.max_window_bytes = max(window_bytes, min(max_window_bytes, aggregate_bytes))
         self.resumable_windows = resumable_windows
         self._open_window: ResumableWindow | None = None
+        self.splits = 0
+        """Windows decoded by two backends."""
+        self._queued_windows: list[ResumableWindow] = []
+        """The second part of a split window, read once the first is (a decoding session
+        of its own: the consumer starts it with a fresh splitter)."""
         self._closed = False
         self.windows = 0
         """Windows read to their end that held messages."""
@@ -326,9 +336,11 @@ class SqlTransport:
         while time.monotonic() < deadline:
             if self._open_window is not None:  # a window the last turn was cut from
                 window = self._open_window
-                if window.resumable:
-                    self.continues_previous = True
+                if window.resumable or not window.started:
+                    self.continues_previous = window.started
                     yield self._part(window, deadline)
+                    if window.done and window.upto is not None:
+                        read_upto = max(read_upto, window.upto)
                     continue
                 self._drop_open_window()  # the caller left it part-way: read again
             self.continues_previous = False
@@ -351,14 +363,22 @@ class SqlTransport:
                 time.sleep(min(self.poll_interval, max(0.0, deadline - time.monotonic())))
                 continue
             stats = WindowStats()
-            middle = None if self.resumable_windows else self._split_window(start, upto)
+            middle = self._split_window(start, upto)
             if self.resumable_windows:
-                entries = self._idle_at_end(self._read_window(start, upto, stats), stats,
-                                            start, upto, upto >= end)
-                window = self._open_window = ResumableWindow(
-                    entries, functools.partial(self._next_window, stats, upto, end))
+                last = functools.partial(self._next_window, stats, upto, end)
+                if middle is None:
+                    window = ResumableWindow(self._idle_at_end(
+                        self._read_window(start, upto, stats), stats, start, upto,
+                        upto >= end), last, upto)
+                else:  # two decoding sessions: the second is read after the first
+                    window = ResumableWindow(self._read_window(start, middle, stats),
+                                             lambda: None)
+                    self._queued_windows.append(ResumableWindow(self._idle_at_end(
+                        self._second_part(start, upto, stats), stats, start, upto,
+                        upto >= end), last, upto))
+                self._open_window = window
                 yield self._part(window, deadline)
-                if not window.done:
+                if not window.done or self._open_window is not None:
                     continue  # (the rest of the window comes in the next sessions)
                 if stats.complete or stats.rows == 0:
                     read_upto = max(read_upto, upto)
@@ -400,13 +420,17 @@ class SqlTransport:
         self.carries_over = False
         yield from window.part(deadline)
         if window.done:
-            self._open_window = None
+            self._open_window = self._queued_windows.pop(0) if self._queued_windows else None
         self.carries_over = window.cut
 
     def _drop_open_window(self) -> None:
         window, self._open_window = self._open_window, None
-        if window is not None:
-            window.close()  # an abandoned COPY: the connection is opened again
+        queued, self._queued_windows = self._queued_windows, []
+        for w in (window, *queued):
+            if w is not None:
+                w.close()  # an abandoned COPY: the connection is opened again
+        if self._helper_busy:  # a split window's second part left unread
+            self._close_helper()
 
     def _idle_at_end(self, session: Iterator[SessionEntry], stats: WindowStats, start: Lsn,
                      upto: Lsn, to_the_end: bool) -> Iterator[SessionEntry]:
@@ -477,6 +501,7 @@ class SqlTransport:
             self._close_helper()
             return None
         self._helper_busy = True
+        self.splits += 1
         return middle
 
     def _second_part(self, start: Lsn, upto: Lsn, stats: WindowStats) -> Iterator[
@@ -691,11 +716,13 @@ class SqlTransport:
     def close(self) -> None:
         self._closed = True
         window, self._open_window = self._open_window, None
+        queued, self._queued_windows = self._queued_windows, []
         self._close_helper()
         self._conn.close()
-        if window is not None:
-            with contextlib.suppress(Exception):
-                window.close()  # (its COPY's connection is closed: not opened again)
+        for w in (window, *queued):
+            if w is not None:
+                with contextlib.suppress(Exception):
+                    w.close()  # (its COPY's connection is closed: not opened again)
 
 
 @dataclass

@@ -146,19 +146,23 @@ def test_a_streamed_transaction_spanning_windows_arrives_whole_once(source_db: D
     consumer.close()
 
 
-@pytest.mark.parametrize("ahead", [True, False], ids=["read-ahead", "in-process"])
+@pytest.mark.parametrize(("ahead", "split"), [(True, False), (False, False), (False, True)],
+                         ids=["read-ahead", "in-process", "in-process-two-backends"])
 def test_a_window_larger_than_a_turn_goes_on_in_the_next_turns(source_db: Database,
-                                                               ahead: bool):
+                                                               ahead: bool, split: bool):
     """Windows grow (256 kB, 512 kB, … up to 8 MB); turns with no time to spare take one
     chunk each, so windows, and transactions, are cut between turns: the consumer carries
     its splitter from one turn's session to the next within a window, and starts afresh at
-    the next window — every transaction whole and once, the large streamed one too."""
+    the next window — every transaction whole and once, the large streamed one too. With
+    two backends, each window's second half is a decoding session of its own, read after
+    the first half (a transaction at the middle may come from both: once here)."""
     setup(source_db)
     with source_db.connect() as conn:
         conn.execute("INSERT INTO ev SELECT g, repeat(md5(g::text), 20) "
                      "FROM generate_series(1, 20000) g")
     commit_ends(source_db, 50_000, 600, size=5_000)
-    inner = SqlTransport(source_db.dsn, "s", OPTIONS, window_bytes=256 << 10, split_bytes=0,
+    inner = SqlTransport(source_db.dsn, "s", OPTIONS, window_bytes=256 << 10,
+                         split_bytes=(512 << 10) if split else 0,
                          chunk_messages=256,  # small chunks: many per window
                          max_window_bytes=8 << 20, resumable_windows=True)
     transport: SqlTransport | ReadAheadTransport = inner
@@ -176,7 +180,13 @@ def test_a_window_larger_than_a_turn_goes_on_in_the_next_turns(source_db: Databa
     turns.turn()  # the rest of the last window (the slot's peek ends with it)
     assert 1 <= transport.windows < 30, "windows grew (fixed 256 kB ones: over 60)"
     assert confirmed(source_db) == turns.ends[-1]
+    assert (inner.splits > 0) == split
     consumer.close()
+    if split:  # the copies of the slot went with their sessions
+        deadline = time.monotonic() + 10
+        while slots(source_db) != ["s"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert slots(source_db) == ["s"]
 
 
 def test_read_ahead_process_killed_mid_backlog_loses_and_repeats_nothing(
