@@ -12,6 +12,8 @@ from pgsieve.wire.messages import LogicalMessage
 ITEMS = TableInfo("public", "items", columns=("id", "region", "val"))
 PARTED = TableInfo("public", "events", partitioned=True, columns=("id", "region"))
 LEAF = TableInfo("public", "events_eu", parent="public.events", columns=("id", "region"))
+MIDDLE = TableInfo("public", "events_eu_y", partitioned=True, parent="public.events",
+                   columns=("id", "region"))
 
 
 def _change(before: list[Publication], after: list[Publication]) -> TableChange:
@@ -56,11 +58,11 @@ def test_what_takes_the_full_diff():
                                     publish=no_delete)]
     mixed_after = [us, mixed_before[1]]
     assert moved_table(_change(mixed_before, mixed_after), ITEMS, "ready") is None
-    # A partition published on its own: the full diff. A partitioned table published via
-    # its root: read with its partitions.
+    # A partition published on its own: read alone. A partitioned table published via
+    # its root: read with its partitions. A partitioned partition: the full diff.
     ops = ("insert", "update", "delete")
     cols = ("id", "region")
-    for info, whole_tree in ((PARTED, True), (LEAF, None)):
+    for info, whole_tree in ((PARTED, True), (LEAF, False), (MIDDLE, None)):
         change = TableChange(info.qualified,
                              Side("(region = 'eu')", dict.fromkeys(ops, "(region = 'eu')"),
                                   None, cols),
