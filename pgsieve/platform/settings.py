@@ -172,6 +172,12 @@ class Settings(BaseSettings):
         "this much WAL (each decodes again from the slot's restart_lsn); a turn reads part "
         "of a larger window and the next turn goes on with it",
     )
+    turn_split_bytes: int = Field(
+        default=32 << 20, ge=0,
+        description="a turn's SQL window of at least this much WAL is decoded by two "
+        "backends (the second part by a temporary copy of the slot, read after the "
+        "first); 0: one backend",
+    )
     turn_seconds: float = Field(
         default=1.0, gt=0, le=600, description="reading time of one turn at most",
     )

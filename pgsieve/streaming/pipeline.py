@@ -339,10 +339,12 @@ class ConsumeCycle:
             return WalsenderTransport(dsn, slot, options, held_open=window_bytes is not None)
         if window_bytes is None:
             return SqlTransport(dsn, slot, options)
-        # A turn reads at most one window, on one backend, and goes on with it in the
-        # next turn where it is larger than a turn. A large backlog may be read ahead by
-        # a second process instead, while this one applies (.readahead).
-        windows = SqlTransport(dsn, slot, options, window_bytes=window_bytes, split_bytes=0,
+        # A turn reads at most one window and goes on with it in the next turn where it
+        # is larger than a turn; a large window is decoded by two backends. A large
+        # backlog may be read ahead by a second process instead, while this one applies
+        # (.readahead).
+        windows = SqlTransport(dsn, slot, options, window_bytes=window_bytes,
+                               split_bytes=self.settings.turn_split_bytes,
                                max_window_bytes=self.settings.turn_max_window_bytes,
                                resumable_windows=True)
         min_bytes = self.settings.read_ahead_min_bytes

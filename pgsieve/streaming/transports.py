@@ -28,7 +28,7 @@ import re
 import select
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -575,7 +575,9 @@ class SqlTransport:
                       stats: WindowStats) -> Iterator[MessageBatch]:
         """Run an aggregated peek (or read the one already sent when ``query`` is None)
         and yield its chunks in order."""
-        yield from self._chunks_in_order(self._copy_rows(conn, query, aggregate=True), stats)
+        # (closed with this generator: its COPY ends now, not when it is collected)
+        with contextlib.closing(self._copy_rows(conn, query, aggregate=True)) as rows:
+            yield from self._chunks_in_order(rows, stats)
 
     def _chunks_in_order(self, rows: Iterable[bytes | memoryview], stats: WindowStats
                          ) -> Iterator[MessageBatch]:
@@ -636,7 +638,7 @@ class SqlTransport:
             yield lsn, data
 
     def _copy_rows(self, conn: psycopg.Connection[tuple[Any, ...]], query: bytes | None, *,
-                   aggregate: bool = False) -> Iterator[bytes | memoryview]:
+                   aggregate: bool = False) -> Generator[bytes | memoryview, None, None]:
         """Run ``COPY … TO STDOUT (FORMAT binary)`` straight through libpq
         (``PQgetCopyData``) and yield its rows, the file header stripped (``query`` None:
         it was sent already).
@@ -695,7 +697,7 @@ class SqlTransport:
             # until now (the slot is held by this backend until the peek ends anyway).
             self._peeking = False
             pending, self._pending_confirm = self._pending_confirm, None
-            if pending is not None:
+            if pending is not None and not self._closed:  # (closed: read again later)
                 self.confirm(pending)
 
     def idle_position(self) -> Lsn | None:
