@@ -448,7 +448,10 @@ class SyncJobRunner:
         state = moved.staged_state(ctx.target_dsn, marker, ctx.subscription_id,
                                    self.settings.connect_timeout)
         if state is not None and state.merged:
-            moved.finish_job(self.sessions, self.job_id, state.tables)
+            # Merged by a stream that died before it could end the job.
+            follow_up = moved.finish_job(self.sessions, self.job_id, state.tables)
+            if follow_up is not None:
+                dispatch.initial_sync(self.settings, follow_up)
             return
         if state is None:
             with self._owned() as (_, job):
