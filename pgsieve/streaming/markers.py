@@ -98,18 +98,29 @@ def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscripti
     if merged is None:
         writer.applied_unknown()
         if already:
+            # Merged and committed by a stream that died before it ended the job: end it
+            # now (its sync job's re-run would, later).
+            done = moved.merged_state(conn, marker.id, subscription_id)
+            if done is not None and state not in JOB_ENDED:
+                _finished(sessions, settings, job_id, done.tables, None)
             return MarkerResult(Reached.APPLIED, "applied already")
         if state in JOB_ENDED:
             return MarkerResult(Reached.ORDINARY, "job ended")
         return MarkerResult(Reached.WAITING,
                             f"waiting for reconciliation job {job_id} to stage its rows")
     writer.applied_committed(txn.end_lsn)
-    follow_up = moved.finish_job(sessions, job_id, merged.tables, merged.seconds)
-    if follow_up is not None:  # the subscription's tables moved rows could not take
-        dispatch.initial_sync(settings, follow_up)
+    fault_point("cycle.after_marker")  # crash tests: merged and committed, job not ended
+    _finished(sessions, settings, job_id, merged.tables, merged.seconds)
     log.info("subscription %s: filter change reconciled at %s (+%d -%d ~%d rows)",
              subscription_id, txn.end_lsn, merged.added, merged.removed, merged.updated)
     return MarkerResult(Reached.APPLIED)
+
+
+def _finished(sessions: sessionmaker[Session], settings: Settings, job_id: str,
+              tables: list[dict[str, Any]], seconds: float | None) -> None:
+    follow_up = moved.finish_job(sessions, job_id, tables, seconds)
+    if follow_up is not None:  # the subscription's tables moved rows could not take
+        dispatch.initial_sync(settings, follow_up)
 
 
 def fall_back(sessions: sessionmaker[Session], settings: Settings, subscription_id: str,

@@ -239,6 +239,13 @@ def staged_state(target_dsn: str, marker: str, subscription_id: str,
         return _state(tgt, marker, subscription_id)
 
 
+def merged_state(tgt: psycopg.Connection[Any], marker: str, subscription_id: str
+                 ) -> StagedState | None:
+    """The corrections of ``marker`` as merged (None: not merged, or nothing staged)."""
+    state = _state(tgt, marker, subscription_id)
+    return state if state is not None and state.merged else None
+
+
 def _state(tgt: psycopg.Connection[Any], marker: str, subscription_id: str,
            lock: bool = False) -> StagedState | None:
     exists = tgt.execute("SELECT to_regclass(%s) IS NOT NULL",

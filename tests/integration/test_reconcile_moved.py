@@ -211,10 +211,11 @@ def _staging_left(target_db: Database) -> int:
 def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_merging(
         env: PipelineEnv, source_db: Database, target_db: Database, native_db: Database):
     """The filter moves (eu -> us) under writes. The worker is killed with the rows
-    staged but not committed, the next one with the merge written but not committed; the
-    third ends it. The table never leaves the stream, readers never see it emptied, the
-    target ends equal to the source's us rows, no staging is left; native keeps the eu
-    rows and misses the us ones."""
+    staged but not committed, the next one with the merge written but not committed, the
+    third with the merge committed but the job not ended; the fourth finds it merged and
+    ends the job (nothing merged twice). The table never leaves the stream, readers never
+    see it emptied, the target ends equal to the source's us rows, no staging is left;
+    native keeps the eu rows and misses the us ones."""
     src, sub_id = _setup(env, source_db, target_db, native_db)
     first = env.start_worker("first", PGSIEVE_FAULTS="sync.moved_staged@1")
     env.start_beat()
@@ -230,7 +231,11 @@ def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_mergi
         second = env.start_worker("second", PGSIEVE_FAULTS="cycle.mid_marker@1")
         wait_until(lambda: second.poll() is not None, 120, "the worker to die merging", env)
         env.kill(second)
-        env.start_worker("third")
+        third = env.start_worker("third", PGSIEVE_FAULTS="cycle.after_marker@1")
+        wait_until(lambda: third.poll() is not None, 120, "the worker to die merged", env)
+        env.kill(third)
+        assert env.api("GET", f"/jobs/{item['job_id']}")["state"] == "running"
+        env.start_worker("fourth")
         job = _job_done(env, item["job_id"])
         time.sleep(1)
     finally:
