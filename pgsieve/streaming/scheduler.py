@@ -84,9 +84,9 @@ from pgsieve.wire.lsn import Lsn
 log = logging.getLogger(__name__)
 
 RETRY_AFTER = 5.0
+"""A subscription let go for a transient failure is adopted again after this long."""
 RELEASE_WAIT = 30.0
 """How long an adoption waits for the same subscription's release to end."""
-"""A subscription let go for a transient failure is adopted again after this long."""
 SOURCE_LSN_EVERY = 2.0
 """How often the source's WAL position (for lag) is read, per source and worker."""
 ADOPT_AT_ONCE = 4
@@ -395,29 +395,32 @@ class Scheduler:
 
     def _drop(self, held: _Held, outcome: CycleOutcome) -> None:
         with self._cond:
-            self._take_out(held)
+            if not self._take_out(held):
+                return  # let go of already (shed, or the worker stopping): not twice
         soon = outcome.retry_after
         if outcome.outcome == "retry":
             self._retry_at[held.subscription_id] = time.monotonic() + (
                 RETRY_AFTER if soon is None else soon)
         log.info("letting go of subscription %s: %s %s", held.subscription_id,
                  outcome.outcome, outcome.detail)
-        self._let_go(held)
+        self._let_go(held, marked=True)
         if outcome.outcome == "retry" and soon is not None:
             # Taken up again by this worker without waiting for the next sweep.
             timer = threading.Timer(soon, self._adopt_if_unheld, (held.subscription_id,))
             timer.daemon = True
             timer.start()
 
-    def _let_go(self, held: _Held) -> None:
+    def _let_go(self, held: _Held, *, marked: bool = False) -> None:
         """Close the stream (nothing more is applied), then free both locks; only then
-        may the subscription be adopted again."""
+        may the subscription be adopted again (``marked``: :meth:`_take_out` put it in
+        ``_releasing``; an adoption that failed part-way was never held)."""
         try:
             self._close_and_unlock(held)
         finally:
-            with self._cond:
-                self._releasing.discard(held.subscription_id)
-                self._cond.notify_all()
+            if marked:
+                with self._cond:
+                    self._releasing.discard(held.subscription_id)
+                    self._cond.notify_all()
 
     def _close_and_unlock(self, held: _Held) -> None:
         if held.stream is not None and held.stream.run.reader is not None:
@@ -733,7 +736,7 @@ class Scheduler:
             if not self._take_out(held):
                 return
         with held.turn_mutex:
-            self._let_go(held)
+            self._let_go(held, marked=True)
 
     # -- what it reports -------------------------------------------------------------------
     def held(self) -> list[str]:

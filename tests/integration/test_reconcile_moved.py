@@ -309,6 +309,26 @@ CREATE TABLE events_ap PARTITION OF events FOR VALUES IN ('ap');
 """
 
 
+class EventWrites(threading.Thread):
+    """Through the root of ``events``: an insert into one of its three partitions, and
+    the delete of the row inserted seven before, every 5 ms until stopped."""
+
+    def __init__(self, dsn: str) -> None:
+        super().__init__(daemon=True)
+        self.dsn = dsn
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        n = 10_000
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self.stop.is_set():
+                n += 1
+                conn.execute("INSERT INTO events VALUES (%s, %s, 'w')",
+                             (n, ("eu", "us", "ap")[n % 3]))
+                conn.execute("DELETE FROM events WHERE id = %s", (n - 7,))
+                time.sleep(0.005)
+
+
 def _streaming(env: PipelineEnv, source_db: Database, target_db: Database,
                tables: list[dict[str, Any]]) -> tuple[str, str]:
     """Publication ``pub`` of ``tables`` (partitioned ones via their root), a subscription
@@ -348,19 +368,7 @@ def test_partitions_published_on_their_own_move_their_rows(
     env.start_worker()
     env.start_beat()
     wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
-    stop = threading.Event()
-
-    def write() -> None:
-        n = 10_000
-        with psycopg.connect(source_db.dsn, autocommit=True) as conn:
-            while not stop.is_set():
-                n += 1
-                conn.execute("INSERT INTO events VALUES (%s, %s, 'w')",
-                             (n, ("eu", "us", "ap")[n % 3]))
-                conn.execute("DELETE FROM events WHERE id = %s", (n - 7,))
-                time.sleep(0.005)
-
-    writer = threading.Thread(target=write, daemon=True)
+    writer = EventWrites(source_db.dsn)
     states = States(env, sub_id)
     writer.start()
     states.start()
@@ -376,7 +384,7 @@ def test_partitions_published_on_their_own_move_their_rows(
         job = _job_done(env, item["job_id"])
         time.sleep(1)
     finally:
-        stop.set()
+        writer.stop.set()
         states.stop.set()
         writer.join(30)
         states.join(30)
@@ -520,19 +528,7 @@ def test_a_partitioned_table_published_via_its_root_moves_its_rows(
     target_db.execute(PARTED.split("PARTITION BY")[0] + ";")
     src, _ = _streaming(env, source_db, target_db, [
         {"table": "public.events", "where": "region = 'eu'"}])
-    stop = threading.Event()
-
-    def write() -> None:
-        n = 10_000
-        with psycopg.connect(source_db.dsn, autocommit=True) as conn:
-            while not stop.is_set():
-                n += 1
-                conn.execute("INSERT INTO events VALUES (%s, %s, 'w')",
-                             (n, ("eu", "us", "ap")[n % 3]))
-                conn.execute("DELETE FROM events WHERE id = %s", (n - 7,))
-                time.sleep(0.005)
-
-    writer = threading.Thread(target=write, daemon=True)
+    writer = EventWrites(source_db.dsn)
     writer.start()
     try:
         r = env.client.patch(f"/api/v1/sources/{src}/publications/pub", json={
@@ -544,7 +540,7 @@ def test_a_partitioned_table_published_via_its_root_moves_its_rows(
         job = _job_done(env, item["job_id"])
         time.sleep(1)
     finally:
-        stop.set()
+        writer.stop.set()
         writer.join(30)
     assert job["tables"][0]["diff"]["added"] >= 4000  # us and ap rows of two partitions
     lsn = source_lsn(source_db)
