@@ -330,12 +330,13 @@ class EventWrites(threading.Thread):
 
 
 def _streaming(env: PipelineEnv, source_db: Database, target_db: Database,
-               tables: list[dict[str, Any]]) -> tuple[str, str]:
-    """Publication ``pub`` of ``tables`` (partitioned ones via their root), a subscription
-    copying and streaming it, a worker and beat: returns once its tables are ready."""
+               tables: list[dict[str, Any]], *, via_root: bool = True) -> tuple[str, str]:
+    """Publication ``pub`` of ``tables`` (partitioned ones via their root, unless
+    ``via_root`` is false), a subscription copying and streaming it, a worker and beat:
+    returns once its tables are ready."""
     src, tgt = env.register(source_db, target_db)
     env.api("POST", f"/sources/{src}/publications", json={
-        "name": "pub", "publish_via_partition_root": True, "tables": tables})
+        "name": "pub", "publish_via_partition_root": via_root, "tables": tables})
     sub_id = env.api("POST", "/subscriptions", json={
         "name": "eu-replica", "source_id": src, "target_id": tgt, "publications": ["pub"],
         "copy_data": True, "options": {"batch_max_wait_ms": 200}})["id"]
@@ -358,16 +359,9 @@ def test_partitions_published_on_their_own_move_their_rows(
     target_db.execute(";".join(
         f"CREATE TABLE events_{r} (id int, region text NOT NULL, val text, "
         "PRIMARY KEY (id, region))" for r in ("us", "ap")))
-    src, tgt = env.register(source_db, target_db)
-    env.api("POST", f"/sources/{src}/publications", json={
-        "name": "pub", "tables": [{"table": f"public.events_{r}", "where": "id % 2 = 0"}
-                                  for r in ("us", "ap")]})
-    sub_id = env.api("POST", "/subscriptions", json={
-        "name": "leaves", "source_id": src, "target_id": tgt, "publications": ["pub"],
-        "copy_data": True, "options": {"batch_max_wait_ms": 200}})["id"]
-    env.start_worker()
-    env.start_beat()
-    wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
+    src, sub_id = _streaming(env, source_db, target_db, [
+        {"table": f"public.events_{r}", "where": "id % 2 = 0"} for r in ("us", "ap")],
+        via_root=False)
     writer = EventWrites(source_db.dsn)
     states = States(env, sub_id)
     writer.start()
