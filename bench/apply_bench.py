@@ -39,6 +39,7 @@ from typing import Any
 
 import psycopg
 
+from bench.mergebehind import MergeBehind
 from pgsieve.apply import hotpath
 from pgsieve.apply.batch import ApplyBatch, ApplyResult, TableRoute
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
@@ -224,7 +225,8 @@ WORKLOADS = {
 
 MODES = {"sequential": "pgs", "pipelined": "pip", "fixed-windows": "fw",
          "turn-windows": "tw", "split-turn-windows": "stw", "read-ahead": "rah",
-         "read-ahead+pipelined": "rap"}
+         "read-ahead+pipelined": "rap", "split-turn-windows+pipelined": "stp",
+         "split-turn-windows+merge-behind": "stm"}
 """pgsieve's ways to drain the backlog, each into its own target database and slot:
 reading, planning and applying one after the other in this process, in large windows
 each decoded by two backends (as a lone consume cycle); with the apply in a thread
@@ -238,7 +240,8 @@ thread."""
 
 
 TURN_MODES = ("fixed-windows", "turn-windows", "split-turn-windows", "read-ahead",
-              "read-ahead+pipelined")
+              "read-ahead+pipelined", "split-turn-windows+pipelined",
+              "split-turn-windows+merge-behind")
 """Modes read in a worker's turns (of ``PGSIEVE_TURN_SECONDS``), each applied at its end."""
 TURN_SECONDS = Settings().turn_seconds
 SPLIT_BYTES = 32 << 20
@@ -381,11 +384,11 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
     t0 = time.perf_counter()
     transport: SqlTransport | ReadAheadTransport = SqlTransport(src_dsn, slot, options)
     first_window, max_window = windows
-    if mode in ("fixed-windows", "turn-windows", "split-turn-windows"):
+    if mode in ("fixed-windows", "turn-windows") or mode.startswith("split-turn-windows"):
         transport.close()
         transport = SqlTransport(
             src_dsn, slot, options, window_bytes=first_window,
-            split_bytes=SPLIT_BYTES if mode == "split-turn-windows" else 0,
+            split_bytes=SPLIT_BYTES if mode.startswith("split-turn-windows") else 0,
             max_window_bytes=max_window if mode != "fixed-windows" else 0,
             resumable_windows=True)
     if mode.startswith("read-ahead"):
@@ -398,6 +401,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
         assert isinstance(transport, ReadAheadTransport)
     consumer = SlotConsumer(transport, proto_version=PROTO)
     background = BackgroundApplier(spark, writer, distributed=distributed)
+    behind = MergeBehind(writer, spark=spark, distributed=distributed)
 
     def applied(results: list[ApplyResult]) -> None:
         nonlocal replicated, batches
@@ -416,7 +420,9 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
             return
         held.append(txns)
         batch = ApplyBatch("bench", txns, routes)
-        if not mode.endswith("pipelined"):
+        if mode.endswith("merge-behind"):
+            applied(behind.submit(batch))
+        elif not mode.endswith("pipelined"):
             applied([apply_batch(spark, batch, writer, distributed=distributed)])
         else:
             applied(background.submit(batch))
@@ -444,6 +450,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
                 break
         flush()
     applied(background.wait())
+    applied(behind.wait())
     seconds = time.perf_counter() - t0
     if isinstance(transport, ReadAheadTransport):
         child_rss = 0
@@ -453,6 +460,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
         print(f"[{wl.name}] read-ahead: waited for the child {transport.waited:.2f}s; its "
               f"peak RSS {child_rss} MiB", flush=True)
     background.close()
+    behind.close()
     consumer.close()
     writer.close()
     print(f"[{wl.name}] pgsieve {mode}: {seconds:.2f}s in {batches} batches; apply stages "

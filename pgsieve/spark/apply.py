@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -39,6 +40,7 @@ from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings
 from pgsieve.spark.distributed import plan_and_stage
 from pgsieve.spark.session import cluster_task_slots
+from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +116,35 @@ def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
 
 def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
                  distributed: bool | None) -> ApplyResult:
+    return finish_prepared(prepare_batch(spark, batch, writer, distributed,
+                                         writer.expected_applied()))
+
+
+@dataclass
+class PreparedBatch:
+    """A batch planned and staged on ``writer``'s connection, its merge not started."""
+
+    batch: ApplyBatch
+    writer: TargetWriter
+    plan: Any
+    staged: dict[str, Any]
+    direct: dict[str, DirectTable]
+    fetched: int
+    expected: Lsn | None
+    distributed: bool
+    spark_report: dict[str, Any]
+    timings: dict[str, float]
+    started: float
+
+
+def prepare_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
+                  distributed: bool | None, expected: Lsn | None) -> PreparedBatch:
+    """Plan, fetch and stage ``batch`` (everything before its target transaction).
+    ``expected``: the applied LSN the merge will find recorded (it fences on it)."""
     timings: dict[str, float] = {}
     direct: dict[str, DirectTable] = {}
     spark_report: dict[str, Any] = {}
     started = t = time.perf_counter()
-    expected = writer.expected_applied()
     if distributed is None:
         distributed, why = choose_apply_path(spark, batch.change_count)
         global _last_path
@@ -132,7 +158,6 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
 
         plan, staged, fetched, spark_report = plan_and_stage(spark, batch, writer, expected,
                                                              timings)
-        t = time.perf_counter()
     else:
         plan = build_plan(batch, resolver(writer, batch), expected)
         timings["plan"] = (now := time.perf_counter()) - t
@@ -144,13 +169,21 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
         direct = {name: d for name, tp in plan.tables.items()
                   if (d := plan_direct(tp)) is not None}
         staged = stage_in_driver(writer, plan, skip=direct)
-        timings["stage"] = (now := time.perf_counter()) - t
-        t = now
-    outcome = merge(writer, batch, plan, staged, plan.counts, expected,
-                    direct=None if distributed else direct)
+        timings["stage"] = time.perf_counter() - t
+    return PreparedBatch(batch, writer, plan, staged, direct, fetched, expected,
+                         distributed, spark_report, timings, started)
+
+
+def finish_prepared(p: PreparedBatch) -> ApplyResult:
+    """The prepared batch's one target transaction (its merge), and what it did."""
+    t = time.perf_counter()
+    plan, timings = p.plan, p.timings
+    outcome = merge(p.writer, p.batch, plan, p.staged, plan.counts, p.expected,
+                    direct=None if p.distributed else p.direct)
     timings["merge"] = time.perf_counter() - t
     timings.update(outcome.timings)  # its parts: merge_lock, _delete, …, _commit
-    timings["total"] = time.perf_counter() - started
+    timings["total"] = time.perf_counter() - p.started
+    batch = p.batch
     return ApplyResult(
         end_lsn=batch.end_lsn,
         commit_lsn=batch.commit_lsn,
@@ -166,10 +199,10 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
         sequential_tables={**{n: tp.sequential for n, tp in plan.tables.items()
                               if tp.sequential},
                            **outcome.sequential},
-        fetched_rows=fetched,
-        distributed=distributed,
+        fetched_rows=p.fetched,
+        distributed=p.distributed,
         direct_tables=tuple(outcome.direct),
-        spark=spark_report,
+        spark=p.spark_report,
     )
 
 
