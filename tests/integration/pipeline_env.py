@@ -160,21 +160,33 @@ def table_rows(db: Database, table: str, order_by: str) -> list[tuple[Any, ...]]
 
 
 def source_lsn(db: Database) -> str:
-    """A position every subscriber can reach once it holds everything committed so far:
-    a transaction that commits *synchronously* (an xid, so a commit record, flushed at
-    once) and the flushed end of WAL right after it. The test clusters run with
-    ``synchronous_commit = off``: the write position can trail the last commits by a WAL
-    writer round, and the insert position can stay ahead of what is flushed for good (the
-    WAL writer never writes a partial page that holds no commit, e.g. after a running-xacts
-    record), and logical decoding reads only flushed WAL."""
-    with db.connect(autocommit=False) as conn:
-        conn.execute("SET LOCAL synchronous_commit = on")
-        conn.execute("SELECT pg_current_xact_id()")
-        conn.commit()
-        row = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
-        conn.rollback()
-    assert row is not None
-    return str(row[0])
+    """A position every subscriber reaches once it holds everything committed so far.
+
+    Every commit made so far ends at or before the insert position read first. The test
+    clusters run ``synchronous_commit = off``, and logical decoding reads only flushed
+    WAL, so the position returned is the *flushed* end once it has passed that point.
+    What makes the WAL writer flush that far: a commit record of our own, after it (the
+    writer flushes up to the newest asynchronous commit; it never writes a partial page
+    that holds no commit, so the insert position alone can stay ahead of the flushed end
+    for good). That commit is asynchronous whatever ``synchronous_commit`` says: a
+    transaction that wrote no WAL before its commit record is never flushed at commit
+    (``RecordTransactionCommit``: ``wrote_xlog``) — this helper once relied on it, read
+    the flushed end right after it, and got a position before the last commits now and
+    then (tests compared tables too early and blamed the applied LSN)."""
+    with db.connect() as conn:
+        before = conn.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+        assert before is not None
+        conn.execute("SELECT pg_current_xact_id()")  # a commit record after `before`
+        deadline = time.monotonic() + 30
+        while True:
+            row = conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
+                               "pg_current_wal_flush_lsn() >= %s::pg_lsn",
+                               (before[0],)).fetchone()
+            assert row is not None
+            if row[1]:
+                return str(row[0])
+            assert time.monotonic() < deadline, f"WAL not flushed to {before[0]} in 30 s"
+            time.sleep(0.01)
 
 
 def native_caught_up(source: Database, native: Database, name: str, lsn: str) -> bool:
