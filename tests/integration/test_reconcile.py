@@ -116,14 +116,16 @@ def _job_done(env: PipelineEnv, job_id: str) -> dict[str, Any]:
 
 def _equal_to_source(env: PipelineEnv, source: Database, target: Database,
                      where: str) -> None:
-    """Writes stopped: the target ends equal to the source's rows under ``where``."""
+    """Writes stopped: once every table is back in the stream and the applied LSN passed
+    every commit, the target equals the source's rows under ``where`` — at once: the
+    applied LSN is written in the transaction that applies the rows."""
     lsn = source_lsn(source)
-    wait_until(lambda: bool(target.query(
+    wait_until(lambda: all(t["sync_state"] == "ready" for s in env.api("GET", "/subscriptions")
+                           for t in s["tables"]) and bool(target.query(
         "SELECT coalesce(min(end_lsn) >= %s::pg_lsn, false) FROM pgsieve.applied "
         "WHERE subscription_id NOT LIKE '%%:sync:%%'", (lsn,))[0][0]), 120,
         "pgsieve caught up", env)
-    wait_until(lambda: rows(target, "items") == rows(source, f"items WHERE {where}"), 60,
-               "the target to equal the source's filtered rows", env, interval=2)
+    assert rows(target, "items") == rows(source, f"items WHERE {where}")
 
 
 def test_diff_resync_repairs_a_drifted_target_and_resumes_after_kill_9(
