@@ -39,7 +39,7 @@ from typing import Any
 
 import psycopg
 
-from bench.mergebehind import MergeBehind
+from bench._mergebehind import MergeBehind
 from pgsieve.apply import hotpath
 from pgsieve.apply.batch import ApplyBatch, ApplyResult, TableRoute
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
