@@ -34,8 +34,8 @@ import psycopg
 from pgsieve.apply.batch import ApplyBatch, ApplyResult
 from pgsieve.apply.direct import DirectTable, plan_direct
 from pgsieve.apply.driver import fetch_pending, resolver, stage_in_driver
-from pgsieve.apply.merge import merge
-from pgsieve.apply.plan import build_plan
+from pgsieve.apply.merge import StagedTable, merge
+from pgsieve.apply.plan import BatchPlan, build_plan
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings
 from pgsieve.spark.distributed import plan_and_stage
@@ -126,8 +126,8 @@ class PreparedBatch:
 
     batch: ApplyBatch
     writer: TargetWriter
-    plan: Any
-    staged: dict[str, Any]
+    plan: BatchPlan
+    staged: dict[str, StagedTable]
     direct: dict[str, DirectTable]
     fetched: int
     expected: Lsn | None
