@@ -179,14 +179,22 @@ def source_lsn(db: Database) -> str:
         conn.execute("SELECT pg_current_xact_id()")  # a commit record after `before`
         deadline = time.monotonic() + 30
         while True:
-            row = conn.execute("SELECT pg_current_wal_flush_lsn()::text, "
-                               "pg_current_wal_flush_lsn() >= %s::pg_lsn",
-                               (before[0],)).fetchone()
+            row = conn.execute("SELECT f::text, f >= %s::pg_lsn "
+                               "FROM pg_current_wal_flush_lsn() AS f", (before[0],)).fetchone()
             assert row is not None
             if row[1]:
                 return str(row[0])
             assert time.monotonic() < deadline, f"WAL not flushed to {before[0]} in 30 s"
             time.sleep(0.01)
+
+
+def applied_past(target: Database, lsn: str) -> bool:
+    """pgsieve's recorded applied LSN at ``target`` is at ``lsn`` or past it (the main
+    streams' records: a table's catch-up keeps one of its own, ``…:sync:…``)."""
+    row = target.query("SELECT coalesce(min(end_lsn) >= %s::pg_lsn, false) "
+                       "FROM pgsieve.applied WHERE subscription_id NOT LIKE '%%:sync:%%'",
+                       (lsn,))
+    return bool(row[0][0])
 
 
 def native_caught_up(source: Database, native: Database, name: str, lsn: str) -> bool:

@@ -18,7 +18,13 @@ import pytest
 
 import tests.integration.pipeline_env as pipeline_env_module
 from tests.conftest import Database
-from tests.integration.pipeline_env import PipelineEnv, pipeline_env, source_lsn, wait_until
+from tests.integration.pipeline_env import (
+    PipelineEnv,
+    applied_past,
+    pipeline_env,
+    source_lsn,
+    wait_until,
+)
 from tests.integration.sync_env import native_copy, rows
 
 pytestmark = pytest.mark.spark
@@ -121,10 +127,8 @@ def _equal_to_source(env: PipelineEnv, source: Database, target: Database,
     applied LSN is written in the transaction that applies the rows."""
     lsn = source_lsn(source)
     wait_until(lambda: all(t["sync_state"] == "ready" for s in env.api("GET", "/subscriptions")
-                           for t in s["tables"]) and bool(target.query(
-        "SELECT coalesce(min(end_lsn) >= %s::pg_lsn, false) FROM pgsieve.applied "
-        "WHERE subscription_id NOT LIKE '%%:sync:%%'", (lsn,))[0][0]), 120,
-        "pgsieve caught up", env)
+                           for t in s["tables"]) and applied_past(target, lsn), 120,
+               "pgsieve caught up", env)
     assert rows(target, "items") == rows(source, f"items WHERE {where}")
 
 

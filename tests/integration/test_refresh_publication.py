@@ -18,7 +18,13 @@ import psycopg
 import pytest
 
 from tests.conftest import Database
-from tests.integration.pipeline_env import PipelineEnv, pipeline_env, source_lsn, wait_until
+from tests.integration.pipeline_env import (
+    PipelineEnv,
+    applied_past,
+    pipeline_env,
+    source_lsn,
+    wait_until,
+)
 from tests.integration.sync_env import native_copy, rows
 
 pytestmark = pytest.mark.spark
@@ -86,13 +92,6 @@ class Writes(threading.Thread):
                          (rnd.randint(1001, self.late_next),))
 
 
-def _applied_past(env: PipelineEnv, target: Database, lsn: str) -> bool:
-    with psycopg.connect(target.dsn, autocommit=True) as conn:
-        row = conn.execute("SELECT min(end_lsn) >= %s::pg_lsn FROM pgsieve.applied "
-                           "WHERE subscription_id NOT LIKE '%%:sync:%%'", (lsn,)).fetchone()
-    return bool(row and row[0])
-
-
 def _native_past(native: Database, lsn: str) -> bool:
     return bool(native.query("SELECT latest_end_lsn >= %s::pg_lsn FROM pg_stat_subscription "
                              "WHERE relid IS NULL", (lsn,))[0][0])
@@ -102,7 +101,7 @@ def _both_past(env: PipelineEnv, source: Database, target: Database,
                native: Database) -> None:
     lsn = source_lsn(source)
     wait_until(lambda: _native_past(native, lsn), 60, "native caught up")
-    wait_until(lambda: _applied_past(env, target, lsn), 60, "pgsieve caught up", env)
+    wait_until(lambda: applied_past(target, lsn), 60, "pgsieve caught up", env)
 
 
 def _states(env: PipelineEnv, sub_id: str) -> dict[str, str]:
