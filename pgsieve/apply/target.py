@@ -248,11 +248,14 @@ class TargetWriter:
         return {"end_lsn": Lsn.parse(row[0]), "commit_lsn": Lsn.coerce(row[1]),
                 "commit_time": row[2], "updated_at": row[3]}
 
-    def lock_applied(self, conn: psycopg.Connection[Any]) -> Lsn | None:
+    def lock_applied(self, conn: psycopg.Connection[Any], *, nowait: bool = False
+                     ) -> Lsn | None:
         """Inside the merge transaction: lock this subscription's record (created on
-        first use), return it."""
+        first use), return it. ``nowait``: raise ``LockNotAvailable`` at once if another
+        transaction holds it (a reconciliation job merging for a stream waiting at its
+        marker, :mod:`pgsieve.sync.parked_merge`)."""
         lock = (f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
-                "WHERE subscription_id = %s FOR UPDATE")
+                "WHERE subscription_id = %s FOR UPDATE" + (" NOWAIT" if nowait else ""))
         row = conn.execute(lock, (self.subscription_id,)).fetchone()
         if row is None:
             conn.execute(

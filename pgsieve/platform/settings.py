@@ -82,6 +82,18 @@ class Settings(BaseSettings):
         "from the size above which the worker would not hold both ends' keys and hashes "
         "itself (20,000,000 rows)",
     )
+    reconcile_merge_while_reading: bool = Field(
+        default=True,
+        description="a moved-rows reconciliation whose stream waits at the change's marker "
+        "merges the rows as it reads them, in one target transaction, instead of staging "
+        "them for the stream (see docs/filter-changes.md)",
+    )
+    reconcile_park_wait_seconds: float = Field(
+        default=1.0, ge=0.0, le=60.0,
+        description="how long a moved-rows job waits for its stream to reach the marker "
+        "before it stages the rows instead (a caught-up stream gets there within "
+        "milliseconds; one that is behind catches up while the rows are staged)",
+    )
     hot_path: Literal["auto", "compiled", "python"] = Field(
         default="auto",
         description="the apply's per-change hot path: auto — compiled when make deps built "

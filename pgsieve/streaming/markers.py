@@ -7,8 +7,9 @@ the corrections the reconciliation job staged (rows to add, keys to remove, read
 the snapshot of that very point), recording the marker's end LSN as applied: exactly
 once, like any batch. Three other endings:
 
-* the corrections are not staged yet: the stream stops before the marker and is taken
-  up again shortly (nothing after the marker is applied meanwhile);
+* the corrections are not staged yet: the stream stops before the marker, says so at the
+  target (*parks*: the job may then merge them itself, :mod:`pgsieve.sync.parked_merge`)
+  and is taken up again shortly (nothing after the marker is applied meanwhile);
 * the job failed (its snapshot was lost, say): the tables leave the stream at the marker
   and a full diff job takes them (:func:`fall_back`), as a reconciliation did before;
 * no job was ever recorded for it (the change that emitted it failed): after
@@ -31,7 +32,7 @@ from pgsieve.platform.faults import fault_point
 from pgsieve.platform.models import Job, Subscription, new_id, utcnow
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JOB_ENDED, JobState, SyncState
-from pgsieve.sync import moved
+from pgsieve.sync import moved, parked_merge
 from pgsieve.sync.syncjob import add_sync_job
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.splitter import lone_logical_message
@@ -85,16 +86,26 @@ def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscripti
     writer.applied_unknown()
     merged: moved.Merged | None = None
     already = False
-    with conn.transaction() as tx:
-        current = writer.lock_applied(conn)
-        already = current is not None and current >= txn.end_lsn
-        if not already:
-            writer.replica_role(conn)  # as the apply: no ordinary triggers fire
-            merged = moved.merge_corrections(conn, marker.id, subscription_id)
-        if merged is None:
-            raise psycopg.Rollback(tx)  # nothing to write: leaves the block, rolled back
-        writer.write_applied(conn, txn.end_lsn, txn.commit_lsn, txn.commit_time)
-        fault_point("cycle.mid_marker")  # crash tests: merged, not committed
+    try:
+        with conn.transaction() as tx:
+            current = writer.lock_applied(conn, nowait=True)
+            already = current is not None and current >= txn.end_lsn
+            if not already:
+                writer.replica_role(conn)  # as the apply: no ordinary triggers fire
+                merged = moved.merge_corrections(conn, marker.id, subscription_id)
+            if merged is None:
+                if already or state in JOB_ENDED:
+                    raise psycopg.Rollback(tx)  # nothing to write: rolled back
+                # Waiting here: say so at the target, where the job may merge for us.
+                parked_merge.park(conn, marker.id, subscription_id, current, txn.end_lsn,
+                                  txn.commit_lsn, txn.commit_time)
+            else:
+                writer.write_applied(conn, txn.end_lsn, txn.commit_lsn, txn.commit_time)
+                fault_point("cycle.mid_marker")  # crash tests: merged, not committed
+    except psycopg.errors.LockNotAvailable:
+        # The job holds the applied record: it merges the corrections for this stream.
+        writer.applied_unknown()
+        return MarkerResult(Reached.WAITING, f"reconciliation job {job_id} is merging")
     if merged is None:
         writer.applied_unknown()
         if already:

@@ -40,6 +40,7 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -63,6 +64,8 @@ log = logging.getLogger(__name__)
 MARKER_PREFIX = "pgsieve.reconcile"
 """The logical message prefix of a reconciliation marker."""
 STAGED_TABLE = "reconcile_staged"
+PARKED_TABLE = "reconcile_parked"
+"""A stream waiting at a marker (see :mod:`.parked_merge`)."""
 SCOPE = "moved_rows"
 THEN_DIFF = "then_diff"
 """A moved-rows job's details: the subscription's affected tables moved rows cannot take,
@@ -84,6 +87,18 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.{STAGED_TABLE} (
 );
 COMMENT ON TABLE {SCHEMA}.{STAGED_TABLE} IS
     'pgsieve: corrections of a filter change, staged until the stream reaches its marker';
+CREATE TABLE IF NOT EXISTS {SCHEMA}.{PARKED_TABLE} (
+    marker text NOT NULL,
+    subscription_id text NOT NULL,
+    applied_lsn pg_lsn,
+    end_lsn pg_lsn NOT NULL,
+    commit_lsn pg_lsn,
+    commit_time timestamptz,
+    parked_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (marker, subscription_id)
+);
+COMMENT ON TABLE {SCHEMA}.{PARKED_TABLE} IS
+    'pgsieve: a stream waiting at a filter change''s marker, everything before it applied';
 """
 
 
@@ -278,26 +293,16 @@ def stage_corrections(source_dsn: str, snapshot: str, target_dsn: str, marker: s
                                             connect_timeout=connect_timeout,
                                             application_name="pgsieve-reconcile"),
                             autocommit=True) as src:
-        with tgt.transaction():
-            tgt.execute("SELECT pg_advisory_xact_lock(hashtext('pgsieve.ensure_schema'))")
-            tgt.execute(_DDL.encode())
+        ensure_target_tables(tgt)
         done = _state(tgt, marker, subscription_id)
         if done is not None:
             return done.tables
         tgt.execute(f"DELETE FROM {SCHEMA}.{STAGED_TABLE} WHERE merged IS NOT NULL "
                     "AND staged_at < now() - interval '7 days'")
-        for conn in (tgt, src):
-            for name, value in _SAME_TEXT:
-                conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name),
-                                                           sql.Literal(value)))
-        src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
-        try:
-            src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
-        except (psycopg.errors.InvalidParameterValue,
-                psycopg.errors.ObjectNotInPrerequisiteState) as exc:
-            raise SyncError(f"the snapshot of the filter change is gone ({exc}); the "
-                            "stream reconciles these tables with a full diff instead",
-                            code=ErrorCode.SNAPSHOT_FAILED) from None
+        tgt.execute(f"DELETE FROM {SCHEMA}.{PARKED_TABLE} "
+                    "WHERE parked_at < now() - interval '7 days'")
+        same_text(tgt)
+        import_snapshot(src, snapshot)
         out: list[dict[str, Any]] = []
         with tgt.transaction():
             for index, moved in enumerate(tables):
@@ -315,12 +320,52 @@ def stage_corrections(source_dsn: str, snapshot: str, target_dsn: str, marker: s
         return out
 
 
-def _stage_table(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
-                 moved: MovedTable, stage: str) -> dict[str, Any]:
-    """Stage one table's corrections: published columns of the rows to add, and the keys
-    of the rows to remove (their other columns NULL), ``_pgsieve_remove`` telling which."""
+def same_text(conn: psycopg.Connection[Any]) -> None:
+    """Both ends render values alike (the rows travel as COPY text)."""
+    for name, value in _SAME_TEXT:
+        conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
+
+
+def import_snapshot(src: psycopg.Connection[Any], snapshot: str) -> None:
+    """Open a read-only transaction on ``src`` (autocommit) under the change's snapshot;
+    ``snapshot_failed`` when its holder let go."""
+    same_text(src)
+    src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+    try:
+        src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(snapshot)))
+    except (psycopg.errors.InvalidParameterValue,
+            psycopg.errors.ObjectNotInPrerequisiteState) as exc:
+        raise SyncError(f"the snapshot of the filter change is gone ({exc}); the "
+                        "stream reconciles these tables with a full diff instead",
+                        code=ErrorCode.SNAPSHOT_FAILED) from None
+
+
+def ensure_target_tables(tgt: psycopg.Connection[Any]) -> None:
+    """Schema ``pgsieve``'s reconciliation tables at the target (idempotent, safe when
+    several sessions run it at once)."""
+    with tgt.transaction():
+        tgt.execute("SELECT pg_advisory_xact_lock(hashtext('pgsieve.ensure_schema'))")
+        tgt.execute(_DDL.encode())
+
+
+@dataclass(frozen=True)
+class CheckedTable:
+    """A moved-rows table as the target has it: its name, key and published columns."""
+
+    schema: str
+    name: str
+    key: list[str]
+    columns: list[str]
+
+    @property
+    def ident(self) -> sql.Identifier:
+        return sql.Identifier(self.schema, self.name)
+
+
+def check_table(tgt: psycopg.Connection[Any], moved: MovedTable) -> CheckedTable:
+    """The target table, its key (all published): or a :class:`SyncError` that says why
+    the rows cannot be compared by key."""
     schema, name = parse_table_name(moved.table)
-    target = sql.Identifier(schema, name)
     oid = tgt.execute("SELECT c.oid FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
                       "ON n.oid = c.relnamespace WHERE n.nspname = %s AND c.relname = %s",
                       (schema, name)).fetchone()
@@ -333,21 +378,37 @@ def _stage_table(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
         raise SyncError(f"{moved.table}: the key column(s) {', '.join(missing)} are not "
                         "published (column list): compare by key is impossible",
                         code=ErrorCode.DIFF_NEEDS_KEY)
-    columns = list(moved.columns)
+    return CheckedTable(schema, name, key, list(moved.columns))
+
+
+def moved_rows_query(moved: MovedTable) -> sql.Composed:
+    """The source's rows that move, as COPY text: published columns, then whether the row
+    leaves (a row to remove carries its columns too, which costs less than reading the
+    table twice)."""
+    schema, name = parse_table_name(moved.table)
+    return sql.SQL(
+        "COPY (SELECT {cols}, NOT coalesce({new}, false) FROM {only}{t} WHERE {moved}) "
+        "TO STDOUT").format(cols=names(list(moved.columns)), t=sql.Identifier(schema, name),
+                            new=_filter(moved.after),
+                            moved=moved_condition(moved.before, moved.after),
+                            only=sql.SQL("" if moved.whole_tree else "ONLY "))
+
+
+def _stage_table(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
+                 moved: MovedTable, stage: str) -> dict[str, Any]:
+    """Stage one table's corrections: published columns of the rows to add, and the keys
+    of the rows to remove (their other columns NULL), ``_pgsieve_remove`` telling which."""
+    checked = check_table(tgt, moved)
+    schema, name, target = checked.schema, checked.name, checked.ident
+    key, columns = checked.key, checked.columns
     staging = sql.Identifier(SCHEMA, stage)
     tgt.execute(sql.SQL("DROP TABLE IF EXISTS {}").format(staging))
     tgt.execute(sql.SQL(
         "CREATE TABLE {s} AS SELECT {cols}, false AS _pgsieve_remove FROM {t} WITH NO DATA"
     ).format(s=staging, cols=names(columns), t=target))
     started = time.perf_counter()
-    # One query for both: a row to remove carries its columns too (they are not used),
-    # which costs less than reading the table twice.
-    _pipe(src, tgt, sql.SQL(
-        "COPY (SELECT {cols}, NOT coalesce({new}, false) FROM {only}{t} WHERE {moved}) "
-        "TO STDOUT").format(cols=names(columns), t=target, new=_filter(moved.after),
-                            moved=moved_condition(moved.before, moved.after),
-                            only=sql.SQL("" if moved.whole_tree else "ONLY ")),
-        sql.SQL("COPY {s} ({cols}, _pgsieve_remove) FROM STDIN").format(
+    _pipe(src, tgt, moved_rows_query(moved),
+          sql.SQL("COPY {s} ({cols}, _pgsieve_remove) FROM STDIN").format(
             s=staging, cols=names(columns)))
     read = time.perf_counter() - started
     row = tgt.execute(sql.SQL("SELECT count(*) FILTER (WHERE NOT _pgsieve_remove), "
@@ -415,50 +476,78 @@ def merge_corrections(conn: psycopg.Connection[Any], marker: str,
     out = []
     for item in tables:
         schema, name = parse_table_name(item["table"])
-        few = _few(conn, schema, name, int(item["added"]) + int(item["removed"]))
-        for setting in ("enable_hashjoin", "enable_mergejoin"):
-            conn.execute("SELECT pg_catalog.set_config(%s, %s, true)",
-                         (setting, "off" if few else "on"))
-        target = sql.Identifier(schema, name)
+        by_key(conn, _few(conn, schema, name, int(item["added"]) + int(item["removed"])))
         staging = sql.Identifier(SCHEMA, item["stage"])
-        key = list(item["key"])
-        match = sql.SQL(" AND ").join(
-            sql.SQL("t.{c} = s.{c}").format(c=sql.Identifier(c)) for c in key)
-        gone = conn.execute(sql.SQL(
-            "DELETE FROM {t} t USING {s} s WHERE s._pgsieve_remove AND {m}").format(
-                t=target, s=staging, m=match)).rowcount
-        cols = list(item["columns"])
-        others = [c for c in cols if c not in key]
-        # A row to add that the target has already (a drifted target) gets the source's
-        # values: the insert's own key lookup finds it, no second pass over the staging.
-        on_conflict = sql.SQL("DO NOTHING") if not others else sql.SQL(
-            "DO UPDATE SET {}").format(sql.SQL(", ").join(
-                sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c)) for c in others))
-        # A plain INSERT first: ON CONFLICT's speculative insertion costs a third more
-        # (0.1 s on 50,000 rows), and the target holds none of them unless it drifted.
-        try:
-            with conn.transaction():
-                put, replaced = conn.execute(sql.SQL(
-                    "INSERT INTO {t} ({cols}) SELECT {cols} FROM {s} WHERE NOT _pgsieve_remove"
-                ).format(t=target, cols=names(cols), s=staging)).rowcount, 0
-        except psycopg.errors.UniqueViolation:
-            counted = conn.execute(sql.SQL(
-                "WITH i AS (INSERT INTO {t} ({cols}) SELECT {cols} FROM {s} "
-                "WHERE NOT _pgsieve_remove ON CONFLICT ({key}) {conflict} "
-                "RETURNING xmax = 0 AS inserted) "
-                "SELECT count(*) FILTER (WHERE inserted), count(*) FILTER (WHERE NOT inserted) "
-                "FROM i").format(t=target, cols=names(cols), s=staging, key=names(key),
-                                 conflict=on_conflict)).fetchone()
-            assert counted is not None
-            put, replaced = int(counted[0]), int(counted[1])
+        put, gone, replaced = merge_staged(conn, sql.Identifier(schema, name), staging,
+                                           list(item["key"]), list(item["columns"]))
         conn.execute(sql.SQL("DROP TABLE {}").format(staging))
-        removed += max(0, gone)
+        removed += gone
         updated += replaced
         added += put
-        out.append({**item, "added": put, "removed": max(0, gone), "updated": replaced})
+        out.append({**item, "added": put, "removed": gone, "updated": replaced})
     conn.execute(f"UPDATE {SCHEMA}.{STAGED_TABLE} SET merged = %s WHERE marker = %s "
                  "AND subscription_id = %s", (json.dumps(out), marker, subscription_id))
+    conn.execute(f"DELETE FROM {SCHEMA}.{PARKED_TABLE} WHERE marker = %s "
+                 "AND subscription_id = %s", (marker, subscription_id))
     return Merged(added, removed, updated, out, time.perf_counter() - started)
+
+
+def by_key(conn: psycopg.Connection[Any], few: bool) -> None:
+    """For the rest of the transaction: look staged keys up in the key index (``few``),
+    or let the planner hash-join them (see :func:`_few`)."""
+    for setting in ("enable_hashjoin", "enable_mergejoin"):
+        conn.execute("SELECT pg_catalog.set_config(%s, %s, true)",
+                     (setting, "off" if few else "on"))
+
+
+def merge_staged(conn: psycopg.Connection[Any], target: sql.Identifier,
+                 staging: sql.Identifier, key: list[str], cols: list[str]
+                 ) -> tuple[int, int, int]:
+    """Inside a target transaction: delete the staged keys to remove, insert the staged
+    rows to add. Returns (inserted, deleted, replaced: rows to add the target held)."""
+    gone = delete_staged(conn, target, staging, key)
+    put, replaced = insert_staged(conn, target, staging, key, cols)
+    return put, gone, replaced
+
+
+def delete_staged(conn: psycopg.Connection[Any], target: sql.Identifier,
+                  staging: sql.Identifier, key: list[str]) -> int:
+    """Delete the staged keys to remove; how many rows that deleted."""
+    match = sql.SQL(" AND ").join(
+        sql.SQL("t.{c} = s.{c}").format(c=sql.Identifier(c)) for c in key)
+    return max(0, conn.execute(sql.SQL(
+        "DELETE FROM {t} t USING {s} s WHERE s._pgsieve_remove AND {m}").format(
+            t=target, s=staging, m=match)).rowcount)
+
+
+def insert_staged(conn: psycopg.Connection[Any], target: sql.Identifier,
+                  staging: sql.Identifier, key: list[str], cols: list[str]
+                  ) -> tuple[int, int]:
+    """Insert the staged rows to add: (inserted, replaced: rows the target held)."""
+    others = [c for c in cols if c not in key]
+    # A row to add that the target has already (a drifted target) gets the source's
+    # values: the insert's own key lookup finds it, no second pass over the staging.
+    on_conflict = sql.SQL("DO NOTHING") if not others else sql.SQL(
+        "DO UPDATE SET {}").format(sql.SQL(", ").join(
+            sql.SQL("{c} = EXCLUDED.{c}").format(c=sql.Identifier(c)) for c in others))
+    # A plain INSERT first: ON CONFLICT's speculative insertion costs a third more
+    # (0.1 s on 50,000 rows), and the target holds none of them unless it drifted.
+    try:
+        with conn.transaction():
+            put, replaced = conn.execute(sql.SQL(
+                "INSERT INTO {t} ({cols}) SELECT {cols} FROM {s} WHERE NOT _pgsieve_remove"
+            ).format(t=target, cols=names(cols), s=staging)).rowcount, 0
+    except psycopg.errors.UniqueViolation:
+        counted = conn.execute(sql.SQL(
+            "WITH i AS (INSERT INTO {t} ({cols}) SELECT {cols} FROM {s} "
+            "WHERE NOT _pgsieve_remove ON CONFLICT ({key}) {conflict} "
+            "RETURNING xmax = 0 AS inserted) "
+            "SELECT count(*) FILTER (WHERE inserted), count(*) FILTER (WHERE NOT inserted) "
+            "FROM i").format(t=target, cols=names(cols), s=staging, key=names(key),
+                             conflict=on_conflict)).fetchone()
+        assert counted is not None
+        put, replaced = int(counted[0]), int(counted[1])
+    return put, replaced
 
 
 def finish_job(sessions: sessionmaker[Session], job_id: str, tables: list[dict[str, Any]],
@@ -468,9 +557,10 @@ def finish_job(sessions: sessionmaker[Session], job_id: str, tables: list[dict[s
     (the caller enqueues it; the sync watchdog would otherwise)."""
     follow_up: str | None = None
     with sessions() as session:
+        if not _claim_end(session, job_id):
+            return None  # ended already (by the stream, or by the job's own run)
         job = session.get(Job, job_id)
-        if job is None or job.state in JOB_ENDED:
-            return None
+        assert job is not None
         _mark_merged(job, tables, merge_seconds)
         whole = list(job.details.get(THEN_DIFF) or [])
         if whole and job.subscription_id is not None:
@@ -489,6 +579,8 @@ def finish_job(sessions: sessionmaker[Session], job_id: str, tables: list[dict[s
         except IntegrityError:  # the user started a sync job meanwhile
             session.rollback()
             follow_up = None
+            if not _claim_end(session, job_id):
+                return None
             job = session.get(Job, job_id)
             assert job is not None
             _mark_merged(job, tables, merge_seconds)
@@ -499,6 +591,16 @@ def finish_job(sessions: sessionmaker[Session], job_id: str, tables: list[dict[s
                       job.subscription_id)
     audit_reconcile_end(sessions, job_id, done=True)
     return follow_up
+
+
+def _claim_end(session: Session, job_id: str) -> bool:
+    """Whether this session ends the job: a write that only one of the parties that may
+    end it (the stream at its marker, the job's own run) gets to make, so the job is
+    ended, audited and followed up once."""
+    claimed = session.execute(
+        update(Job).where(Job.id == job_id, Job.state.not_in(JOB_ENDED))
+        .values(finished_at=utcnow()).execution_options(synchronize_session=False))
+    return bool(getattr(claimed, "rowcount", 0))
 
 
 def _mark_merged(job: Job, tables: list[dict[str, Any]], merge_seconds: float | None) -> None:
@@ -516,8 +618,10 @@ def _mark_merged(job: Job, tables: list[dict[str, Any]], merge_seconds: float | 
     timings = dict(job.details.get("timings") or {})
     if merge_seconds is not None:
         timings["diff_merge"] = round(merge_seconds, 3)
+    # Who merged: the stream at its marker, or the job for a stream parked there.
+    merged_by = "job" if any(t.get("merged_while_reading") for t in tables) else "stream"
     job.details = {**job.details, "diff": totals, "table_state": states,
-                   "phase": "merged", "timings": timings}
+                   "phase": "merged", "merged_by": merged_by, "timings": timings}
     job.state, job.finished_at, job.error, job.owner = JobState.DONE, utcnow(), None, None
     job.progress_done = totals["compared"]
     job.progress_total = totals["compared"]
@@ -540,6 +644,11 @@ def forget_subscription(conn: psycopg.Connection[Any], subscription_id: str) -> 
                     sql.Identifier(SCHEMA, item["stage"])))
         conn.execute(f"DELETE FROM {SCHEMA}.{STAGED_TABLE} WHERE subscription_id = %s",
                      (subscription_id,))
+        parked = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                              (f"{SCHEMA}.{PARKED_TABLE}",)).fetchone()
+        if parked and parked[0]:  # (none at a target an earlier pgsieve staged on)
+            conn.execute(f"DELETE FROM {SCHEMA}.{PARKED_TABLE} WHERE subscription_id = %s",
+                         (subscription_id,))
 
 
 def audit_reconcile_end(sessions: sessionmaker[Session], job_id: str, done: bool) -> None:

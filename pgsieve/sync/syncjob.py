@@ -82,7 +82,7 @@ from pgsieve.spark.sync import (
     task_slots,
     warm_up,
 )
-from pgsieve.sync import moved
+from pgsieve.sync import moved, parked_merge
 from pgsieve.sync.diffrun import IN_WORKER_MAX_ROWS
 from pgsieve.sync.diffsync import SparkRanges, diff_table
 from pgsieve.sync.snapshot import (
@@ -453,6 +453,8 @@ class SyncJobRunner:
             if follow_up is not None:
                 dispatch.initial_sync(self.settings, follow_up)
             return
+        if state is None and self._merge_while_reading(ctx, marker, tables, snap):
+            return
         if state is None:
             with self._owned() as (_, job):
                 job.details = {**job.details, "phase": "staging"}
@@ -498,6 +500,54 @@ class SyncJobRunner:
             # The stream has not reached the marker (disabled, say): it ends the job when
             # it does; the watchdog looks at it again meanwhile.
             job.owner = None
+
+    def _merge_while_reading(self, ctx: _Context, marker: str,
+                             tables: list[moved.MovedTable], snap: ExportedSnapshot) -> bool:
+        """The stream waits at the marker (or gets there within the grace): merge the
+        rows as they are read, for it (:mod:`.parked_merge`). Whether that was done (the
+        job is ended then)."""
+        settings = self.settings
+        if not (settings.reconcile_merge_while_reading and ctx.enabled) or not \
+                parked_merge.parked(ctx.target_dsn, marker, ctx.subscription_id,
+                                    wait_seconds=settings.reconcile_park_wait_seconds,
+                                    connect_timeout=settings.connect_timeout):
+            return False
+        seen: dict[str, int] = {}
+
+        def merging() -> None:
+            with self._owned() as (_, job):
+                job.details = {**job.details, "phase": "merging"}
+
+        def progress(table: str, added: int, removed: int) -> None:
+            step = added + removed - seen.get(table, 0)
+            seen[table] = added + removed
+            with contextlib.suppress(_Lost), self._owned() as (_, job):
+                self._set_table_state(job, table, staged={"added": added,
+                                                          "removed": removed})
+                job.progress_done = int(job.progress_done or 0) + step
+
+        with self._timed("diff_merge_while_reading"):
+            merged = parked_merge.merge_while_reading(
+                ctx.source_dsn, snap.name, ctx.target_dsn, marker, ctx.subscription_id,
+                tables, connect_timeout=settings.connect_timeout, on_merging=merging,
+                on_progress=progress)
+        if merged is None:
+            return False  # no longer parked: gone past the marker, or merged (staged)
+        self.timings["diff_stage_read"] = sum(float(t["read_seconds"]) for t in merged.tables)
+        # (the change's other subscriptions' jobs may read under the same snapshot: its
+        # helper lets go once none of them runs)
+        with self._owned() as (_, job):
+            released = list(job.details.get("released_snapshots") or [])
+            job.details = {**job.details, "released_snapshots": [*released, snap.slot],
+                           "timings": {k: round(v, 3) for k, v in self.timings.items()}}
+        follow_up = moved.finish_job(self.sessions, self.job_id, merged.tables,
+                                     merged.seconds)
+        moved.notify_staged(ctx.subscription_id)  # the stream goes on past the marker
+        if follow_up is not None:
+            dispatch.initial_sync(self.settings, follow_up)
+        log.info("subscription %s: filter change reconciled while reading (+%d -%d ~%d rows)",
+                 ctx.subscription_id, merged.added, merged.removed, merged.updated)
+        return True
 
     def _warm_up_spark(self) -> None:
         """Start Spark (and its Python workers) while the slot and snapshot are created:

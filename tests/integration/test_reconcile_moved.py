@@ -48,6 +48,8 @@ from tests.integration.test_reconcile import (
 pytestmark = pytest.mark.spark
 
 REDIS_DB = 10
+STAGED = {"PGSIEVE_RECONCILE_MERGE_WHILE_READING": "false"}
+"""Workers that stage the rows for the stream even when it waits at the marker."""
 
 
 @pytest.fixture
@@ -203,7 +205,8 @@ class States(threading.Thread):
 def _staging_left(target_db: Database) -> int:
     [(count,)] = target_db.query(
         "SELECT count(*) FROM pg_tables WHERE schemaname = 'pgsieve' "
-        "AND tablename LIKE 'reconcile\\_%' AND tablename <> 'reconcile_staged'")
+        "AND tablename LIKE 'reconcile\\_%' "
+        "AND tablename NOT IN ('reconcile_staged', 'reconcile_parked')")
     assert isinstance(count, int)
     return count
 
@@ -217,7 +220,7 @@ def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_mergi
     see it emptied, the target ends equal to the source's us rows, no staging is left;
     native keeps the eu rows and misses the us ones."""
     src, sub_id = _setup(env, source_db, target_db, native_db)
-    first = env.start_worker("first", PGSIEVE_FAULTS="sync.moved_staged@1")
+    first = env.start_worker("first", PGSIEVE_FAULTS="sync.moved_staged@1", **STAGED)
     env.start_beat()
     wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
     writes, reader, states = Writes(source_db.dsn), Reader(target_db.dsn), States(env, sub_id)
@@ -228,14 +231,14 @@ def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_mergi
         assert item["method"] == "moved_rows" and item["error"] is None, item
         wait_until(lambda: first.poll() is not None, 120, "the worker to die staging", env)
         env.kill(first)
-        second = env.start_worker("second", PGSIEVE_FAULTS="cycle.mid_marker@1")
+        second = env.start_worker("second", PGSIEVE_FAULTS="cycle.mid_marker@1", **STAGED)
         wait_until(lambda: second.poll() is not None, 120, "the worker to die merging", env)
         env.kill(second)
-        third = env.start_worker("third", PGSIEVE_FAULTS="cycle.after_marker@1")
+        third = env.start_worker("third", PGSIEVE_FAULTS="cycle.after_marker@1", **STAGED)
         wait_until(lambda: third.poll() is not None, 120, "the worker to die merged", env)
         env.kill(third)
         assert env.api("GET", f"/jobs/{item['job_id']}")["state"] == "running"
-        env.start_worker("fourth")
+        env.start_worker("fourth", **STAGED)
         job = _job_done(env, item["job_id"])
         time.sleep(1)
     finally:
@@ -245,6 +248,7 @@ def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_mergi
             t.join(30)
     assert writes.error is None and writes.count > 100, writes.error
     assert job["scope"] == "moved_rows" and job["phase"] == "merged"
+    assert job["merged_by"] == "stream"
     assert job["reason"] == "reconcile" and job["mode"] == "diff"
     [table] = job["tables"]
     assert table["diff"]["method"] == "moved_rows"
@@ -262,6 +266,56 @@ def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_mergi
     native = set(rows(native_db, "items"))
     assert native != set(rows(source_db, "items WHERE region = 'us'"))
     assert any(r[1] == "eu" for r in native)  # rows that no longer match stay there
+
+
+def test_moved_rows_merged_while_reading_survive_kill_9(
+        env: PipelineEnv, source_db: Database, target_db: Database, native_db: Database):
+    """The stream is caught up: it waits at the marker, and the job merges the rows as it
+    reads them, for it. The worker is killed with that merge written but not committed;
+    the next one merges again, records the marker as applied and ends the job, and the
+    stream goes on past the marker. Under writes throughout: the table never leaves the
+    stream, readers never see it emptied, the target ends equal to the source's us rows,
+    nothing is left parked or staged; native keeps the eu rows."""
+    src, sub_id = _setup(env, source_db, target_db, native_db)
+    wait = {"PGSIEVE_RECONCILE_PARK_WAIT_SECONDS": "30"}  # parks, however loaded the host
+    first = env.start_worker("first", PGSIEVE_FAULTS="sync.moved_merging@1", **wait)
+    env.start_beat()
+    wait_until(lambda: _ready(env, sub_id), 180, "the initial sync", env)
+    writes, reader, states = Writes(source_db.dsn), Reader(target_db.dsn), States(env, sub_id)
+    for t in (writes, reader, states):
+        t.start()
+    try:
+        item = _patch(env, src, "region = 'us'")
+        assert item["method"] == "moved_rows" and item["error"] is None, item
+        wait_until(lambda: first.poll() is not None, 120, "the worker to die merging", env)
+        env.kill(first)
+        assert target_db.query("SELECT count(*) FROM pgsieve.reconcile_parked")[0][0] == 1
+        env.start_worker("second", **wait)
+        job = _job_done(env, item["job_id"])
+        # The stream goes on after the marker: a row written now arrives.
+        source_db.execute("INSERT INTO items VALUES (900001, 'us', 'after')")
+        wait_until(lambda: target_db.query("SELECT count(*) FROM items WHERE id = 900001"
+                                           )[0][0] == 1, 60, "a write after the change", env)
+    finally:
+        for t in (writes, reader, states):
+            t.stop.set()
+        for t in (writes, reader, states):
+            t.join(30)
+    assert writes.error is None and writes.count > 100, writes.error
+    assert job["scope"] == "moved_rows" and job["phase"] == "merged"
+    assert job["merged_by"] == "job"
+    [table] = job["tables"]
+    assert 8000 < table["diff"]["added"] < 12000 and 8000 < table["diff"]["removed"] < 12000
+    assert states.seen == {"ready"}, states.seen
+    events = env.api("GET", f"/audit?resource={item['job_id']}")["events"]
+    assert [(e["method"], e["status"], e["actor"]) for e in events] == [("JOB", 200, "pgsieve")]
+    assert reader.smallest is not None and reader.smallest > 8000
+    _equal_to_source(env, source_db, target_db, "region = 'us'")
+    assert _staging_left(target_db) == 0
+    assert target_db.query("SELECT count(*) FROM pgsieve.reconcile_parked")[0][0] == 0
+    native = set(rows(native_db, "items"))
+    assert native != set(rows(source_db, "items WHERE region = 'us'"))
+    assert any(r[1] == "eu" for r in native)
 
 
 def test_a_lost_snapshot_falls_back_to_a_full_diff_at_the_marker(

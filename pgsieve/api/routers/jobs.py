@@ -95,6 +95,7 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
         "reason": job.details.get("reason"),
         "scope": job.details.get("scope"),
         "phase": job.details.get("phase"),
+        "merged_by": job.details.get("merged_by"),
         "after_job": job.details.get("after_job"),
         "followed_by": job.details.get("followed_by") or job.details.get("fell_back_to"),
         "attempts": int(job.details.get("attempts", 0)),

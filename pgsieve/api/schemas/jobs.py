@@ -141,7 +141,12 @@ class JobOut(BaseModel):
         "moves (the tables stay in the stream; the stream merges the staged rows at the "
         "change's point); null: the tables are compared whole")
     phase: str | None = Field(
-        default=None, description="moved_rows: staging, waiting_for_stream, merged")
+        default=None, description="moved_rows: staging, waiting_for_stream, merged; or "
+        "merging, merged (the stream waited at the marker: the job merged the rows as it "
+        "read them)")
+    merged_by: Literal["stream", "job"] | None = Field(
+        default=None, description="moved_rows, once merged: the stream at the change's "
+        "marker (from the staged rows), or the job itself while the stream waited there")
     after_job: str | None = Field(
         default=None, description="the moved-rows reconciliation this job follows: it "
         "compares whole the tables that one could not take, or those of a failed one")

@@ -1,0 +1,356 @@
+"""A filter change's moved rows merged as they are read, when the stream waits at the marker.
+
+The staged way (:mod:`.moved`) writes the moved rows twice at the target — into staging
+tables, then from them into the table when the stream reaches the marker — and reads
+before it writes. But a stream that is caught up reaches the marker within milliseconds
+of the change and then waits there: nothing of its subscription is applied until the
+corrections are. While it waits, the job can apply them itself, exactly as the stream
+would, in one target transaction: the rows read under the change's snapshot by a
+thread, each chunk merged at the target while the source goes on scanning, and the
+marker's end LSN recorded as applied in the same transaction (measured in
+``bench/reconcile_bench.py``: the rows' reading and writing overlap instead of adding up).
+
+The protocol, at the target:
+
+* **The stream parks** (:func:`park`, from :func:`pgsieve.streaming.markers.reach_marker`):
+  at the marker with nothing staged, in a transaction that holds the subscription's
+  applied record, it writes a row of ``pgsieve.reconcile_parked`` with the marker's end
+  LSN. The row says: everything before the marker is applied, and nothing after it will
+  be until the marker is.
+* **The job merges** (:func:`merge_while_reading`): it locks the applied record, then the
+  parked row; the applied position still before the marker's end means the target is
+  exactly at the marker's point. It merges, records the marker's end LSN as applied,
+  records the corrections as merged (``reconcile_staged``) and removes the parked row,
+  all in one transaction.
+* **The stream goes on**: its next look at the marker finds its applied position past the
+  marker's end ("applied already") and continues after it. While the job's transaction
+  holds the applied record, the stream's look does not wait for it (``NOWAIT``): it
+  waits at the marker, as before.
+
+A stream that has not parked within ``PGSIEVE_RECONCILE_PARK_WAIT_SECONDS`` of the job's
+start (it is behind, or disabled) gets the staged way: staging then lets it catch up
+meanwhile. Killed in the middle, the transaction rolls back, the stream is still parked
+and the job's next run merges again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from pgsieve.apply.target import APPLIED_TABLE, SCHEMA
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.faults import fault_point
+from pgsieve.sync.diffrun import names
+from pgsieve.sync.moved import (
+    PARKED_TABLE,
+    STAGED_TABLE,
+    CheckedTable,
+    Merged,
+    MovedTable,
+    by_key,
+    check_table,
+    delete_staged,
+    ensure_target_tables,
+    import_snapshot,
+    insert_staged,
+    moved_rows_query,
+    same_text,
+)
+from pgsieve.wire.lsn import Lsn
+
+READ_BATCH_ROWS = 1_000
+"""Rows the reading thread hands over at a time."""
+READ_AHEAD_BATCHES = 64
+"""Batches read ahead of the merge at most (the reader waits beyond: bounded memory)."""
+CHUNK_MIN_ROWS = 2_000
+"""The merge takes at least this many rows at a time (or what is left), so that each
+chunk's statements (COPY, DELETE, INSERT, TRUNCATE) are few against its rows…"""
+CHUNK_MAX_ROWS = 20_000
+"""…and at most this many, so that the target writes while the source still scans."""
+PROGRESS_SECONDS = 1.0
+"""Progress is reported at most this often (and after each table)."""
+
+
+# -- the stream ------------------------------------------------------------------------------
+
+
+def park(conn: psycopg.Connection[Any], marker: str, subscription_id: str,
+         applied: Lsn | None, end_lsn: Lsn, commit_lsn: Lsn | None,
+         commit_time: datetime | None) -> None:
+    """Inside the stream's marker transaction, holding the subscription's applied record,
+    with everything before the marker applied: record that the stream waits at it."""
+    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
+                          (f"{SCHEMA}.{PARKED_TABLE}",)).fetchone()
+    if not exists or not exists[0]:
+        ensure_target_tables(conn)  # (a savepoint here: its lock lasts the transaction)
+    conn.execute(
+        f"INSERT INTO {SCHEMA}.{PARKED_TABLE} (marker, subscription_id, applied_lsn, "
+        "end_lsn, commit_lsn, commit_time) VALUES (%s, %s, %s::pg_lsn, %s::pg_lsn, "
+        "%s::pg_lsn, %s) ON CONFLICT (marker, subscription_id) DO UPDATE SET "
+        "applied_lsn = EXCLUDED.applied_lsn, parked_at = now()",
+        (marker, subscription_id, None if applied is None else str(applied), str(end_lsn),
+         None if commit_lsn is None else str(commit_lsn), commit_time))
+
+
+def parked(target_dsn: str, marker: str, subscription_id: str, *, wait_seconds: float,
+           connect_timeout: int = 10) -> bool:
+    """Whether the stream waits at the marker, asked every 50 ms for up to
+    ``wait_seconds`` (a stream that is caught up parks within milliseconds)."""
+    with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.CONTROL,
+                                         connect_timeout=connect_timeout),
+                         autocommit=True) as tgt:
+        ensure_target_tables(tgt)
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            row = tgt.execute(f"SELECT 1 FROM {SCHEMA}.{PARKED_TABLE} WHERE marker = %s "
+                              "AND subscription_id = %s", (marker, subscription_id)).fetchone()
+            if row is not None:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+# -- the job ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Point:
+    end_lsn: str
+    commit_lsn: str | None
+    commit_time: datetime | None
+
+
+def _lock_point(tgt: psycopg.Connection[Any], marker: str, subscription_id: str
+                ) -> _Point | None:
+    """Inside the job's transaction: the applied record locked first (the stream's order),
+    then the parked row; the marker's point if the target is still exactly there."""
+    applied = tgt.execute(f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
+                          "WHERE subscription_id = %s FOR UPDATE", (subscription_id,)).fetchone()
+    row = tgt.execute(f"SELECT end_lsn::text, commit_lsn::text, commit_time FROM "
+                      f"{SCHEMA}.{PARKED_TABLE} WHERE marker = %s AND subscription_id = %s "
+                      "FOR UPDATE", (marker, subscription_id)).fetchone()
+    if applied is None or row is None:
+        return None
+    end = Lsn.parse(row[0])
+    if Lsn.parse(str(applied[0])) >= end:
+        return None  # past the marker: merged, or let through
+    return _Point(row[0], row[1], row[2])
+
+
+def merge_while_reading(source_dsn: str, snapshot: str, target_dsn: str, marker: str,
+                        subscription_id: str, tables: Sequence[MovedTable], *,
+                        connect_timeout: int = 10,
+                        on_merging: Callable[[], None] | None = None,
+                        on_progress: Callable[[str, int, int], None] | None = None
+                        ) -> Merged | None:
+    """The corrections read under ``snapshot`` and merged at once, for a stream parked at
+    the marker (see the module). None when the stream is not (or no longer) parked there:
+    nothing was written. ``on_progress(table, added, removed)``: running totals."""
+    started = time.perf_counter()
+    with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.STREAM,
+                                         connect_timeout=connect_timeout,
+                                         application_name="pgsieve-reconcile"),
+                         autocommit=True) as tgt, \
+            psycopg.connect(secure_conninfo(source_dsn, purpose=Purpose.STREAM,
+                                            connect_timeout=connect_timeout,
+                                            application_name="pgsieve-reconcile"),
+                            autocommit=True) as src:
+        same_text(tgt)
+        with tgt.transaction() as tx:
+            point = _lock_point(tgt, marker, subscription_id)
+            if point is None:
+                raise psycopg.Rollback(tx)
+            if on_merging is not None:
+                on_merging()
+            import_snapshot(src, snapshot)
+            _replica_role(tgt)
+            out = []
+            for index, moved in enumerate(tables):
+                out.append(_merge_table(src, tgt, moved, index, on_progress))
+            tgt.execute(f"UPDATE {SCHEMA}.{APPLIED_TABLE} SET end_lsn = %s::pg_lsn, "
+                        "commit_lsn = COALESCE(%s::pg_lsn, commit_lsn), "
+                        "commit_time = COALESCE(%s, commit_time), updated_at = now() "
+                        "WHERE subscription_id = %s",
+                        (point.end_lsn, point.commit_lsn, point.commit_time, subscription_id))
+            merged = json.dumps(out)
+            tgt.execute(f"INSERT INTO {SCHEMA}.{STAGED_TABLE} (marker, subscription_id, "
+                        "tables, merged) VALUES (%s, %s, %s, %s)",
+                        (marker, subscription_id, merged, merged))
+            tgt.execute(f"DELETE FROM {SCHEMA}.{PARKED_TABLE} WHERE marker = %s "
+                        "AND subscription_id = %s", (marker, subscription_id))
+            fault_point("sync.moved_merging")  # crash tests: merged, not committed
+        if point is None:
+            return None
+        src.execute("COMMIT")
+    return Merged(sum(t["added"] for t in out), sum(t["removed"] for t in out),
+                  sum(t["updated"] for t in out), out, time.perf_counter() - started)
+
+
+def _replica_role(tgt: psycopg.Connection[Any]) -> None:
+    """As the stream's apply: ordinary triggers and foreign keys do not fire (superuser
+    only; otherwise they do, as in the stream, which logs it)."""
+    with contextlib.suppress(psycopg.errors.InsufficientPrivilege), tgt.transaction():
+        tgt.execute("SET LOCAL session_replication_role = replica")
+
+
+class _Reader(threading.Thread):
+    """The source's moved rows, read in a thread: batches of COPY rows on a bounded queue,
+    ``None`` at the end. libpq waits without the GIL, so the merge runs meanwhile."""
+
+    def __init__(self, src: psycopg.Connection[Any], query: sql.Composed) -> None:
+        super().__init__(name="pgsieve-moved-reader", daemon=True)
+        self.src, self.query = src, query
+        self.batches: queue.Queue[list[bytes] | None] = queue.Queue(READ_AHEAD_BATCHES)
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+
+    def run(self) -> None:
+        started = time.perf_counter()
+        try:
+            with self.src.cursor().copy(self.query) as copy:
+                batch: list[bytes] = []
+                for row in copy:
+                    batch.append(bytes(row))
+                    if len(batch) >= READ_BATCH_ROWS:
+                        if not self._put(batch):
+                            return
+                        batch = []
+                if batch and not self._put(batch):
+                    return
+        except BaseException as exc:  # handed to the merge, which raises it
+            self.error = exc
+        finally:
+            self.seconds = time.perf_counter() - started
+            self._put(None)
+
+    def _put(self, item: list[bytes] | None) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.batches.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def chunk(self) -> tuple[list[bytes], bool]:
+        """The next rows to merge (at least :data:`CHUNK_MIN_ROWS` unless the end came) and
+        whether that was the end."""
+        rows: list[bytes] = []
+        while True:
+            block = len(rows) < CHUNK_MIN_ROWS
+            try:
+                item = self.batches.get(timeout=1.0) if block else self.batches.get_nowait()
+            except queue.Empty:
+                if block:
+                    continue
+                return rows, False
+            if item is None:
+                if self.error is not None:
+                    raise self.error
+                return rows, True
+            rows.extend(item)
+            if len(rows) >= CHUNK_MAX_ROWS:
+                return rows, False
+
+    def halt(self) -> None:
+        """The merge failed: stop reading (the query cancelled) and wait for the thread."""
+        self.stop.set()
+        with contextlib.suppress(psycopg.Error):
+            self.src.cancel_safe()
+        self.join(30)
+
+
+def _merge_table(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
+                 moved: MovedTable, index: int,
+                 on_progress: Callable[[str, int, int], None] | None) -> dict[str, Any]:
+    started = time.perf_counter()
+    chunks = _Chunks(tgt, check_table(tgt, moved), index)
+    added = removed = updated = 0
+    reader = _Reader(src, moved_rows_query(moved))
+    reader.start()
+    reported = time.monotonic()
+    try:
+        end = False
+        while not end:
+            rows, end = reader.chunk()
+            if not rows:
+                continue
+            put, gone, replaced = chunks.merge(rows)
+            added, removed, updated = added + put, removed + gone, updated + replaced
+            if on_progress is not None and time.monotonic() - reported >= PROGRESS_SECONDS:
+                reported = time.monotonic()
+                on_progress(moved.table, added, removed)
+    except BaseException:
+        reader.halt()
+        raise
+    reader.join()
+    if on_progress is not None:
+        on_progress(moved.table, added, removed)
+    return {"table": moved.table, "columns": chunks.table.columns, "key": chunks.table.key,
+            "added": added, "removed": removed, "updated": updated, "method": "moved_rows",
+            "merged_while_reading": True, "read_seconds": round(reader.seconds, 3),
+            "seconds": round(time.perf_counter() - started, 3)}
+
+
+_LEAVES = b"\tt\n"
+"""The end of a moved row's COPY line when it leaves (its last field, the flag, true)."""
+
+
+class _Chunks:
+    """Merges chunks of moved rows (COPY text lines, the flag last) into one table: the
+    keys leaving through a temporary table (session-local, not WAL-logged, dropped with
+    the transaction) and one DELETE by key; the rows coming COPYed straight into the
+    table — unless it holds one of their keys already (a drifted target), when they go
+    through the temporary table and ``ON CONFLICT`` instead."""
+
+    def __init__(self, tgt: psycopg.Connection[Any], table: CheckedTable, index: int) -> None:
+        self.tgt, self.table = tgt, table
+        self.staging = sql.Identifier(f"pgsieve_moved_{index}")
+        tgt.execute(sql.SQL(
+            "CREATE TEMPORARY TABLE {s} ON COMMIT DROP AS SELECT {cols}, false AS "
+            "_pgsieve_remove FROM {t} WITH NO DATA").format(
+                s=self.staging, cols=names(table.columns), t=table.ident))
+        # Each chunk is a small part of the table: its keys looked up by index.
+        by_key(tgt, True)
+        self.into_staging = sql.SQL("COPY {s} ({cols}, _pgsieve_remove) FROM STDIN").format(
+            s=self.staging, cols=names(table.columns))
+        self.into_table = sql.SQL("COPY {t} ({cols}) FROM STDIN").format(
+            t=table.ident, cols=names(table.columns))
+
+    def merge(self, rows: list[bytes]) -> tuple[int, int, int]:
+        """(inserted, deleted, replaced) for one chunk."""
+        leaving = [r for r in rows if r.endswith(_LEAVES)]
+        coming = [r for r in rows if not r.endswith(_LEAVES)]
+        gone = put = replaced = 0
+        if leaving:
+            self._stage(leaving)
+            gone = delete_staged(self.tgt, self.table.ident, self.staging, self.table.key)
+            self.tgt.execute(sql.SQL("TRUNCATE {}").format(self.staging))
+        if coming:
+            try:
+                with self.tgt.transaction(), self.tgt.cursor().copy(self.into_table) as copy:
+                    copy.write(b"".join(r[:-3] + b"\n" for r in coming))
+                put = len(coming)
+            except psycopg.errors.UniqueViolation:
+                self._stage(coming)
+                put, replaced = insert_staged(self.tgt, self.table.ident, self.staging,
+                                              self.table.key, self.table.columns)
+                self.tgt.execute(sql.SQL("TRUNCATE {}").format(self.staging))
+        return put, gone, replaced
+
+    def _stage(self, rows: list[bytes]) -> None:
+        with self.tgt.cursor().copy(self.into_staging) as copy:
+            copy.write(b"".join(rows))

@@ -1,0 +1,135 @@
+"""The moved rows merged while they are read, for a stream parked at the change's marker
+(``pgsieve/sync/parked_merge.py``). Real source and target servers; the pieces of the
+protocol as the stream and the job run them: the stream parks holding the applied record,
+the job merges in one target transaction and records the marker as applied. The
+end-to-end runs with a worker, writes and kill -9 are in ``test_reconcile_moved.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+import psycopg
+import pytest
+
+from pgsieve.apply.target import TargetWriter
+from pgsieve.sync.moved import Merged, MovedTable, lock_and_export, merged_state
+from pgsieve.sync.parked_merge import CHUNK_MAX_ROWS, merge_while_reading, park, parked
+from pgsieve.wire.lsn import Lsn
+from tests.conftest import Database
+from tests.integration.sync_env import rows
+
+ROWS = 30_000
+"""Rows at the source, alternating eu / us: 15,000 move each way, several chunks."""
+BEFORE, END = Lsn(0x1000), Lsn(0x2000)
+"""The stream's applied position, and the marker's end."""
+MOVED = MovedTable("public.items", "(region = 'eu')", "(region = 'us')",
+                   ("id", "region", "val"))
+
+
+@pytest.fixture
+def writer(source_db: Database, target_db: Database) -> Iterator[TargetWriter]:
+    """Source rows, the target as the old filter ('eu') left it but for one drifted row,
+    and the stream's writer with its applied position before the marker."""
+    table = "CREATE TABLE items (id int PRIMARY KEY, region text, val text);"
+    source_db.execute(table + f"INSERT INTO items SELECT n, (ARRAY['eu', 'us'])[n % 2 + 1], "
+                      f"'v' || n FROM generate_series(1, {ROWS}) n")
+    target_db.execute(table + f"INSERT INTO items SELECT n, 'eu', 'v' || n "
+                      f"FROM generate_series(2, {ROWS}, 2) n; "
+                      "INSERT INTO items VALUES (1, 'us', 'drifted')")
+    w = TargetWriter(target_db.dsn, "sub")
+    w.ensure_schema()
+    w.record_idle(BEFORE)
+    yield w
+    w.close()
+
+
+def _park(w: TargetWriter) -> None:
+    """What the stream does at the marker with nothing staged."""
+    with w.conn.transaction():
+        current = w.lock_applied(w.conn, nowait=True)
+        park(w.conn, "m", "sub", current, END, Lsn(0x1F00), datetime.now(UTC))
+
+
+def _merge(source_db: Database, target_db: Database, table: MovedTable = MOVED,
+           ) -> Merged | None:
+    with psycopg.connect(source_db.dsn) as conn:
+        snapshot = lock_and_export(conn, [table.table])
+        try:
+            return merge_while_reading(source_db.dsn, snapshot, target_db.dsn, "m", "sub",
+                                       [table])
+        finally:
+            conn.rollback()
+
+
+def _applied(target_db: Database) -> str:
+    [(lsn,)] = target_db.query("SELECT end_lsn::text FROM pgsieve.applied "
+                               "WHERE subscription_id = 'sub'")
+    return str(lsn)
+
+
+def test_the_rows_of_a_parked_stream_are_merged_as_they_are_read_with_the_marker(
+        source_db: Database, target_db: Database, writer: TargetWriter):
+    """Not parked: nothing is written. Parked: in one transaction the rows leaving are
+    deleted, those coming inserted (a drifted one given the source's values), the
+    marker's end recorded as applied and as merged, the parked row removed; a second
+    run finds the marker applied and writes nothing."""
+    old = rows(target_db, "items")
+    assert not parked(target_db.dsn, "m", "sub", wait_seconds=0.1)
+    assert _merge(source_db, target_db) is None
+    assert rows(target_db, "items") == old and _applied(target_db) == str(BEFORE)
+
+    _park(writer)
+    assert parked(target_db.dsn, "m", "sub", wait_seconds=0)
+    merged = _merge(source_db, target_db)
+    assert merged is not None
+    assert (merged.added, merged.removed, merged.updated) == (ROWS // 2 - 1, ROWS // 2, 1)
+    assert rows(target_db, "items") == rows(source_db, "items WHERE region = 'us'")
+    assert _applied(target_db) == str(END)
+    assert target_db.query("SELECT count(*) FROM pgsieve.reconcile_parked")[0][0] == 0
+    with psycopg.connect(target_db.dsn) as tgt:
+        state = merged_state(tgt, "m", "sub")
+    assert state is not None and state.tables[0]["merged_while_reading"] is True
+
+    target_db.execute("DELETE FROM items WHERE id = 2")  # were it merged again, it'd be back
+    _park(writer)  # a stream that did not see the commit parks again: harmless
+    assert _merge(source_db, target_db) is None
+    assert target_db.query("SELECT count(*) FROM items WHERE id = 2")[0][0] == 0
+
+
+def test_a_stream_at_its_marker_does_not_wait_for_the_job_merging(
+        target_db: Database, writer: TargetWriter):
+    """While the job's transaction holds the applied record, the stream's look at the
+    marker fails at once instead of holding a scheduler thread for the whole merge."""
+    with psycopg.connect(target_db.dsn) as job:
+        job.execute("SELECT 1 FROM pgsieve.applied WHERE subscription_id = 'sub' FOR UPDATE")
+        started = time.monotonic()
+        with pytest.raises(psycopg.errors.LockNotAvailable), writer.conn.transaction():
+            writer.lock_applied(writer.conn, nowait=True)
+        assert time.monotonic() - started < 1.0
+        job.rollback()
+    with writer.conn.transaction():
+        assert writer.lock_applied(writer.conn, nowait=True) == BEFORE
+
+
+def test_a_read_that_fails_half_way_leaves_the_target_and_the_parked_stream_as_they_were(
+        source_db: Database, target_db: Database, writer: TargetWriter):
+    """The source's query fails after chunks were merged (a filter dividing by zero at a
+    late row): the merge's transaction rolls back whole, the reading thread stops, the
+    stream is still parked and its position untouched."""
+    old = rows(target_db, "items")
+    _park(writer)
+    late = ROWS - CHUNK_MAX_ROWS // 4 + 1  # a us row (odd ids are)
+    failing = MovedTable("public.items", "(region = 'eu')",
+                         f"(region = 'us' AND 1 / (id - {late}) IS NOT NULL)",
+                         ("id", "region", "val"))
+    before = threading.active_count()
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        _merge(source_db, target_db, failing)
+    assert threading.active_count() == before  # the reader is gone
+    assert rows(target_db, "items") == old
+    assert _applied(target_db) == str(BEFORE)
+    assert parked(target_db.dsn, "m", "sub", wait_seconds=0)
