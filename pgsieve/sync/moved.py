@@ -261,11 +261,15 @@ def merged_state(tgt: psycopg.Connection[Any], marker: str, subscription_id: str
     return state if state is not None and state.merged else None
 
 
+def target_table_exists(conn: psycopg.Connection[Any], table: str) -> bool:
+    """Whether the target has table ``pgsieve.<table>``."""
+    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (f"{SCHEMA}.{table}",)).fetchone()
+    return bool(row and row[0])
+
+
 def _state(tgt: psycopg.Connection[Any], marker: str, subscription_id: str,
            lock: bool = False) -> StagedState | None:
-    exists = tgt.execute("SELECT to_regclass(%s) IS NOT NULL",
-                         (f"{SCHEMA}.{STAGED_TABLE}",)).fetchone()
-    if not exists or not exists[0]:
+    if not target_table_exists(tgt, STAGED_TABLE):
         return None
     row = tgt.execute(f"SELECT tables, merged FROM {SCHEMA}.{STAGED_TABLE} "
                       "WHERE marker = %s AND subscription_id = %s"
@@ -487,8 +491,9 @@ def merge_corrections(conn: psycopg.Connection[Any], marker: str,
         out.append({**item, "added": put, "removed": gone, "updated": replaced})
     conn.execute(f"UPDATE {SCHEMA}.{STAGED_TABLE} SET merged = %s WHERE marker = %s "
                  "AND subscription_id = %s", (json.dumps(out), marker, subscription_id))
-    conn.execute(f"DELETE FROM {SCHEMA}.{PARKED_TABLE} WHERE marker = %s "
-                 "AND subscription_id = %s", (marker, subscription_id))
+    if target_table_exists(conn, PARKED_TABLE):  # (none where an earlier pgsieve staged)
+        conn.execute(f"DELETE FROM {SCHEMA}.{PARKED_TABLE} WHERE marker = %s "
+                     "AND subscription_id = %s", (marker, subscription_id))
     return Merged(added, removed, updated, out, time.perf_counter() - started)
 
 
@@ -630,9 +635,7 @@ def _mark_merged(job: Job, tables: list[dict[str, Any]], merge_seconds: float | 
 def forget_subscription(conn: psycopg.Connection[Any], subscription_id: str) -> None:
     """A deleted subscription's corrections that were staged and never merged: dropped
     with their record (the subscription's delete calls this at its target)."""
-    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
-                          (f"{SCHEMA}.{STAGED_TABLE}",)).fetchone()
-    if not exists or not exists[0]:
+    if not target_table_exists(conn, STAGED_TABLE):
         return
     with conn.transaction():
         rows = conn.execute(f"SELECT tables FROM {SCHEMA}.{STAGED_TABLE} "
@@ -644,9 +647,7 @@ def forget_subscription(conn: psycopg.Connection[Any], subscription_id: str) -> 
                     sql.Identifier(SCHEMA, item["stage"])))
         conn.execute(f"DELETE FROM {SCHEMA}.{STAGED_TABLE} WHERE subscription_id = %s",
                      (subscription_id,))
-        parked = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
-                              (f"{SCHEMA}.{PARKED_TABLE}",)).fetchone()
-        if parked and parked[0]:  # (none at a target an earlier pgsieve staged on)
+        if target_table_exists(conn, PARKED_TABLE):  # (none where an earlier pgsieve staged)
             conn.execute(f"DELETE FROM {SCHEMA}.{PARKED_TABLE} WHERE subscription_id = %s",
                          (subscription_id,))
 

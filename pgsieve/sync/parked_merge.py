@@ -66,6 +66,7 @@ from pgsieve.sync.moved import (
     insert_staged,
     moved_rows_query,
     same_text,
+    target_table_exists,
 )
 from pgsieve.wire.lsn import Lsn
 
@@ -90,9 +91,7 @@ def park(conn: psycopg.Connection[Any], marker: str, subscription_id: str,
          commit_time: datetime | None) -> None:
     """Inside the stream's marker transaction, holding the subscription's applied record,
     with everything before the marker applied: record that the stream waits at it."""
-    exists = conn.execute("SELECT to_regclass(%s) IS NOT NULL",
-                          (f"{SCHEMA}.{PARKED_TABLE}",)).fetchone()
-    if not exists or not exists[0]:
+    if not target_table_exists(conn, PARKED_TABLE):
         ensure_target_tables(conn)  # (a savepoint here: its lock lasts the transaction)
     conn.execute(
         f"INSERT INTO {SCHEMA}.{PARKED_TABLE} (marker, subscription_id, applied_lsn, "

@@ -207,6 +207,10 @@ class ChangePoint:
             log.warning("filter change of %s: cannot hold its snapshot (%s); the targets "
                         "are reconciled by a full diff", self.name, exc)
             return
+        finally:
+            # The next change's helper, started now: its interpreter loads while nothing
+            # waits, not while that change holds its tables' SHARE locks.
+            prestart_helper()
         for sid, (sub, tables, whole) in plans.items():
             details: dict[str, Any] = {
                 "tables": [m.table for m in tables], "mode": "diff", "reason": "reconcile",
