@@ -48,6 +48,7 @@ from pgsieve.apply.target import IDENTITY_SQL, SCHEMA
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
+from pgsieve.platform.locks import rowcount
 from pgsieve.platform.models import Job, new_id, utcnow
 from pgsieve.platform.states import JOB_ENDED, JobState
 from pgsieve.rowfilter.change import TableChange
@@ -602,10 +603,8 @@ def _claim_end(session: Session, job_id: str) -> bool:
     """Whether this session ends the job: a write that only one of the parties that may
     end it (the stream at its marker, the job's own run) gets to make, so the job is
     ended, audited and followed up once."""
-    claimed = session.execute(
-        update(Job).where(Job.id == job_id, Job.state.not_in(JOB_ENDED))
-        .values(finished_at=utcnow()).execution_options(synchronize_session=False))
-    return bool(getattr(claimed, "rowcount", 0))
+    return rowcount(session, update(Job).where(Job.id == job_id, Job.state.not_in(JOB_ENDED))
+                    .values(finished_at=utcnow())) == 1
 
 
 def _mark_merged(job: Job, tables: list[dict[str, Any]], merge_seconds: float | None) -> None:

@@ -354,6 +354,16 @@ class SyncJobRunner:
             if job.owner != self.owner or job.state != JobState.RUNNING:
                 raise _Lost("the job was taken over")
             yield session, job
+            # Still ours right before the write (and locked from here to the commit): on
+            # SQLite the read above locks nothing, and a stream ending the job meanwhile
+            # (a moved-rows merge) would otherwise lose its ending to these details.
+            with session.no_autoflush:
+                ours = rowcount(session, update(Job).where(
+                    Job.id == self.job_id, Job.owner == self.owner,
+                    Job.state == JobState.RUNNING).values(heartbeat_at=utcnow()))
+            if not ours:
+                session.rollback()
+                raise _Lost("the job ended or was taken over meanwhile")
             session.commit()
 
     def _context(self) -> _Context:
@@ -535,8 +545,8 @@ class SyncJobRunner:
             return False  # no longer parked: gone past the marker, or merged (staged)
         self.timings["diff_stage_read"] = sum(float(t["read_seconds"]) for t in merged.tables)
         # (the change's other subscriptions' jobs may read under the same snapshot: its
-        # helper lets go once none of them runs)
-        with self._owned() as (_, job):
+        # helper lets go once none of them runs; the stream may have ended the job)
+        with contextlib.suppress(_Lost), self._owned() as (_, job):
             released = list(job.details.get("released_snapshots") or [])
             job.details = {**job.details, "released_snapshots": [*released, snap.slot],
                            "timings": {k: round(v, 3) for k, v in self.timings.items()}}

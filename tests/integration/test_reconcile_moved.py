@@ -305,6 +305,8 @@ def test_moved_rows_merged_while_reading_survive_kill_9(
     assert job["scope"] == "moved_rows" and job["phase"] == "merged"
     assert job["merged_by"] == "job"
     [table] = job["tables"]
+    assert job["diff"] == {k: table["diff"][k]
+                           for k in ("compared", "added", "removed", "updated")}, job
     assert 8000 < table["diff"]["added"] < 12000 and 8000 < table["diff"]["removed"] < 12000
     assert states.seen == {"ready"}, states.seen
     events = env.api("GET", f"/audit?resource={item['job_id']}")["events"]
