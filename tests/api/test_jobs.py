@@ -15,7 +15,8 @@ from pgsieve.platform.models import Job
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SyncState
 from pgsieve.spark.session import get_spark
-from pgsieve.sync.syncjob import SyncJobRunner
+from pgsieve.sync import moved
+from pgsieve.sync.syncjob import SyncJobRunner, _Lost, claim
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 
@@ -67,6 +68,32 @@ def test_bad_sync_requests_get_stable_codes_and_leave_nothing(client, sub, metad
                    400, "malformed_json")
     assert _jobs(metadata_engine) == 0
     assert_problem(client.get("/api/v1/jobs/nope"), 404, "job_not_found")
+
+
+def test_a_job_ended_by_another_party_keeps_its_ending(client, sub, settings: Settings):
+    """A runner reads its job, another party (a stream merging moved rows at its marker)
+    ends it with its counts, then the runner writes what it read: the write is refused
+    (the runner has lost the job) and the ending stays, counts and all. On SQLite the
+    runner's read locks nothing; the write used to put the stale details back."""
+    job_id = client.post(f"/api/v1/subscriptions/{sub['id']}/sync",
+                         json={"tables": ["orders"]}).json()["job_id"]
+    runner = SyncJobRunner(settings, job_id, spark=lambda: get_spark(settings))  # unused
+    assert claim(runner.sessions, job_id, runner.owner, runner.lease)
+    def stale_write() -> None:
+        with runner._owned() as (_, job):
+            moved.finish_job(runner.sessions, job_id, [
+                {"table": "public.orders", "added": 3, "removed": 2, "updated": 1}])
+            job.details = {**job.details, "phase": "stale"}
+
+    with pytest.raises(_Lost):
+        stale_write()
+    done = client.get(f"/api/v1/jobs/{job_id}").json()
+    assert done["state"] == "done" and done["phase"] == "merged", done
+    assert done["diff"] == {"compared": 6, "added": 3, "removed": 2, "updated": 1}
+    # Ended once: a second ending (the job's own, say) is refused.
+    assert moved.finish_job(runner.sessions, job_id, [
+        {"table": "public.orders", "added": 9, "removed": 9}]) is None
+    assert client.get(f"/api/v1/jobs/{job_id}").json()["diff"]["added"] == 3
 
 
 def test_one_sync_job_per_subscription(client, sub, metadata_engine):
