@@ -348,22 +348,18 @@ class SyncJobRunner:
         if self._keeper is not None and self._keeper.lost.is_set():
             raise _Lost("lost the job's lease")
         with self.sessions() as session:
-            job = session.get(Job, self.job_id, with_for_update=True)
-            if job is None:
-                raise _Lost("the job was deleted")
-            if job.owner != self.owner or job.state != JobState.RUNNING:
-                raise _Lost("the job was taken over")
-            yield session, job
-            # Still ours right before the write (and locked from here to the commit): on
-            # SQLite the read above locks nothing, and a stream ending the job meanwhile
-            # (a moved-rows merge) would otherwise lose its ending to these details.
-            with session.no_autoflush:
-                ours = rowcount(session, update(Job).where(
+            # Checked by a write first, which locks the job's row (PostgreSQL) or the whole
+            # store (SQLite, whose reads lock nothing) until the commit: nothing ends or
+            # takes the job between this check and the body's write (a stream ending a
+            # moved-rows job would otherwise lose its ending to stale details).
+            if not rowcount(session, update(Job).where(
                     Job.id == self.job_id, Job.owner == self.owner,
-                    Job.state == JobState.RUNNING).values(heartbeat_at=utcnow()))
-            if not ours:
-                session.rollback()
-                raise _Lost("the job ended or was taken over meanwhile")
+                    Job.state == JobState.RUNNING).values(heartbeat_at=utcnow())):
+                gone = session.get(Job, self.job_id) is None
+                raise _Lost("the job was deleted" if gone else "the job was taken over")
+            job = session.get(Job, self.job_id)
+            assert job is not None
+            yield session, job
             session.commit()
 
     def _context(self) -> _Context:

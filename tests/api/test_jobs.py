@@ -5,6 +5,7 @@ verify result."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -71,26 +72,42 @@ def test_bad_sync_requests_get_stable_codes_and_leave_nothing(client, sub, metad
 
 
 def test_a_job_ended_by_another_party_keeps_its_ending(client, sub, settings: Settings):
-    """A runner reads its job, another party (a stream merging moved rows at its marker)
-    ends it with its counts, then the runner writes what it read: the write is refused
-    (the runner has lost the job) and the ending stays, counts and all. On SQLite the
-    runner's read locks nothing; the write used to put the stale details back."""
+    """While a runner writes its job's details, another party (a stream merging moved rows
+    at its marker) ends the job with its counts: the ending waits for the runner's write
+    and comes after it, counts and all (on SQLite the runner's read locks nothing: it
+    used to put stale details back over the ending). Then the runner has lost the job,
+    and a second ending is refused."""
     job_id = client.post(f"/api/v1/subscriptions/{sub['id']}/sync",
                          json={"tables": ["orders"]}).json()["job_id"]
     runner = SyncJobRunner(settings, job_id, spark=lambda: get_spark(settings))  # unused
     assert claim(runner.sessions, job_id, runner.owner, runner.lease)
-    def stale_write() -> None:
-        with runner._owned() as (_, job):
-            moved.finish_job(runner.sessions, job_id, [
-                {"table": "public.orders", "added": 3, "removed": 2, "updated": 1}])
-            job.details = {**job.details, "phase": "stale"}
+    inside, write = threading.Event(), threading.Event()
 
-    with pytest.raises(_Lost):
-        stale_write()
+    def runner_writes() -> None:
+        with runner._owned() as (_, job):
+            inside.set()
+            write.wait(10)
+            job.details = {**job.details, "phase": "the runner's"}
+
+    def stream_ends() -> None:
+        moved.finish_job(runner.sessions, job_id, [
+            {"table": "public.orders", "added": 3, "removed": 2, "updated": 1}])
+
+    first = threading.Thread(target=runner_writes)
+    first.start()
+    assert inside.wait(10)
+    ending = threading.Thread(target=stream_ends)
+    ending.start()
+    ending.join(0.5)
+    assert ending.is_alive()  # waits for the runner's write
+    write.set()
+    first.join(10)
+    ending.join(10)
     done = client.get(f"/api/v1/jobs/{job_id}").json()
     assert done["state"] == "done" and done["phase"] == "merged", done
     assert done["diff"] == {"compared": 6, "added": 3, "removed": 2, "updated": 1}
-    # Ended once: a second ending (the job's own, say) is refused.
+    with pytest.raises(_Lost), runner._owned():
+        pass
     assert moved.finish_job(runner.sessions, job_id, [
         {"table": "public.orders", "added": 9, "removed": 9}]) is None
     assert client.get(f"/api/v1/jobs/{job_id}").json()["diff"]["added"] == 3
