@@ -202,6 +202,7 @@ def moved_rows(root: Path, source: LocalCluster, target: LocalCluster, *, staged
     ``staged``: the worker stages the rows for the stream even though it waits at the
     marker (``PGSIEVE_RECONCILE_MERGE_WHILE_READING=false``)."""
     db_url = f"sqlite:///{root / ('staged.db' if staged else 'moved.db')}"
+    pub = "ps" if staged else "pm"
     upgrade(db_url)
     queue = f"pgsieve-reconcile-bench-{secrets.token_hex(5)}"
     settings = Settings(home=root / "home", database_url=db_url, broker_url=REDIS_URL,
@@ -222,10 +223,10 @@ def moved_rows(root: Path, source: LocalCluster, target: LocalCluster, *, staged
         tid = client.post(f"{api}/targets", json={"name": "t", "dsn": target.dsn("bench")}
                           ).json()["id"]
         r = client.post(f"{api}/sources/{sid}/publications", json={
-            "name": "pm", "tables": [{"table": "public.big", "where": OLD}]})
+            "name": pub, "tables": [{"table": "public.big", "where": OLD}]})
         assert r.status_code == 201, r.text
         r = client.post(f"{api}/subscriptions", json={
-            "name": "moved", "source_id": sid, "target_id": tid, "publications": ["pm"],
+            "name": "moved", "source_id": sid, "target_id": tid, "publications": [pub],
             "copy_data": False})
         assert r.status_code == 201, r.text
         sub_id = r.json()["id"]
@@ -242,7 +243,7 @@ def moved_rows(root: Path, source: LocalCluster, target: LocalCluster, *, staged
                 time.sleep(0.5)
             _quiet(worker.pid)  # its stream open and caught up, its Spark warmed up
             started = time.perf_counter()
-            r = client.patch(f"{api}/sources/{sid}/publications/pm", json={
+            r = client.patch(f"{api}/sources/{sid}/publications/{pub}", json={
                 "alter_tables": [{"table": "public.big", "where": NEW}],
                 "reconcile": "diff"})
             patched = time.perf_counter() - started
