@@ -34,7 +34,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -281,6 +281,21 @@ def _state(tgt: psycopg.Connection[Any], marker: str, subscription_id: str,
     return StagedState(list(row[1] if row[1] is not None else row[0]), row[1] is not None)
 
 
+@contextlib.contextmanager
+def reconcile_connections(source_dsn: str, target_dsn: str, connect_timeout: int
+                          ) -> Iterator[tuple[psycopg.Connection[Any], psycopg.Connection[Any]]]:
+    """(source, target): the sessions that read the moved rows and write them, autocommit,
+    without a statement timeout (a big table's read is long)."""
+    def connect(dsn: str) -> psycopg.Connection[Any]:
+        return psycopg.connect(secure_conninfo(dsn, purpose=Purpose.STREAM,
+                                               connect_timeout=connect_timeout,
+                                               application_name="pgsieve-reconcile"),
+                               autocommit=True)
+
+    with connect(target_dsn) as tgt, connect(source_dsn) as src:
+        yield src, tgt
+
+
 def stage_corrections(source_dsn: str, snapshot: str, target_dsn: str, marker: str,
                       subscription_id: str, tables: Sequence[MovedTable], *,
                       connect_timeout: int = 10,
@@ -290,14 +305,7 @@ def stage_corrections(source_dsn: str, snapshot: str, target_dsn: str, marker: s
     at the target, all in one target transaction with the ``reconcile_staged`` row (so
     they are staged completely or not at all). Idempotent: staged already, it returns
     what was staged. ``on_progress(table, added, removed)`` after each table."""
-    with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.STREAM,
-                                         connect_timeout=connect_timeout,
-                                         application_name="pgsieve-reconcile"),
-                         autocommit=True) as tgt, \
-            psycopg.connect(secure_conninfo(source_dsn, purpose=Purpose.STREAM,
-                                            connect_timeout=connect_timeout,
-                                            application_name="pgsieve-reconcile"),
-                            autocommit=True) as src:
+    with reconcile_connections(source_dsn, target_dsn, connect_timeout) as (src, tgt):
         ensure_target_tables(tgt)
         done = _state(tgt, marker, subscription_id)
         if done is not None:

@@ -65,6 +65,7 @@ from pgsieve.sync.moved import (
     import_snapshot,
     insert_staged,
     moved_rows_query,
+    reconcile_connections,
     same_text,
     target_table_exists,
 )
@@ -109,12 +110,12 @@ def parked(target_dsn: str, marker: str, subscription_id: str, *, wait_seconds: 
     with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.CONTROL,
                                          connect_timeout=connect_timeout),
                          autocommit=True) as tgt:
-        ensure_target_tables(tgt)
         deadline = time.monotonic() + wait_seconds
         while True:
-            row = tgt.execute(f"SELECT 1 FROM {SCHEMA}.{PARKED_TABLE} WHERE marker = %s "
-                              "AND subscription_id = %s", (marker, subscription_id)).fetchone()
-            if row is not None:
+            # (no such table yet: no stream has parked at this target)
+            if target_table_exists(tgt, PARKED_TABLE) and tgt.execute(
+                    f"SELECT 1 FROM {SCHEMA}.{PARKED_TABLE} WHERE marker = %s "
+                    "AND subscription_id = %s", (marker, subscription_id)).fetchone():
                 return True
             if time.monotonic() >= deadline:
                 return False
@@ -135,6 +136,8 @@ def _lock_point(tgt: psycopg.Connection[Any], marker: str, subscription_id: str
                 ) -> _Point | None:
     """Inside the job's transaction: the applied record locked first (the stream's order),
     then the parked row; the marker's point if the target is still exactly there."""
+    if not target_table_exists(tgt, PARKED_TABLE):
+        return None  # no stream has parked at this target
     applied = tgt.execute(f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
                           "WHERE subscription_id = %s FOR UPDATE", (subscription_id,)).fetchone()
     row = tgt.execute(f"SELECT end_lsn::text, commit_lsn::text, commit_time FROM "
@@ -158,14 +161,7 @@ def merge_while_reading(source_dsn: str, snapshot: str, target_dsn: str, marker:
     the marker (see the module). None when the stream is not (or no longer) parked there:
     nothing was written. ``on_progress(table, added, removed)``: running totals."""
     started = time.perf_counter()
-    with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.STREAM,
-                                         connect_timeout=connect_timeout,
-                                         application_name="pgsieve-reconcile"),
-                         autocommit=True) as tgt, \
-            psycopg.connect(secure_conninfo(source_dsn, purpose=Purpose.STREAM,
-                                            connect_timeout=connect_timeout,
-                                            application_name="pgsieve-reconcile"),
-                            autocommit=True) as src:
+    with reconcile_connections(source_dsn, target_dsn, connect_timeout) as (src, tgt):
         same_text(tgt)
         with tgt.transaction() as tx:
             point = _lock_point(tgt, marker, subscription_id)

@@ -242,16 +242,32 @@ def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_mergi
         job = _job_done(env, item["job_id"])
         time.sleep(1)
     finally:
-        for t in (writes, reader, states):
-            t.stop.set()
-        for t in (writes, reader, states):
-            t.join(30)
+        _stop(writes, reader, states)
+    table = _reconciled_under_writes(env, source_db, target_db, native_db, item, job, "stream",
+                                     writes, reader, states)
+    assert job["reason"] == "reconcile" and job["mode"] == "diff"
+    assert table["diff"]["method"] == "moved_rows"
+    assert target_db.query("SELECT count(*) FROM pgsieve.reconcile_staged "
+                           "WHERE merged IS NULL")[0][0] == 0
+
+
+def _stop(*threads: Any) -> None:
+    for t in threads:
+        t.stop.set()
+    for t in threads:
+        t.join(30)
+
+
+def _reconciled_under_writes(env: PipelineEnv, source_db: Database, target_db: Database,
+                             native_db: Database, item: dict[str, Any], job: dict[str, Any],
+                             merged_by: str, writes: Writes, reader: Reader,
+                             states: States) -> dict[str, Any]:
+    """What a moved-rows reconciliation (eu -> us) under writes must leave, whoever
+    merged; returns the job's table."""
     assert writes.error is None and writes.count > 100, writes.error
     assert job["scope"] == "moved_rows" and job["phase"] == "merged"
-    assert job["merged_by"] == "stream"
-    assert job["reason"] == "reconcile" and job["mode"] == "diff"
+    assert job["merged_by"] == merged_by
     [table] = job["tables"]
-    assert table["diff"]["method"] == "moved_rows"
     # About a third of 30,000 rows left (eu) and a third came (us), nothing re-copied.
     assert 8000 < table["diff"]["added"] < 12000 and 8000 < table["diff"]["removed"] < 12000
     assert states.seen == {"ready"}, states.seen
@@ -261,11 +277,10 @@ def test_moved_rows_reconciliation_survives_kill_9_while_staging_and_while_mergi
     assert reader.smallest is not None and reader.smallest > 8000
     _equal_to_source(env, source_db, target_db, "region = 'us'")
     assert _staging_left(target_db) == 0
-    assert target_db.query("SELECT count(*) FROM pgsieve.reconcile_staged "
-                           "WHERE merged IS NULL")[0][0] == 0
     native = set(rows(native_db, "items"))
     assert native != set(rows(source_db, "items WHERE region = 'us'"))
     assert any(r[1] == "eu" for r in native)  # rows that no longer match stay there
+    return dict(table)
 
 
 def test_moved_rows_merged_while_reading_survive_kill_9(
@@ -297,27 +312,12 @@ def test_moved_rows_merged_while_reading_survive_kill_9(
         wait_until(lambda: target_db.query("SELECT count(*) FROM items WHERE id = 900001"
                                            )[0][0] == 1, 60, "a write after the change", env)
     finally:
-        for t in (writes, reader, states):
-            t.stop.set()
-        for t in (writes, reader, states):
-            t.join(30)
-    assert writes.error is None and writes.count > 100, writes.error
-    assert job["scope"] == "moved_rows" and job["phase"] == "merged"
-    assert job["merged_by"] == "job"
-    [table] = job["tables"]
+        _stop(writes, reader, states)
+    table = _reconciled_under_writes(env, source_db, target_db, native_db, item, job, "job",
+                                     writes, reader, states)
     assert job["diff"] == {k: table["diff"][k]
                            for k in ("compared", "added", "removed", "updated")}, job
-    assert 8000 < table["diff"]["added"] < 12000 and 8000 < table["diff"]["removed"] < 12000
-    assert states.seen == {"ready"}, states.seen
-    events = env.api("GET", f"/audit?resource={item['job_id']}")["events"]
-    assert [(e["method"], e["status"], e["actor"]) for e in events] == [("JOB", 200, "pgsieve")]
-    assert reader.smallest is not None and reader.smallest > 8000
-    _equal_to_source(env, source_db, target_db, "region = 'us'")
-    assert _staging_left(target_db) == 0
     assert target_db.query("SELECT count(*) FROM pgsieve.reconcile_parked")[0][0] == 0
-    native = set(rows(native_db, "items"))
-    assert native != set(rows(source_db, "items WHERE region = 'us'"))
-    assert any(r[1] == "eu" for r in native)
 
 
 def test_a_lost_snapshot_falls_back_to_a_full_diff_at_the_marker(
