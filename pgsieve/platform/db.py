@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -82,6 +82,8 @@ def session_scope(url: str) -> Iterator[Session]:
         session.close()
 
 
+M = TypeVar("M")
+
 IN_LIST_CHUNK = 500
 """Ids per ``IN (...)`` on the metadata store: SQLite bounds a statement's parameters."""
 
@@ -90,3 +92,31 @@ def in_chunks(ids: list[str]) -> Iterator[list[str]]:
     """``ids`` in slices small enough for one ``IN (...)`` on any metadata store."""
     for start in range(0, len(ids), IN_LIST_CHUNK):
         yield ids[start:start + IN_LIST_CHUNK]
+
+
+def lock_rows(session: Session, table: Any, ids: list[str]) -> None:
+    """Hold these rows (by ``id``) until the session's transaction ends: call it before
+    reading what is written back, such as a merge into ``Subscription.stats`` (applied
+    notes, the restarter, a cycle's error counters, a failed job all merge into that one
+    JSON value, and two merges from one earlier read lose one of them).
+
+    PostgreSQL: ``SELECT … ORDER BY id FOR UPDATE`` (rows taken in one order by every
+    caller). SQLite has no row locks, and Python's driver opens a transaction only at the
+    first write, so a read before it is outside any transaction: a no-op UPDATE first
+    takes the store's write lock, and what is read after it stays current until commit.
+    """
+    column = table.id if hasattr(table, "id") else table.c.id
+    for chunk in in_chunks(sorted(set(ids))):
+        if session.get_bind().dialect.name == "sqlite":
+            session.execute(update(table).where(column.in_(chunk)).values(id=column)
+                            .execution_options(synchronize_session=False))
+        else:
+            session.execute(select(column).where(column.in_(chunk)).order_by(column)
+                            .with_for_update())
+
+
+def locked(session: Session, model: type[M], id_: str) -> M | None:
+    """The row ``id_`` of ``model``, locked as :func:`lock_rows` does and read after it
+    (``None`` when there is none)."""
+    lock_rows(session, model, [id_])
+    return session.get(model, id_, populate_existing=True)

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.platform.db import locked
 from pgsieve.platform.locks import CONSUMER_LEASE, consumer_alive
 from pgsieve.platform.models import (
     ConsumerLock,
@@ -99,7 +100,7 @@ def record_batch(session: Session, subscription_id: str, seconds: float, changes
     touches the two histograms (the ``batches``/``changes`` counters stay the consume
     cycle's), so calling it twice for one batch counts that batch twice in them only.
     """
-    sub = session.get(Subscription, subscription_id)
+    sub = locked(session, Subscription, subscription_id)
     if sub is None:
         return
     stats = dict(sub.stats or {})

@@ -35,7 +35,7 @@ from sqlalchemy import Table, bindparam, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from pgsieve.apply.batch import ApplyResult, MissingRow, UpdateImageRecord
-from pgsieve.platform.db import in_chunks
+from pgsieve.platform.db import in_chunks, lock_rows
 from pgsieve.platform.metrics import (
     APPLY_SECONDS_BUCKETS,
     APPLY_SECONDS_KEY,
@@ -186,14 +186,18 @@ def record_applied(session: Session, progress: Iterable[AppliedProgress],
 
     In SQLAlchemy Core, not through ORM objects: a worker with tens of subscriptions
     writes this twice a second, and loading, tracking and flushing two objects per
-    subscription held a fifth of its GIL (py-spy). One SELECT reads what the new values
-    depend on; each UPDATE sets only the columns that changed (as the ORM did, so a
-    column another writer set meanwhile is not written back); table counters are added
+    subscription held a fifth of its GIL (py-spy). The rows are locked first
+    (:func:`lock_rows`), one SELECT reads what the new values depend on; each UPDATE sets
+    only the columns that changed (as the ORM did, so a column another writer set
+    meanwhile is not written back); table counters are added
     in SQL; one INSERT takes all UPDATE images."""
     by_id = {p.subscription_id: p for p in progress}
     images: list[dict[str, Any]] = []
     updates: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     counted = [sid for sid, p in by_id.items() if p.tables]
+    # Others merge into ``stats`` too (the restarter, a cycle's error counters): what is
+    # read here stays current until this transaction commits.
+    lock_rows(session, _SUBS, list(by_id))
     for chunk in in_chunks(sorted(by_id)):
         rows = session.execute(select(*_READ).where(_SUBS.c.id.in_(chunk))).all()
         for row in rows:

@@ -45,7 +45,7 @@ from pgsieve.apply.batcher import BatchLimits, MicroBatcher
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets
-from pgsieve.platform.db import session_factory
+from pgsieve.platform.db import lock_rows, locked, session_factory
 from pgsieve.platform.errors import describe_error
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.locks import AdvisoryLocks, LockKeeper, release, try_acquire
@@ -399,7 +399,7 @@ class ConsumeCycle:
 
     def _bump_stat(self, key: str) -> None:
         with self.sessions() as session:
-            sub = session.get(Subscription, self.subscription_id)
+            sub = locked(session, Subscription, self.subscription_id)
             if sub is not None:
                 sub.stats = {**sub.stats, key: int(sub.stats.get(key, 0)) + 1}
                 session.commit()
@@ -408,7 +408,7 @@ class ConsumeCycle:
         detail = scrub_secrets(detail.strip())
         log.warning("subscription %s: %s (retrying)", self.subscription_id, detail)
         with self.sessions() as session:
-            sub = session.get(Subscription, self.subscription_id)
+            sub = locked(session, Subscription, self.subscription_id)
             if sub is not None:
                 sub.stats = {**sub.stats, "last_transient_error": detail,
                              "last_transient_error_at": utcnow().isoformat()}
@@ -420,7 +420,7 @@ class ConsumeCycle:
         detail = scrub_secrets(detail)
         log.error("subscription %s stopped: %s", self.subscription_id, detail)
         with self.sessions() as session:
-            sub = session.get(Subscription, self.subscription_id)
+            sub = locked(session, Subscription, self.subscription_id)
             if sub is not None:
                 sub.state = SubscriptionState.ERROR
                 sub.error = detail
@@ -940,15 +940,31 @@ def restart_dead_pipelines(settings: Settings,
     lease = timedelta(seconds=settings.consumer_lease_seconds)
     now = utcnow()
     dead: list[str] = []
-    with sessions() as session:
+
+    def due(session: Session) -> list[Subscription]:
         subs = session.scalars(select(Subscription).where(
-            Subscription.enabled.is_(True), Subscription.state == "streaming")).all()
+            Subscription.enabled.is_(True), Subscription.state == "streaming")
+            .execution_options(populate_existing=True)).all()
+        out = []
         for sub in subs:
-            lock = session.get(ConsumerLock, sub.id)
+            lock = session.get(ConsumerLock, sub.id, populate_existing=True)
             if lock is not None and now - lock.heartbeat_at < lease:
                 continue
             last = sub.stats.get("restarted_at")
             if last and now - datetime.fromisoformat(last) < lease:
+                continue
+            out.append(sub)
+        return out
+
+    with sessions() as session:
+        candidates = due(session)
+        if not candidates:
+            return dead
+        # ``stats`` is merged into by applied notes too: read it again under a lock.
+        ids = {sub.id for sub in candidates}
+        lock_rows(session, Subscription, list(ids))
+        for sub in due(session):
+            if sub.id not in ids:
                 continue
             sub.stats = {**sub.stats, "restarted_at": now.isoformat(),
                          "restarts": int(sub.stats.get("restarts", 0)) + 1}

@@ -53,7 +53,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from pgsieve.platform import dispatch, pgserver
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets
-from pgsieve.platform.db import session_factory
+from pgsieve.platform.db import locked, session_factory
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.locks import LeaseKeeper, rowcount
@@ -996,7 +996,8 @@ class SyncJobRunner:
             job.state, job.finished_at = JobState.FAILED, utcnow()
             job.error = message
             job.details = {**job.details, "error_code": code}
-            sub = session.get(Subscription, job.subscription_id) if job.subscription_id else None
+            sub = (locked(session, Subscription, job.subscription_id)
+                   if job.subscription_id else None)
             if sub is not None:
                 names = set(job.details.get("tables") or [t.table_name for t in sub.tables])
                 failed = [t for t in sub.tables
