@@ -28,6 +28,7 @@ import psycopg
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform import dispatch
+from pgsieve.platform.db import locked
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.models import Job, Subscription, new_id, utcnow
 from pgsieve.platform.settings import Settings
@@ -139,7 +140,7 @@ def fall_back(sessions: sessionmaker[Session], settings: Settings, subscription_
     """The moved-rows reconciliation failed: at the marker, its tables leave the stream
     and a full diff job takes them (its own snapshot, then catch-up, as any resync)."""
     with sessions() as session:
-        job = session.get(Job, job_id)
+        job = locked(session, Job, job_id)  # the job's runner writes its details too
         sub = session.get(Subscription, subscription_id)
         if job is None or sub is None or job.details.get("fell_back_to"):
             return

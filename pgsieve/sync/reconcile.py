@@ -29,6 +29,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from pgsieve.platform.db import locked
 from pgsieve.platform.errors import Conflict, ErrorCode, NotFound
 from pgsieve.platform.models import Job, Source, Subscription, new_id, utcnow
 from pgsieve.platform.settings import Settings
@@ -259,7 +260,7 @@ def reconcile(session: Session, source: Source, name: str, before: Before,
             planned = scoped[sub.id]
             if planned.get("diff_tables"):
                 _leave_stream(session, sub, planned["diff_tables"])
-                job = session.get(Job, planned["job_id"])
+                job = locked(session, Job, planned["job_id"])  # (its runner writes too)
                 if job is not None:  # the follow-up diff waits for a stream past this
                     job.details = {**job.details, "routes_changed_at": utcnow().isoformat()}
                 session.commit()
