@@ -54,6 +54,17 @@ class Reached(StrEnum):
 class MarkerResult:
     reached: Reached
     detail: str = ""
+    retry_after: float | None = None
+    """WAITING: come back this soon (None: the stream's usual wait for a marker)."""
+
+
+JOB_NOT_SEEN_RETRY_SECONDS = 0.05
+"""A marker younger than :data:`JOB_NOT_SEEN_FOR` whose job is not in the metadata store
+yet is looked at again this soon. The change's source transaction (the marker) commits
+just before the metadata store's (the jobs), so a stream that is caught up can reach the
+marker in between; waiting the usual second there would be a second added to every
+reconciliation that lost that race (a bench run that did: 2.3 s instead of 1.1–1.7)."""
+JOB_NOT_SEEN_FOR = 2.0
 
 
 def marker_for(txn: Transaction, subscription_id: str) -> moved.Marker | None:
@@ -78,7 +89,8 @@ def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscripti
             log.warning("subscription %s: reconciliation marker %s has no job; passed over",
                         subscription_id, marker.id)
             return MarkerResult(Reached.ORDINARY, "no job")
-        return MarkerResult(Reached.WAITING, f"waiting for reconciliation job {job_id}")
+        return MarkerResult(Reached.WAITING, f"waiting for reconciliation job {job_id}",
+                            JOB_NOT_SEEN_RETRY_SECONDS if age < JOB_NOT_SEEN_FOR else None)
     if state == JobState.FAILED or fell_back is not None:
         if fell_back is None:
             fall_back(sessions, settings, subscription_id, job_id)

@@ -597,7 +597,7 @@ class _StreamRun:
         if result.reached is Reached.WAITING:
             txn.close()
             raise _Stop(CycleOutcome("retry", result.detail, self.batches, self.changes,
-                                     retry_after=MARKER_RETRY_SECONDS))
+                                     retry_after=result.retry_after or MARKER_RETRY_SECONDS))
         if result.reached is Reached.APPLIED:
             fault_point("cycle.after_commit")
             self.consumer.confirm(txn.end_lsn)
