@@ -104,12 +104,16 @@ def lock_rows(session: Session, table: Any, ids: list[str]) -> None:
     caller). SQLite has no row locks, and Python's driver opens a transaction only at the
     first write, so a read before it is outside any transaction: a no-op UPDATE first
     takes the store's write lock, and what is read after it stays current until commit.
+    It sets a plain column to itself, not ``id``: setting a key that rows of other tables
+    reference makes SQLite look for those rows (progress samples, update images…).
     """
-    column = table.id if hasattr(table, "id") else table.c.id
+    tbl = getattr(table, "__table__", table)
+    column = tbl.c.id
+    plain = next(c for c in tbl.columns
+                 if not (c.primary_key or c.foreign_keys or c.unique or c.index))
     for chunk in in_chunks(sorted(set(ids))):
         if session.get_bind().dialect.name == "sqlite":
-            session.execute(update(table).where(column.in_(chunk)).values(id=column)
-                            .execution_options(synchronize_session=False))
+            session.execute(update(tbl).where(column.in_(chunk)).values({plain.name: plain}))
         else:
             session.execute(select(column).where(column.in_(chunk)).order_by(column)
                             .with_for_update())
