@@ -60,7 +60,6 @@ from pgsieve.sync.moved import (
     MovedTable,
     by_key,
     check_table,
-    delete_staged,
     ensure_target_tables,
     import_snapshot,
     insert_staged,
@@ -306,18 +305,33 @@ _LEAVES = b"\tt\n"
 
 class _Chunks:
     """Merges chunks of moved rows (COPY text lines, the flag last) into one table: the
-    keys leaving through a temporary table (session-local, not WAL-logged, dropped with
-    the transaction) and one DELETE by key; the rows coming COPYed straight into the
-    table — unless it holds one of their keys already (a drifted target), when they go
-    through the temporary table and ``ON CONFLICT`` instead."""
+    keys leaving through a temporary table of the key columns alone (session-local, not
+    WAL-logged, dropped with the transaction) and one DELETE by key; the rows coming
+    COPYed straight into the table — unless it holds one of their keys already (a
+    drifted target), when they go through a temporary table of all the columns and
+    ``ON CONFLICT`` instead.
+
+    Only the key fields of a leaving row are COPYed (cut from its line: a COPY text
+    field holds no raw tab): the target then parses a key, not a whole row, per row
+    removed — 0.07 s of the 0.6 s that writing 100,000 moved rows took (bench)."""
 
     def __init__(self, tgt: psycopg.Connection[Any], table: CheckedTable, index: int) -> None:
         self.tgt, self.table = tgt, table
         self.staging = sql.Identifier(f"pgsieve_moved_{index}")
+        self.keys = sql.Identifier(f"pgsieve_moved_keys_{index}")
         tgt.execute(sql.SQL(
             "CREATE TEMPORARY TABLE {s} ON COMMIT DROP AS SELECT {cols}, false AS "
             "_pgsieve_remove FROM {t} WITH NO DATA").format(
                 s=self.staging, cols=names(table.columns), t=table.ident))
+        tgt.execute(sql.SQL(
+            "CREATE TEMPORARY TABLE {k} ON COMMIT DROP AS SELECT {key} FROM {t} "
+            "WITH NO DATA").format(k=self.keys, key=names(table.key), t=table.ident))
+        self.key_at = [table.columns.index(k) for k in table.key]
+        self.into_keys = sql.SQL("COPY {k} ({key}) FROM STDIN").format(
+            k=self.keys, key=names(table.key))
+        self.delete_keys = sql.SQL("DELETE FROM {t} t USING {k} k WHERE {m}").format(
+            t=table.ident, k=self.keys, m=sql.SQL(" AND ").join(
+                sql.SQL("t.{c} = k.{c}").format(c=sql.Identifier(c)) for c in table.key))
         # Each chunk is a small part of the table: its keys looked up by index.
         by_key(tgt, True)
         self.into_staging = sql.SQL("COPY {s} ({cols}, _pgsieve_remove) FROM STDIN").format(
@@ -331,9 +345,10 @@ class _Chunks:
         coming = [r for r in rows if not r.endswith(_LEAVES)]
         gone = put = replaced = 0
         if leaving:
-            self._stage(leaving)
-            gone = delete_staged(self.tgt, self.table.ident, self.staging, self.table.key)
-            self.tgt.execute(sql.SQL("TRUNCATE {}").format(self.staging))
+            with self.tgt.cursor().copy(self.into_keys) as copy:
+                copy.write(self._keys(leaving))
+            gone = max(0, self.tgt.execute(self.delete_keys).rowcount)
+            self.tgt.execute(sql.SQL("TRUNCATE {}").format(self.keys))
         if coming:
             try:
                 with self.tgt.transaction(), self.tgt.cursor().copy(self.into_table) as copy:
@@ -345,6 +360,17 @@ class _Chunks:
                                               self.table.key, self.table.columns)
                 self.tgt.execute(sql.SQL("TRUNCATE {}").format(self.staging))
         return put, gone, replaced
+
+    def _keys(self, rows: list[bytes]) -> bytes:
+        """The key fields of these lines, as COPY text lines."""
+        if self.key_at == [0]:
+            return b"".join(r[:r.index(b"\t")] + b"\n" for r in rows)
+        at = self.key_at
+        out = []
+        for r in rows:
+            fields = r.split(b"\t")
+            out.append(b"\t".join([fields[i] for i in at]) + b"\n")
+        return b"".join(out)
 
     def _stage(self, rows: list[bytes]) -> None:
         with self.tgt.cursor().copy(self.into_staging) as copy:

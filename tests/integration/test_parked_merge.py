@@ -133,3 +133,30 @@ def test_a_read_that_fails_half_way_leaves_the_target_and_the_parked_stream_as_t
     assert rows(target_db, "items") == old
     assert _applied(target_db) == str(BEFORE)
     assert parked(target_db.dsn, "m", "sub", wait_seconds=0)
+
+
+def test_leaving_rows_are_deleted_by_their_key_fields_wherever_the_key_sits(
+        source_db: Database, target_db: Database):
+    """Only a leaving row's key fields reach the target (cut from its COPY line): a key
+    of two columns, after another column and in the other order, its values holding
+    tabs and backslashes (escaped in COPY text), deletes exactly the rows that leave."""
+    table = ("CREATE TABLE tagged (val text, region text, tag text, "
+             "PRIMARY KEY (tag, region));")
+    fill = ("INSERT INTO tagged SELECT 'v' || n, (ARRAY['eu', 'us'])[n % 2 + 1], "
+            "E'tag\\t' || n || E'\\\\x' FROM generate_series(1, 5000) n")
+    source_db.execute(table + fill)
+    target_db.execute(table + fill + "; DELETE FROM tagged WHERE region = 'us'")
+    w = TargetWriter(target_db.dsn, "sub")
+    try:
+        w.ensure_schema()
+        w.record_idle(BEFORE)
+        _park(w)
+    finally:
+        w.close()
+    moved = MovedTable("public.tagged", "(region = 'eu')", "(region = 'us')",
+                       ("val", "region", "tag"))
+    merged = _merge(source_db, target_db, moved)
+    assert merged is not None and (merged.added, merged.removed) == (2500, 2500)
+    assert rows(target_db, "tagged") == rows(source_db, "tagged WHERE region = 'us'")
+    assert target_db.query("SELECT count(*) FROM tagged WHERE tag LIKE E'%\\t%\\\\\\\\x'"
+                           )[0][0] == 2500
