@@ -94,6 +94,7 @@ def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscripti
     if state == JobState.FAILED or fell_back is not None:
         if fell_back is None:
             fall_back(sessions, settings, subscription_id, job_id)
+        parked_merge.unpark(writer.conn, marker.id, subscription_id)
         return MarkerResult(Reached.ORDINARY, "full diff")
     conn = writer.conn
     writer.applied_unknown()

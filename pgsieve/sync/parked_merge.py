@@ -102,6 +102,15 @@ def park(conn: psycopg.Connection[Any], marker: str, subscription_id: str,
          None if commit_lsn is None else str(commit_lsn), commit_time))
 
 
+def unpark(conn: psycopg.Connection[Any], marker: str, subscription_id: str) -> None:
+    """The stream goes past the marker without this reconciliation (its job failed: a
+    full diff takes the tables): the row saying it waits there, if any, goes too."""
+    with conn.transaction():
+        if target_table_exists(conn, PARKED_TABLE):
+            conn.execute(f"DELETE FROM {SCHEMA}.{PARKED_TABLE} WHERE marker = %s "
+                         "AND subscription_id = %s", (marker, subscription_id))
+
+
 def parked(target_dsn: str, marker: str, subscription_id: str, *, wait_seconds: float,
            connect_timeout: int = 10) -> bool:
     """Whether the stream waits at the marker, asked every 50 ms for up to

@@ -11,16 +11,24 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 
 import psycopg
 import pytest
 
 from pgsieve.apply.target import TargetWriter
-from pgsieve.sync.moved import Merged, MovedTable, lock_and_export, merged_state
+from pgsieve.platform.db import session_factory
+from pgsieve.platform.models import Job
+from pgsieve.platform.settings import Settings
+from pgsieve.platform.states import JobState
+from pgsieve.streaming.markers import Reached, reach_marker
+from pgsieve.sync.moved import Marker, Merged, MovedTable, lock_and_export, merged_state
 from pgsieve.sync.parked_merge import CHUNK_MAX_ROWS, merge_while_reading, park, parked
+from pgsieve.wire.assembler import Changes, Transaction
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 from tests.integration.sync_env import rows
+from tests.metadata_template import migrated_sqlite
 
 ROWS = 30_000
 """Rows at the source, alternating eu / us: 15,000 move each way, several chunks."""
@@ -160,3 +168,26 @@ def test_leaving_rows_are_deleted_by_their_key_fields_wherever_the_key_sits(
     assert rows(target_db, "tagged") == rows(source_db, "tagged WHERE region = 'us'")
     assert target_db.query("SELECT count(*) FROM tagged WHERE tag LIKE E'%\\t%\\\\\\\\x'"
                            )[0][0] == 2500
+
+
+def test_a_stream_parked_at_the_marker_of_a_failed_job_goes_past_it_unparked(
+        target_db: Database, writer: TargetWriter, tmp_path: Path):
+    """The job failed after the stream parked (a full diff job took its tables): the
+    stream applies the marker as an ordinary transaction and its parked row goes (it
+    stayed until the seven-day purge)."""
+    sessions = session_factory(migrated_sqlite(tmp_path / "meta.db"))
+    with sessions() as session:
+        job = Job(kind="resync", state=JobState.FAILED, details={"fell_back_to": "diff"})
+        session.add(job)
+        session.commit()
+        job_id = job.id
+    _park(writer)
+    assert parked(target_db.dsn, "m", "sub", wait_seconds=0)
+    txn = Transaction(xid=9, commit_lsn=Lsn(0x1F00), end_lsn=END,
+                      commit_time=datetime.now(UTC), origin=None,
+                      changes=Changes([], None, frozenset(), 0))
+    result = reach_marker(sessions, Settings(home=tmp_path), "sub", writer, txn,
+                          Marker("m", {"sub": job_id}))
+    assert result.reached is Reached.ORDINARY
+    assert not parked(target_db.dsn, "m", "sub", wait_seconds=0)
+    assert _applied(target_db) == str(BEFORE)  # the marker itself is applied as ordinary
