@@ -52,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -302,7 +303,7 @@ def floors_at_once(source: LocalCluster, target: LocalCluster) -> float:
 
 
 def _write_floor(source: LocalCluster, target: LocalCluster,
-                 beside: Any) -> float:
+                 beside: Callable[[], object] | None) -> float:
     with psycopg.connect(target.dsn("bench"), autocommit=True) as tgt, \
             psycopg.connect(source.dsn("bench"), autocommit=True) as src:
         tgt.execute("BEGIN")

@@ -12,9 +12,16 @@ import shutil
 import sqlite3
 import tempfile
 import threading
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
+import psycopg
+
 from pgsieve.platform.migrate import upgrade
+
+SERVER_5432 = "postgresql://postgres@127.0.0.1:5432/postgres"
+"""The server an operator would point PGSIEVE_DATABASE_URL at (running on this machine)."""
 
 _lock = threading.Lock()
 _template: Path | None = None
@@ -34,3 +41,17 @@ def migrated_sqlite(path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(_template, path)
     return f"sqlite:///{path}"
+
+
+@contextlib.contextmanager
+def pg_metadata_database() -> Iterator[str]:
+    """A fresh, empty database on :data:`SERVER_5432` for a PostgreSQL metadata store
+    (not migrated); its SQLAlchemy URL. Dropped afterwards."""
+    name = f"pgsieve_meta_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(SERVER_5432, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"'.encode())
+    try:
+        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        with psycopg.connect(SERVER_5432, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())

@@ -327,11 +327,10 @@ class _Chunks:
     def __init__(self, tgt: psycopg.Connection[Any], table: CheckedTable, index: int) -> None:
         self.tgt, self.table = tgt, table
         self.staging = sql.Identifier(f"pgsieve_moved_{index}")
+        self.staged = False
+        """Whether the temporary table of all the columns exists (made for a drifted
+        target only)."""
         self.keys = sql.Identifier(f"pgsieve_moved_keys_{index}")
-        tgt.execute(sql.SQL(
-            "CREATE TEMPORARY TABLE {s} ON COMMIT DROP AS SELECT {cols}, false AS "
-            "_pgsieve_remove FROM {t} WITH NO DATA").format(
-                s=self.staging, cols=names(table.columns), t=table.ident))
         tgt.execute(sql.SQL(
             "CREATE TEMPORARY TABLE {k} ON COMMIT DROP AS SELECT {key} FROM {t} "
             "WITH NO DATA").format(k=self.keys, key=names(table.key), t=table.ident))
@@ -382,5 +381,11 @@ class _Chunks:
         return b"".join(out)
 
     def _stage(self, rows: list[bytes]) -> None:
+        if not self.staged:
+            self.tgt.execute(sql.SQL(
+                "CREATE TEMPORARY TABLE {s} ON COMMIT DROP AS SELECT {cols}, false AS "
+                "_pgsieve_remove FROM {t} WITH NO DATA").format(
+                    s=self.staging, cols=names(self.table.columns), t=self.table.ident))
+            self.staged = True
         with self.tgt.cursor().copy(self.into_staging) as copy:
             copy.write(b"".join(rows))

@@ -6,10 +6,8 @@ an operator would point PGSIEVE_DATABASE_URL at; the models must match the migra
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -17,20 +15,13 @@ from sqlalchemy import create_engine, inspect
 
 from pgsieve.platform.migrate import downgrade, upgrade
 from pgsieve.platform.models import Base
-
-SERVER_5432 = "postgresql://postgres@127.0.0.1:5432/postgres"
+from tests.metadata_template import pg_metadata_database
 
 
 @pytest.fixture
 def pg_metadata_url() -> Iterator[str]:
-    name = f"pgsieve_meta_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(SERVER_5432, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"'.encode())
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    finally:
-        with psycopg.connect(SERVER_5432, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
+    with pg_metadata_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

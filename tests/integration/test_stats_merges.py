@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-import psycopg
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -27,9 +25,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.streaming.appliednotes import AppliedProgress, ImageTrims, record_applied
 from pgsieve.streaming.pipeline import restart_dead_pipelines
 from pgsieve.wire.lsn import Lsn
-from tests.metadata_template import migrated_sqlite
-
-SERVER_5432 = "postgresql://postgres@127.0.0.1:5432/postgres"
+from tests.metadata_template import migrated_sqlite, pg_metadata_database
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -37,17 +33,12 @@ def sessions(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[session
     if request.param == "sqlite":
         yield session_factory(migrated_sqlite(tmp_path / "meta.db"))
         return
-    name = f"pgsieve_meta_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(SERVER_5432, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"'.encode())
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    try:
+    with pg_metadata_database() as url:
         upgrade(url)
-        yield session_factory(url)
-    finally:
-        engine_for(url).dispose()
-        with psycopg.connect(SERVER_5432, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'.encode())
+        try:
+            yield session_factory(url)
+        finally:
+            engine_for(url).dispose()
 
 
 def _streaming_subscription(sessions: sessionmaker[Session]) -> str:
