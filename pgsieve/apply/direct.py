@@ -20,6 +20,15 @@ a value the target refuses) — rolls the merge's transaction back, and the batc
 merged again with every table staged, which then judges the conflict with the
 subscription's policy. So this path changes how fast a small batch commits, never what
 it commits.
+
+**Inserts COPYed straight in.** A larger table effect made only of plain inserts (keys
+that had no row before the batch, every value received, one set of columns) — a
+catch-up's typical batch of an append-mostly table — skips staging too, when the target
+has a unique index on the key: one ``COPY target (columns) FROM STDIN`` in the merge's
+transaction instead of a COPY into the staging table and an ``INSERT … SELECT`` from it
+(about 45 % of the target's time for those rows, bench/RESULTS.md, nineteenth session).
+A key already there is refused by the unique index, and the batch is merged again
+through staging as above.
 """
 
 from __future__ import annotations
@@ -31,7 +40,10 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pgsieve.apply import hotpath
+from pgsieve.apply.copytext import as_field, finish, line
 from pgsieve.apply.net_effect import (
+    EXPECT,
     MASK,
     OP_ABSENT,
     OP_DELETE,
@@ -40,6 +52,7 @@ from pgsieve.apply.net_effect import (
     ORIGIN,
     ROW,
     UMASK,
+    TableEffect,
     mask_positions,
     operation,
 )
@@ -60,6 +73,9 @@ class DirectMismatch(Exception):
 
 Values = tuple[str | None, ...]
 
+COPY_CHUNK = 1 << 20
+"""Bytes handed to libpq at a time by the COPY of inserts."""
+
 
 @dataclass
 class DirectTable:
@@ -72,6 +88,53 @@ class DirectTable:
     inserted where no unique index would refuse a duplicate)."""
     updates: dict[int, list[Values]] = field(default_factory=dict)
     inserts: dict[int, list[Values]] = field(default_factory=dict)
+    copy: bytes | None = None
+    """Or, for an effect of plain inserts only: their COPY text, columns ``copy_mask``."""
+    copy_mask: int = 0
+    copy_rows: int = 0
+
+
+def encode_inserts(effect: TableEffect, key_positions: tuple[int, ...]
+                   ) -> tuple[int, bytes] | None:
+    """``(mask, COPY text)`` of an effect made only of plain inserts — no row before the
+    batch, no origin row, no value left to fetch, every entry with the same received
+    columns — one line per key, the values of the mask's columns in column order (key
+    columns from the key); None for any other effect. The compiled twin runs when built
+    (:mod:`.hotpath`); this is the reference."""
+    compiled = hotpath.active
+    with hotpath.gc_paused():
+        if compiled is not None:
+            out: tuple[int, bytes] | None = compiled.encode_inserts(effect, key_positions)
+            return out
+        return _encode_inserts(effect, key_positions)
+
+
+def _encode_inserts(effect: TableEffect, key_positions: tuple[int, ...]
+                    ) -> tuple[int, bytes] | None:
+    if effect.appends or not effect.entries:
+        return None
+    mask: int | None = None
+    for e in effect.entries.values():
+        if e[EXPECT] or e[ROW] is None or e[ORIGIN] is not None or e[UMASK]:
+            return None
+        if mask is None:
+            mask = e[MASK]
+            if not mask:
+                return None
+        elif e[MASK] != mask:
+            return None
+    assert mask is not None
+    positions = mask_positions(mask)
+    at_key = {p: q for q, p in enumerate(key_positions)}
+    single = len(key_positions) == 1
+    lines = []
+    for key, e in effect.entries.items():
+        row = e[ROW]
+        lines.append(line([
+            as_field(row[j] if j not in at_key else key if single
+                     else key[at_key[j]])  # type: ignore[index]
+            for j in positions]))
+    return mask, finish(lines)
 
 
 def _text(value: Any) -> str | None:
@@ -89,11 +152,13 @@ def plan_direct(tp: TablePlan, max_rows: int | None = None) -> DirectTable | Non
     kp = tp.key_positions
     effect = tp.effect
     if (tp.reason() is not None or tp.mode != "key" or not kp or effect.appends
-            or not effect.entries or len(effect.entries) > max_rows):
+            or not effect.entries):
         return None
     table = tp.target
     key_names = frozenset(table.columns[p].name for p in kp)
     unique = table.unique_on(key_names)
+    if len(effect.entries) > max_rows:
+        return _plan_copy(tp, tuple(kp)) if unique else None
     single = len(kp) == 1
     out = DirectTable()
     try:
@@ -138,6 +203,14 @@ def apply_direct(conn: psycopg.Connection[Any], tp: TablePlan, direct: DirectTab
     where = sql.SQL(" AND ").join(
         sql.SQL("{} = %s").format(sql.Identifier(table.columns[p].name)) for p in kp)
     written = 0
+    if direct.copy is not None:
+        stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(target, sql.SQL(", ").join(
+            sql.Identifier(table.columns[j].name) for j in mask_positions(direct.copy_mask)))
+        with conn.cursor().copy(stmt) as copy:
+            view = memoryview(direct.copy)
+            for i in range(0, len(view), COPY_CHUNK):
+                copy.write(view[i:i + COPY_CHUNK])
+        return direct.copy_rows
     with conn.cursor() as cur:
         if direct.absent:  # a DELETE that must find nothing: it then changes nothing
             _many(cur, sql.SQL("DELETE FROM {} WHERE {}").format(target, where),
@@ -161,6 +234,15 @@ def apply_direct(conn: psycopg.Connection[Any], tp: TablePlan, direct: DirectTab
                 sql.SQL(", ").join([sql.Placeholder()] * len(positions))), rows)
             written += len(rows)
     return written
+
+
+def _plan_copy(tp: TablePlan, key_positions: tuple[int, ...]) -> DirectTable | None:
+    """An effect of plain inserts as one COPY (see the module doc), else None."""
+    encoded = encode_inserts(tp.effect, key_positions)
+    if encoded is None:
+        return None
+    mask, payload = encoded
+    return DirectTable(copy=payload, copy_mask=mask, copy_rows=len(tp.effect.entries))
 
 
 def _many(cur: psycopg.Cursor[Any], stmt: sql.Composed, rows: Sequence[Values],

@@ -62,6 +62,8 @@ def eligible(writer: TargetWriter, plan: BatchPlan, staged: Mapping[str, Any],
     for name, tp in plan.tables.items():
         if tp.reason() is not None or (len(tp.effect) and name not in direct):
             return False
+    if any(d.copy is not None for d in direct.values()):
+        return False  # rows for a COPY: not statements
     if sum(_statements(d) for d in direct.values()) > MAX_STATEMENTS:
         return False
     status = writer.conn.pgconn.parameter_status(b"standard_conforming_strings")
