@@ -191,6 +191,14 @@ def mixed(conn: psycopg.Connection[Any], changes: int, txn_rows: int) -> int:
     return n_ins + n_upd + n_del
 
 
+def inserts(conn: psycopg.Connection[Any], changes: int, txn_rows: int) -> int:
+    """Inserts only, as an append-mostly table (events, logs) gets them."""
+    conn.execute(MIXED_PROC.encode())
+    conn.execute("SET synchronous_commit = off")
+    conn.execute("CALL mixed_load(%s, 0, 0, %s)", (changes, txn_rows))
+    return changes
+
+
 def hot(conn: psycopg.Connection[Any], changes: int, txn_rows: int, keys: int = 1000) -> int:
     """Updates cycling over ``keys`` hot rows, ``txn_rows`` rows per transaction."""
     conn.execute(HOT_PROC.encode())
@@ -216,6 +224,9 @@ WORKLOADS = {
     "mixed": Workload("mixed", "public.bench", TABLE, "id % 2 = 0", "", mixed,
                       "SELECT count(*), md5(string_agg(b::text || a || c, ',' ORDER BY id)) "
                       "FROM bench"),
+    "inserts": Workload("inserts", "public.bench", TABLE, "id % 2 = 0", "", inserts,
+                        "SELECT count(*), md5(string_agg(b::text || a || c, ',' ORDER BY id)) "
+                        "FROM bench"),
     "hot": Workload("hot", "public.hot", HOT, "id % 2 = 0",
                     "INSERT INTO hot SELECT g, 0, repeat('x', 40) FROM generate_series(1, 1000) g",
                     hot, "SELECT count(*), md5(string_agg(id || ':' || v, ',' ORDER BY id)) "

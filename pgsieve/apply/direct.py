@@ -71,6 +71,10 @@ class DirectMismatch(Exception):
     merged again through staging, which judges the conflict."""
 
 
+COPY_INSERTS = True
+"""Whether a larger effect of plain inserts is COPYed in (tests turn it off, with
+:data:`DIRECT_MAX_ROWS` at 0, to cover the staged merge alone)."""
+
 Values = tuple[str | None, ...]
 
 COPY_CHUNK = 1 << 20
@@ -158,7 +162,7 @@ def plan_direct(tp: TablePlan, max_rows: int | None = None) -> DirectTable | Non
     key_names = frozenset(table.columns[p].name for p in kp)
     unique = table.unique_on(key_names)
     if len(effect.entries) > max_rows:
-        return _plan_copy(tp, tuple(kp)) if unique else None
+        return _plan_copy(tp, tuple(kp)) if unique and COPY_INSERTS else None
     single = len(kp) == 1
     out = DirectTable()
     try:

@@ -47,12 +47,12 @@ STAGED = "staged"
 def staging_only() -> Iterator[None]:
     """No table is small enough to skip staging (covers the staged merge with the
     small workloads the direct path would otherwise take)."""
-    saved = direct.DIRECT_MAX_ROWS
-    direct.DIRECT_MAX_ROWS = 0
+    saved = direct.DIRECT_MAX_ROWS, direct.COPY_INSERTS
+    direct.DIRECT_MAX_ROWS, direct.COPY_INSERTS = 0, False
     try:
         yield
     finally:
-        direct.DIRECT_MAX_ROWS = saved
+        direct.DIRECT_MAX_ROWS, direct.COPY_INSERTS = saved
 
 END_PREFIX = "pgsieve-test-end"
 
@@ -385,7 +385,12 @@ def test_staging_tables_are_reused_emptied_and_truncated_once_dead_rows_add_up(p
     at the target between batches is seen by the next batch (shapes cached, retried)."""
     pair.setup("CREATE TABLE t (id int PRIMARY KEY, v text); "
                "CREATE PUBLICATION p FOR TABLE t;", tables=["public.t"])
-    pair.run("INSERT INTO t SELECT g, 'a' FROM generate_series(1, 12000) g")
+    pair.run("INSERT INTO t VALUES (0, 'z')")
+    pair.apply()  # a few rows: no staging
+    assert _stage_filenodes(pair.target) == {}
+    # (a DELETE among the inserts: not a batch of plain inserts, which is COPYed in)
+    pair.run("INSERT INTO t SELECT g, 'a' FROM generate_series(1, 12000) g",
+             "DELETE FROM t WHERE id = 0")
     pair.apply()
     first = _stage_filenodes(pair.target)
     assert len(first) == 1
@@ -425,7 +430,8 @@ def _stages(pair: Pair) -> list[str]:
 def test_small_batches_skip_staging_big_ones_stage_and_both_equal_native(pair: Pair):
     """A batch of a few rows is written by statements in the merge's transaction (no
     staging table is ever created for it); a batch of more keys than the direct path
-    takes is staged. Both end as native's subscriber, values of every kind included."""
+    takes is staged unless it only inserts (then it is COPYed in). All end as native's
+    subscriber, values of every kind included."""
     pair.publications = ("pd",)
     pair.setup(DIRECT_SOURCE, DIRECT_TARGET, tables=["public.d"])
     pair.run(
@@ -441,9 +447,17 @@ def test_small_batches_skip_staging_big_ones_stage_and_both_equal_native(pair: P
     assert _stages(pair) == []
     pair.assert_same("d")
 
-    pair.run(f"INSERT INTO d SELECT g, 'bulk' || g, g, NULL FROM generate_series(10, "
-             f"{10 + direct.DIRECT_MAX_ROWS + 20}) g",
-             "UPDATE d SET v = 'bulk!' WHERE id BETWEEN 10 AND 15")
+    pair.run(f"INSERT INTO d SELECT g, 'bulk' || g, g, '{{\"a\tb\",NULL}}' FROM "
+             f"generate_series(10, {10 + direct.DIRECT_MAX_ROWS + 20}) g",
+             "UPDATE d SET v = 'bulk!\\' WHERE id BETWEEN 10 AND 15")
+    copied = pair.apply(None)
+    assert [r.direct_tables for r in copied] == [("public.d",)]
+    assert _stages(pair) == []
+    pair.assert_same("d")
+
+    pair.run("UPDATE d SET v = 'bulk?' WHERE id BETWEEN 10 AND 12",
+             f"INSERT INTO d SELECT g, 'more' || g, g, NULL FROM generate_series(200, "
+             f"{200 + direct.DIRECT_MAX_ROWS + 20}) g")
     big = pair.apply(None)
     assert [r.direct_tables for r in big] == [()]
     assert len(_stages(pair)) == 1
@@ -451,11 +465,67 @@ def test_small_batches_skip_staging_big_ones_stage_and_both_equal_native(pair: P
     # Where each merge's time went is measured, and its parts fit within the merge.
     for result, expected in ((small[0], {"merge_lock", "merge_direct", "merge_record",
                                          "merge_commit"}),
+                             (copied[0], {"merge_lock", "merge_direct", "merge_record",
+                                          "merge_commit"}),
                              (big[0], {"merge_lock", "merge_insert", "merge_record",
                                        "merge_commit"})):
         parts = {k: v for k, v in result.timings.items() if k.startswith("merge_")}
         assert expected <= parts.keys(), parts
         assert 0 < sum(parts.values()) <= result.timings["merge"]
+
+
+@pytest.mark.parametrize("policy", ["error", "skip", "upsert"])
+def test_inserts_copied_in_meet_a_key_already_there_and_are_judged_through_staging(
+        pair: Pair, policy: ConflictPolicy):
+    """A batch of plain inserts COPYed into the target meets a key the target holds
+    already: the COPY's unique violation rolls the merge back (nothing of it stays) and
+    the batch is merged again through staging, which judges it as it would have without
+    the COPY — ``error`` stops naming the insert, ``skip`` keeps the target's row,
+    ``upsert`` takes the source's."""
+    pair.publications = ("pd",)
+    pair.setup(DIRECT_SOURCE, DIRECT_TARGET, tables=["public.d"])
+    n = direct.DIRECT_MAX_ROWS + 40
+    pair.target.execute("INSERT INTO d VALUES (20, 'only at the target', 20, NULL)")
+    pair.run(f"INSERT INTO d SELECT g, 'new' || g, g, NULL FROM generate_series(1, {n}) g")
+    expected = [(g, f"new{g}", g, None) for g in range(1, n + 1) if g % 10 != 9]
+    if policy == "error":
+        with pytest.raises(ApplyConflict) as stopped:
+            pair.apply(None, on_conflict=policy)
+        assert stopped.value.table == "public.d" and stopped.value.kind == "insert"
+        assert "20" in str(stopped.value)
+        assert pair.rows(pair.target, "d") == [(20, "only at the target", 20, None)]
+        assert pair.writer.applied_lsn() is None
+        return
+    [result] = pair.apply(None, on_conflict=policy)
+    assert result.direct_tables == ()  # merged through staging in the end
+    if policy == "skip":
+        expected = [r if r[0] != 20 else (20, "only at the target", 20, None)
+                    for r in expected]
+    assert [(r[0], r[1], int(r[2]), r[3]) for r in pair.rows(pair.target, "d")] == expected
+
+
+def test_inserts_copied_in_fill_identity_values_and_leave_unpublished_columns_default(
+        source_db: Database, target_db: Database, native_db: Database):
+    """COPY takes the source's values for a GENERATED ALWAYS identity key (as the
+    INSERT's OVERRIDING SYSTEM VALUE does) and leaves a column the publication's column
+    list does not send to its default at the target — as native's subscriber does."""
+    pair = make_pair(source_db, target_db, native_db, ("pcl",))
+    try:
+        pair.setup(
+            "CREATE TABLE g (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v text, "
+            "secret text); CREATE PUBLICATION pcl FOR TABLE g (id, v)",
+            "CREATE TABLE g (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, v text, "
+            "secret text DEFAULT 'not sent')", tables=["public.g"])
+        n = direct.DIRECT_MAX_ROWS * 3
+        pair.run(f"INSERT INTO g (v, secret) SELECT 'v' || x, 's' FROM "
+                 f"generate_series(1, {n}) x")
+        [result] = pair.apply(None)
+        assert result.direct_tables == ("public.g",)
+        assert _stages(pair) == []
+        pair.assert_same("g")
+        assert pair.rows(pair.target, "g")[-1] == (n, f"v{n}", "not sent")
+    finally:
+        pair.close()
 
 
 def test_a_small_batch_whose_rows_the_target_lacks_is_judged_through_staging(pair: Pair):
