@@ -292,7 +292,11 @@ def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: in
               f"transaction) in "
               f"{time.perf_counter() - t0:.1f}s, WAL end {end}", flush=True)
 
+    with psycopg.connect(src_dsn, autocommit=True) as conn:
+        conn.execute(f"VACUUM ANALYZE {wl.table}".encode())  # autovacuum has nothing left
+
     # -- native -------------------------------------------------------------------------
+    settle(pub, sub)
     native_cpu = CpuMeter(pub, sub)
     with psycopg.connect(nat_dsn, autocommit=True) as nat, \
             psycopg.connect(src_dsn, autocommit=True) as src, native_cpu:
@@ -316,6 +320,7 @@ def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: in
     stats = {}
     cpu = {"native": native_cpu}
     for mode in modes:
+        settle(pub, sub)
         with CpuMeter(pub, sub) as meter:
             stats[mode] = consume(mode, wl, src_dsn, mode_dsns[mode], f"{MODES[mode]}_{wl.name}",
                                   end, limits, distributed, spark, windows)
@@ -333,6 +338,24 @@ def run_workload(pub: LocalCluster, sub: LocalCluster, wl: Workload, changes: in
                  "modes": modes, **floors,
                  **{f"{mode}_{k}": v for mode, st in stats.items() for k, v in st.items()},
                  "cpu": {run: m.used for run, m in cpu.items()}}
+
+
+def settle(*clusters: LocalCluster, timeout: float = 120.0) -> None:
+    """Every run starts from the same quiet state: no autovacuum worker busy, dirty
+    buffers written (a CHECKPOINT) on both clusters. Without it the run right after
+    the backlog was written (native's, which goes first) shared the machine with the
+    source's autovacuum and the background writer: native's time for one backlog
+    varied from 2.4 to 4.8 s between runs (nineteenth session)."""
+    deadline = time.monotonic() + timeout
+    for cluster in clusters:
+        with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
+            while time.monotonic() < deadline:
+                row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE "
+                                   "backend_type = 'autovacuum worker'").fetchone()
+                if not row or not row[0]:
+                    break
+                time.sleep(0.2)
+            conn.execute("CHECKPOINT")
 
 
 def decode_floors(src_dsn: str, slot: str) -> dict[str, float]:

@@ -49,6 +49,7 @@ from pgsieve.wire.splitter import RawChanges, TransactionSplitter
 from tests.unit.test_pgoutput_decoder import encode
 from tests.unit.test_plan_runs import summary
 
+IMPLEMENTATIONS: tuple[hotpath.Implementation, ...] = ("python", "compiled")
 GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 T = datetime(2025, 1, 1, tzinfo=UTC)
 
@@ -556,6 +557,6 @@ def test_a_key_deleted_and_inserted_again_is_not_a_plain_insert() -> None:
         with hotpath.using(impl):
             assert encode_inserts(tp.effect, (0,)) is None, impl
     del tp.effect.entries[b"7"]  # the insert alone is plain
-    for impl in ("python", "compiled"):
-        with hotpath.using(impl):
-            assert encode_inserts(tp.effect, (0,)) == (0b111, b"8\tw\t\\N\n"), impl
+    for choice in IMPLEMENTATIONS:
+        with hotpath.using(choice):
+            assert encode_inserts(tp.effect, (0,)) == (0b111, b"8\tw\t\\N\n"), choice
