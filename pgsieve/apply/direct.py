@@ -95,7 +95,6 @@ class DirectTable:
     copy: bytes | None = None
     """Or, for an effect of plain inserts only: their COPY text, columns ``copy_mask``."""
     copy_mask: int = 0
-    copy_rows: int = 0
 
 
 def encode_inserts(effect: TableEffect, key_positions: tuple[int, ...]
@@ -210,11 +209,13 @@ def apply_direct(conn: psycopg.Connection[Any], tp: TablePlan, direct: DirectTab
     if direct.copy is not None:
         stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(target, sql.SQL(", ").join(
             sql.Identifier(table.columns[j].name) for j in mask_positions(direct.copy_mask)))
-        with conn.cursor().copy(stmt) as copy:
-            view = memoryview(direct.copy)
-            for i in range(0, len(view), COPY_CHUNK):
-                copy.write(view[i:i + COPY_CHUNK])
-        return direct.copy_rows
+        with conn.cursor() as cur:
+            with cur.copy(stmt) as copy:
+                view = memoryview(direct.copy)
+                for i in range(0, len(view), COPY_CHUNK):
+                    copy.write(view[i:i + COPY_CHUNK])
+            # (the rows COPY inserted: a target's trigger may have skipped some)
+            return max(cur.rowcount, 0)
     with conn.cursor() as cur:
         if direct.absent:  # a DELETE that must find nothing: it then changes nothing
             _many(cur, sql.SQL("DELETE FROM {} WHERE {}").format(target, where),
@@ -246,7 +247,7 @@ def _plan_copy(tp: TablePlan, key_positions: tuple[int, ...]) -> DirectTable | N
     if encoded is None:
         return None
     mask, payload = encoded
-    return DirectTable(copy=payload, copy_mask=mask, copy_rows=len(tp.effect.entries))
+    return DirectTable(copy=payload, copy_mask=mask)
 
 
 def _many(cur: psycopg.Cursor[Any], stmt: sql.Composed, rows: Sequence[Values],
