@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
 """The compiled twin of the apply's per-change hot path (see :mod:`pgsieve.apply.hotpath`).
 
-Four functions, each the exact counterpart of a pure-Python reference that stays in the
+Five functions, each the exact counterpart of a pure-Python reference that stays in the
 tree and is what runs when this module was not built:
 
 * :func:`scan_text_tuple` — :func:`pgsieve.apply.plan.scan_text_tuple`;
@@ -11,7 +11,8 @@ tree and is what runs when this module was not built:
 * :func:`encode_copy` — :meth:`pgsieve.apply.staging.StageEncoder.encode_copy`, the staged
   rows written as escaped COPY text into one C buffer;
 * :func:`encode_inserts` — :func:`pgsieve.apply.direct.encode_inserts`, a table effect of
-  plain inserts as the COPY text of the target's own columns.
+  plain inserts as the COPY text of the target's own columns, and :func:`split_inserts`
+  — :func:`pgsieve.apply.direct.split_inserts`, its plain inserts set apart from the rest.
 
 Why a port and not the modules compiled as they are: compiled unchanged (Cython's pure
 mode), the same code gains 3–9 % (bench/RESULTS.md, issue 20); the gain is in reading the
@@ -452,3 +453,27 @@ def encode_inserts(effect, tuple kp):
         return mask, PyBytes_FromStringAndSize(o.buf, o.size)
     finally:
         PyMem_Free(o.buf)
+
+
+def split_inserts(effect, Py_ssize_t min_rows):
+    """See :func:`pgsieve.apply.direct.split_inserts`."""
+    cdef dict plain, rest
+    cdef list e
+    cdef object mask = None
+    cdef Py_ssize_t count = 0
+    for e in effect.entries.values():  # first only count: most effects are not split
+        if (not e[0] and e[_ROW] is not None and e[_ORIGIN] is None and not e[_UMASK]
+                and e[_MASK] and (mask is None or e[_MASK] == mask)):
+            if mask is None:
+                mask = e[_MASK]
+            count += 1
+    if count < min_rows or count == len(effect.entries):
+        return None
+    plain, rest = {}, {}
+    for key, e in effect.entries.items():
+        if (not e[0] and e[_ROW] is not None and e[_ORIGIN] is None and not e[_UMASK]
+                and e[_MASK] == mask):
+            plain[key] = e
+        else:
+            rest[key] = e
+    return plain, rest

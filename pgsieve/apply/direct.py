@@ -34,7 +34,7 @@ through staging as above.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -52,6 +52,7 @@ from pgsieve.apply.net_effect import (
     ORIGIN,
     ROW,
     UMASK,
+    Entry,
     TableEffect,
     mask_positions,
     operation,
@@ -239,6 +240,55 @@ def apply_direct(conn: psycopg.Connection[Any], tp: TablePlan, direct: DirectTab
                 sql.SQL(", ").join([sql.Placeholder()] * len(positions))), rows)
             written += len(rows)
     return written
+
+
+def split_inserts(effect: TableEffect, min_rows: int
+                  ) -> tuple[dict[Any, Entry], dict[Any, Entry]] | None:
+    """An effect's plain inserts (as :func:`encode_inserts` takes them: those with the
+    first plain insert's columns) set apart from its other entries, as two dicts of its
+    entries — or None when fewer than ``min_rows`` are plain inserts, or all of them are.
+    The compiled twin runs when built; this is the reference."""
+    compiled = hotpath.active
+    if compiled is not None:
+        out: tuple[dict[Any, Entry], dict[Any, Entry]] | None = compiled.split_inserts(
+            effect, min_rows)
+        return out
+    mask: int | None = None
+    plain: dict[Any, Entry] = {}
+    rest: dict[Any, Entry] = {}
+    for key, e in effect.entries.items():
+        if (not e[EXPECT] and e[ROW] is not None and e[ORIGIN] is None and not e[UMASK]
+                and e[MASK] and (mask is None or e[MASK] == mask)):
+            mask = e[MASK]
+            plain[key] = e
+        else:
+            rest[key] = e
+    if len(plain) < min_rows or not rest:
+        return None
+    return plain, rest
+
+
+def plan_apart(tp: TablePlan) -> tuple[DirectTable, TablePlan] | None:
+    """A larger effect of plain inserts and other changes, on a target with a unique index
+    on the key: its plain inserts as a COPY, and the table plan of the rest (to stage and
+    merge first). None when it is not such an effect (see the module doc)."""
+    kp = tp.key_positions
+    effect = tp.effect
+    if (not COPY_INSERTS or tp.reason() is not None or tp.mode != "key" or not kp
+            or effect.appends or len(effect.entries) <= DIRECT_MAX_ROWS):
+        return None
+    if not tp.target.unique_on(frozenset(tp.target.columns[p].name for p in kp)):
+        return None
+    parts = split_inserts(effect, DIRECT_MAX_ROWS + 1)
+    if parts is None:
+        return None
+    plain, rest = parts
+    inserts, others = TableEffect(effect.width), TableEffect(effect.width)
+    inserts.entries, others.entries = plain, rest
+    copy = _plan_copy(replace(tp, effect=inserts), tuple(kp))
+    if copy is None:  # (not expected: the entries were chosen as encode_inserts takes them)
+        return None
+    return copy, replace(tp, effect=others)
 
 
 def _plan_copy(tp: TablePlan, key_positions: tuple[int, ...]) -> DirectTable | None:

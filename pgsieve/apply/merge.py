@@ -123,10 +123,13 @@ def merge(
                                                  expected_applied, direct, outcome)
         except (_StageInstead, DirectMismatch):
             # Nothing committed: the same batch again, every table through staging (the
-            # counts go back to what the plan counted; a conflict policy adds again).
+            # counts go back to what the plan counted; a conflict policy adds again). A
+            # table whose plain inserts were set apart is staged again whole.
             writer.merge_rolled_back()
             counts.clear()
             counts.update(before)
+            for name in direct or ():
+                staged.pop(name, None)
             outcome = MergeOutcome()
             recorded = _merge_in_transaction(writer, batch, plan, staged, counts,
                                              expected_applied, None, outcome,
@@ -198,6 +201,18 @@ def _merge_steps(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
             if st is None and stage_late and name in stage_late:
                 st = staged[name] = stage_table(writer, tp)
             if st is None:
+                continue
+            if direct and name in direct:
+                # The rest staged, the plain inserts set apart (direct.plan_apart): any
+                # conflict is judged on the whole table, staged again.
+                try:
+                    with conn.transaction():
+                        outcome.rows_written += _set_based(conn, tp, st, outcome)
+                except (_Conflict, psycopg.errors.IntegrityError):
+                    raise _StageInstead from None
+                with outcome.timed("direct"):
+                    outcome.rows_written += _direct(conn, tp, direct[name])
+                outcome.direct.append(name)
                 continue
             try:
                 with conn.transaction():

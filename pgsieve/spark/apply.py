@@ -32,10 +32,10 @@ from typing import Any
 import psycopg
 
 from pgsieve.apply.batch import ApplyBatch, ApplyResult
-from pgsieve.apply.direct import DirectTable, plan_direct
+from pgsieve.apply.direct import DirectTable, plan_apart, plan_direct
 from pgsieve.apply.driver import fetch_pending, resolver, stage_in_driver
-from pgsieve.apply.merge import StagedTable, merge
-from pgsieve.apply.plan import BatchPlan, build_plan
+from pgsieve.apply.merge import StagedTable, merge, stage_table
+from pgsieve.apply.plan import BatchPlan, TablePlan, build_plan
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings
 from pgsieve.spark.distributed import plan_and_stage
@@ -166,9 +166,14 @@ def prepare_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
         if fetched:
             timings["fetch"] = (now := time.perf_counter()) - t
             t = now
-        direct = {name: d for name, tp in plan.tables.items()
-                  if (d := plan_direct(tp)) is not None}
+        apart: dict[str, TablePlan] = {}
+        for name, tp in plan.tables.items():
+            if (d := plan_direct(tp)) is not None:
+                direct[name] = d
+            elif (split := plan_apart(tp)) is not None:
+                direct[name], apart[name] = split
         staged = stage_in_driver(writer, plan, skip=direct)
+        staged.update((name, stage_table(writer, rest)) for name, rest in apart.items())
         timings["stage"] = time.perf_counter() - t
     return PreparedBatch(batch, writer, plan, staged, direct, fetched, expected,
                          distributed, spark_report, timings, started)

@@ -23,8 +23,8 @@ from pgsieve.apply import hotpath
 from pgsieve.apply.batch import ApplyBatch, TableRoute
 from pgsieve.apply.columns import TargetColumn, TargetTable
 from pgsieve.apply.copytext import decode_line
-from pgsieve.apply.direct import encode_inserts
-from pgsieve.apply.net_effect import MASK, ORIGIN, ROW, SOURCE, UMASK
+from pgsieve.apply.direct import encode_inserts, split_inserts
+from pgsieve.apply.net_effect import MASK, ORIGIN, ROW, SOURCE, UMASK, TableEffect
 from pgsieve.apply.plan import BatchPlan, build_plan, scan_text_tuple
 from pgsieve.apply.staging import StageEncoder
 from pgsieve.wire import (
@@ -141,8 +141,16 @@ def encoded(plan: BatchPlan) -> dict[str, Any]:
         kp = tp.key_positions if tp.mode == "key" else ()
         enc = StageEncoder(tp.target.width, kp)
         out[name] = (enc.encode_copy(tp.effect), enc.summary.to_dict(),
-                     encode_inserts(tp.effect, tuple(kp or ())))
+                     encode_inserts(tp.effect, tuple(kp or ())),
+                     split_keys(tp.effect, 1), split_keys(tp.effect, 3))
     return out
+
+
+def split_keys(effect: TableEffect, min_rows: int) -> Any:
+    """:func:`split_inserts`'s answer by keys (an entry's ``SOURCE`` is a new object per
+    plan)."""
+    parts = split_inserts(effect, min_rows)
+    return None if parts is None else (frozenset(parts[0]), frozenset(parts[1]))
 
 
 # -- the golden captures --------------------------------------------------------------------
@@ -295,7 +303,7 @@ def test_random_streams_plan_and_encode_identically(seed: int, packed: bool) -> 
         tables = reference[0][0]
         assert tables and not any(sequential or inconsistent
                                   for _, _, sequential, inconsistent in tables.values())
-        assert any(payload for payload, _, _ in reference[1].values())
+        assert any(payload for payload, *_ in reference[1].values())
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -538,6 +546,48 @@ def test_gc_pauses_nest_and_give_the_collector_back_as_it_was() -> None:
         gc.enable()
 
 
+def test_plain_inserts_are_set_apart_from_the_rest_of_an_effect() -> None:
+    """Random consistent streams: where a table's effect mixes plain inserts with other
+    changes, the split keeps every entry exactly once — the plain ones (one set of
+    columns) apart, the rest as they were — and both implementations agree."""
+    split = 0
+    for seed in range(40):
+        rng = random.Random(seed)
+        messages = stream(rng, 60, True)
+        txns = read(messages, 1, rng, True)
+        targets = targets_of(messages, 1)
+        routes = {name: TableRoute(name, name) for name in targets}
+        by_target = {t.qualified_name: t for t in targets.values()}
+        plan = build_plan(ApplyBatch("sub", txns, routes), by_target.__getitem__)
+        for tp in plan.tables.values():
+            results = []
+            for choice in IMPLEMENTATIONS:
+                with hotpath.using(choice):
+                    results.append(split_inserts(tp.effect, 2))
+            by_keys = [None if r is None else (frozenset(r[0]), frozenset(r[1]))
+                       for r in results]
+            assert by_keys[0] == by_keys[1], seed
+            if results[0] is None:
+                continue
+            plain, rest = results[0]
+            assert plain == (results[1] or ({}, {}))[0]
+            split += 1
+            assert plain.keys() | rest.keys() == tp.effect.entries.keys()
+            assert not plain.keys() & rest.keys() and len(plain) >= 2 and rest
+            assert len({e[MASK] for e in plain.values()}) == 1
+            assert all(not e[0] and e[ORIGIN] is None and not e[UMASK]
+                       for e in plain.values())
+            assert encode_inserts(_effect_of(tp.effect.width, plain),
+                                  tuple(tp.key_positions or ())) is not None
+    assert split > 10
+
+
+def _effect_of(width: int, entries: dict[Any, Any]) -> TableEffect:
+    effect = TableEffect(width)
+    effect.entries = entries
+    return effect
+
+
 def test_a_key_deleted_and_inserted_again_is_not_a_plain_insert() -> None:
     """DELETE k then INSERT k in one batch replaces a row the target holds: the table is
     staged (its DELETE must find the row), whichever implementation runs."""
@@ -560,3 +610,31 @@ def test_a_key_deleted_and_inserted_again_is_not_a_plain_insert() -> None:
     for choice in IMPLEMENTATIONS:
         with hotpath.using(choice):
             assert encode_inserts(tp.effect, (0,)) == (0b111, b"8\tw\t\\N\n"), choice
+
+
+def test_only_plain_inserts_of_one_set_of_columns_are_set_apart() -> None:
+    """Each kind of entry that is not a plain insert stays with the rest: a row replaced
+    (deleted, then inserted again), an update, a delete, a moved row, a value to fetch,
+    other columns than the first plain insert's; too few plain inserts: no split."""
+    row = [b"k", b"a", b"b"]
+    entries = {
+        b"p1": [False, "I", 1, row, None, 0b111, 0, None],
+        b"p2": [False, "I", 2, row, None, 0b111, 0, None],
+        b"replaced": [True, "D", 3, row, None, 0b111, 0, None],
+        b"updated": [True, "U", 4, row, b"updated", 0b111, 0, None],
+        b"deleted": [True, "D", 5, None, b"deleted", 0, 0, None],
+        b"moved": [False, "U", 6, row, b"elsewhere", 0b011, 0, None],
+        b"fetch": [False, "I", 7, row, None, 0b011, 0b100, None],
+        b"fewer": [False, "I", 8, row, None, 0b011, 0, None],
+        b"p3": [False, "I", 9, row, None, 0b111, 0, None],
+    }
+    effect = _effect_of(3, entries)
+    for choice in IMPLEMENTATIONS:
+        with hotpath.using(choice):
+            parts = split_inserts(effect, 3)
+            assert parts is not None, choice
+            plain, rest = parts
+            assert list(plain) == [b"p1", b"p2", b"p3"], choice
+            assert list(rest) == [k for k in entries if k not in plain], choice
+            assert split_inserts(effect, 4) is None, choice
+            assert split_inserts(_effect_of(3, dict(plain)), 1) is None, choice
