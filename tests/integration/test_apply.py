@@ -504,6 +504,68 @@ def test_inserts_copied_in_meet_a_key_already_there_and_are_judged_through_stagi
     assert [(r[0], r[1], int(r[2]), r[3]) for r in pair.rows(pair.target, "d")] == expected
 
 
+def test_plain_inserts_among_other_changes_are_copied_in_after_the_staged_rest(pair: Pair):
+    """A batch that inserts many new rows and updates and deletes older ones: the
+    updates and deletes (and a key deleted and inserted again) go through staging, the
+    plain inserts are COPYed in after them — the table counts as written without
+    staging, a staging table exists — and the target ends as native's."""
+    pair.publications = ("pd",)
+    pair.setup(DIRECT_SOURCE, DIRECT_TARGET, tables=["public.d"])
+    pair.run("INSERT INTO d SELECT g, 'old' || g, g, NULL FROM generate_series(1, 30) g")
+    pair.apply(None)
+    n = direct.DIRECT_MAX_ROWS + 50
+    pair.run(f"INSERT INTO d SELECT g, 'new\t' || g, g, '{{x}}' FROM "
+             f"generate_series(100, {100 + n}) g",
+             "UPDATE d SET v = 'updated' WHERE id BETWEEN 1 AND 10",
+             "DELETE FROM d WHERE id BETWEEN 11 AND 15",
+             "DELETE FROM d WHERE id = 20; INSERT INTO d VALUES (20, 'again', 20, NULL)",
+             f"UPDATE d SET n = -1 WHERE id = {100 + n}")
+    [result] = pair.apply(None)
+    assert result.direct_tables == ("public.d",)
+    assert len(_stages(pair)) == 1
+    assert {"merge_update", "merge_delete", "merge_direct"} <= result.timings.keys()
+    pair.assert_same("d")
+
+
+@pytest.mark.parametrize("policy", ["error", "native"])
+def test_a_conflict_beside_plain_inserts_set_apart_is_judged_on_the_whole_table(
+        pair: Pair, policy: ConflictPolicy):
+    """The staged rest meets a row the target lacks (or the inserts a key it holds): the
+    merge rolls back and the whole table is staged again, so the policy judges it as if
+    nothing had been set apart — ``native`` skips the missing row and applies every
+    insert; ``error`` stops and leaves the target as it was."""
+    pair.publications = ("pd",)
+    pair.setup(DIRECT_SOURCE, DIRECT_TARGET, tables=["public.d"])
+    pair.run("INSERT INTO d VALUES (1, 'one', 1, NULL), (2, 'two', 2, NULL)")
+    pair.apply(None)
+    pair.target.execute("DELETE FROM d WHERE id = 2")
+    n = direct.DIRECT_MAX_ROWS + 50
+    pair.run(f"INSERT INTO d SELECT g, 'new' || g, g, NULL FROM generate_series(100, "
+             f"{100 + n}) g", "UPDATE d SET v = 'changed' WHERE id IN (1, 2)")
+    before = pair.rows(pair.target, "d")
+    if policy == "error":
+        with pytest.raises(ApplyConflict) as stopped:
+            pair.apply(None, on_conflict=policy)
+        assert stopped.value.kind == "update" and "2" in str(stopped.value)
+        assert pair.rows(pair.target, "d") == before
+        return
+    [result] = pair.apply(None, on_conflict=policy)
+    assert result.direct_tables == ()
+    assert result.counts["public.d"].missing_skipped == 1
+    rows = pair.rows(pair.target, "d")
+    assert rows[0] == (1, "changed", 1, None)
+    assert [r[0] for r in rows[1:]] == [g for g in range(100, 101 + n) if g % 10 != 9]
+
+    # The plain inserts meet a key the target holds: staged again whole, then judged.
+    pair.target.execute("INSERT INTO d VALUES (500, 'only at the target', 0, NULL)")
+    pair.run(f"INSERT INTO d SELECT g, 'more' || g, g, NULL FROM generate_series(480, "
+             f"{480 + n}) g", "UPDATE d SET v = 'again' WHERE id = 1")
+    with pytest.raises(ApplyConflict) as stopped:
+        pair.apply(None, on_conflict=policy)
+    assert stopped.value.kind == "insert" and "500" in str(stopped.value)
+    assert pair.rows(pair.target, "d")[0] == (1, "changed", 1, None)
+
+
 def test_inserts_copied_in_fill_identity_values_and_leave_unpublished_columns_default(
         source_db: Database, target_db: Database, native_db: Database):
     """COPY takes the source's values for a GENERATED ALWAYS identity key (as the
