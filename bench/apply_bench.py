@@ -21,8 +21,10 @@ source changes (the workload's row changes) and replicated changes (those passin
 filter), each divided by the same wall-clock time.
 
 Workloads (``--txn-rows`` rows per source transaction, default 10): ``mixed`` — 50 %
-inserts, 30 % updates, 20 % deletes on a 5-column table, filter ``id % 2 = 0``; ``hot`` —
-updates cycling over 1,000 hot keys (500 of them pass the filter): batching compacts.
+inserts, 30 % updates, 20 % deletes on a 5-column table, filter ``id % 2 = 0``, one kind
+after the other; ``inserts`` — inserts only (an append-mostly table); ``orders`` — 80 %
+inserts with 20 % updates of earlier rows interleaved; ``hot`` — updates cycling over
+1,000 hot keys (500 of them pass the filter): batching compacts.
 """
 
 from __future__ import annotations
@@ -165,6 +167,27 @@ BEGIN
 END $$;
 """
 
+ORDERS_PROC = """
+CREATE PROCEDURE orders_load(n bigint, step int)
+LANGUAGE plpgsql AS $$
+DECLARE c bigint := 0; next_id bigint := 1; j int;
+BEGIN
+  WHILE c < n LOOP
+    FOR j IN 1 .. step LOOP
+      IF c % 5 = 4 AND next_id > 2 THEN
+        UPDATE bench SET a = a + 1, c = c + 1 WHERE id = (c * 7919) % (next_id - 1) + 1;
+      ELSE
+        INSERT INTO bench VALUES (next_id, next_id % 1000, 'text value ' || next_id,
+                                  next_id * 1.5, now());
+        next_id := next_id + 1;
+      END IF;
+      c := c + 1;
+    END LOOP;
+    COMMIT;
+  END LOOP;
+END $$;
+"""
+
 HOT_PROC = """
 CREATE PROCEDURE hot_load(n bigint, keys int, step int)
 LANGUAGE plpgsql AS $$
@@ -199,6 +222,15 @@ def inserts(conn: psycopg.Connection[Any], changes: int, txn_rows: int) -> int:
     return changes
 
 
+def orders(conn: psycopg.Connection[Any], changes: int, txn_rows: int) -> int:
+    """New rows with older ones updated among them (orders placed while earlier ones
+    change state): 80 % inserts, 20 % updates of rows anywhere before them, interleaved."""
+    conn.execute(ORDERS_PROC.encode())
+    conn.execute("SET synchronous_commit = off")
+    conn.execute("CALL orders_load(%s, %s)", (changes, txn_rows))
+    return changes
+
+
 def hot(conn: psycopg.Connection[Any], changes: int, txn_rows: int, keys: int = 1000) -> int:
     """Updates cycling over ``keys`` hot rows, ``txn_rows`` rows per transaction."""
     conn.execute(HOT_PROC.encode())
@@ -227,6 +259,9 @@ WORKLOADS = {
     "inserts": Workload("inserts", "public.bench", TABLE, "id % 2 = 0", "", inserts,
                         "SELECT count(*), md5(string_agg(b::text || a || c, ',' ORDER BY id)) "
                         "FROM bench"),
+    "orders": Workload("orders", "public.bench", TABLE, "id % 2 = 0", "", orders,
+                       "SELECT count(*), md5(string_agg(b::text || a || c, ',' ORDER BY id)) "
+                       "FROM bench"),
     "hot": Workload("hot", "public.hot", HOT, "id % 2 = 0",
                     "INSERT INTO hot SELECT g, 0, repeat('x', 40) FROM generate_series(1, 1000) g",
                     hot, "SELECT count(*), md5(string_agg(id || ':' || v, ',' ORDER BY id)) "

@@ -28,7 +28,9 @@ has a unique index on the key: one ``COPY target (columns) FROM STDIN`` in the m
 transaction instead of a COPY into the staging table and an ``INSERT … SELECT`` from it
 (about 45 % of the target's time for those rows, bench/RESULTS.md, nineteenth session).
 A key already there is refused by the unique index, and the batch is merged again
-through staging as above.
+through staging as above. An effect that mixes many plain inserts with other changes
+has them set apart (:func:`plan_apart`): the rest is staged and merged first, then the
+plain inserts are COPYed in; a conflict in either part stages the whole table again.
 """
 
 from __future__ import annotations
