@@ -170,18 +170,18 @@ END $$;
 ORDERS_PROC = """
 CREATE PROCEDURE orders_load(n bigint, step int)
 LANGUAGE plpgsql AS $$
-DECLARE c bigint := 0; next_id bigint := 1; j int;
+DECLARE k bigint := 0; next_id bigint := 1; j int;
 BEGIN
-  WHILE c < n LOOP
+  WHILE k < n LOOP
     FOR j IN 1 .. step LOOP
-      IF c % 5 = 4 AND next_id > 2 THEN
-        UPDATE bench SET a = a + 1, c = c + 1 WHERE id = (c * 7919) % (next_id - 1) + 1;
+      IF k % 5 = 4 AND next_id > 2 THEN
+        UPDATE bench SET a = a + 1, c = c + 1 WHERE id = (k * 7919) % (next_id - 1) + 1;
       ELSE
         INSERT INTO bench VALUES (next_id, next_id % 1000, 'text value ' || next_id,
                                   next_id * 1.5, now());
         next_id := next_id + 1;
       END IF;
-      c := c + 1;
+      k := k + 1;
     END LOOP;
     COMMIT;
   END LOOP;
