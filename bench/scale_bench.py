@@ -415,6 +415,11 @@ def busy(n: int, args: argparse.Namespace) -> None:
             count = sum(len(v) for (s, _), v in lags.items() if s == system)
             print(f"| {system} | {max(p50s):.2f} | {statistics.median(p50s):.2f} | "
                   f"{max(p99s):.2f} | {count} |")
+        for system in systems:  # steadier than the worst subscription's p99
+            every = [x for (s, _), v in lags.items() if s == system for x in v]
+            print(f"\n{system}, all samples: p90 {percentile(every, 0.9):.3f} s, p99 "
+                  f"{percentile(every, 0.99):.3f} s", end="")
+        print()
         print(f"\nthe worker's scheduler (last minute): {report}")
         cpu = {name: m.seconds() / elapsed for name, m in watcher.cpu.items()}
         print(f"\npgsieve worker RSS (max, process group incl. Spark): "

@@ -99,6 +99,12 @@ PROGRESS_WRITE_EVERY = 0.5
 """Group writes of applied progress start at most this often. Written back to back, they
 held 42 % of a 50-subscription worker's GIL (py-spy --gil), time the runner threads
 waited for; each write now covers more batches for about the same cost."""
+QUIET_WAIT_SECONDS = 0.5
+"""The group progress write, the heartbeat and the sweep wait this long at most for a
+moment when no turn runs or is due (see :meth:`Scheduler._wait_quiet`). Measured at
+N = 50 (bench/RESULTS.md, nineteenth session): worst p99 lag 0.27–0.29 s with the wait,
+0.28–0.30 s without, five runs each, native 0.22–0.24 s."""
+QUIET_POLL_SECONDS = 0.005
 
 
 @dataclass
@@ -146,7 +152,11 @@ class Scheduler:
         self.sessions = sessions or session_factory(settings.effective_database_url)
         self._spark = spark
         self._handover = handover
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        self._quiet = threading.Condition(lock)
+        """Notified when the last running turn ends (:meth:`_wait_quiet`)."""
+        self._turns_running = 0
         self._held: dict[str, _Held] = {}
         self._adopting: set[str] = set()
         self._releasing: set[str] = set()
@@ -247,6 +257,7 @@ class Scheduler:
         while not self._stopping.is_set():
             if not self._progress.wait(1.0):
                 continue
+            self._wait_quiet(QUIET_WAIT_SECONDS)
             started = time.monotonic()
             if not self._write_progress():
                 self._stopping.wait(PROGRESS_RETRY_SECONDS)
@@ -464,6 +475,7 @@ class Scheduler:
                         continue
                     held.running = True
                     held.generation += 1
+                    self._turns_running += 1
                     return held, due
                 timeout = self._ready[0][0] - now if self._ready else None
                 self._cond.wait(timeout)
@@ -479,6 +491,28 @@ class Scheduler:
             except Exception:  # never lose a runner (a metadata store down, say)
                 log.exception("the scheduler failed around a turn")
                 time.sleep(1.0)
+            finally:
+                with self._cond:
+                    self._turns_running -= 1
+                    if not self._turns_running:
+                        self._quiet.notify_all()
+
+    def _wait_quiet(self, limit: float) -> None:
+        """Wait until no turn runs or is due, at most ``limit`` seconds. Why: pushed data
+        arrives in bursts (each WAL flush at the source wakes most streams at once), and
+        a metadata write (the group progress, the heartbeat, the sweep's query) holds the
+        GIL for milliseconds: done in the middle of a burst, every turn still queued
+        waits for it; done in the gap after it, none does."""
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                if now >= deadline:
+                    return
+                due = bool(self._ready) and self._ready[0][0] <= now
+                if not self._turns_running and not due:
+                    return
+                self._quiet.wait(min(deadline - now, QUIET_POLL_SECONDS))
 
     def _take_turn(self, held: _Held, due: float) -> None:
         """One turn of ``held``, then back in the queue — or let go of it."""
@@ -585,6 +619,7 @@ class Scheduler:
         connections are checked too (a broken one took its advisory locks with it)."""
         every = self.settings.consumer_heartbeat_seconds
         while not self._stopping.wait(every):
+            self._wait_quiet(QUIET_WAIT_SECONDS)
             with self._cond:
                 held = dict(self._held)
             try:
@@ -656,6 +691,7 @@ class Scheduler:
         if self._stopping.wait(random.uniform(0, every)):  # noqa: S311 - not a secret
             return
         while not self._stopping.is_set():
+            self._wait_quiet(QUIET_WAIT_SECONDS)
             try:
                 orphans = self.orphans()
                 if orphans:

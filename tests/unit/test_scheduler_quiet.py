@@ -1,0 +1,99 @@
+"""The scheduler's metadata writes wait for a moment when no turn runs or is due.
+
+Pushed data arrives in bursts (each WAL flush at the source wakes most streams at
+once); a group progress write, the heartbeat or the sweep holds the GIL for
+milliseconds, and done inside a burst every turn still queued waits for it. They now
+wait (at most ``QUIET_WAIT_SECONDS``) for the gap after the burst. Here the scheduler's
+own runner loop takes the turns; the streams are stand-ins whose turn only takes time
+(the scheduling is what is tested, not a stream).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+from pgsieve.platform.settings import Settings
+from pgsieve.streaming.pipeline import OpenStream
+from pgsieve.streaming.scheduler import Scheduler, _Held
+
+
+@dataclass
+class _Run:
+    """What a turn of the stand-in stream does: take ``seconds``, find work or not."""
+
+    seconds: float
+    worked: bool
+    reader: Any = None
+    drained: bool = False
+    turns: list[float] = field(default_factory=list)
+
+    def turn(self, deadline: float) -> bool:
+        self.turns.append(time.monotonic())
+        time.sleep(self.seconds)
+        return self.worked
+
+
+def _scheduler(tmp_path: Path) -> Scheduler:
+    settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'meta.db'}",
+                        idle_poll_seconds=5.0)
+    return Scheduler(settings, spark=lambda: None)
+
+
+def _hold(scheduler: Scheduler, name: str, run: _Run) -> None:
+    held = _Held(name, f"slot_{name}", "host=unused", cycle=cast(Any, None))
+    held.stream = cast(OpenStream, type("Stream", (), {"run": run})())
+    with scheduler._cond:
+        scheduler._held[name] = held
+        scheduler._push(name, time.monotonic())
+
+
+def _runner(scheduler: Scheduler) -> threading.Thread:
+    thread = threading.Thread(target=scheduler._runner, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_write_waits_for_the_running_turn_then_goes_at_once(tmp_path: Path) -> None:
+    scheduler = _scheduler(tmp_path)
+    run = _Run(seconds=0.4, worked=False)  # one turn, then idle for idle_poll_seconds
+    _hold(scheduler, "a", run)
+    runner = _runner(scheduler)
+    try:
+        while not run.turns:
+            time.sleep(0.005)
+        started = time.monotonic()
+        scheduler._wait_quiet(3.0)
+        waited = time.monotonic() - started
+        assert 0.25 <= waited < 1.5, waited  # until the turn ended, not the limit
+        started = time.monotonic()
+        scheduler._wait_quiet(3.0)  # nothing runs, nothing is due: at once
+        assert time.monotonic() - started < 0.1
+    finally:
+        scheduler._stopping.set()
+        with scheduler._cond:
+            scheduler._cond.notify_all()
+        runner.join(5)
+
+
+def test_a_write_goes_at_its_limit_while_turns_keep_coming(tmp_path: Path) -> None:
+    scheduler = _scheduler(tmp_path)
+    run = _Run(seconds=0.02, worked=True)  # always work behind: due again at once
+    _hold(scheduler, "busy", run)
+    runner = _runner(scheduler)
+    try:
+        while not run.turns:
+            time.sleep(0.005)
+        started = time.monotonic()
+        scheduler._wait_quiet(0.3)
+        waited = time.monotonic() - started
+        assert 0.3 <= waited < 1.0, waited
+        assert len(run.turns) > 5  # the turns went on meanwhile
+    finally:
+        scheduler._stopping.set()
+        with scheduler._cond:
+            scheduler._cond.notify_all()
+        runner.join(5)
