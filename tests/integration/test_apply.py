@@ -385,22 +385,17 @@ def test_staging_tables_are_reused_emptied_and_truncated_once_dead_rows_add_up(p
     at the target between batches is seen by the next batch (shapes cached, retried)."""
     pair.setup("CREATE TABLE t (id int PRIMARY KEY, v text); "
                "CREATE PUBLICATION p FOR TABLE t;", tables=["public.t"])
-    pair.run("INSERT INTO t VALUES (0, 'z')")
-    pair.apply()  # a few rows: no staging
-    assert _stage_filenodes(pair.target) == {}
-    # (a DELETE among the inserts: not a batch of plain inserts, which is COPYed in)
-    pair.run("INSERT INTO t SELECT g, 'a' FROM generate_series(1, 12000) g",
-             "DELETE FROM t WHERE id = 0")
-    pair.apply()
+    pair.run("INSERT INTO t SELECT g, 'a' FROM generate_series(1, 12000) g")
+    pair.apply(STAGED)  # (every row staged: plain inserts would be COPYed in)
     first = _stage_filenodes(pair.target)
     assert len(first) == 1
     stage = next(iter(first))
     assert pair.target.query(f"SELECT count(*) FROM pgsieve.{stage}")[0][0] == 0
     pair.run("UPDATE t SET v = 'b' WHERE id <= 5000")
-    pair.apply()  # 12,000 + 5,000 dead rows: still DELETE, the same file
+    pair.apply(STAGED)  # 12,000 + 5,000 dead rows: still DELETE, the same file
     assert _stage_filenodes(pair.target) == first
     pair.run("DELETE FROM t WHERE id > 6000")
-    pair.apply()  # past 20,000: TRUNCATE, a new file
+    pair.apply(STAGED)  # past 20,000: TRUNCATE, a new file
     third = _stage_filenodes(pair.target)
     assert third.keys() == first.keys() and third[stage] != first[stage]
     assert pair.target.query(f"SELECT count(*) FROM pgsieve.{stage}")[0][0] == 0
@@ -430,8 +425,9 @@ def _stages(pair: Pair) -> list[str]:
 def test_small_batches_skip_staging_big_ones_stage_and_both_equal_native(pair: Pair):
     """A batch of a few rows is written by statements in the merge's transaction (no
     staging table is ever created for it); a batch of more keys than the direct path
-    takes is staged unless it only inserts (then it is COPYed in). All end as native's
-    subscriber, values of every kind included."""
+    takes is staged unless it only inserts (then it is COPYed in; a few inserts among
+    many updates are staged with them). All end as native's subscriber, values of every
+    kind included."""
     pair.publications = ("pd",)
     pair.setup(DIRECT_SOURCE, DIRECT_TARGET, tables=["public.d"])
     pair.run(
@@ -455,9 +451,8 @@ def test_small_batches_skip_staging_big_ones_stage_and_both_equal_native(pair: P
     assert _stages(pair) == []
     pair.assert_same("d")
 
-    pair.run("UPDATE d SET v = 'bulk?' WHERE id BETWEEN 10 AND 12",
-             f"INSERT INTO d SELECT g, 'more' || g, g, NULL FROM generate_series(200, "
-             f"{200 + direct.DIRECT_MAX_ROWS + 20}) g")
+    pair.run(f"UPDATE d SET v = 'bulk?' WHERE id BETWEEN 10 AND {10 + direct.DIRECT_MAX_ROWS}",
+             "INSERT INTO d SELECT g, 'more' || g, g, NULL FROM generate_series(200, 210) g")
     big = pair.apply(None)
     assert [r.direct_tables for r in big] == [()]
     assert len(_stages(pair)) == 1
