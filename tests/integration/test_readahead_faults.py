@@ -83,11 +83,14 @@ def backlog(tmp_path: Path, source: Database, target: Database, native: Database
 def test_read_ahead_process_killed_mid_catch_up(tmp_path: Path, source_db: Database,
                                                 target_db: Database, native_db: Database):
     with pipeline_env(tmp_path) as env:
-        sub_id = backlog(tmp_path, source_db, target_db, native_db, env)
+        # (a backlog long enough to outlast the kill: the apply COPYs plain inserts in
+        # now, and 4,000 transactions were caught up within the 0.3 s it used to wait)
+        sub_id = backlog(tmp_path, source_db, target_db, native_db, env, transactions=10000)
         worker = env.start_worker(**READ_AHEAD)
         child = wait_for_child(env, worker.pid)
-        time.sleep(0.3)  # a few windows in
+        time.sleep(0.1)  # a few windows in
         os.kill(child, signal.SIGKILL)
+        assert not targets_match(source_db, target_db, native_db), "killed mid catch-up"
         wait_until(lambda: targets_match(source_db, target_db, native_db), 120,
                    "the target to equal native's", env)
         assert worker.poll() is None, "the worker carried on"
