@@ -105,6 +105,8 @@ moment when no turn runs or is due (see :meth:`Scheduler._wait_quiet`). Measured
 N = 50 (bench/RESULTS.md, nineteenth session): worst p99 lag 0.27–0.29 s with the wait,
 0.28–0.30 s without, five runs each, native 0.22–0.24 s."""
 QUIET_POLL_SECONDS = 0.005
+"""How often that wait looks again (a turn coming due is a matter of time, not a
+notification)."""
 
 
 @dataclass
