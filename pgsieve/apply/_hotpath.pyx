@@ -413,6 +413,11 @@ def encode_copy(encoder, effect):
         PyMem_Free(o.buf)
 
 
+cdef inline bint _plain_insert(list e):
+    """See :func:`pgsieve.apply.direct._plain_insert`."""
+    return not e[0] and e[_ROW] is not None and e[_ORIGIN] is None and not e[_UMASK]
+
+
 def encode_inserts(effect, tuple kp):
     """See :func:`pgsieve.apply.direct.encode_inserts`."""
     cdef _Out o
@@ -424,7 +429,7 @@ def encode_inserts(effect, tuple kp):
     if effect.appends or not effect.entries:
         return None
     for e in effect.entries.values():  # first: every entry a plain insert of one mask
-        if e[0] or e[_ROW] is None or e[_ORIGIN] is not None or e[_UMASK]:
+        if not _plain_insert(e):
             return None
         if mask is None:
             mask = e[_MASK]
@@ -462,8 +467,7 @@ def split_inserts(effect, Py_ssize_t min_rows):
     cdef object mask = None
     cdef Py_ssize_t count = 0
     for e in effect.entries.values():  # first only count: most effects are not split
-        if (not e[0] and e[_ROW] is not None and e[_ORIGIN] is None and not e[_UMASK]
-                and e[_MASK] and (mask is None or e[_MASK] == mask)):
+        if _plain_insert(e) and e[_MASK] and (mask is None or e[_MASK] == mask):
             if mask is None:
                 mask = e[_MASK]
             count += 1
@@ -471,8 +475,7 @@ def split_inserts(effect, Py_ssize_t min_rows):
         return None
     plain, rest = {}, {}
     for key, e in effect.entries.items():
-        if (not e[0] and e[_ROW] is not None and e[_ORIGIN] is None and not e[_UMASK]
-                and e[_MASK] == mask):
+        if _plain_insert(e) and e[_MASK] == mask:
             plain[key] = e
         else:
             rest[key] = e

@@ -60,6 +60,7 @@ from pgsieve.apply.net_effect import (
     operation,
 )
 from pgsieve.apply.plan import TablePlan
+from pgsieve.apply.target import copy_in
 
 DIRECT_MAX_ROWS = 64
 """Keys per table up to which a batch's table is written without staging. Chosen, not
@@ -79,9 +80,6 @@ COPY_INSERTS = True
 :data:`DIRECT_MAX_ROWS` at 0, to cover the staged merge alone)."""
 
 Values = tuple[str | None, ...]
-
-COPY_CHUNK = 1 << 20
-"""Bytes handed to libpq at a time by the COPY of inserts."""
 
 
 @dataclass
@@ -115,13 +113,18 @@ def encode_inserts(effect: TableEffect, key_positions: tuple[int, ...]
         return _encode_inserts(effect, key_positions)
 
 
+def _plain_insert(e: Entry) -> bool:
+    """No row before the batch, one after it, not moved here, nothing left to fetch."""
+    return not e[EXPECT] and e[ROW] is not None and e[ORIGIN] is None and not e[UMASK]
+
+
 def _encode_inserts(effect: TableEffect, key_positions: tuple[int, ...]
                     ) -> tuple[int, bytes] | None:
     if effect.appends or not effect.entries:
         return None
     mask: int | None = None
     for e in effect.entries.values():
-        if e[EXPECT] or e[ROW] is None or e[ORIGIN] is not None or e[UMASK]:
+        if not _plain_insert(e):
             return None
         if mask is None:
             mask = e[MASK]
@@ -210,15 +213,8 @@ def apply_direct(conn: psycopg.Connection[Any], tp: TablePlan, direct: DirectTab
         sql.SQL("{} = %s").format(sql.Identifier(table.columns[p].name)) for p in kp)
     written = 0
     if direct.copy is not None:
-        stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(target, sql.SQL(", ").join(
-            sql.Identifier(table.columns[j].name) for j in mask_positions(direct.copy_mask)))
-        with conn.cursor() as cur:
-            with cur.copy(stmt) as copy:
-                view = memoryview(direct.copy)
-                for i in range(0, len(view), COPY_CHUNK):
-                    copy.write(view[i:i + COPY_CHUNK])
-            # (the rows COPY inserted: a target's trigger may have skipped some)
-            return max(cur.rowcount, 0)
+        return copy_in(conn, target, [table.columns[j].name
+                                      for j in mask_positions(direct.copy_mask)], direct.copy)
     with conn.cursor() as cur:
         if direct.absent:  # a DELETE that must find nothing: it then changes nothing
             _many(cur, sql.SQL("DELETE FROM {} WHERE {}").format(target, where),
@@ -259,8 +255,7 @@ def split_inserts(effect: TableEffect, min_rows: int
     plain: dict[Any, Entry] = {}
     rest: dict[Any, Entry] = {}
     for key, e in effect.entries.items():
-        if (not e[EXPECT] and e[ROW] is not None and e[ORIGIN] is None and not e[UMASK]
-                and e[MASK] and (mask is None or e[MASK] == mask)):
+        if _plain_insert(e) and e[MASK] and (mask is None or e[MASK] == mask):
             mask = e[MASK]
             plain[key] = e
         else:

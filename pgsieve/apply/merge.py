@@ -194,9 +194,7 @@ def _merge_steps(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
         if reason is None:
             st = staged.get(name)
             if st is None and direct and name in direct:
-                with outcome.timed("direct"):
-                    outcome.rows_written += _direct(conn, tp, direct[name])
-                outcome.direct.append(name)
+                _write_direct(conn, name, tp, direct[name], outcome)
                 continue
             if st is None and stage_late and name in stage_late:
                 st = staged[name] = stage_table(writer, tp)
@@ -210,9 +208,7 @@ def _merge_steps(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
                         outcome.rows_written += _set_based(conn, tp, st, outcome)
                 except (_Conflict, psycopg.errors.IntegrityError):
                     raise _StageInstead from None
-                with outcome.timed("direct"):
-                    outcome.rows_written += _direct(conn, tp, direct[name])
-                outcome.direct.append(name)
+                _write_direct(conn, name, tp, direct[name], outcome)
                 continue
             try:
                 with conn.transaction():
@@ -255,6 +251,15 @@ class _StageInstead(Exception):
     the merge's transaction is rolled back and the batch merged again through staging
     (no savepoint around the direct statements: two round trips saved on every small
     batch, and conflicts are rare)."""
+
+
+def _write_direct(conn: psycopg.Connection[Any], name: str, tp: TablePlan,
+                  direct: DirectTable, outcome: MergeOutcome) -> None:
+    """A table's rows written without staging (all of them, or its plain inserts after
+    its staged rest), timed and counted."""
+    with outcome.timed("direct"):
+        outcome.rows_written += _direct(conn, tp, direct)
+    outcome.direct.append(name)
 
 
 def _direct(conn: psycopg.Connection[Any], tp: TablePlan, direct: DirectTable) -> int:

@@ -553,14 +553,23 @@ class TargetWriter:
 
 
 def copy_rows(conn: psycopg.Connection[Any], staging: str, columns: Sequence[str],
-              payload: bytes, chunk: int = 1 << 20) -> None:
+              payload: bytes) -> None:
     """COPY text rows (see :mod:`pgsieve.apply.copytext`) into a staging table."""
+    copy_in(conn, sql.Identifier(SCHEMA, staging), columns, payload)
+
+
+def copy_in(conn: psycopg.Connection[Any], table: sql.Composable, columns: Sequence[str],
+            payload: bytes, chunk: int = 1 << 20) -> int:
+    """COPY text rows into ``table`` (``columns`` named), handed to libpq ``chunk`` bytes
+    at a time; the rows the server wrote (a target's trigger may skip some)."""
     stmt = sql.SQL("COPY {} ({}) FROM STDIN").format(
-        sql.Identifier(SCHEMA, staging), sql.SQL(", ").join(map(sql.Identifier, columns)))
-    with conn.cursor().copy(stmt) as copy:
-        view = memoryview(payload)
-        for i in range(0, len(payload), chunk):
-            copy.write(view[i:i + chunk])
+        table, sql.SQL(", ").join(map(sql.Identifier, columns)))
+    with conn.cursor() as cur:
+        with cur.copy(stmt) as copy:
+            view = memoryview(payload)
+            for i in range(0, len(payload), chunk):
+                copy.write(view[i:i + chunk])
+        return max(cur.rowcount, 0)
 
 
 # -- subscription-time checks ------------------------------------------------------------------

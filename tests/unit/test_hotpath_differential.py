@@ -146,6 +146,15 @@ def encoded(plan: BatchPlan) -> dict[str, Any]:
     return out
 
 
+def plan_of(messages: list[tuple[int, bytes]], txns: list[Transaction]) -> BatchPlan:
+    """The plan of ``txns`` (read from ``messages``) into targets shaped as their
+    relations, with the implementation in force."""
+    targets = targets_of(messages, 1)
+    routes = {name: TableRoute(name, name) for name in targets}
+    by_target = {t.qualified_name: t for t in targets.values()}
+    return build_plan(ApplyBatch("sub", txns, routes), by_target.__getitem__)
+
+
 def split_keys(effect: TableEffect, min_rows: int) -> Any:
     """:func:`split_inserts`'s answer by keys (an entry's ``SOURCE`` is a new object per
     plan)."""
@@ -316,9 +325,7 @@ def test_random_insert_streams_encode_the_same_target_rows(seed: int) -> None:
     txns = read(messages, 1, rng, True)
     reference, compiled = both_ways(txns, targets_of(messages, 1))
     assert compiled == reference
-    routes = {name: TableRoute(name, name) for name in targets_of(messages, 1)}
-    by_target = {t.qualified_name: t for t in targets_of(messages, 1).values()}
-    plan = build_plan(ApplyBatch("sub", txns, routes), by_target.__getitem__)
+    plan = plan_of(messages, txns)
     seen = 0
     for name, tp in plan.tables.items():
         got = reference[1][name][2]
@@ -343,11 +350,7 @@ def test_effects_other_than_plain_inserts_are_not_encoded_for_a_copy() -> None:
     for seed in range(30):
         rng = random.Random(seed)
         messages = stream(rng, 40, True)
-        txns = read(messages, 1, rng, True)
-        targets = targets_of(messages, 1)
-        routes = {name: TableRoute(name, name) for name in targets}
-        by_target = {t.qualified_name: t for t in targets.values()}
-        plan = build_plan(ApplyBatch("sub", txns, routes), by_target.__getitem__)
+        plan = plan_of(messages, read(messages, 1, rng, True))
         for tp in plan.tables.values():
             plain = all(not e[0] and e[ROW] is not None and e[ORIGIN] is None
                         and not e[UMASK] for e in tp.effect.entries.values())
@@ -554,11 +557,7 @@ def test_plain_inserts_are_set_apart_from_the_rest_of_an_effect() -> None:
     for seed in range(40):
         rng = random.Random(seed)
         messages = stream(rng, 60, True)
-        txns = read(messages, 1, rng, True)
-        targets = targets_of(messages, 1)
-        routes = {name: TableRoute(name, name) for name in targets}
-        by_target = {t.qualified_name: t for t in targets.values()}
-        plan = build_plan(ApplyBatch("sub", txns, routes), by_target.__getitem__)
+        plan = plan_of(messages, read(messages, 1, rng, True))
         for tp in plan.tables.values():
             results = []
             for choice in IMPLEMENTATIONS:
@@ -598,11 +597,7 @@ def test_a_key_deleted_and_inserted_again_is_not_a_plain_insert() -> None:
                 (0x160, encode(Delete(10, TupleData("tnn", (b"7", None, None)), "K"))),
                 (0x180, encode(Insert(10, TupleData("ttn", row)))),
                 (0x1a0, encode(Commit(0, Lsn(0x400), Lsn(0x410), T)))]
-    txns = read(messages, 1, random.Random(0), True)
-    targets = targets_of(messages, 1)
-    routes = {name: TableRoute(name, name) for name in targets}
-    by_target = {t.qualified_name: t for t in targets.values()}
-    [tp] = build_plan(ApplyBatch("sub", txns, routes), by_target.__getitem__).tables.values()
+    [tp] = plan_of(messages, read(messages, 1, random.Random(0), True)).tables.values()
     for impl in ("python", "compiled"):
         with hotpath.using(impl):
             assert encode_inserts(tp.effect, (0,)) is None, impl

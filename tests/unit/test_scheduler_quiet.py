@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -51,20 +53,28 @@ def _hold(scheduler: Scheduler, name: str, run: _Run) -> None:
         scheduler._push(name, time.monotonic())
 
 
-def _runner(scheduler: Scheduler) -> threading.Thread:
-    thread = threading.Thread(target=scheduler._runner, daemon=True)
-    thread.start()
-    return thread
-
-
-def test_a_write_waits_for_the_running_turn_then_goes_at_once(tmp_path: Path) -> None:
+@contextmanager
+def _turns(tmp_path: Path, run: _Run) -> Iterator[Scheduler]:
+    """A scheduler holding one stand-in stream, its runner loop taking turns; yields once
+    the first turn started."""
     scheduler = _scheduler(tmp_path)
-    run = _Run(seconds=0.4, worked=False)  # one turn, then idle for idle_poll_seconds
     _hold(scheduler, "a", run)
-    runner = _runner(scheduler)
+    runner = threading.Thread(target=scheduler._runner, daemon=True)
+    runner.start()
     try:
         while not run.turns:
             time.sleep(0.005)
+        yield scheduler
+    finally:
+        scheduler._stopping.set()
+        with scheduler._cond:
+            scheduler._cond.notify_all()
+        runner.join(5)
+
+
+def test_a_write_waits_for_the_running_turn_then_goes_at_once(tmp_path: Path) -> None:
+    run = _Run(seconds=0.4, worked=False)  # one turn, then idle for idle_poll_seconds
+    with _turns(tmp_path, run) as scheduler:
         started = time.monotonic()
         scheduler._wait_quiet(3.0)
         waited = time.monotonic() - started
@@ -72,28 +82,13 @@ def test_a_write_waits_for_the_running_turn_then_goes_at_once(tmp_path: Path) ->
         started = time.monotonic()
         scheduler._wait_quiet(3.0)  # nothing runs, nothing is due: at once
         assert time.monotonic() - started < 0.1
-    finally:
-        scheduler._stopping.set()
-        with scheduler._cond:
-            scheduler._cond.notify_all()
-        runner.join(5)
 
 
 def test_a_write_goes_at_its_limit_while_turns_keep_coming(tmp_path: Path) -> None:
-    scheduler = _scheduler(tmp_path)
     run = _Run(seconds=0.02, worked=True)  # always work behind: due again at once
-    _hold(scheduler, "busy", run)
-    runner = _runner(scheduler)
-    try:
-        while not run.turns:
-            time.sleep(0.005)
+    with _turns(tmp_path, run) as scheduler:
         started = time.monotonic()
         scheduler._wait_quiet(0.3)
         waited = time.monotonic() - started
         assert 0.3 <= waited < 1.0, waited
         assert len(run.turns) > 5  # the turns went on meanwhile
-    finally:
-        scheduler._stopping.set()
-        with scheduler._cond:
-            scheduler._cond.notify_all()
-        runner.join(5)
