@@ -498,9 +498,11 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
 
     done = False
     turns = mode in TURN_MODES
-    while not done:
-        # A worker's turns: reading stops at the turn's deadline (between two chunks of
-        # a window), and what the turn read is applied and confirmed at its end.
+
+    def one_turn() -> None:
+        """A worker's turn: reading stops at the turn's deadline (between two chunks of a
+        window), and what the turn read is applied and confirmed at its end."""
+        nonlocal done
         for item in consumer.items(time.monotonic() + (TURN_SECONDS if turns else 3600),
                                    quiet=turns):
             now = time.monotonic()
@@ -518,6 +520,13 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
             if done:
                 break
         flush()
+
+    while not done:
+        if turns:  # with the collector paused, as a worker's turn is (_StreamRun.turn)
+            with hotpath.gc_paused():
+                one_turn()
+        else:
+            one_turn()
     applied(background.wait())
     applied(behind.wait())
     seconds = time.perf_counter() - t0

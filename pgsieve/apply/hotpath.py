@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -111,25 +112,48 @@ _pause_lock = threading.Lock()
 _pauses = 0
 _pause_lock_state = [False]
 """Whether the collector was on when the outermost pause began."""
+_held_off_since = [0.0]
+"""When the collector last ran, or the outermost pause began (monotonic seconds)."""
+_overdue_passes = [0]
+
+PAUSE_LIMIT_SECONDS = 10.0
+"""Pauses that overlap without a gap (two runners' turns, back to back) hold the collector
+off at most this long: the pause that begins after it runs a collection first."""
+FULL_PASS_EVERY = 6
+"""Of those forced collections, every this many is a full one (the others: the young
+generations), as the collector's own thresholds would have it."""
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while a batch is planned or encoded.
+    """The cyclic garbage collector off while a batch is read, planned or encoded.
 
-    A plan builds a list per key and a tuple per row; every 700 of them the collector
-    walks the young objects, and its periodic full passes walk all of them — a fifth to a
-    third of a compiled plan's time (bench/RESULTS.md). Nothing the plan builds forms a
-    cycle, so reference counting frees it all the same. Nested and concurrent pauses (the
+    A plan builds a list per key and a tuple per row, and a turn reading a backlog keeps
+    hundreds of thousands of transactions alive until its batch is applied; every 50,000
+    allocations the collector walks the young objects, and its periodic passes walk all
+    of them again — a fifth to a third of a compiled plan's time, a sixth of a one-row
+    backlog's reading (bench/RESULTS.md). Nothing a batch builds forms a cycle, so
+    reference counting frees it all the same. Nested and concurrent pauses (the
     scheduler's runner threads) count: the collector is back once the last one ends, if
-    it was on before the first."""
+    it was on before the first. Turns that overlap for longer than
+    :data:`PAUSE_LIMIT_SECONDS` never leave a gap, so a pause that begins after that long
+    collects first: cycles are found late, never not at all."""
     global _pauses
+    overdue = False
     with _pause_lock:
+        now = time.monotonic()
         if _pauses == 0:
             _pause_lock_state[0] = gc.isenabled()
             gc.disable()
+            _held_off_since[0] = now
+        elif _pause_lock_state[0] and now - _held_off_since[0] >= PAUSE_LIMIT_SECONDS:
+            overdue = True
+            _held_off_since[0] = now
+            _overdue_passes[0] += 1
         _pauses += 1
     try:
+        if overdue:
+            gc.collect(2 if _overdue_passes[0] % FULL_PASS_EVERY == 0 else 1)
         yield
     finally:
         with _pause_lock:

@@ -32,6 +32,7 @@ import psycopg
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.apply import hotpath
 from pgsieve.apply.batch import (
     DEFAULT_CONFLICT_POLICY,
     ApplyBatch,
@@ -527,7 +528,19 @@ class _StreamRun:
         of the slot (the transport's ``window_bytes``; the read stops at ``deadline``),
         apply what it held in one batch and confirm it. Returns whether anything of ours
         was in it (work waits behind: take another turn soon). Raises :class:`_Stop`
-        when the subscription must be let go (error, disabled, lease lost)."""
+        when the subscription must be let go (error, disabled, lease lost).
+
+        The cyclic collector is paused for the turn (:func:`.hotpath.gc_paused`): a turn
+        reading a backlog holds every transaction it read until its batch is applied,
+        and the collector's passes over them were a sixth of a one-row backlog's Python
+        time (bench/RESULTS.md, twentieth session). A turn longer than the pauses' bound
+        (``PGSIEVE_TURN_SECONDS`` raised past it) runs with the collector on."""
+        if deadline - time.monotonic() > hotpath.PAUSE_LIMIT_SECONDS:
+            return self._turn(deadline)
+        with hotpath.gc_paused():
+            return self._turn(deadline)
+
+    def _turn(self, deadline: float) -> bool:
         now = time.monotonic()
         every = CONTROL_SAFETY_EVERY if self.control_on_request else self.control_every
         if self._control_requested or now - self._control_at >= every:

@@ -549,6 +549,40 @@ def test_gc_pauses_nest_and_give_the_collector_back_as_it_was() -> None:
         gc.enable()
 
 
+def test_overlapping_pauses_still_let_the_collector_find_cycles(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runners whose turns overlap back to back never leave the collector a gap: a
+    pause that begins after the bound collects first, so garbage cycles are freed late,
+    never not at all — and not while the bound has not passed."""
+    import gc
+    import time
+    import weakref
+
+    class Node:
+        other: object = None
+
+    def cycle() -> weakref.ref[Node]:
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    monkeypatch.setattr(hotpath, "PAUSE_LIMIT_SECONDS", 0.2)
+    with hotpath.gc_paused():  # the first runner's turn, never ending in this test
+        early = cycle()
+        with hotpath.gc_paused():  # within the bound: nothing collected
+            assert early() is not None
+        time.sleep(0.25)
+        late = cycle()
+        with hotpath.gc_paused():  # the bound passed: this pause collects first
+            assert early() is None and late() is None
+            assert not gc.isenabled()
+        kept = cycle()
+        with hotpath.gc_paused():  # and the bound starts again
+            assert kept() is not None
+    assert gc.isenabled()
+    gc.collect()
+
+
 def test_plain_inserts_are_set_apart_from_the_rest_of_an_effect() -> None:
     """Random consistent streams: where a table's effect mixes plain inserts with other
     changes, the split keeps every entry exactly once — the plain ones (one set of
