@@ -57,8 +57,9 @@ log = logging.getLogger(__name__)
 
 BUSY_WITHIN_SECONDS = 1.0
 """A worker that wrote applied progress this recently counts a batch for the next group
-write instead of writing it in the turn (see :meth:`ProgressBook.busy`); longer than the
-scheduler's ``PROGRESS_WRITE_EVERY``, so a busy worker's turns never write it inline."""
+write instead of writing it in the turn (see :meth:`ProgressBook.busy`). A scheduler
+gives its book a window longer than the longest gap between its group writes (see
+:class:`ProgressBook`)."""
 
 COUNTERS = ("inserts", "updates", "deletes", "truncates", "conflicts", "missing_skipped")
 """Per-table counts a batch adds (the columns of ``SubscriptionTable`` of the same name)."""
@@ -339,18 +340,24 @@ class ProgressBook:
     """A scheduler's: every stream's progress since the heartbeat last wrote it. Runner
     threads add, the heartbeat takes (and gives back what it could not write)."""
 
-    def __init__(self) -> None:
+    def __init__(self, busy_within: float = BUSY_WITHIN_SECONDS) -> None:
         self._lock = threading.Lock()
         self._by_id: dict[str, AppliedProgress] = {}
         self._pending = threading.Event()
         self._written_at = 0.0
         self.trims = ImageTrims()
+        self.busy_within = busy_within
+        """Longer than the longest gap between two group writes of a busy worker: were
+        it shorter, every turn inside a longer gap wrote its own record to the metadata
+        store inline (measured at N = 50: a fifth of the turns' time, worst p99 lag 0.50
+        –1.52 s against 0.32 s, bench/RESULTS.md, twentieth session)."""
 
-    def busy(self, within: float = BUSY_WITHIN_SECONDS) -> bool:
+    def busy(self, within: float | None = None) -> bool:
         """Whether progress was written within ``within`` seconds: the worker applies
         batches back to back, and a batch's record may wait for the next group write.
         An idle worker's batch is written by its turn, as fresh as a lone cycle's."""
-        return time.monotonic() - self._written_at < within
+        window = self.busy_within if within is None else within
+        return time.monotonic() - self._written_at < window
 
     def written(self) -> None:
         self._written_at = time.monotonic()

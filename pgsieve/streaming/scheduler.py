@@ -104,6 +104,10 @@ QUIET_WAIT_SECONDS = 0.5
 moment when no turn runs or is due (see :meth:`Scheduler._wait_quiet`). Measured at
 N = 50 (bench/RESULTS.md, nineteenth session): worst p99 lag 0.27–0.29 s with the wait,
 0.28–0.30 s without, five runs each, native 0.22–0.24 s."""
+PROGRESS_BUSY_WITHIN = PROGRESS_WRITE_EVERY + QUIET_WAIT_SECONDS + 1.0
+"""A batch applied within this long of the last group write waits for the next one
+instead of being written by its turn: longer than the longest gap between group writes
+(their period, then the quiet wait, then the write itself, given a second)."""
 QUIET_POLL_SECONDS = 0.005
 """How often that wait looks again (a turn coming due is a matter of time, not a
 notification)."""
@@ -179,7 +183,7 @@ class Scheduler:
         """Transport switches of streams let go (those held count their own)."""
         self._notes: dict[str, CaughtUp] = {}
         self._notes_mutex = threading.Lock()
-        self._progress = ProgressBook()
+        self._progress = ProgressBook(busy_within=PROGRESS_BUSY_WITHIN)
         self._push_waits = PushWaits(self._woken, self._armable,
                                      max_delay=self.settings.idle_poll_seconds)
         self._pushed_fallback = max(self.settings.idle_poll_seconds,

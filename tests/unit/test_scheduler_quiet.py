@@ -10,6 +10,7 @@ own runner loop takes the turns; the streams are stand-ins whose turn only takes
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -92,3 +93,39 @@ def test_a_write_goes_at_its_limit_while_turns_keep_coming(tmp_path: Path) -> No
         waited = time.monotonic() - started
         assert 0.3 <= waited < 1.0, waited
         assert len(run.turns) > 5  # the turns went on meanwhile
+
+
+def test_a_busy_workers_turns_leave_their_progress_to_the_group_write(
+        tmp_path: Path) -> None:
+    """While turns keep coming, every group write waits out its quiet limit; the book must
+    still count as busy all the way to the next write, or each turn in that gap writes
+    its own record to the metadata store (a fifth of the turns' time at N = 50)."""
+    run = _Run(seconds=0.02, worked=True)
+    with _turns(tmp_path, run) as scheduler:
+        book = scheduler._progress
+        writes: list[float] = []
+
+        def write_progress() -> bool:  # a slow write (a loaded store; the scheduling is
+            time.sleep(0.6)              # tested, not the write)
+            book.written()
+            writes.append(time.monotonic())
+            book._pending.set()  # the turns counted more meanwhile
+            return True
+
+        scheduler._write_progress = write_progress  # type: ignore[method-assign]
+        book._pending.set()
+        loop = threading.Thread(target=scheduler._progress_loop, daemon=True)
+        loop.start()
+        while not writes:
+            time.sleep(0.005)
+        idle_moments = 0
+        until = time.monotonic() + 4.0
+        while time.monotonic() < until:
+            idle_moments += not book.busy()
+            time.sleep(0.005)
+        scheduler._stopping.set()
+        loop.join(5)
+    assert len(writes) >= 3, writes  # the loop went on writing
+    gaps = [b - a for a, b in itertools.pairwise(writes)]
+    assert max(gaps) > 1.05, gaps  # write, then a quiet wait run out: the long gaps
+    assert idle_moments == 0
