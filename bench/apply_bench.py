@@ -41,7 +41,6 @@ from typing import Any
 
 import psycopg
 
-from bench._mergebehind import MergeBehind
 from pgsieve.apply import hotpath
 from pgsieve.apply.batch import ApplyBatch, ApplyResult, TableRoute
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
@@ -49,6 +48,7 @@ from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.apply import BackgroundApplier, apply_batch
+from pgsieve.spark.mergebehind import MergeBehind, MergedBehind
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
 from pgsieve.streaming.readahead import (
     ReadAheadTransport,
@@ -471,6 +471,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
     consumer = SlotConsumer(transport, proto_version=PROTO)
     background = BackgroundApplier(spark, writer, distributed=distributed)
     behind = MergeBehind(writer, spark=spark, distributed=distributed)
+    behind_at = Settings().merge_behind_changes if mode.endswith("merge-behind") else 0
 
     def applied(results: list[ApplyResult]) -> None:
         nonlocal replicated, batches
@@ -483,14 +484,20 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
             for txn in held.pop(0):
                 txn.close()
 
-    def flush() -> None:
+    def merged(done: list[MergedBehind]) -> None:
+        applied([m.result for m in done])
+
+    def flush(behind_ok: bool = True) -> None:
         txns = batcher.take()
         if not txns:
             return
         held.append(txns)
         batch = ApplyBatch("bench", txns, routes)
-        if mode.endswith("merge-behind"):
-            applied(behind.submit(batch))
+        if mode.endswith("merge-behind") and behind_ok:
+            merged(behind.submit(batch))
+        elif mode.endswith("merge-behind"):  # as a worker's turn that read everything
+            merged(behind.wait())
+            applied([apply_batch(spark, batch, writer, distributed=distributed)])
         elif not mode.endswith("pipelined"):
             applied([apply_batch(spark, batch, writer, distributed=distributed)])
         else:
@@ -515,11 +522,12 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
                 break
             if mode.endswith("pipelined"):
                 applied(background.ready())
-            if batcher.due(now) or (done and len(batcher)):
-                flush()
+            if batcher.due(now) or (done and len(batcher)) or (
+                    behind_at and batcher.changes >= behind_at):
+                flush(behind_ok=not done)
             if done:
                 break
-        flush()
+        flush(behind_ok=not done)
 
     while not done:
         if turns:  # with the collector paused, as a worker's turn is (_StreamRun.turn)
@@ -528,7 +536,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
         else:
             one_turn()
     applied(background.wait())
-    applied(behind.wait())
+    merged(behind.wait())
     seconds = time.perf_counter() - t0
     if isinstance(transport, ReadAheadTransport):
         child_rss = 0

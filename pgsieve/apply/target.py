@@ -234,6 +234,10 @@ class TargetWriter:
         failed): the next :meth:`applied_lsn` reads it."""
         self._applied_known = False
 
+    def applied_is_known(self) -> bool:
+        """Whether :meth:`expected_applied` answers without a query."""
+        return self._applied_known
+
     def applied_committed(self, lsn: Lsn | None) -> None:
         """The transaction that left the record at ``lsn`` committed."""
         self._applied, self._applied_known = lsn, True

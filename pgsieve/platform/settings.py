@@ -193,6 +193,12 @@ class Settings(BaseSettings):
     turn_seconds: float = Field(
         default=1.0, gt=0, le=600, description="reading time of one turn at most",
     )
+    merge_behind_changes: int = Field(
+        default=50_000, ge=0,
+        description="a turn reading a backlog closes its batch at this many changes and "
+        "merges it at the target in a thread (on a second target connection) while it "
+        "reads on; 0: every batch merges before the turn goes on",
+    )
     push_max_backlog_bytes: int = Field(
         default=64 << 20, ge=1 << 20,
         description="transport auto: a held-open replication session reads a stream "

@@ -62,6 +62,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.spark.apply import apply_batch
+from pgsieve.spark.mergebehind import MergeBehind, MergedBehind, MergesFailed
 from pgsieve.streaming.appliednotes import (
     AppliedProgress,
     ImageTrims,
@@ -152,6 +153,7 @@ class OpenStream:
         return self.run.consumer.transport
 
     def close(self) -> None:
+        self.run.close_merges()
         try:
             if self.run.reader is not None:
                 self.run.reader.close()
@@ -484,6 +486,9 @@ class _StreamRun:
         scheduler watches every subscription it holds in one query per heartbeat), and
         every ``CONTROL_SAFETY_EVERY`` anyway, instead of every ``control_every``."""
         self._control_requested = False
+        self._behind: MergeBehind | None = None
+        """Merges of a backlog's batches running behind the turn's reading (created on
+        the first batch of ``merge_behind_min_changes``)."""
 
     def stream(self, deadline: float) -> CycleOutcome:
         try:
@@ -550,6 +555,7 @@ class _StreamRun:
             raise _Stop(CycleOutcome("stopped", "disabled", self.batches, self.changes))
         worked = False
         self.drained = False
+        behind_at = self.cycle.settings.merge_behind_changes
         reader = self.reader
         read = (reader.turn_items(deadline) if reader is not None
                 else contextlib.closing(self.consumer.items(deadline, quiet=True)))
@@ -564,8 +570,9 @@ class _StreamRun:
                             continue
                         self.batcher.add(item, now)
                         fault_point("cycle.decoded")
-                        if self.batcher.full:
-                            self._flush()
+                        if self.batcher.full or (
+                                behind_at and self.batcher.changes >= behind_at):
+                            self._flush(behind_ok=True)
                         continue
                     if isinstance(item, IdleProgress):
                         if len(self.batcher):
@@ -578,8 +585,15 @@ class _StreamRun:
                         break
                     if self.keeper.lost.is_set() or WORKER_STOPPING.is_set():
                         break
+            stopping = self.keeper.lost.is_set() or WORKER_STOPPING.is_set()
             if len(self.batcher) and not self.keeper.lost.is_set():
-                self._flush()
+                # A turn that stopped at its deadline leaves its batch merging behind
+                # while the next turn reads; one that read everything commits it now.
+                self._flush(behind_ok=not (self.drained or stopping))
+            if self.drained or stopping:
+                self._settle_merges()
+                self.close_merges()  # (its thread and second connection: a caught-up
+                # stream holds none)
         finally:
             for txn in self.batcher.take():
                 txn.close()
@@ -602,6 +616,7 @@ class _StreamRun:
             return False
         if len(self.batcher):
             self._flush()
+        self._settle_merges()
         if self.keeper.lost.is_set():
             raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
                                      self.changes))
@@ -631,6 +646,7 @@ class _StreamRun:
         self._control_requested = self._control_requested or catchup
         self.enabled, self.on_conflict, self.skip_lsn = enabled, on_conflict, skip_lsn
         if catchup and not len(self.batcher):
+            self._settle_merges()
             self.cycle._catch_up_tables(self.writer.applied_lsn())
             routes = self.cycle.load_routes()[0]
         changed = routes != self.routes
@@ -674,6 +690,7 @@ class _StreamRun:
         self._idle_recorded_at = now
         if self.keeper.lost.is_set():
             return
+        self._settle_merges()
         self.writer.record_idle(lsn)
         self.consumer.confirm(lsn)
         self._note_caught_up(now, lsn)
@@ -698,7 +715,9 @@ class _StreamRun:
             session.commit()
 
     # -- applying ------------------------------------------------------------------------
-    def _flush(self) -> None:
+    def _flush(self, *, behind_ok: bool = False) -> None:
+        """Apply the batcher's transactions as one batch: at once, or — a backlog's big
+        batch in a turn that reads on (``behind_ok``) — merging behind the reading."""
         txns = self.batcher.take()
         if not txns:
             return
@@ -714,7 +733,22 @@ class _StreamRun:
             on_conflict=self.on_conflict,  # type: ignore[arg-type]
             skip_lsn=self.skip_lsn,
         )
-        if batch.change_count >= SHOW_PENDING_CHANGES or self._last_apply_seconds >= 1.0:
+        if behind_ok and self.cycle.settings.merge_behind_changes:
+            self._merge_behind(batch)
+            return
+        try:
+            self._settle_merges()
+        except BaseException:
+            for txn in txns:
+                txn.close()
+            raise
+        self._apply_now(batch)
+
+    def _apply_now(self, batch: ApplyBatch) -> None:
+        """Apply ``batch`` in this thread, confirm it, record it; a conflict or failure
+        stops the subscription exactly before the transaction at fault."""
+        txns = list(batch.transactions)
+        if _shows_pending(batch) or self._last_apply_seconds >= 1.0:
             self._before_apply(txns)
         fault_point("cycle.before_apply")
 
@@ -778,6 +812,101 @@ class _StreamRun:
         self.batches += 1
         self.changes += result.changes
         self._after_apply(result, elapsed)
+
+    # -- merges behind the reading (.spark.mergebehind) -----------------------------------
+    def _merge_behind(self, batch: ApplyBatch) -> None:
+        behind = self._behind
+        if behind is None:
+            log.info("subscription %s: reading a backlog; its batches merge behind the "
+                     "reading", self.cycle.subscription_id)
+            behind = self._behind = MergeBehind(self.writer, spark=self.cycle.spark())
+        if not behind.in_flight and _shows_pending(batch):
+            # (with a batch in flight, its older commit is what is pending)
+            self._before_apply(list(batch.transactions))
+        fault_point("cycle.before_apply")
+        try:
+            merged = behind.submit(batch)
+        except MergesFailed as failed:
+            self._merges_failed(failed)
+            return
+        except Exception as exc:  # preparing it failed: the way every batch applies
+            log.info("subscription %s: a batch to merge behind did not stage (%s); "
+                     "applying it at once", self.cycle.subscription_id, _describe(exc))
+            try:
+                self._settle_merges()
+            except BaseException:
+                for txn in batch.transactions:
+                    txn.close()
+                raise
+            self._apply_now(batch)
+            return
+        for done in merged:
+            self._merged(done)
+        fault_point("cycle.merge_behind")  # a merge in flight, its successor staged
+
+    def _settle_merges(self) -> None:
+        """Wait for the merges behind the reading: confirm and record them, or — one
+        failed — apply what did not commit one batch at a time, as any batch applies."""
+        behind = self._behind
+        if behind is None or not behind.in_flight:
+            return
+        try:
+            merged = behind.wait()
+        except MergesFailed as failed:
+            self._merges_failed(failed)
+            return
+        for done in merged:
+            self._merged(done)
+
+    def _merged(self, done: MergedBehind) -> None:
+        """A merge behind the reading committed: only now may the slot forget it."""
+        try:
+            fault_point("cycle.after_commit")
+            self.consumer.confirm(done.result.end_lsn)
+            self.batches += 1
+            self.changes += done.result.changes
+            # (a batch shown as pending clears the mark with its own write)
+            self._showing_pending = _shows_pending(done.batch)
+            self._after_apply(done.result, done.seconds)
+        finally:
+            for txn in done.batch.transactions:
+                txn.close()
+        behind = self._behind
+        waiting = [] if behind is None else behind.in_flight
+        if waiting and _shows_pending(waiting[0]):  # the next one is what is pending now
+            self._before_apply(list(waiting[0].transactions))
+
+    def _merges_failed(self, failed: MergesFailed) -> None:
+        """Nothing of ``failed.unapplied`` committed: apply each batch at once, in order
+        (the failure recurs, and stops the subscription exactly where it would have, or
+        it was the merge's own and the batch goes through)."""
+        log.info("subscription %s: a merge behind the reading failed (%s); applying the "
+                 "%d batches not committed one by one", self.cycle.subscription_id,
+                 _describe(failed.error), len(failed.unapplied))
+        pending = list(failed.unapplied)
+        try:
+            while pending:
+                batch = pending.pop(0)
+                if self.keeper.lost.is_set():
+                    pending.insert(0, batch)
+                    raise _Stop(CycleOutcome("stopped", "lost the consumer lock",
+                                             self.batches, self.changes))
+                self._apply_now(batch)
+        finally:
+            for batch in pending:
+                for txn in batch.transactions:
+                    txn.close()
+
+    def close_merges(self) -> None:
+        """The stream closes: let merges in flight end (not confirmed: the slot sends
+        them again, and the target's record skips what committed)."""
+        behind, self._behind = self._behind, None
+        if behind is not None:
+            batches = behind.in_flight
+            behind.close()
+            for batch in batches:
+                for txn in batch.transactions:
+                    txn.close()
 
     def _changed_routes(self) -> dict[str, TableRoute] | None:
         """A conflict is judged again under the routes in force now, if they changed
@@ -899,6 +1028,10 @@ class _StreamRun:
             raise
         if book is not None:
             book.written()
+
+
+def _shows_pending(batch: ApplyBatch) -> bool:
+    return batch.change_count >= SHOW_PENDING_CHANGES
 
 
 def _transient(exc: BaseException) -> bool:
