@@ -510,6 +510,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
         """A worker's turn: reading stops at the turn's deadline (between two chunks of a
         window), and what the turn read is applied and confirmed at its end."""
         nonlocal done
+        close_at = behind.batch_changes(behind_at, limits.max_changes)
         for item in consumer.items(time.monotonic() + (TURN_SECONDS if turns else 3600),
                                    quiet=turns):
             now = time.monotonic()
@@ -523,7 +524,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
             if mode.endswith("pipelined"):
                 applied(background.ready())
             if batcher.due(now) or (done and len(batcher)) or (
-                    behind_at and batcher.changes >= behind_at):
+                    behind_at and batcher.changes >= close_at):
                 flush(behind_ok=not done)
             if done:
                 break

@@ -86,6 +86,16 @@ class MergeBehind:
         self._pool: ThreadPoolExecutor | None = None
         self._queue: deque[_InFlight] = deque()
         self._failed = threading.Event()
+        self._fold = 1.0
+
+    def batch_changes(self, least: int, most: int) -> int:
+        """How many changes the next batch reads before it closes: ``least`` times how
+        many changes the last merged batch folded into each row it wrote, at most
+        ``most``. Why: a merge's time follows the rows it writes, and the pipeline gains
+        while the next batch's reading outlasts the merge in flight — small batches keep a
+        backlog of distinct rows from ending on one long merge, while a hot-key backlog
+        (thousands of changes per row) keeps its batches big and its writes few."""
+        return max(least, min(most, int(least * self._fold)))
 
     @property
     def in_flight(self) -> list[ApplyBatch]:
@@ -164,6 +174,8 @@ class MergeBehind:
             self._unknown()
             raise MergesFailed(exc, [], unapplied + extra) from exc
         self._queue.popleft()
+        result = merged.result
+        self._fold = max(1.0, result.changes / max(1, result.rows_written))
         return [merged]
 
     def _free_writer(self) -> int:

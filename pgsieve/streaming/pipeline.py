@@ -486,9 +486,11 @@ class _StreamRun:
         scheduler watches every subscription it holds in one query per heartbeat), and
         every ``CONTROL_SAFETY_EVERY`` anyway, instead of every ``control_every``."""
         self._control_requested = False
+        self._close_at = 0
+        """Changes at which a turn's batch closes to merge behind the reading."""
         self._behind: MergeBehind | None = None
-        """Merges of a backlog's batches running behind the turn's reading (created on
-        the first batch of ``merge_behind_min_changes``)."""
+        """Merges of a backlog's batches running behind the turn's reading (created by
+        the first such batch, let go of once the stream caught up)."""
 
     def stream(self, deadline: float) -> CycleOutcome:
         try:
@@ -556,6 +558,8 @@ class _StreamRun:
         worked = False
         self.drained = False
         behind_at = self.cycle.settings.merge_behind_changes
+        self._close_at = behind_at if self._behind is None else self._behind.batch_changes(
+            behind_at, self.batcher.limits.max_changes)
         reader = self.reader
         read = (reader.turn_items(deadline) if reader is not None
                 else contextlib.closing(self.consumer.items(deadline, quiet=True)))
@@ -571,7 +575,7 @@ class _StreamRun:
                         self.batcher.add(item, now)
                         fault_point("cycle.decoded")
                         if self.batcher.full or (
-                                behind_at and self.batcher.changes >= behind_at):
+                                behind_at and self.batcher.changes >= self._close_at):
                             self._flush(behind_ok=True)
                         continue
                     if isinstance(item, IdleProgress):
@@ -650,6 +654,8 @@ class _StreamRun:
             self.cycle._catch_up_tables(self.writer.applied_lsn())
             routes = self.cycle.load_routes()[0]
         changed = routes != self.routes
+        if changed:  # (merges in flight carry the old routes: done before anyone is told)
+            self._settle_merges()
         self.routes = routes
         if changed and self._on_routes_changed is not None:
             # Batches from now on use the new routes: say so (a resync waits for it).
