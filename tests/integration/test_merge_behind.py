@@ -94,3 +94,29 @@ def test_a_failed_merge_hands_back_every_batch_not_committed(pair: Pair):
     assert pair.writer.applied_lsn() == batches[-1].end_lsn
     assert pair.rows(pair.target, "kv") == [(1, "v1"), (3, "fine"), (4, "v4"), (5, "v5"),
                                             (9, "theirs")]
+
+
+def test_a_hot_key_backlog_keeps_big_batches_a_distinct_one_small(pair: Pair):
+    """The next batch closes at ``least`` times the changes the last merge folded into
+    each row it wrote: hot keys (one row written for many changes) read big batches."""
+    pair.publications = ("p",)
+    pair.setup("CREATE TABLE kv (id int PRIMARY KEY, v text);"
+               "CREATE PUBLICATION p FOR TABLE kv;", tables=["public.kv"])
+    behind = MergeBehind(pair.writer, distributed=False)
+    try:
+        assert behind.batch_changes(50, 1000) == 50  # nothing merged yet
+        pair.run("INSERT INTO kv VALUES (1, 'a')",
+                 *(f"UPDATE kv SET v = 'v{i}' WHERE id = 1" for i in range(199)))
+        for batch in pair.batches(pair.read(), None):  # 200 changes, one row written
+            behind.submit(batch)
+        behind.wait()
+        assert behind.batch_changes(50, 1000) == 1000  # 50 × 200, at most 1000
+        assert 10_000 <= behind.batch_changes(50, 100_000) <= 10_100  # (+ the end marker)
+        pair.run("INSERT INTO kv SELECT g, 'x' FROM generate_series(2, 301) g")
+        for batch in pair.batches(pair.read(), None):  # 300 changes, 300 rows
+            behind.submit(batch)
+        behind.wait()
+        assert behind.batch_changes(50, 1000) == 50
+    finally:
+        behind.close()
+    pair.assert_same("kv")
