@@ -45,6 +45,7 @@ from pgsieve.apply import hotpath
 from pgsieve.apply.batch import ApplyBatch, ApplyResult, TableRoute
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
 from pgsieve.apply.target import TargetWriter
+from pgsieve.cli import WORKER_SWITCH_INTERVAL
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.apply import BackgroundApplier, apply_batch
@@ -746,6 +747,7 @@ def main() -> None:
                         "started here (a master and one worker offering CORES cores)")
     args = parser.parse_args()
     hotpath.tune_collector()  # as a worker runs (pgsieve worker)
+    sys.setswitchinterval(WORKER_SWITCH_INTERVAL)  # as well (its threads: merges behind)
     print(f"hot path: {hotpath.implementation()}", flush=True)
     if args.compare_paths and args.standalone_cluster:
         from pgsieve.spark.session import get_spark

@@ -4,6 +4,8 @@ value it did not receive."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from pgsieve.apply.batch import ApplyConflict, ApplyFenced, TableStopped
 from pgsieve.apply.target import TargetWriter, check_target_tables, read_source_columns
 from pgsieve.platform.errors import Unprocessable
 from pgsieve.spark.apply import apply_batch
+from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 from tests.integration import test_apply as harness
 from tests.integration.test_apply import Pair
@@ -263,3 +266,31 @@ def test_forget_drops_the_record_and_staging_tables(source_db: Database, target_
     assert again.applied_lsn() is None
     again.close()
     p._writer = None
+
+
+def test_idle_positions_only_move_the_record_forward(target_db: Database):
+    """An idle position is recorded in one statement when the record is behind, never
+    moves it back, and waits for a merge that holds the record (then compares with what
+    the merge committed)."""
+    writer = TargetWriter(target_db.dsn, "sub-idle")
+    merge = TargetWriter(target_db.dsn, "sub-idle")
+    writer.ensure_schema()
+    try:
+        writer.record_idle(Lsn.parse("0/100"))  # no record yet: created
+        assert writer.applied_lsn() == Lsn.parse("0/100")
+        writer.record_idle(Lsn.parse("0/200"))
+        assert writer.expected_applied() == Lsn.parse("0/200")
+        writer.record_idle(Lsn.parse("0/150"))  # behind the record: left as it is
+        assert writer.expected_applied() == writer.applied_lsn() == Lsn.parse("0/200")
+        recording = threading.Thread(target=writer.record_idle, args=(Lsn.parse("0/300"),))
+        with merge.conn.transaction():
+            merge.lock_applied(merge.conn)
+            merge.write_applied(merge.conn, Lsn.parse("0/400"), None, None)
+            recording.start()
+            time.sleep(0.3)
+            assert recording.is_alive(), "it waits for the merge's lock"
+        recording.join(10)
+        assert writer.expected_applied() == writer.applied_lsn() == Lsn.parse("0/400")
+    finally:
+        writer.close()
+        merge.close()
