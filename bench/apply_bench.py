@@ -283,7 +283,10 @@ windows now (from ``--window-mb``, doubling up to ``--max-window-mb``, read in p
 turns, on one backend); those windows each decoded by two backends, the second part a
 decoding session read after the first (fifteenth session); those windows read by a
 second process (:mod:`pgsieve.streaming.readahead`); and that with the apply in a
-thread."""
+thread. ``split-turn-windows+merge-behind`` is the worker since the twenty-first session:
+those windows, each batch's merge in a thread on one of two target connections while the
+turn reads on (:mod:`pgsieve.spark.mergebehind`); ``split-turn-windows`` is the worker
+before it, every batch merged in the turn."""
 
 
 TURN_MODES = ("fixed-windows", "turn-windows", "split-turn-windows", "read-ahead",
