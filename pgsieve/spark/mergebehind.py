@@ -30,6 +30,7 @@ import contextlib
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -51,14 +52,12 @@ class MergedBehind:
 
 class MergesFailed(Exception):
     """A merge behind the reading failed (``error``). Nothing of ``unapplied`` committed
-    — the failed batch first, then those queued or submitted after it, in order;
-    ``merged`` committed before it (confirm those first)."""
+    — the failed batch first, then those queued or submitted after it, in order (those
+    before it were collected already)."""
 
-    def __init__(self, error: BaseException, merged: list[MergedBehind],
-                 unapplied: list[ApplyBatch]) -> None:
+    def __init__(self, error: BaseException, unapplied: list[ApplyBatch]) -> None:
         super().__init__(str(error))
         self.error = error
-        self.merged = merged
         self.unapplied = unapplied
 
 
@@ -112,7 +111,7 @@ class MergeBehind:
         flight go on: :meth:`wait` for them and apply ``batch`` some other way."""
         done: list[MergedBehind] = []
         if len(self._queue) == len(self._writers):
-            done += self._collect(self._queue[0], extra=[batch])
+            done.append(self._collect(extra=[batch]))
         index = self._free_writer()
         writer = self._writer(index)
         writer.refresh_shapes()
@@ -123,7 +122,7 @@ class MergeBehind:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgsieve-merge")
         self._queue.append(_InFlight(self._pool.submit(self._merge, prepared), prepared, index))
         while len(self._queue) > 1 and self._queue[0].future.done():
-            done += self._collect(self._queue[0], extra=[])
+            done.append(self._collect())
         return done
 
     def wait(self) -> list[MergedBehind]:
@@ -132,7 +131,7 @@ class MergeBehind:
         LSN the last merge recorded."""
         done: list[MergedBehind] = []
         while self._queue:
-            done += self._collect(self._queue[0], extra=[])
+            done.append(self._collect())
         self._settled()
         return done
 
@@ -161,9 +160,11 @@ class MergeBehind:
             raise
         return MergedBehind(prepared.batch, result, time.monotonic() - started)
 
-    def _collect(self, oldest: _InFlight, *, extra: list[ApplyBatch]) -> list[MergedBehind]:
+    def _collect(self, *, extra: Sequence[ApplyBatch] = ()) -> MergedBehind:
+        """The oldest merge's result, waited for; raises :class:`MergesFailed` (with
+        ``extra``, not submitted, last among the unapplied) when it failed."""
         try:
-            merged = oldest.future.result()
+            merged = self._queue[0].future.result()
         except BaseException as exc:
             unapplied = [f.prepared.batch for f in self._queue]
             for flight in self._queue:  # those behind it stop at _NotStarted
@@ -172,11 +173,11 @@ class MergeBehind:
             self._queue.clear()
             self._failed.clear()
             self._unknown()
-            raise MergesFailed(exc, [], unapplied + extra) from exc
+            raise MergesFailed(exc, [*unapplied, *extra]) from exc
         self._queue.popleft()
         result = merged.result
         self._fold = max(1.0, result.changes / max(1, result.rows_written))
-        return [merged]
+        return merged
 
     def _free_writer(self) -> int:
         busy = {f.writer for f in self._queue}

@@ -741,12 +741,15 @@ class _StreamRun:
         )
         if behind_ok and self.cycle.settings.merge_behind_changes:
             self._merge_behind(batch)
-            return
+        else:
+            self._apply_after_merges(batch)
+
+    def _apply_after_merges(self, batch: ApplyBatch) -> None:
+        """Apply ``batch`` at once once the merges in flight (older) are done."""
         try:
             self._settle_merges()
         except BaseException:
-            for txn in txns:
-                txn.close()
+            _close(batch)
             raise
         self._apply_now(batch)
 
@@ -838,13 +841,7 @@ class _StreamRun:
         except Exception as exc:  # preparing it failed: the way every batch applies
             log.info("subscription %s: a batch to merge behind did not stage (%s); "
                      "applying it at once", self.cycle.subscription_id, _describe(exc))
-            try:
-                self._settle_merges()
-            except BaseException:
-                for txn in batch.transactions:
-                    txn.close()
-                raise
-            self._apply_now(batch)
+            self._apply_after_merges(batch)
             return
         for done in merged:
             self._merged(done)
@@ -875,8 +872,7 @@ class _StreamRun:
             self._showing_pending = _shows_pending(done.batch)
             self._after_apply(done.result, done.seconds)
         finally:
-            for txn in done.batch.transactions:
-                txn.close()
+            _close(done.batch)
         behind = self._behind
         waiting = [] if behind is None else behind.in_flight
         if waiting and _shows_pending(waiting[0]):  # the next one is what is pending now
@@ -900,8 +896,7 @@ class _StreamRun:
                 self._apply_now(batch)
         finally:
             for batch in pending:
-                for txn in batch.transactions:
-                    txn.close()
+                _close(batch)
 
     def close_merges(self) -> None:
         """The stream closes: let merges in flight end (not confirmed: the slot sends
@@ -911,8 +906,7 @@ class _StreamRun:
             batches = behind.in_flight
             behind.close()
             for batch in batches:
-                for txn in batch.transactions:
-                    txn.close()
+                _close(batch)
 
     def _changed_routes(self) -> dict[str, TableRoute] | None:
         """A conflict is judged again under the routes in force now, if they changed
@@ -1038,6 +1032,12 @@ class _StreamRun:
 
 def _shows_pending(batch: ApplyBatch) -> bool:
     return batch.change_count >= SHOW_PENDING_CHANGES
+
+
+def _close(batch: ApplyBatch) -> None:
+    """Release a batch's transactions (their buffers and spill files)."""
+    for txn in batch.transactions:
+        txn.close()
 
 
 def _transient(exc: BaseException) -> bool:
