@@ -497,12 +497,12 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
             return
         held.append(txns)
         batch = ApplyBatch("bench", txns, routes)
-        if mode.endswith("merge-behind") and behind_ok:
-            merged(behind.submit(batch))
-        elif mode.endswith("merge-behind"):  # as a worker's turn that read everything
-            merged(behind.wait())
-            applied([apply_batch(spark, batch, writer, distributed=distributed)])
-        elif not mode.endswith("pipelined"):
+        if mode.endswith("merge-behind"):
+            if behind_ok:
+                merged(behind.submit(batch))
+                return
+            merged(behind.wait())  # as a worker's turn that read everything: at once
+        if not mode.endswith("pipelined"):
             applied([apply_batch(spark, batch, writer, distributed=distributed)])
         else:
             applied(background.submit(batch))
