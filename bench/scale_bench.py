@@ -2,6 +2,7 @@
 
 Usage:  .venv/bin/python -m bench.scale_bench [--subscriptions 10,50,100] [--rate 2000]
             [--seconds 60] [--warmup 10] [--idle 200] [--idle-seconds 60] [--no-native]
+            [--order native-first|pgsieve-first]
 
 Per N: one source with one publication per tenant (``ev`` and ``probe`` WHERE tenant =
 k), N pgsieve subscriptions (one target database each, ``copy_data: false``) served by
@@ -9,13 +10,25 @@ ONE ``pgsieve worker`` at its defaults, and — side by side, fed the same strea
 native subscriptions (one database each on a cluster of their own, with
 ``max_logical_replication_workers`` etc. raised as native needs). The workload commits
 ``--rate`` changes/s in 10-change transactions on random tenants; each also stamps the
-tenant's ``probe`` row with its commit-time clock. Every 0.5 s each subscriber's probe
-row is read: lag = now − the commit time of the oldest transaction of that tenant the
-subscriber does not hold yet (0 when it holds them all). Reported per system: the worst
-subscription's p50 and p99 lag, the median subscription's p50; RSS of the pgsieve worker
-(its process group, Spark's JVM included) and of native's apply workers and walsenders;
-CPU of the source, the targets, and the source's decoding per subscription (every slot
-decodes all of the WAL, as native's walsenders do).
+tenant's ``probe`` row with its commit-time clock.
+
+Lag, two ways. *Sampled*: every 0.25–0.75 s (at random) each tenant's two subscribers
+are read one after the other: lag = now − the commit time of the oldest transaction of
+that tenant the subscriber does not hold yet (0 when it holds them all). *Exact*: a
+trigger on each subscriber's ``probe`` notes when every probe write arrived, so the lag
+is known at every instant (every 5 ms) and each transaction's apply latency (source
+commit → applied) is known — the figures to compare, since the source's WAL is flushed
+every 200 ms here (``synchronous_commit = off``: the WAL writer's delay) and a sampler
+with a fixed period locked onto those flushes (the first version: 0.5 s plus the reads,
+pgsieve's subscribers read before native's — it showed pgsieve 50–70 ms behind where the
+exact lag shows 15–40 ms). ``--order``: whose walsenders start first — the source wakes
+them in that order at each flush, and on two cores the first woken send first.
+
+Reported per system: the worst subscription's p50 and p99 lag, the median
+subscription's p50; RSS of the pgsieve worker (its process group, Spark's JVM included)
+and of native's apply workers and walsenders; CPU of the source, the targets, and the
+source's decoding per subscription (every slot decodes all of the WAL, as native's
+walsenders do).
 
 ``--idle M``: M subscriptions whose tenants get no changes while the source writes
 unrelated WAL at ``--rate``: the worker's CPU and the WAL each slot retains.
@@ -55,6 +68,7 @@ CREATE TABLE ev (tenant int, id bigint, val text, PRIMARY KEY (tenant, id));
 CREATE TABLE probe (tenant int PRIMARY KEY, ts timestamptz NOT NULL);
 """
 CHANGES_PER_TXN = 10
+EXACT_STEP = 0.005
 REDIS_URL = "redis://127.0.0.1:6379/15"
 TOKEN = secrets.token_urlsafe(16)
 SECRET_KEY = secrets.token_urlsafe(16)
@@ -192,12 +206,88 @@ def add_probe_rows(c: LocalCluster, prefix: str, tenants: list[int]) -> None:
     for k in tenants:
         with psycopg.connect(c.dsn(f"{prefix}{k}"), autocommit=True) as conn:
             conn.execute("INSERT INTO probe VALUES (%s, 'epoch')", (k,))
+            conn.execute(APPLY_CLOCK)
+
+
+APPLY_CLOCK = """
+CREATE TABLE public.applied_at (source_ts timestamptz, applied timestamptz);
+CREATE FUNCTION public.note_applied() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  INSERT INTO public.applied_at VALUES (NEW.ts, clock_timestamp());
+  RETURN NEW;
+END $$;
+CREATE TRIGGER note_applied BEFORE INSERT OR UPDATE ON public.probe
+  FOR EACH ROW EXECUTE FUNCTION public.note_applied();
+ALTER TABLE public.probe ENABLE ALWAYS TRIGGER note_applied;
+"""
+"""Every subscriber notes when each probe update reached it (a trigger that fires for a
+replication apply worker and for pgsieve's writer alike): the apply latency of every
+tenant transaction, source clock to target clock on one host — not sampled."""
+
+
+def applied_clock(c: LocalCluster, prefix: str, tenants: list[int]
+                  ) -> dict[int, list[tuple[float, float]]]:
+    """Per tenant, (probe stamp, applied at) of each probe write its subscriber noted."""
+    out: dict[int, list[tuple[float, float]]] = {}
+    for k in tenants:
+        with psycopg.connect(c.dsn(f"{prefix}{k}"), autocommit=True) as conn:
+            out[k] = [(float(a), float(b)) for a, b in conn.execute(
+                "SELECT extract(epoch FROM source_ts)::float8, "
+                "extract(epoch FROM applied)::float8 FROM public.applied_at "
+                "WHERE source_ts > 'epoch' ORDER BY source_ts")]
+    return out
+
+
+def applied_times(commits: list[float], noted: list[tuple[float, float]]) -> list[float]:
+    """When each of ``commits`` (a tenant's probe stamps, in order) was applied: at the
+    first noted write of a stamp at or after it. A subscriber that writes a batch's net
+    effect (pgsieve) notes only the batch's last probe update, and the ones before it
+    were applied in the same target transaction. inf: never applied."""
+    out: list[float] = []
+    j = 0
+    for ts in commits:
+        while j < len(noted) and noted[j][0] < ts - 1e-6:
+            j += 1
+        out.append(noted[j][1] if j < len(noted) else float("inf"))
+    return out
+
+
+def exact_lags(commits: list[float], applied: list[float], start: float, end: float,
+               step: float = EXACT_STEP) -> list[float]:
+    """The lag at every ``step`` from ``start`` to ``end``: now − the commit time of the
+    oldest transaction committed but not yet applied (0 when none) — the sampled
+    definition, at every instant instead of twice a second."""
+    out: list[float] = []
+    first = 0  # the oldest commit not applied by t (applied times never go backwards)
+    t = start
+    while t < end:
+        while first < len(commits) and applied[first] <= t:
+            first += 1
+        out.append(t - commits[first] if first < len(commits) and commits[first] <= t
+                   else 0.0)
+        t += step
+    return out
+
+
+
+def wait_for_walsenders(src: str, application: str, n: int) -> None:
+    """Until ``n`` walsenders of ``application`` (a LIKE pattern) stream from the source."""
+    deadline = time.monotonic() + 120
+    with psycopg.connect(src, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute("SELECT count(*) FROM pg_stat_replication WHERE "
+                               "application_name LIKE %s AND state = 'streaming'",
+                               (application,)).fetchone()
+            if row and row[0] >= n:
+                return
+            time.sleep(0.5)
+    raise RuntimeError(f"fewer than {n} walsenders of {application} stream")
 
 
 @contextlib.contextmanager
 def deployment(root: Path, tenants: list[int], native: bool,
                worker_settings: dict[str, str], metadata: str = "sqlite",
-               workers: int = 1) -> Iterator[dict[str, Any]]:
+               workers: int = 1, pgsieve_first: bool = False) -> Iterator[dict[str, Any]]:
     n = len(tenants)
     clusters = {"source": cluster(root, "source", n), "target": cluster(root, "target", n)}
     if native:
@@ -223,7 +313,8 @@ def deployment(root: Path, tenants: list[int], native: bool,
             for k in tenants:
                 with psycopg.connect(clusters["native"].dsn(f"n{k}"), autocommit=True) as nc:
                     nc.execute(f"CREATE SUBSCRIPTION n{k} CONNECTION '{src}' "
-                              f"PUBLICATION pub_t{k} WITH (copy_data = false)")
+                               f"PUBLICATION pub_t{k} WITH (copy_data = false, "
+                               f"enabled = {'false' if pgsieve_first else 'true'})")
 
         assert redis.Redis.from_url(REDIS_URL).ping()
         queue = f"pgsieve-scale-{secrets.token_hex(6)}"  # a queue of its own: no flush
@@ -271,6 +362,13 @@ def deployment(root: Path, tenants: list[int], native: bool,
         else:
             raise RuntimeError(f"the worker holds only {held} of {n} subscriptions "
                                f"(log: {root / 'worker.log'})")
+        if native and pgsieve_first:
+            wait_for_walsenders(src, "pgsieve-consumer", n)
+            for k in tenants:
+                with psycopg.connect(clusters["native"].dsn(f"n{k}"), autocommit=True) as nc:
+                    nc.execute(f"ALTER SUBSCRIPTION n{k} ENABLE")
+        if native:
+            wait_for_walsenders(src, "n%", n)
         yield {"clusters": clusters, "src": src, "worker": worker, "db_url": db_url}
     finally:
         for each_worker in [worker, *others]:
@@ -346,21 +444,30 @@ def probe(dsns: dict[tuple[str, int], str], commits: dict[int, list[float]],
           stop: threading.Event, lags: dict[tuple[str, int], list[float]],
           warmup_until: float,
           series: list[tuple[float, str, int, float]] | None = None) -> None:
+    """Every 0.25–0.75 s (at random: a fixed period locked onto the source's 200 ms WAL
+    flushes and sampled one system mostly just before its bursts were applied, the
+    other just after), each tenant's subscribers side by side, tenants in random order."""
     conns = {key: psycopg.connect(dsn, autocommit=True) for key, dsn in dsns.items()}
+    rnd = random.Random(5)
+    tenants = sorted({k for _, k in conns})
+    systems = sorted({system for system, _ in conns})
     try:
         while not stop.is_set():
-            for (system, k), conn in conns.items():
-                row = conn.execute("SELECT extract(epoch FROM ts)::float8 FROM probe "
-                                   "WHERE tenant = %s", (k,)).fetchone()
-                now = time.time()
-                if time.monotonic() < warmup_until:
-                    continue
-                held = float(row[0]) if row else 0.0
-                missing = [ts for ts in commits[k] if ts > held + 1e-6]
-                lags[(system, k)].append(max(0.0, now - missing[0]) if missing else 0.0)
-                if series is not None:
-                    series.append((now, system, k, lags[(system, k)][-1]))
-            stop.wait(0.5)
+            rnd.shuffle(tenants)
+            for k in tenants:
+                for system in systems:
+                    conn = conns[(system, k)]
+                    row = conn.execute("SELECT extract(epoch FROM ts)::float8 FROM probe "
+                                       "WHERE tenant = %s", (k,)).fetchone()
+                    now = time.time()
+                    if time.monotonic() < warmup_until:
+                        continue
+                    held = float(row[0]) if row else 0.0
+                    missing = [ts for ts in commits[k] if ts > held + 1e-6]
+                    lags[(system, k)].append(max(0.0, now - missing[0]) if missing else 0.0)
+                    if series is not None:
+                        series.append((now, system, k, lags[(system, k)][-1]))
+            stop.wait(rnd.uniform(0.25, 0.75))
     finally:
         for conn in conns.values():
             conn.close()
@@ -374,7 +481,7 @@ def busy(n: int, args: argparse.Namespace) -> None:
     root.chmod(0o755)
     try:
         with deployment(root, tenants, not args.no_native, worker_settings(args),
-                        args.metadata, args.workers) as d:
+                        args.metadata, args.workers, args.order == "pgsieve-first") as d:
             clusters = d["clusters"]
             watcher = Watcher(clusters, d["src"])
             watcher.worker_pgrp = d["worker"].pid
@@ -397,6 +504,21 @@ def busy(n: int, args: argparse.Namespace) -> None:
             prober.join()
             watcher.finish()
             report = scheduler_report(d["db_url"])
+            ended = time.time()
+            measured_from = ended - (time.monotonic() - t0) + args.warmup
+            time.sleep(2.0)  # what was in flight at the end is applied
+            prefixes = {"pgsieve": ("target", "t"), "native": ("native", "n")}
+            exact: dict[tuple[str, int], list[float]] = {}
+            latencies: dict[str, list[float]] = {}
+            for system in systems:
+                name, prefix = prefixes[system]
+                noted = applied_clock(clusters[name], prefix, tenants)
+                for k in tenants:
+                    applied = applied_times(commits[k], noted[k])
+                    exact[(system, k)] = exact_lags(commits[k], applied, measured_from, ended)
+                    latencies.setdefault(system, []).extend(
+                        a - c for c, a in zip(commits[k], applied, strict=True)
+                        if measured_from <= c < ended - 1.0)
             if series is not None:
                 with open(args.dump, "w") as out:
                     out.writelines(f"{t:.3f},{system},{k},{lag:.3f}\n"
@@ -420,6 +542,27 @@ def busy(n: int, args: argparse.Namespace) -> None:
             print(f"\n{system}, all samples: p90 {percentile(every, 0.9):.3f} s, p99 "
                   f"{percentile(every, 0.99):.3f} s", end="")
         print()
+        print(f"\nExact lag (at every {EXACT_STEP * 1000:.0f} ms, from when each probe write "
+              "reached its subscriber — a trigger on the subscriber's clock, the source's on "
+              "one host):\n")
+        print("| system | worst p50 lag (s) | median p50 (s) | worst p99 lag (s) | all p90 (s) "
+              "| all p99 (s) |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for system in systems:
+            per = [v for (s, _), v in exact.items() if s == system]
+            every = [x for v in per for x in v]
+            print(f"| {system} | {max(percentile(v, 0.5) for v in per):.3f} | "
+                  f"{statistics.median(percentile(v, 0.5) for v in per):.3f} | "
+                  f"{max(percentile(v, 0.99) for v in per):.3f} | "
+                  f"{percentile(every, 0.9):.3f} | {percentile(every, 0.99):.3f} |")
+        print("\nApply latency of every tenant transaction (source commit → applied at "
+              "its subscriber):\n")
+        print("| system | p10 (ms) | p50 (ms) | p90 (ms) | p99 (ms) | transactions |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for system, values in latencies.items():
+            print(f"| {system} | " + " | ".join(
+                f"{percentile(values, q) * 1000:.0f}" for q in (0.1, 0.5, 0.9, 0.99))
+                + f" | {len(values)} |")
         print(f"\nthe worker's scheduler (last minute): {report}")
         cpu = {name: m.seconds() / elapsed for name, m in watcher.cpu.items()}
         print(f"\npgsieve worker RSS (max, process group incl. Spark): "
@@ -503,6 +646,10 @@ def main() -> None:
                         help="worker processes (the issue's goals are for one)")
     parser.add_argument("--metadata", choices=["sqlite", "postgres"], default="sqlite",
                         help="the metadata store: a SQLite file, or a PostgreSQL database")
+    parser.add_argument("--order", choices=["native-first", "pgsieve-first"],
+                        default="native-first",
+                        help="whose walsenders start first (the source wakes them in "
+                             "that order at each WAL flush)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a worker setting, e.g. --set SCHEDULER_THREADS=8 "
                              "(PGSIEVE_NAME; the worker runs at its defaults otherwise)")

@@ -1,0 +1,31 @@
+"""The many-subscriptions benchmark's exact lag (bench/scale_bench.py): the figures the
+issue's goals are judged on come from these two functions."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.scale_bench import applied_times, exact_lags
+
+
+def test_a_batch_applies_every_transaction_before_its_noted_write() -> None:
+    # pgsieve writes a batch's net effect: the probe row's last stamp is the one noted;
+    # the stamps before it arrived in the same target transaction.
+    commits = [10.0, 10.1, 10.2, 10.3]
+    noted = [(10.2, 10.5), (10.3, 10.6)]
+    assert applied_times(commits, noted) == [10.5, 10.5, 10.5, 10.6]
+    assert applied_times([11.0], noted) == [float("inf")]  # never applied
+
+
+def test_the_lag_is_the_age_of_the_oldest_transaction_not_applied() -> None:
+    commits = [1.0, 1.1, 2.0]
+    applied = [1.5, 1.5, 2.05]
+    lags = exact_lags(commits, applied, 0.9, 2.2, step=0.1)
+    at = {round(0.9 + 0.1 * i, 1): lag for i, lag in enumerate(lags)}
+    assert at[0.9] == 0.0  # nothing committed yet
+    assert at[1.2] == pytest.approx(0.2)  # 1.0 committed, not applied; 1.1 behind it
+    assert at[1.4] == pytest.approx(0.4)
+    assert at[1.5] == 0.0  # both applied at 1.5
+    assert at[1.9] == 0.0
+    assert at[2.0] == pytest.approx(0.0)  # committed this instant
+    assert at[2.1] == 0.0  # applied at 2.05
