@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import select
 import shutil
-import struct
 import tempfile
 import threading
 import time
@@ -38,9 +37,8 @@ from bench.scale_bench import (
     wait_for_walsenders,
 )
 from pgsieve.streaming.replication import ReplicationSession
-
-_PG_EPOCH = 946_684_800
-_COMMIT = struct.Struct("!BQQq")  # after the 'C': flags, commit LSN, end LSN, commit time
+from pgsieve.wire.decoder import decode_message
+from pgsieve.wire.messages import Commit
 
 
 def read_all(sessions: list[ReplicationSession], stop: threading.Event,
@@ -54,11 +52,10 @@ def read_all(sessions: list[ReplicationSession], stop: threading.Event,
         for fd, _ in poller.poll(0.1):
             session = by_fd[fd]
             while (message := session.read_message()) is not None:
-                data = message[1]
-                if data[:1] == b"C":
-                    _, _, end_lsn, commit_time = _COMMIT.unpack_from(data, 1)
-                    arrivals.append(time.time() - (commit_time / 1e6 + _PG_EPOCH))
-                    session.confirm(end_lsn)
+                decoded = decode_message(message[1], proto_version=1, lazy=True)
+                if isinstance(decoded, Commit):
+                    arrivals.append(time.time() - decoded.commit_time.timestamp())
+                    session.confirm(decoded.end_lsn.value)
     poller.close()
 
 

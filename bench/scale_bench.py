@@ -202,13 +202,6 @@ def create_dbs(c: LocalCluster, names: list[str]) -> None:
             conn.execute(SCHEMA)
 
 
-def add_probe_rows(c: LocalCluster, prefix: str, tenants: list[int]) -> None:
-    for k in tenants:
-        with psycopg.connect(c.dsn(f"{prefix}{k}"), autocommit=True) as conn:
-            conn.execute("INSERT INTO probe VALUES (%s, 'epoch')", (k,))
-            conn.execute(APPLY_CLOCK)
-
-
 APPLY_CLOCK = """
 CREATE TABLE public.applied_at (source_ts timestamptz, applied timestamptz);
 CREATE FUNCTION public.note_applied() RETURNS trigger LANGUAGE plpgsql AS $$
@@ -223,6 +216,14 @@ ALTER TABLE public.probe ENABLE ALWAYS TRIGGER note_applied;
 """Every subscriber notes when each probe update reached it (a trigger that fires for a
 replication apply worker and for pgsieve's writer alike): the apply latency of every
 tenant transaction, source clock to target clock on one host — not sampled."""
+
+
+def add_probe_rows(c: LocalCluster, prefix: str, tenants: list[int]) -> None:
+    """Each subscriber's probe row, as the source has it, and its apply clock."""
+    for k in tenants:
+        with psycopg.connect(c.dsn(f"{prefix}{k}"), autocommit=True) as conn:
+            conn.execute("INSERT INTO probe VALUES (%s, 'epoch')", (k,))
+            conn.execute(APPLY_CLOCK)
 
 
 def applied_clock(c: LocalCluster, prefix: str, tenants: list[int]
@@ -267,7 +268,6 @@ def exact_lags(commits: list[float], applied: list[float], start: float, end: fl
                    else 0.0)
         t += step
     return out
-
 
 
 def wait_for_walsenders(src: str, application: str, n: int) -> None:
