@@ -47,6 +47,7 @@ import os
 import random
 import secrets
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -196,14 +197,14 @@ TOKEN = "bench-token-0123456789abcdef"  # noqa: S105 - a local benchmark's own
 SECRET_KEY = "bench-secret-0123456789abcdef"  # noqa: S105
 
 
-def moved_rows(root: Path, source: LocalCluster, target: LocalCluster, *, staged: bool = False
-               ) -> tuple[float, float, dict[str, Any]]:
+def moved_rows(root: Path, source: LocalCluster, target: LocalCluster, *, staged: bool = False,
+               run: int = 0) -> tuple[float, float, dict[str, Any]]:
     """The product path: API, a real worker streaming the subscription, the PATCH with
     ``reconcile: diff``; seconds until the job is done, the PATCH's seconds, the job.
     ``staged``: the worker stages the rows for the stream even though it waits at the
     marker (``PGSIEVE_RECONCILE_MERGE_WHILE_READING=false``)."""
-    db_url = f"sqlite:///{root / ('staged.db' if staged else 'moved.db')}"
-    pub = "ps" if staged else "pm"
+    db_url = f"sqlite:///{root / ('staged' if staged else 'moved')}{run}.db"
+    pub = f"ps{run}" if staged else f"pm{run}"  # (each run its own: --repeat)
     upgrade(db_url)
     queue = f"pgsieve-reconcile-bench-{secrets.token_hex(5)}"
     settings = Settings(home=root / "home", database_url=db_url, broker_url=REDIS_URL,
@@ -418,6 +419,11 @@ def _both_at_once(source: LocalCluster, target: LocalCluster, statement: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--rows", type=int, default=5_000_000)
+    parser.add_argument("--only", action="append", default=[], metavar="METHOD",
+                        help="run only this method, named as in the table (repeatable; "
+                             "the ratios are printed when all their references ran)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run each method this many times (every run printed)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pgsieve-bench-"))
     root.chmod(0o755)
@@ -444,17 +450,19 @@ def main() -> None:
               f"binary COPY at once, to /dev/null: {sent:.2f} s")
         print("| method | seconds | rows written | max reader wait (ms) |")
         print("|---|---:|---:|---:|")
-        results: dict[str, float] = {}
+        runs: dict[str, list[float]] = {}
         merge_floor = float("nan")
-        for n, name in enumerate(["pgsieve diff", "pgsieve diff (Spark ranges)",
-                                  "pgsieve copy", "native re-copy", "pgsieve moved rows",
-                                  "pgsieve moved rows, staged"], 1):
+        methods = [m for m in ["pgsieve diff", "pgsieve diff (Spark ranges)", "pgsieve copy",
+                               "native re-copy", "pgsieve moved rows",
+                               "pgsieve moved rows, staged"]
+                   if not args.only or m in args.only]
+        for n, name in enumerate([m for m in methods for _ in range(args.repeat)], 1):
             old_target(source, target)
             reader = Reader(target.dsn("bench"), args.rows)
             reader.start()
             written: int | str
             if name == "pgsieve moved rows, staged":
-                seconds, patched, job = moved_rows(root, source, target, staged=True)
+                seconds, patched, job = moved_rows(root, source, target, staged=True, run=n)
                 diff = job["diff"]
                 written = sum(int(diff[k]) for k in ("added", "removed", "updated"))
                 print(f"    {name}: the PATCH {patched:.2f} s; merged by the "
@@ -475,7 +483,7 @@ def main() -> None:
                 old_target(source, target)
                 reader = Reader(target.dsn("bench"), args.rows)
                 reader.start()
-                seconds, patched, job = moved_rows(root, source, target)
+                seconds, patched, job = moved_rows(root, source, target, run=n)
                 diff = job["diff"]
                 written = sum(int(diff[k]) for k in ("added", "removed", "updated"))
                 print(f"    {name}: the PATCH (source writers to the table wait) "
@@ -495,12 +503,18 @@ def main() -> None:
                 print(f"    {name} phases: {details.get('timings')}")
             reader.stop_and_join()
             total = check(source, target)
-            results[name] = seconds
+            runs.setdefault(name, []).append(seconds)
             print(f"| {name} | {seconds:.2f} | "
                   f"{written if isinstance(written, str) else f'{written:,}'} "
                   f"{'(' + format(total, ',') + ')' if written == 'all' else ''} | "
                   f"{reader.slowest * 1000:.0f} |")
         print()
+        results = {name: statistics.median(values) for name, values in runs.items()}
+        if args.repeat > 1:
+            print(f"ratios below from each method's median of {args.repeat} runs")
+        if not {"pgsieve copy", "native re-copy", "pgsieve moved rows",
+                "pgsieve moved rows, staged", "pgsieve diff"} <= results.keys():
+            return  # (--only: the ratios' references were not run)
         for way in ("pgsieve moved rows", "pgsieve moved rows, staged"):
             moved = results[way]
             print(f"{way[8:]} vs pgsieve copy: {results['pgsieve copy'] / moved:.2f}×, vs "

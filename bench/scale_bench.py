@@ -2,7 +2,7 @@
 
 Usage:  .venv/bin/python -m bench.scale_bench [--subscriptions 10,50,100] [--rate 2000]
             [--seconds 60] [--warmup 10] [--idle 200] [--idle-seconds 60] [--no-native]
-            [--order native-first|pgsieve-first]
+            [--order native-first|pgsieve-first] [--apart]
 
 Per N: one source with one publication per tenant (``ev`` and ``probe`` WHERE tenant =
 k), N pgsieve subscriptions (one target database each, ``copy_data: false``) served by
@@ -23,6 +23,11 @@ with a fixed period locked onto those flushes (the first version: 0.5 s plus the
 pgsieve's subscribers read before native's — it showed pgsieve 50–70 ms behind where the
 exact lag shows 15–40 ms). ``--order``: whose walsenders start first — the source wakes
 them in that order at each flush, and on two cores the first woken send first.
+``--apart``: the two systems do not share the machine — each gets the workload alone, in
+turn (``--order`` says which first), the other's subscriptions disabled (native's by
+``ALTER SUBSCRIPTION … DISABLE``, pgsieve's through its API) and its backlog applied
+before its own turn: as in production, where a source feeds one or the other, and
+neither's walsenders are woken before the other's.
 
 Reported per system: the worst subscription's p50 and p99 lag, the median
 subscription's p50; RSS of the pgsieve worker (its process group, Spark's JVM included)
@@ -49,6 +54,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -270,24 +276,28 @@ def exact_lags(commits: list[float], applied: list[float], start: float, end: fl
     return out
 
 
-def wait_for_walsenders(src: str, application: str, n: int) -> None:
-    """Until ``n`` walsenders of ``application`` (a LIKE pattern) stream from the source."""
+def wait_for_walsenders(src: str, application: str, n: int, at_most: bool = False) -> None:
+    """Until ``n`` walsenders of ``application`` (a LIKE pattern) stream from the source
+    (``at_most``: until no more than ``n`` of them are left, streaming or not)."""
     deadline = time.monotonic() + 120
     with psycopg.connect(src, autocommit=True) as conn:
         while time.monotonic() < deadline:
-            row = conn.execute("SELECT count(*) FROM pg_stat_replication WHERE "
-                               "application_name LIKE %s AND state = 'streaming'",
+            row = conn.execute("SELECT count(*) FILTER (WHERE state = 'streaming'), count(*) "
+                               "FROM pg_stat_replication WHERE application_name LIKE %s",
                                (application,)).fetchone()
-            if row and row[0] >= n:
+            if row and (row[1] <= n if at_most else row[0] >= n):
                 return
             time.sleep(0.5)
-    raise RuntimeError(f"fewer than {n} walsenders of {application} stream")
+    raise RuntimeError(f"not {n} walsenders of {application}")
 
 
 @contextlib.contextmanager
 def deployment(root: Path, tenants: list[int], native: bool,
                worker_settings: dict[str, str], metadata: str = "sqlite",
-               workers: int = 1, pgsieve_first: bool = False) -> Iterator[dict[str, Any]]:
+               workers: int = 1, pgsieve_first: bool = False,
+               apart: bool = False) -> Iterator[dict[str, Any]]:
+    """The clusters, the subscriptions and the worker. ``apart``: native's subscriptions
+    are created disabled and stay so (:func:`busy` takes turns)."""
     n = len(tenants)
     clusters = {"source": cluster(root, "source", n), "target": cluster(root, "target", n)}
     if native:
@@ -314,7 +324,7 @@ def deployment(root: Path, tenants: list[int], native: bool,
                 with psycopg.connect(clusters["native"].dsn(f"n{k}"), autocommit=True) as nc:
                     nc.execute(f"CREATE SUBSCRIPTION n{k} CONNECTION '{src}' "
                                f"PUBLICATION pub_t{k} WITH (copy_data = false, "
-                               f"enabled = {'false' if pgsieve_first else 'true'})")
+                               f"enabled = {'false' if pgsieve_first or apart else 'true'})")
 
         assert redis.Redis.from_url(REDIS_URL).ping()
         queue = f"pgsieve-scale-{secrets.token_hex(6)}"  # a queue of its own: no flush
@@ -362,14 +372,15 @@ def deployment(root: Path, tenants: list[int], native: bool,
         else:
             raise RuntimeError(f"the worker holds only {held} of {n} subscriptions "
                                f"(log: {root / 'worker.log'})")
-        if native and pgsieve_first:
+        if native and pgsieve_first and not apart:
             wait_for_walsenders(src, "pgsieve-consumer", n)
             for k in tenants:
                 with psycopg.connect(clusters["native"].dsn(f"n{k}"), autocommit=True) as nc:
                     nc.execute(f"ALTER SUBSCRIPTION n{k} ENABLE")
-        if native:
+        if native and not apart:
             wait_for_walsenders(src, "n%", n)
-        yield {"clusters": clusters, "src": src, "worker": worker, "db_url": db_url}
+        yield {"clusters": clusters, "src": src, "worker": worker, "db_url": db_url,
+               "settings": settings}
     finally:
         for each_worker in [worker, *others]:
             if each_worker is None:
@@ -475,113 +486,216 @@ def probe(dsns: dict[tuple[str, int], str], commits: dict[int, list[float]],
 
 # -- scenarios ---------------------------------------------------------------------------
 
+@dataclass
+class Phase:
+    """What one measured stretch of the workload gave (both systems side by side, or one
+    of them alone with ``--apart``)."""
+
+    systems: list[str]
+    done: int
+    elapsed: float
+    lags: dict[tuple[str, int], list[float]]
+    exact: dict[tuple[str, int], list[float]]
+    latencies: dict[str, list[float]]
+    watcher: Watcher
+    report: dict[str, Any]
+
+
+def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
+              args: argparse.Namespace, series: list[tuple[float, str, int, float]] | None
+              ) -> Phase:
+    """The workload for ``--seconds``, the subscribers of ``systems`` probed; the lags
+    after its warm-up."""
+    clusters = d["clusters"]
+    watcher = Watcher(clusters, d["src"])
+    watcher.worker_pgrp = d["worker"].pid
+    watcher.start()
+    commits: dict[int, list[float]] = {k: [] for k in tenants}
+    dsns = {(system, k): clusters[PREFIXES[system][0]].dsn(f"{PREFIXES[system][1]}{k}")
+            for system in systems for k in tenants}
+    lags: dict[tuple[str, int], list[float]] = {key: [] for key in dsns}
+    stop = threading.Event()
+    t0 = time.monotonic()
+    prober = threading.Thread(target=probe, args=(dsns, commits, stop, lags,
+                                                  t0 + args.warmup, series))
+    prober.start()
+    done = drive(d["src"], tenants, args.rate, args.seconds, commits)
+    elapsed = time.monotonic() - t0
+    stop.set()
+    prober.join()
+    watcher.finish()
+    report = scheduler_report(d["db_url"]) if "pgsieve" in systems else {}
+    ended = time.time()
+    measured_from = ended - (time.monotonic() - t0) + args.warmup
+    time.sleep(2.0)  # what was in flight at the end is applied
+    exact: dict[tuple[str, int], list[float]] = {}
+    latencies: dict[str, list[float]] = {}
+    for system in systems:
+        name, prefix = PREFIXES[system]
+        noted = applied_clock(clusters[name], prefix, tenants)
+        for k in tenants:
+            applied = applied_times(commits[k], noted[k])
+            exact[(system, k)] = exact_lags(commits[k], applied, measured_from, ended)
+            latencies.setdefault(system, []).extend(
+                a - c for c, a in zip(commits[k], applied, strict=True)
+                if measured_from <= c < ended - 1.0)
+    return Phase(systems, done, elapsed, lags, exact, latencies, watcher, report)
+
+
+PREFIXES = {"pgsieve": ("target", "t"), "native": ("native", "n")}
+"""Each system's subscriber cluster and database prefix."""
+
+
+def switch_native(d: dict[str, Any], tenants: list[int], on: bool) -> None:
+    """Native's subscriptions enabled (streaming and caught up) or disabled (no walsender
+    left)."""
+    for k in tenants:
+        with psycopg.connect(d["clusters"]["native"].dsn(f"n{k}"), autocommit=True) as nc:
+            nc.execute(f"ALTER SUBSCRIPTION n{k} {'ENABLE' if on else 'DISABLE'}")
+    if on:
+        wait_for_walsenders(d["src"], "n%", len(tenants))
+        wait_caught_up(d, "native", tenants)
+    else:
+        wait_for_walsenders(d["src"], "n%", 0, at_most=True)
+
+
+def switch_pgsieve(d: dict[str, Any], tenants: list[int], on: bool) -> None:
+    """pgsieve's subscriptions enabled or disabled through the API, as a user would."""
+    with TestClient(create_app(d["settings"])) as client:
+        client.headers["Authorization"] = f"Bearer {TOKEN}"
+        for sub in client.get("/api/v1/subscriptions").json():
+            r = client.post(f"/api/v1/subscriptions/{sub['id']}/"
+                            f"{'enable' if on else 'disable'}")
+            assert r.status_code == 200, r.text
+    if on:
+        wait_for_walsenders(d["src"], "pgsieve-consumer", len(tenants))
+        wait_caught_up(d, "pgsieve", tenants)
+    else:
+        wait_for_walsenders(d["src"], "pgsieve-consumer", 0, at_most=True)
+
+
+def wait_caught_up(d: dict[str, Any], system: str, tenants: list[int]) -> None:
+    """Until each of ``system``'s subscribers holds its tenant's probe row as the source
+    has it: the backlog of the other system's phase applied."""
+    with psycopg.connect(d["src"], autocommit=True) as conn:
+        want = {int(k): ts for k, ts in conn.execute("SELECT tenant, ts FROM probe")}
+    name, prefix = PREFIXES[system]
+    deadline = time.monotonic() + 300
+    for k in tenants:
+        with psycopg.connect(d["clusters"][name].dsn(f"{prefix}{k}"), autocommit=True) as c:
+            while (row := c.execute("SELECT ts FROM probe WHERE tenant = %s",
+                                    (k,)).fetchone()) is None or row[0] != want[k]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{system}'s subscriber of tenant {k} did not catch up")
+                time.sleep(0.2)
+
+
 def busy(n: int, args: argparse.Namespace) -> None:
     tenants = list(range(n))
     root = Path(tempfile.mkdtemp(prefix=f"pgsieve-scale-{n}-"))
     root.chmod(0o755)
+    native = not args.no_native
+    apart = args.apart and native
     try:
-        with deployment(root, tenants, not args.no_native, worker_settings(args),
-                        args.metadata, args.workers, args.order == "pgsieve-first") as d:
-            clusters = d["clusters"]
-            watcher = Watcher(clusters, d["src"])
-            watcher.worker_pgrp = d["worker"].pid
-            watcher.start()
-            commits: dict[int, list[float]] = {k: [] for k in tenants}
-            systems = ["pgsieve"] + ([] if args.no_native else ["native"])
-            dsns = {("pgsieve", k): clusters["target"].dsn(f"t{k}") for k in tenants}
-            if not args.no_native:
-                dsns.update({("native", k): clusters["native"].dsn(f"n{k}") for k in tenants})
-            lags: dict[tuple[str, int], list[float]] = {key: [] for key in dsns}
-            stop = threading.Event()
-            t0 = time.monotonic()
+        with deployment(root, tenants, native, worker_settings(args), args.metadata,
+                        args.workers, args.order == "pgsieve-first", apart) as d:
             series: list[tuple[float, str, int, float]] | None = [] if args.dump else None
-            prober = threading.Thread(target=probe, args=(dsns, commits, stop, lags,
-                                                          t0 + args.warmup, series))
-            prober.start()
-            done = drive(d["src"], tenants, args.rate, args.seconds, commits)
-            elapsed = time.monotonic() - t0
-            stop.set()
-            prober.join()
-            watcher.finish()
-            report = scheduler_report(d["db_url"])
-            ended = time.time()
-            measured_from = ended - (time.monotonic() - t0) + args.warmup
-            time.sleep(2.0)  # what was in flight at the end is applied
-            prefixes = {"pgsieve": ("target", "t"), "native": ("native", "n")}
-            exact: dict[tuple[str, int], list[float]] = {}
-            latencies: dict[str, list[float]] = {}
-            for system in systems:
-                name, prefix = prefixes[system]
-                noted = applied_clock(clusters[name], prefix, tenants)
-                for k in tenants:
-                    applied = applied_times(commits[k], noted[k])
-                    exact[(system, k)] = exact_lags(commits[k], applied, measured_from, ended)
-                    latencies.setdefault(system, []).extend(
-                        a - c for c, a in zip(commits[k], applied, strict=True)
-                        if measured_from <= c < ended - 1.0)
+            if not apart:
+                phases = [run_phase(d, tenants, ["pgsieve"] + (["native"] if native else []),
+                                    args, series)]
+            else:  # each system alone with the machine, in turn
+                order = (["pgsieve", "native"] if args.order == "pgsieve-first"
+                         else ["native", "pgsieve"])
+                phases = []
+                for system in order:
+                    if system == "native":
+                        switch_pgsieve(d, tenants, False)
+                        switch_native(d, tenants, True)
+                    else:
+                        switch_native(d, tenants, False)
+                        switch_pgsieve(d, tenants, True)
+                    phases.append(run_phase(d, tenants, [system], args, series))
             if series is not None:
                 with open(args.dump, "w") as out:
                     out.writelines(f"{t:.3f},{system},{k},{lag:.3f}\n"
                                    for t, system, k, lag in series)
-        print(f"\nmetadata store: {args.metadata}; worker settings: "
-              f"{' '.join(args.set) or 'defaults'}; workers: {args.workers} (CPU and RSS "
-              "below: the first)", end="")
-        print(f"\n### N = {n} subscriptions, {args.seconds:.0f} s at {args.rate:,.0f} "
-              f"changes/s ({done / elapsed:,.0f} achieved), warm-up {args.warmup:.0f} s "
-              "excluded\n")
-        print("| system | worst p50 lag (s) | median p50 (s) | worst p99 lag (s) | samples |")
-        print("|---|---:|---:|---:|---:|")
-        for system in systems:
-            p50s = [percentile(v, 0.5) for (s, _), v in lags.items() if s == system]
-            p99s = [percentile(v, 0.99) for (s, _), v in lags.items() if s == system]
-            count = sum(len(v) for (s, _), v in lags.items() if s == system)
-            print(f"| {system} | {max(p50s):.2f} | {statistics.median(p50s):.2f} | "
-                  f"{max(p99s):.2f} | {count} |")
-        for system in systems:  # steadier than the worst subscription's p99
-            every = [x for (s, _), v in lags.items() if s == system for x in v]
-            print(f"\n{system}, all samples: p90 {percentile(every, 0.9):.3f} s, p99 "
-                  f"{percentile(every, 0.99):.3f} s", end="")
-        print()
-        print(f"\nExact lag (at every {EXACT_STEP * 1000:.0f} ms, from when each probe write "
-              "reached its subscriber — a trigger on the subscriber's clock, the source's on "
-              "one host):\n")
-        print("| system | worst p50 lag (s) | median p50 (s) | worst p99 lag (s) | all p90 (s) "
-              "| all p99 (s) |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for system in systems:
-            per = [v for (s, _), v in exact.items() if s == system]
-            every = [x for v in per for x in v]
-            print(f"| {system} | {max(percentile(v, 0.5) for v in per):.3f} | "
-                  f"{statistics.median(percentile(v, 0.5) for v in per):.3f} | "
-                  f"{max(percentile(v, 0.99) for v in per):.3f} | "
-                  f"{percentile(every, 0.9):.3f} | {percentile(every, 0.99):.3f} |")
-        print("\nApply latency of every tenant transaction (source commit → applied at "
-              "its subscriber):\n")
-        print("| system | p10 (ms) | p50 (ms) | p90 (ms) | p99 (ms) | transactions |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for system, values in latencies.items():
-            print(f"| {system} | " + " | ".join(
-                f"{percentile(values, q) * 1000:.0f}" for q in (0.1, 0.5, 0.9, 0.99))
-                + f" | {len(values)} |")
-        print(f"\nthe worker's scheduler (last minute): {report}")
-        cpu = {name: m.seconds() / elapsed for name, m in watcher.cpu.items()}
-        print(f"\npgsieve worker RSS (max, process group incl. Spark): "
-              f"{watcher.worker_rss / 2**20:,.0f} MiB; CPU {cpu['worker']:.2f} cores")
-        if not args.no_native:
-            print(f"native subscriber cluster RSS (max, all its processes): "
-                  f"{watcher.native_rss / 2**20:,.0f} MiB; CPU {cpu['native']:.2f} cores")
-        print(f"source CPU {cpu['source']:.2f} cores; pgsieve target cluster CPU "
-              f"{cpu['target']:.2f} cores")
-        decode_pgsieve = watcher.source_cpu_by("pgsieve-consumer") / elapsed / n
-        print(f"source decode CPU per subscription: pgsieve {decode_pgsieve * 100:.1f} % "
-              "of a core", end="")
-        if not args.no_native:
-            decode_native = sum(watcher.source_cpu_by(f"n{k}") for k in tenants) / elapsed / n
-            print(f", native walsender {decode_native * 100:.1f} % of a core", end="")
-        print()
+        report_busy(n, args, phases, apart)
     finally:
         if os.environ.get("PGSIEVE_BENCH_KEEP") != "1":
             shutil.rmtree(root, ignore_errors=True)
+
+
+def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bool) -> None:
+    lags = {key: v for p in phases for key, v in p.lags.items()}
+    exact = {key: v for p in phases for key, v in p.exact.items()}
+    latencies = {system: v for p in phases for system, v in p.latencies.items()}
+    systems = [s for s in ("pgsieve", "native") if s in latencies]
+    print(f"\nmetadata store: {args.metadata}; worker settings: "
+          f"{' '.join(args.set) or 'defaults'}; workers: {args.workers} (CPU and RSS "
+          "below: the first)", end="")
+    achieved = " / ".join(f"{p.done / p.elapsed:,.0f}" for p in phases)
+    print(f"\n### N = {n} subscriptions, {args.seconds:.0f} s at {args.rate:,.0f} "
+          f"changes/s ({achieved} achieved), warm-up {args.warmup:.0f} s excluded")
+    if apart:
+        print(f"(apart: each system alone with the machine, in turn — "
+              f"{' then '.join(p.systems[0] for p in phases)}; the other's subscriptions "
+              "disabled, its backlog applied before its turn)")
+    print("\n| system | worst p50 lag (s) | median p50 (s) | worst p99 lag (s) | samples |")
+    print("|---|---:|---:|---:|---:|")
+    for system in systems:
+        p50s = [percentile(v, 0.5) for (s, _), v in lags.items() if s == system]
+        p99s = [percentile(v, 0.99) for (s, _), v in lags.items() if s == system]
+        count = sum(len(v) for (s, _), v in lags.items() if s == system)
+        print(f"| {system} | {max(p50s):.2f} | {statistics.median(p50s):.2f} | "
+              f"{max(p99s):.2f} | {count} |")
+    for system in systems:  # steadier than the worst subscription's p99
+        every = [x for (s, _), v in lags.items() if s == system for x in v]
+        print(f"\n{system}, all samples: p90 {percentile(every, 0.9):.3f} s, p99 "
+              f"{percentile(every, 0.99):.3f} s", end="")
+    print()
+    print(f"\nExact lag (at every {EXACT_STEP * 1000:.0f} ms, from when each probe write "
+          "reached its subscriber — a trigger on the subscriber's clock, the source's on "
+          "one host):\n")
+    print("| system | worst p50 lag (s) | median p50 (s) | worst p99 lag (s) | all p90 (s) "
+          "| all p99 (s) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for system in systems:
+        per = [v for (s, _), v in exact.items() if s == system]
+        every = [x for v in per for x in v]
+        print(f"| {system} | {max(percentile(v, 0.5) for v in per):.3f} | "
+              f"{statistics.median(percentile(v, 0.5) for v in per):.3f} | "
+              f"{max(percentile(v, 0.99) for v in per):.3f} | "
+              f"{percentile(every, 0.9):.3f} | {percentile(every, 0.99):.3f} |")
+    print("\nApply latency of every tenant transaction (source commit → applied at "
+          "its subscriber):\n")
+    print("| system | p10 (ms) | p50 (ms) | p90 (ms) | p99 (ms) | transactions |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for system in systems:
+        values = latencies[system]
+        print(f"| {system} | " + " | ".join(
+            f"{percentile(values, q) * 1000:.0f}" for q in (0.1, 0.5, 0.9, 0.99))
+            + f" | {len(values)} |")
+    for p in phases:
+        cpu = {name: m.seconds() / p.elapsed for name, m in p.watcher.cpu.items()}
+        if apart:
+            print(f"\n{p.systems[0]}'s turn:", end="")
+        if "pgsieve" in p.systems:
+            print(f"\nthe worker's scheduler (last minute): {p.report}")
+            print(f"\npgsieve worker RSS (max, process group incl. Spark): "
+                  f"{p.watcher.worker_rss / 2**20:,.0f} MiB; CPU {cpu['worker']:.2f} cores")
+        if "native" in p.systems:
+            print(f"\nnative subscriber cluster RSS (max, all its processes): "
+                  f"{p.watcher.native_rss / 2**20:,.0f} MiB; CPU {cpu['native']:.2f} cores")
+        print(f"source CPU {cpu['source']:.2f} cores; pgsieve target cluster CPU "
+              f"{cpu['target']:.2f} cores")
+        parts = []
+        if "pgsieve" in p.systems:
+            decode = p.watcher.source_cpu_by("pgsieve-consumer") / p.elapsed / n
+            parts.append(f"pgsieve {decode * 100:.1f} % of a core")
+        if "native" in p.systems:
+            decode = sum(p.watcher.source_cpu_by(f"n{k}") for k in range(n)) / p.elapsed / n
+            parts.append(f"native walsender {decode * 100:.1f} % of a core")
+        print("source decode CPU per subscription: " + ", ".join(parts))
 
 
 def idle(m: int, args: argparse.Namespace) -> None:
@@ -650,6 +764,9 @@ def main() -> None:
                         default="native-first",
                         help="whose walsenders start first (the source wakes them in "
                              "that order at each WAL flush)")
+    parser.add_argument("--apart", action="store_true",
+                        help="each system alone with the machine, in turn (--order says "
+                             "which first), instead of both at once")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a worker setting, e.g. --set SCHEDULER_THREADS=8 "
                              "(PGSIEVE_NAME; the worker runs at its defaults otherwise)")

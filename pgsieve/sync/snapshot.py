@@ -247,10 +247,15 @@ def _spawn() -> subprocess.Popen[bytes]:
 _spare = SpareProcess(_spawn)
 
 
-def prestart_helper() -> None:
+def prestart_helper(after: float = 0.0) -> None:
     """Keep one helper started and waiting for its request (its interpreter and libpq
-    loaded): a snapshot then takes the time of the slot's creation alone."""
-    _spare.prestart()
+    loaded): a snapshot then takes the time of the slot's creation alone. ``after``:
+    started that many seconds from now instead (see
+    :meth:`~pgsieve.platform.spares.SpareProcess.prestart_later`)."""
+    if after > 0:
+        _spare.prestart_later(after)
+    else:
+        _spare.prestart()
 
 
 def _take_helper() -> subprocess.Popen[bytes]:
