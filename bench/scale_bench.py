@@ -417,13 +417,14 @@ def scheduler_report(db_url: str) -> dict[str, Any]:
 # -- workload and probes -----------------------------------------------------------------
 
 def drive(dsn: str, tenants: list[int], rate: float, seconds: float,
-          commits: dict[int, list[float]], noise: bool = False) -> int:
+          commits: dict[int, list[float]], noise: bool = False, first_id: int = 1) -> int:
     """``rate`` changes/s in CHANGES_PER_TXN-change transactions; returns changes done.
-    ``noise``: unrelated WAL only (a table no publication has)."""
+    ``noise``: unrelated WAL only (a table no publication has). The same tenants in the
+    same order on every call; ``ev`` ids from ``first_id`` on."""
     rnd = random.Random(16)
     every = CHANGES_PER_TXN / rate
     done = 0
-    next_id = 1
+    next_id = first_id
     with psycopg.connect(dsn) as conn:
         start = time.perf_counter()
         n = 0
@@ -502,10 +503,10 @@ class Phase:
 
 
 def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
-              args: argparse.Namespace, series: list[tuple[float, str, int, float]] | None
-              ) -> Phase:
+              args: argparse.Namespace, series: list[tuple[float, str, int, float]] | None,
+              index: int = 0) -> Phase:
     """The workload for ``--seconds``, the subscribers of ``systems`` probed; the lags
-    after its warm-up."""
+    after its warm-up. ``index``: the how-manieth phase (its rows' ids of their own)."""
     clusters = d["clusters"]
     watcher = Watcher(clusters, d["src"])
     watcher.worker_pgrp = d["worker"].pid
@@ -519,7 +520,8 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
     prober = threading.Thread(target=probe, args=(dsns, commits, stop, lags,
                                                   t0 + args.warmup, series))
     prober.start()
-    done = drive(d["src"], tenants, args.rate, args.seconds, commits)
+    done = drive(d["src"], tenants, args.rate, args.seconds, commits,
+                 first_id=1 + index * 10**12)
     elapsed = time.monotonic() - t0
     stop.set()
     prober.join()
@@ -614,7 +616,7 @@ def busy(n: int, args: argparse.Namespace) -> None:
                     else:
                         switch_native(d, tenants, False)
                         switch_pgsieve(d, tenants, True)
-                    phases.append(run_phase(d, tenants, [system], args, series))
+                    phases.append(run_phase(d, tenants, [system], args, series, len(phases)))
             if series is not None:
                 with open(args.dump, "w") as out:
                     out.writelines(f"{t:.3f},{system},{k},{lag:.3f}\n"
