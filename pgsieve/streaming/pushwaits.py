@@ -129,16 +129,27 @@ class PushWaits:
                 armed = self._armed.get(fd)
                 if armed is None:
                     continue
-                if armed.peekable:
-                    seen = keepalives_seen(fd, armed.seen)
-                    if seen is not None:  # only keepalives so far: stay armed (edge)
-                        armed.seen = seen
-                        self.keepalive_checks += 1
-                        continue
-                self._unregister(fd)
-                self.wakeups += 1
-                self._on_wake(armed.subscription_id, armed.generation)
+                try:
+                    self._readable(fd, armed)
+                except Exception:  # this thread must not end: every push would be lost
+                    log.exception("waiting for pushes: socket %d", fd)
+                    self._unregister(fd)
+                    self._on_wake(armed.subscription_id, armed.generation)
         self.close()
+
+    def _readable(self, fd: int, armed: _Armed) -> None:
+        """``fd`` is readable: wake its turn, unless only keepalives wait on it. The
+        socket may have been closed since the poll returned (its subscription let go by
+        a runner): the wake then finds the turn's generation gone and does nothing."""
+        if armed.peekable:
+            seen = keepalives_seen(fd, armed.seen)
+            if seen is not None:  # only keepalives so far: stay armed (edge)
+                armed.seen = seen
+                self.keepalive_checks += 1
+                return
+        self._unregister(fd)
+        self.wakeups += 1
+        self._on_wake(armed.subscription_id, armed.generation)
 
     def _arm_due(self) -> float:
         """Arm what is due; returns how long the poll may wait."""
@@ -200,8 +211,12 @@ def keepalives_only(fileno: int) -> bool:
 def keepalives_seen(fileno: int, seen: int) -> int | None:
     """:func:`keepalives_only`, knowing the first ``seen`` bytes waiting are whole
     keepalives already (only what arrived since is parsed): how many bytes at the head
-    are whole keepalives now, or None when something else waits (or when unsure)."""
-    sock = socket.socket(fileno=fileno)
+    are whole keepalives now, or None when something else waits (or when unsure, or
+    when the socket is closed)."""
+    try:
+        sock = socket.socket(fileno=fileno)
+    except OSError:  # closed meanwhile (its subscription let go)
+        return None
     try:
         data = sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except OSError:
