@@ -363,12 +363,17 @@ class UpdateImage(Base):
     candidate filter can be tried on real updates (UPDATE transformation preview)."""
 
     __tablename__ = "update_images"
+    __table_args__ = (
+        # A table's images of one subscription, newest last: the trim and the preview
+        # (migration 0008; table_name alone is shared by every tenant's subscription).
+        Index("ix_update_images_subscription_table", "subscription_id", "table_name", "id"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     subscription_id: Mapped[str] = mapped_column(
         ForeignKey("subscriptions.id", ondelete="CASCADE"), index=True
     )
-    table_name: Mapped[str] = mapped_column(String(130), index=True)
+    table_name: Mapped[str] = mapped_column(String(130))
     lsn: Mapped[int] = mapped_column(BigInteger)
     old_kind: Mapped[str | None] = mapped_column(String(1), nullable=True)
     """'K' (key columns only), 'O' (REPLICA IDENTITY FULL) or None (key unchanged)."""

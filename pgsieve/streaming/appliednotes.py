@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any, cast
 
-from sqlalchemy import Table, bindparam, delete, insert, select, update
+from sqlalchemy import Table, and_, bindparam, delete, insert, select, update
 from sqlalchemy.orm import Session
 
 from pgsieve.apply.batch import ApplyResult, MissingRow, UpdateImageRecord
@@ -221,6 +221,7 @@ def record_applied(session: Session, progress: Iterable[AppliedProgress],
 
 _SUBS = cast(Table, Subscription.__table__)
 _TABLES = cast(Table, SubscriptionTable.__table__)
+_IMAGES = cast(Table, UpdateImage.__table__)
 _READ = (_SUBS.c.id, _SUBS.c.applied_lsn, _SUBS.c.received_lsn, _SUBS.c.last_commit_ts,
          _SUBS.c.oldest_unapplied_commit_ts, _SUBS.c.source_lsn, _SUBS.c.skip_lsn,
          _SUBS.c.stats)
@@ -322,18 +323,18 @@ def _image_rows(p: AppliedProgress) -> list[dict[str, Any]]:
 
 
 def _trim_images(session: Session, p: AppliedProgress, trims: ImageTrims) -> None:
+    """Each table's images older than its newest window go (in SQL Core, by the
+    subscription-and-table index: no ORM session to synchronize, no other subscription's
+    images read)."""
     for table, images in p.images.items():
         if not trims.due(p.subscription_id, table, len(images)):
             continue
-        keep = select(UpdateImage.id).where(
-            UpdateImage.subscription_id == p.subscription_id,
-            UpdateImage.table_name == table,
-        ).order_by(UpdateImage.id.desc()).limit(UPDATE_IMAGE_WINDOW)
-        session.execute(delete(UpdateImage).where(
-            UpdateImage.subscription_id == p.subscription_id,
-            UpdateImage.table_name == table,
-            UpdateImage.id.not_in(keep.scalar_subquery()),
-        ))
+        mine = and_(_IMAGES.c.subscription_id == p.subscription_id,
+                    _IMAGES.c.table_name == table)
+        oldest_kept = (select(_IMAGES.c.id).where(mine).order_by(_IMAGES.c.id.desc())
+                       .offset(UPDATE_IMAGE_WINDOW - 1).limit(1).scalar_subquery())
+        # (fewer than a window: the oldest kept is NULL and nothing goes)
+        session.execute(delete(_IMAGES).where(mine, _IMAGES.c.id < oldest_kept))
 
 
 class ProgressBook:

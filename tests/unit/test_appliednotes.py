@@ -17,6 +17,7 @@ from pgsieve.apply.batch import ApplyResult, MissingRow, TableCounts, UpdateImag
 from pgsieve.platform.db import engine_for
 from pgsieve.platform.metrics import APPLY_SECONDS_KEY, BATCH_CHANGES_KEY
 from pgsieve.platform.models import (
+    UPDATE_IMAGE_WINDOW,
     Source,
     Subscription,
     SubscriptionTable,
@@ -201,3 +202,39 @@ def test_a_batch_staged_by_spark_tasks_shows_its_job_group_and_counts_its_task_f
     assert 'pgsieve_spark_task_failures_total{kind="apply"} 4.0' in text
     assert 'pgsieve_spark_task_failures_total{kind="sync"} 0.0' in text
     assert "pgsieve_spark_executors 3.0" in text
+
+
+def test_each_subscription_keeps_its_newest_window_of_images_and_no_more(
+        engine: Engine, sub_id: str) -> None:
+    """Trimmed per subscription and table: the newest window stays (and at most a
+    quarter window more between trims), the oldest go, and another subscription's images
+    of a table of the same name are not touched (tenants share table names)."""
+    with Session(engine) as session:
+        first = session.get(Subscription, sub_id)
+        assert first is not None
+        other = Subscription(name="other", source_id=first.source_id,
+                             target_id=first.target_id, publications=["p"],
+                             slot_name="pgsieve_other", state="streaming")
+        other.tables = [SubscriptionTable(table_name="public.orders", sync_state="ready")]
+        session.add(other)
+        session.commit()
+        other_id = other.id
+    trims = ImageTrims()
+    mine = AppliedProgress(other_id)
+    mine.add(batch(50, images=10), 0.01, None)
+    write(engine, [mine], trims)
+    lsn = 100
+    for _ in range(2 * UPDATE_IMAGE_WINDOW // 20):  # twice the window, 20 at a time
+        progress = AppliedProgress(sub_id)
+        progress.add(batch(lsn, images=20), 0.01, None)
+        write(engine, [progress], trims)
+        lsn += 1
+    with Session(engine) as session:
+        kept = session.scalars(select(UpdateImage.lsn).where(
+            UpdateImage.subscription_id == sub_id)).all()
+        others = session.scalars(select(UpdateImage.lsn).where(
+            UpdateImage.subscription_id == other_id)).all()
+    assert UPDATE_IMAGE_WINDOW <= len(kept) <= UPDATE_IMAGE_WINDOW * 5 // 4
+    assert max(kept) == lsn - 1  # the newest are there
+    assert min(kept) > 100  # the oldest are gone
+    assert len(others) == 10
