@@ -134,7 +134,8 @@ class PushWaits:
                 except Exception:  # this thread must not end: every push would be lost
                     log.exception("waiting for pushes: socket %d", fd)
                     self._unregister(fd)
-                    self._on_wake(armed.subscription_id, armed.generation)
+                    with contextlib.suppress(Exception):  # its turn, to be safe
+                        self._on_wake(armed.subscription_id, armed.generation)
         self.close()
 
     def _readable(self, fd: int, armed: _Armed) -> None:
