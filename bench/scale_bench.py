@@ -374,9 +374,7 @@ def deployment(root: Path, tenants: list[int], native: bool,
                                f"(log: {root / 'worker.log'})")
         if native and pgsieve_first and not apart:
             wait_for_walsenders(src, "pgsieve-consumer", n)
-            for k in tenants:
-                with psycopg.connect(clusters["native"].dsn(f"n{k}"), autocommit=True) as nc:
-                    nc.execute(f"ALTER SUBSCRIPTION n{k} ENABLE")
+            alter_native(clusters["native"], tenants, "ENABLE")
         if native and not apart:
             wait_for_walsenders(src, "n%", n)
         yield {"clusters": clusters, "src": src, "worker": worker, "db_url": db_url,
@@ -548,32 +546,32 @@ PREFIXES = {"pgsieve": ("target", "t"), "native": ("native", "n")}
 """Each system's subscriber cluster and database prefix."""
 
 
-def switch_native(d: dict[str, Any], tenants: list[int], on: bool) -> None:
-    """Native's subscriptions enabled (streaming and caught up) or disabled (no walsender
-    left)."""
+def alter_native(native: LocalCluster, tenants: list[int], action: str) -> None:
+    """``ALTER SUBSCRIPTION … ENABLE|DISABLE`` on every native subscriber."""
     for k in tenants:
-        with psycopg.connect(d["clusters"]["native"].dsn(f"n{k}"), autocommit=True) as nc:
-            nc.execute(f"ALTER SUBSCRIPTION n{k} {'ENABLE' if on else 'DISABLE'}")
-    if on:
-        wait_for_walsenders(d["src"], "n%", len(tenants))
-        wait_caught_up(d, "native", tenants)
-    else:
-        wait_for_walsenders(d["src"], "n%", 0, at_most=True)
+        with psycopg.connect(native.dsn(f"n{k}"), autocommit=True) as nc:
+            nc.execute(f"ALTER SUBSCRIPTION n{k} {action}")
 
 
-def switch_pgsieve(d: dict[str, Any], tenants: list[int], on: bool) -> None:
-    """pgsieve's subscriptions enabled or disabled through the API, as a user would."""
-    with TestClient(create_app(d["settings"])) as client:
-        client.headers["Authorization"] = f"Bearer {TOKEN}"
-        for sub in client.get("/api/v1/subscriptions").json():
-            r = client.post(f"/api/v1/subscriptions/{sub['id']}/"
-                            f"{'enable' if on else 'disable'}")
-            assert r.status_code == 200, r.text
-    if on:
-        wait_for_walsenders(d["src"], "pgsieve-consumer", len(tenants))
-        wait_caught_up(d, "pgsieve", tenants)
+def switch(d: dict[str, Any], system: str, tenants: list[int], on: bool) -> None:
+    """``system``'s subscriptions enabled (streaming and caught up) or disabled (no
+    walsender left): native's by ALTER SUBSCRIPTION, pgsieve's through its API, as a user
+    would."""
+    if system == "native":
+        alter_native(d["clusters"]["native"], tenants, "ENABLE" if on else "DISABLE")
     else:
-        wait_for_walsenders(d["src"], "pgsieve-consumer", 0, at_most=True)
+        with TestClient(create_app(d["settings"])) as client:
+            client.headers["Authorization"] = f"Bearer {TOKEN}"
+            for sub in client.get("/api/v1/subscriptions").json():
+                r = client.post(f"/api/v1/subscriptions/{sub['id']}/"
+                                f"{'enable' if on else 'disable'}")
+                assert r.status_code == 200, r.text
+    application = "n%" if system == "native" else "pgsieve-consumer"
+    if on:
+        wait_for_walsenders(d["src"], application, len(tenants))
+        wait_caught_up(d, system, tenants)
+    else:
+        wait_for_walsenders(d["src"], application, 0, at_most=True)
 
 
 def wait_caught_up(d: dict[str, Any], system: str, tenants: list[int]) -> None:
@@ -610,12 +608,8 @@ def busy(n: int, args: argparse.Namespace) -> None:
                          else ["native", "pgsieve"])
                 phases = []
                 for system in order:
-                    if system == "native":
-                        switch_pgsieve(d, tenants, False)
-                        switch_native(d, tenants, True)
-                    else:
-                        switch_native(d, tenants, False)
-                        switch_pgsieve(d, tenants, True)
+                    switch(d, "pgsieve" if system == "native" else "native", tenants, False)
+                    switch(d, system, tenants, True)
                     phases.append(run_phase(d, tenants, [system], args, series, len(phases)))
             if series is not None:
                 with open(args.dump, "w") as out:
