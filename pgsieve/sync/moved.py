@@ -35,6 +35,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -285,14 +286,23 @@ def _state(tgt: psycopg.Connection[Any], marker: str, subscription_id: str,
 def reconcile_connections(source_dsn: str, target_dsn: str, connect_timeout: int
                           ) -> Iterator[tuple[psycopg.Connection[Any], psycopg.Connection[Any]]]:
     """(source, target): the sessions that read the moved rows and write them, autocommit,
-    without a statement timeout (a big table's read is long)."""
+    without a statement timeout (a big table's read is long). Both opened at once: each
+    is a few milliseconds of the stream's wait at the marker."""
     def connect(dsn: str) -> psycopg.Connection[Any]:
         return psycopg.connect(secure_conninfo(dsn, purpose=Purpose.STREAM,
                                                connect_timeout=connect_timeout,
                                                application_name="pgsieve-reconcile"),
                                autocommit=True)
 
-    with connect(target_dsn) as tgt, connect(source_dsn) as src:
+    with ThreadPoolExecutor(1, thread_name_prefix="pgsieve-connect") as pool:
+        opening = pool.submit(connect, source_dsn)
+        try:
+            tgt = connect(target_dsn)
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                opening.result().close()
+            raise
+    with tgt, opening.result() as src:  # (a source that failed: the target closed)
         yield src, tgt
 
 

@@ -108,6 +108,40 @@ def test_the_rows_of_a_parked_stream_are_merged_as_they_are_read_with_the_marker
     assert target_db.query("SELECT count(*) FROM items WHERE id = 2")[0][0] == 0
 
 
+def test_a_job_waiting_for_its_stream_looks_the_moment_a_stream_parks(
+        target_db: Database, writer: TargetWriter, monkeypatch: pytest.MonkeyPatch):
+    """The job started before its stream reached the marker (the usual case: the job is
+    enqueued as the change commits) stops waiting when the stream parks — woken by the
+    park's notification, not by its next poll (made 60 s here): a job that waited for
+    the poll would answer only after its whole 20 s wait. Another stream parking at
+    another marker wakes it too, and it goes on waiting for its own."""
+    monkeypatch.setattr("pgsieve.sync.parked_merge.PARK_POLL_SECONDS", 60.0)
+    answer: list[tuple[bool, float]] = []
+
+    def wait() -> None:
+        started = time.monotonic()
+        answer.append((parked(target_db.dsn, "m", "sub", wait_seconds=20),
+                       time.monotonic() - started))
+
+    other = TargetWriter(target_db.dsn, "other")
+    try:
+        other.record_idle(BEFORE)
+        job = threading.Thread(target=wait)
+        job.start()
+        time.sleep(0.5)  # its LISTEN and first look done
+        with other.conn.transaction():
+            park(other.conn, "m2", "other", other.lock_applied(other.conn, nowait=True), END,
+                 None, None)
+        time.sleep(0.5)
+        assert job.is_alive()  # not its stream
+        _park(writer)
+        job.join(20)
+    finally:
+        other.close()
+    [(found, waited)] = answer
+    assert found and waited < 10, waited
+
+
 def test_a_stream_at_its_marker_does_not_wait_for_the_job_merging(
         target_db: Database, writer: TargetWriter):
     """While the job's transaction holds the applied record, the stream's look at the
