@@ -205,17 +205,20 @@ class Scheduler:
         if self.settings.read_ahead_min_bytes and self.settings.read_ahead_processes:
             prestart_read_ahead()
 
-    def _rows_staged(self, subscription_id: str) -> None:
-        """A reconciliation's rows were staged in this process: a stream of ours waiting
-        at its marker is taken up now rather than at its next retry."""
+    def _rows_staged(self, subscription_id: str) -> bool:
+        """A reconciliation's rows were staged or merged in this process: a stream of ours
+        waiting at its marker is taken up now rather than at its next retry. Whether this
+        worker has the stream (held, or waiting to take it up again)."""
         with self._cond:
-            waiting = (subscription_id not in self._held
-                       and subscription_id in self._retry_at and not self._stopping.is_set())
+            held = subscription_id in self._held
+            waiting = (not held and subscription_id in self._retry_at
+                       and not self._stopping.is_set())
             if waiting:
                 self._retry_at[subscription_id] = 0.0
         if waiting:
             threading.Thread(target=self._adopt_if_unheld, args=(subscription_id,),
                              name="pgsieve-adopt-staged", daemon=True).start()
+        return held or waiting
 
     def _adopt_if_unheld(self, subscription_id: str) -> None:
         """Take a subscription up again after a short pause (not a duplicate adoption:

@@ -46,11 +46,13 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.apply.target import IDENTITY_SQL, SCHEMA
+from pgsieve.platform import dispatch
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.locks import rowcount
 from pgsieve.platform.models import Job, new_id, utcnow
+from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JOB_ENDED, JobState
 from pgsieve.rowfilter.change import TableChange
 from pgsieve.rowfilter.effective import TableInfo
@@ -199,26 +201,46 @@ def parse_marker(message: LogicalMessage | None) -> Marker | None:
 
 # -- the job: stage the corrections at the target ----------------------------------------
 
-_staged_listeners: list[Callable[[str], None]] = []
+_staged_listeners: list[Callable[[str], bool]] = []
 
 
-def on_staged(listener: Callable[[str], None]) -> None:
-    """Call ``listener(subscription_id)`` when this process has staged a subscription's
-    rows (a scheduler takes up a stream waiting at the marker at once)."""
+def on_staged(listener: Callable[[str], bool]) -> None:
+    """Call ``listener(subscription_id)`` when this process has staged or merged a
+    subscription's rows (a scheduler takes up a stream waiting at the marker at once);
+    it returns whether it has that stream (held, or waiting to take it up)."""
     _staged_listeners.append(listener)
 
 
-def forget_staged_listener(listener: Callable[[str], None]) -> None:
+def forget_staged_listener(listener: Callable[[str], bool]) -> None:
     with contextlib.suppress(ValueError):
         _staged_listeners.remove(listener)
 
 
-def notify_staged(subscription_id: str) -> None:
+def notify_staged(subscription_id: str) -> bool:
+    """Tell this process's listeners; whether one of them has the stream."""
+    taken = False
     for listener in list(_staged_listeners):
         try:
-            listener(subscription_id)
+            taken = listener(subscription_id) or taken
         except Exception as exc:  # a listener's trouble is not the job's
             log.warning("a listener of staged rows failed: %s", exc)
+    return taken
+
+
+def wake_stream(settings: Settings, subscription_id: str) -> None:
+    """The rows of a filter change are staged or merged: the subscription's stream, let go
+    while it waits at the marker, is taken up now — by this process's scheduler if it has
+    the stream, else by whichever worker takes the adoption task (with several workers
+    the job runs on any of them; the stream's own worker would otherwise take it up only
+    at its retry, up to a second later). The task is harmless where another worker holds
+    the stream (the locks admit one holder); failing to send it leaves the retry."""
+    if notify_staged(subscription_id):
+        return
+    try:
+        dispatch.consume_cycle(settings, subscription_id)
+    except Exception as exc:  # the broker unreachable: the stream's retry takes it up
+        log.warning("subscription %s: could not ask a worker to take its stream up past "
+                    "the reconciliation marker: %s", subscription_id, exc)
 
 
 

@@ -484,7 +484,7 @@ class SyncJobRunner:
         else:
             staged = state.tables
         total = sum(int(t["added"]) + int(t["removed"]) for t in staged)
-        moved.notify_staged(ctx.subscription_id)
+        moved.wake_stream(self.settings, ctx.subscription_id)
         with self._owned() as (_, job):
             released = list(job.details.get("released_snapshots") or [])
             job.details = {**job.details, "phase": "waiting_for_stream",
@@ -548,7 +548,7 @@ class SyncJobRunner:
                            "timings": {k: round(v, 3) for k, v in self.timings.items()}}
         follow_up = moved.finish_job(self.sessions, self.job_id, merged.tables,
                                      merged.seconds)
-        moved.notify_staged(ctx.subscription_id)  # the stream goes on past the marker
+        moved.wake_stream(self.settings, ctx.subscription_id)  # on past the marker
         if follow_up is not None:
             dispatch.initial_sync(self.settings, follow_up)
         log.info("subscription %s: filter change reconciled while reading (+%d -%d ~%d rows)",
