@@ -415,15 +415,22 @@ def scheduler_report(db_url: str) -> dict[str, Any]:
 # -- workload and probes -----------------------------------------------------------------
 
 def drive(dsn: str, tenants: list[int], rate: float, seconds: float,
-          commits: dict[int, list[float]], noise: bool = False, first_id: int = 1) -> int:
+          commits: dict[int, list[float]], noise: bool = False, first_id: int = 1,
+          sync_commit: bool = False) -> int:
     """``rate`` changes/s in CHANGES_PER_TXN-change transactions; returns changes done.
     ``noise``: unrelated WAL only (a table no publication has). The same tenants in the
-    same order on every call; ``ev`` ids from ``first_id`` on."""
+    same order on every call; ``ev`` ids from ``first_id`` on. ``sync_commit``: the
+    writer's session commits synchronously (PostgreSQL's default: each commit flushes
+    the WAL and wakes the walsenders) instead of the cluster's ``off`` (its WAL flushed
+    by the WAL writer every 200 ms, each flush waking every walsender at once)."""
     rnd = random.Random(16)
     every = CHANGES_PER_TXN / rate
     done = 0
     next_id = first_id
     with psycopg.connect(dsn) as conn:
+        if sync_commit:
+            conn.execute("SET synchronous_commit = on")
+            conn.commit()
         start = time.perf_counter()
         n = 0
         while time.perf_counter() - start < seconds:
@@ -519,7 +526,7 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
                                                   t0 + args.warmup, series))
     prober.start()
     done = drive(d["src"], tenants, args.rate, args.seconds, commits,
-                 first_id=1 + index * 10**12)
+                 first_id=1 + index * 10**12, sync_commit=args.source_commit == "sync")
     elapsed = time.monotonic() - t0
     stop.set()
     prober.join()
@@ -628,7 +635,8 @@ def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bo
     systems = [s for s in ("pgsieve", "native") if s in latencies]
     print(f"\nmetadata store: {args.metadata}; worker settings: "
           f"{' '.join(args.set) or 'defaults'}; workers: {args.workers} (CPU and RSS "
-          "below: the first)", end="")
+          f"below: the first); the workload's commits at the source: {args.source_commit}",
+          end="")
     achieved = " / ".join(f"{p.done / p.elapsed:,.0f}" for p in phases)
     print(f"\n### N = {n} subscriptions, {args.seconds:.0f} s at {args.rate:,.0f} "
           f"changes/s ({achieved} achieved), warm-up {args.warmup:.0f} s excluded")
@@ -763,6 +771,11 @@ def main() -> None:
     parser.add_argument("--apart", action="store_true",
                         help="each system alone with the machine, in turn (--order says "
                              "which first), instead of both at once")
+    parser.add_argument("--source-commit", choices=["async", "sync"], default="async",
+                        help="how the workload commits at the source: async (the cluster's "
+                             "synchronous_commit = off: WAL flushed every 200 ms, bursts) "
+                             "or sync (PostgreSQL's default: each commit flushed, the "
+                             "walsenders woken per commit)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a worker setting, e.g. --set SCHEDULER_THREADS=8 "
                              "(PGSIEVE_NAME; the worker runs at its defaults otherwise)")

@@ -50,6 +50,8 @@ ARM_TICK = 0.005
 """An arming is late by this much at most (it wakes the thread only when earlier)."""
 LONG_SLEEP = 1.0
 PEEK_BYTES = 1 << 16
+_PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
+"""(An int: combining the flags' enum members on every look cost more than the look.)"""
 
 # A walsender keepalive: CopyData 'd', length 22, 'k', WAL end, send time, reply flag.
 _KEEPALIVE = struct.Struct("!cIcQQB")
@@ -66,6 +68,15 @@ class _Armed:
     peekable: bool
     seen: int = 0
     """Bytes at the head of the socket already known to be whole keepalives."""
+    sock: socket.socket | None = None
+    """A socket object over the armed descriptor, for peeking (never closes it: detached
+    when disarmed). Made once per arming, not per look: with the source committing
+    synchronously a walsender sends a keepalive per commit, and each look made one
+    (three ``getsockopt`` calls and an object)."""
+
+    def __del__(self) -> None:
+        # Whatever drops this arming, the descriptor stays the replication session's.
+        _detach(self)
 
 
 class PushWaits:
@@ -143,7 +154,7 @@ class PushWaits:
         socket may have been closed since the poll returned (its subscription let go by
         a runner): the wake then finds the turn's generation gone and does nothing."""
         if armed.peekable:
-            seen = keepalives_seen(fd, armed.seen)
+            seen = None if armed.sock is None else _keepalives_seen_on(armed.sock, armed.seen)
             if seen is not None:  # only keepalives so far: stay armed (edge)
                 armed.seen = seen
                 self.keepalive_checks += 1
@@ -176,14 +187,19 @@ class PushWaits:
         self._unregister(fileno)
         flags = select.EPOLLIN | (select.EPOLLET if armed.peekable else 0)
         try:
+            if armed.peekable:
+                armed.sock = socket.socket(fileno=fileno)
             self._epoll.register(fileno, flags)
         except (OSError, ValueError) as exc:  # closed between the turn and now
             log.debug("cannot watch socket %d: %s", fileno, exc)
+            _detach(armed)
             return
         self._armed[fileno] = armed
 
     def _unregister(self, fileno: int) -> None:
-        if self._armed.pop(fileno, None) is not None:
+        armed = self._armed.pop(fileno, None)
+        if armed is not None:
+            _detach(armed)
             with contextlib.suppress(OSError, ValueError):
                 self._epoll.unregister(fileno)
 
@@ -195,11 +211,21 @@ class PushWaits:
                 self._unregister(fd)
 
     def close(self) -> None:
+        for armed in self._armed.values():
+            _detach(armed)
+        self._armed.clear()
         with contextlib.suppress(Exception):
             self._epoll.close()
         for sock in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+def _detach(armed: _Armed) -> None:
+    """Let go of the armed socket object without closing the session's descriptor."""
+    if armed.sock is not None:
+        armed.sock.detach()
+        armed.sock = None
 
 
 def keepalives_only(fileno: int) -> bool:
@@ -219,11 +245,17 @@ def keepalives_seen(fileno: int, seen: int) -> int | None:
     except OSError:  # closed meanwhile (its subscription let go)
         return None
     try:
-        data = sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except OSError:
-        return None
+        return _keepalives_seen_on(sock, seen)
     finally:
         sock.detach()  # the descriptor stays the replication session's
+
+
+def _keepalives_seen_on(sock: socket.socket, seen: int) -> int | None:
+    """:func:`keepalives_seen` through a socket object over the descriptor."""
+    try:
+        data = sock.recv(PEEK_BYTES, _PEEK_FLAGS)
+    except OSError:
+        return None
     size = _KEEPALIVE.size
     if not data or len(data) == PEEK_BYTES or len(data) < seen:
         return None  # a full peek may hide data behind it; less than seen: read meanwhile

@@ -5,6 +5,7 @@ delayed arming does not watch the socket before its time."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import queue
 import socket
 import struct
@@ -232,3 +233,33 @@ def test_a_closed_socket_is_not_taken_for_keepalives(pair: Pairs) -> None:
     fd = ours.fileno()
     ours.close()
     assert keepalives_seen(fd, 0) is None
+
+
+def test_watching_a_session_never_closes_its_socket(pair: Pairs) -> None:
+    """The thread peeks through a socket object of its own over the session's descriptor
+    (made once per arming): disarmed by a wake, replaced by a new arming, dropped with
+    the thread's end — the session's socket stays open and nothing is read from it."""
+    ours, server = pair()
+    h = Harness()
+    try:
+        h.generations["s1"] = 1
+        h.waits.arm(time.monotonic(), "s1", 1, ours.fileno(), peekable=True)
+        server.send(keepalive(1))
+        time.sleep(0.1)
+        h.waits.arm(time.monotonic(), "s1", 1, ours.fileno(), peekable=True)  # again
+        time.sleep(0.1)
+        server.send(xlogdata(b"I..."))
+        woken = h.next_wake()
+        assert woken is not None and woken[:2] == ("s1", 1)  # disarmed (one shot)
+        h.waits.arm(time.monotonic(), "s1", 1, ours.fileno(), peekable=True)
+        time.sleep(0.1)  # armed when the thread ends
+    finally:
+        h.stopping.set()
+        h.waits.wake()
+        h.thread.join(5)
+    del h
+    gc.collect()
+    assert ours.fileno() >= 0
+    ours.send(b"still open")
+    assert server.recv(64) == b"still open"
+    assert ours.recv(4096, socket.MSG_DONTWAIT) == keepalive(1) + xlogdata(b"I...")
