@@ -128,8 +128,8 @@ def parked(target_dsn: str, marker: str, subscription_id: str, *, wait_seconds: 
 
     Asked again the moment a stream parks at this target (its notification), and every
     :data:`PARK_POLL_SECONDS` whatever comes (a pooler in between may drop ``LISTEN``).
-    Polling alone cost a job that started before its stream parked up to a whole poll:
-    0–100 ms of a reconciliation of 0.7 s (bench/reconcile_bench.py)."""
+    Polling alone cost a job that started before its stream parked up to a whole poll
+    (50 ms) after the park, of a reconciliation of 0.7 s (bench/reconcile_bench.py)."""
     with psycopg.connect(secure_conninfo(target_dsn, purpose=Purpose.CONTROL,
                                          connect_timeout=connect_timeout),
                          autocommit=True) as tgt:
