@@ -2,7 +2,7 @@
 
 Usage:  .venv/bin/python -m bench.scale_bench [--subscriptions 10,50,100] [--rate 2000]
             [--seconds 60] [--warmup 10] [--idle 200] [--idle-seconds 60] [--no-native]
-            [--order native-first|pgsieve-first] [--apart]
+            [--order native-first|pgsieve-first] [--apart] [--source-commit async|sync]
 
 Per N: one source with one publication per tenant (``ev`` and ``probe`` WHERE tenant =
 k), N pgsieve subscriptions (one target database each, ``copy_data: false``) served by
