@@ -123,14 +123,16 @@ def test_worker_killed_mid_catch_up_takes_its_read_ahead_process_along(
 def test_worker_killed_while_its_turns_read_a_window_in_parts(
         tmp_path: Path, source_db: Database, target_db: Database, native_db: Database):
     """No read-ahead (the default): the backlog's one large window is read by many short
-    turns, each applying and confirming its part; kill -9 the worker in the middle."""
+    turns, each applying and confirming its part; kill -9 the worker in the middle.
+    (A backlog long enough to outlast noticing the first batch: 10,000 transactions were
+    once all applied before the kill, in a full run.)"""
     with pipeline_env(tmp_path) as env:
-        backlog(tmp_path, source_db, target_db, native_db, env, transactions=10000)
+        backlog(tmp_path, source_db, target_db, native_db, env, transactions=20000)
         parts = {"PGSIEVE_TURN_SECONDS": "0.02",
                  "PGSIEVE_PUSH_MAX_BACKLOG_BYTES": str(1 << 20)}
         worker = env.start_worker("first", **parts)
         wait_until(lambda: source_lsn_applied(target_db) is not None, 60,
-                   "the first batches to apply", env, interval=0.05)
+                   "the first batches to apply", env, interval=0.01)
         assert not read_ahead_children(worker.pid), "read-ahead is off by default"
         env.kill(worker)
         assert not targets_match(source_db, target_db, native_db), "killed mid catch-up"
