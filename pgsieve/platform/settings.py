@@ -173,6 +173,11 @@ class Settings(BaseSettings):
         default=2, ge=1, le=64,
         description="turns a worker process runs at once (its subscriptions take turns)",
     )
+    turn_order: Literal["oldest-commit", "arrival"] = Field(
+        default="oldest-commit",
+        description="which due turn a worker runs first: the stream whose waiting "
+        "transaction committed first (as the server's push shows it), or the one due first",
+    )
     turn_window_bytes: int = Field(
         default=16 << 20, ge=64 << 10,
         description="WAL one subscription's turn reads at most (grows for a transaction "

@@ -20,6 +20,12 @@ them all at the next turn. (The first version re-checked a keepalive-only socket
 of the live lag of 50 subscriptions on one worker.) An encrypted socket cannot be peeked
 at: it is watched level-triggered, and any readiness wakes its turn.
 
+Which turn first: a wake-up that found a transaction waiting passes on its commit time (the
+pgoutput BEGIN at the head of the data, peeked at anyway), so the scheduler can serve the
+subscription whose oldest unapplied transaction is oldest first (see
+:mod:`.scheduler`, "turn order"). None when the data does not start with a BEGIN (the
+middle of a transaction, a streamed one, an encrypted session).
+
 Only this thread touches the epoll set; other threads queue requests and wake it
 through a socket pair. An armed socket closed meanwhile (the subscription was let go)
 costs one spurious wake-up at most: wake-ups carry the turn generation that armed them,
@@ -56,8 +62,15 @@ _PEEK_FLAGS = int(socket.MSG_PEEK | socket.MSG_DONTWAIT)
 # A walsender keepalive: CopyData 'd', length 22, 'k', WAL end, send time, reply flag.
 _KEEPALIVE = struct.Struct("!cIcQQB")
 _KEEPALIVE_HEAD = b"d\x00\x00\x00\x16k"
+# XLogData carrying a pgoutput BEGIN: CopyData 'd', length, 'w', WAL start, WAL end,
+# send time; then 'B', the final LSN, the commit time (µs since 2000-01-01), the xid.
+_BEGIN = struct.Struct("!cIcQQqcQqI")
+_PG_EPOCH = 946_684_800.0
+"""2000-01-01 in Unix seconds: PostgreSQL's timestamps count from it."""
 
-Wake = Callable[[str, int], None]
+Wake = Callable[[str, int, float | None], None]
+"""(subscription, turn generation, commit time of the first transaction waiting — Unix
+seconds, the source's clock — or None when not seen)."""
 Armable = Callable[[str, int], bool]
 
 
@@ -146,22 +159,24 @@ class PushWaits:
                     log.exception("waiting for pushes: socket %d", fd)
                     self._unregister(fd)
                     with contextlib.suppress(Exception):  # its turn, to be safe
-                        self._on_wake(armed.subscription_id, armed.generation)
+                        self._on_wake(armed.subscription_id, armed.generation, None)
         self.close()
 
     def _readable(self, fd: int, armed: _Armed) -> None:
         """``fd`` is readable: wake its turn, unless only keepalives wait on it. The
         socket may have been closed since the poll returned (its subscription let go by
         a runner): the wake then finds the turn's generation gone and does nothing."""
+        committed: float | None = None
         if armed.peekable:
-            seen = None if armed.sock is None else _keepalives_seen_on(armed.sock, armed.seen)
+            seen, committed = (None, None) if armed.sock is None else _look(armed.sock,
+                                                                            armed.seen)
             if seen is not None:  # only keepalives so far: stay armed (edge)
                 armed.seen = seen
                 self.keepalive_checks += 1
                 return
         self._unregister(fd)
         self.wakeups += 1
-        self._on_wake(armed.subscription_id, armed.generation)
+        self._on_wake(armed.subscription_id, armed.generation, committed)
 
     def _arm_due(self) -> float:
         """Arm what is due; returns how long the poll may wait."""
@@ -252,17 +267,50 @@ def keepalives_seen(fileno: int, seen: int) -> int | None:
 
 def _keepalives_seen_on(sock: socket.socket, seen: int) -> int | None:
     """:func:`keepalives_seen` through a socket object over the descriptor."""
+    return _look(sock, seen)[0]
+
+
+def _look(sock: socket.socket, seen: int) -> tuple[int | None, float | None]:
+    """Peek at what waits: (how many bytes at its head are whole keepalives, or None when
+    something else waits — see :func:`keepalives_seen`), and when something else does,
+    the commit time of the transaction it begins with (:func:`begins_at`)."""
     try:
         data = sock.recv(PEEK_BYTES, _PEEK_FLAGS)
     except OSError:
-        return None
+        return None, None
     size = _KEEPALIVE.size
-    if not data or len(data) == PEEK_BYTES or len(data) < seen:
-        return None  # a full peek may hide data behind it; less than seen: read meanwhile
+    if not data or len(data) < seen:
+        return None, None  # less than seen: read meanwhile
+    if len(data) == PEEK_BYTES:  # a full peek may hide data behind whole keepalives
+        return None, begins_at(data, _skip_keepalives(data, 0))
     whole = len(data) - (len(data) - seen) % size
     for pos in range(seen, whole, size):
         kind, length, tag, _, _, reply = _KEEPALIVE.unpack_from(data, pos)
         if kind != b"d" or length != size - 1 or tag != b"k" or reply:
-            return None
+            return None, begins_at(data, _skip_keepalives(data, pos))
     head = data[whole:whole + len(_KEEPALIVE_HEAD)]
-    return whole if head == _KEEPALIVE_HEAD[:len(head)] else None
+    if head == _KEEPALIVE_HEAD[:len(head)]:
+        return whole, None
+    return None, begins_at(data, whole)
+
+
+def _skip_keepalives(data: bytes, pos: int) -> int:
+    """Where the first message at or after ``pos`` that is not a whole keepalive (asking
+    for no reply) starts."""
+    size = _KEEPALIVE.size
+    while pos + size <= len(data) and data.startswith(_KEEPALIVE_HEAD, pos) \
+            and not data[pos + size - 1]:
+        pos += size
+    return pos
+
+
+def begins_at(data: bytes, pos: int) -> float | None:
+    """The commit time (Unix seconds, the source's clock) of the transaction whose
+    pgoutput BEGIN is the XLogData message at ``pos`` of ``data``; None when that is not
+    what is there (another message, the tail of one, too few bytes)."""
+    if len(data) < pos + _BEGIN.size:
+        return None
+    kind, length, tag, _, _, _, message, _, committed, _ = _BEGIN.unpack_from(data, pos)
+    if kind != b"d" or tag != b"w" or message != b"B" or length < _BEGIN.size - 1:
+        return None
+    return _PG_EPOCH + int(committed) / 1_000_000

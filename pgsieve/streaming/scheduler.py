@@ -24,6 +24,17 @@ live but slow holder is never displaced. ``pgsieve.consume_cycle`` tasks (the AP
 restart of dead pipelines, a warm shutdown handing over) adopt on whichever worker runs
 them.
 
+Turn order: the queue is ordered by when a turn became due, except for a stream the
+server's push woke with a transaction (``PGSIEVE_TURN_ORDER=oldest-commit``, the
+default): it ranks by that transaction's commit time, as if due when it committed (an age
+of at most ``PUSHED_AGE_CAP``). Why: a source flushes its WAL in bursts that wake tens of
+streams at once, and the lag that counts — now minus the commit time of the oldest
+transaction not applied — is smallest at its worst when the oldest transaction goes
+first (earliest deadline first; arrival order served the streams of the walsenders the
+source wakes last, last, every time). A stream still reading a backlog is due at the end
+of its turn, so the bonus never lets one stream's backlog take the turns of others for
+longer than the cap.
+
 Exactly once is unchanged (see :mod:`.pipeline`): each stream resumes after the target's
 recorded LSN, applies the LSN in the batch's target transaction, confirms only after the
 commit, and the target's fence stops a holder that lost its lock from committing.
@@ -111,6 +122,10 @@ instead of being written by its turn: longer than the longest gap between group 
 QUIET_POLL_SECONDS = 0.005
 """How often that wait looks again (a turn coming due is a matter of time, not a
 notification)."""
+PUSHED_AGE_CAP = 1.0
+"""A pushed transaction ranks at most this much ahead of its wake-up (see "turn order"
+in the module doc): the most another stream's due turn can wait for pushed ones, and all
+that a source clock running behind the worker's can skew."""
 
 
 @dataclass
@@ -169,7 +184,10 @@ class Scheduler:
         """Taken out of ``_held`` and being let go: not adopted again until its stream is
         closed and its locks freed (a stream adopted meanwhile would have its locks freed
         by the old one's release, and two streams of one slot would overlap)."""
-        self._ready: list[tuple[float, int, str]] = []  # (due, seq, subscription) heap
+        # (rank, seq, subscription, due) heap: rank is due, or earlier for a pushed
+        # transaction (see "turn order" in the module doc)
+        self._ready: list[tuple[float, int, str, float]] = []
+        self._oldest_first = settings.turn_order == "oldest-commit"
         self._seq = 0
         self._sources: dict[str, _SourceState] = {}
         self._sources_mutex = threading.Lock()
@@ -462,14 +480,15 @@ class Scheduler:
                         scrub_secrets(str(exc)))
 
     # -- turns ---------------------------------------------------------------------------
-    def _push(self, subscription_id: str, due: float) -> None:
+    def _push(self, subscription_id: str, due: float, rank: float | None = None) -> None:
         """Queue the subscription's next turn (call with ``_cond`` held); an entry queued
-        before for it is void."""
+        before for it is void. ``rank``: its place in the queue when not ``due``."""
         self._seq += 1
         held = self._held.get(subscription_id)
         if held is not None:
             held.seq = self._seq
-        heapq.heappush(self._ready, (due, self._seq, subscription_id))
+        heapq.heappush(self._ready, (due if rank is None else min(rank, due), self._seq,
+                                     subscription_id, due))
         self._cond.notify()
 
     def _next(self) -> tuple[_Held, float] | None:
@@ -477,7 +496,7 @@ class Scheduler:
             while not self._stopping.is_set():
                 now = time.monotonic()
                 if self._ready and self._ready[0][0] <= now:
-                    due, seq, subscription_id = heapq.heappop(self._ready)
+                    _, seq, subscription_id, due = heapq.heappop(self._ready)
                     held = self._held.get(subscription_id)
                     if (held is None or held.stream is None or held.seq != seq
                             or held.running):
@@ -592,11 +611,17 @@ class Scheduler:
         with self._notes_mutex:
             self._notes[note.subscription_id] = note
 
-    def _woken(self, subscription_id: str, generation: int) -> None:
-        """The server pushed something to a parked subscription: its turn is due now."""
+    def _woken(self, subscription_id: str, generation: int, committed: float | None) -> None:
+        """The server pushed something to a parked subscription: its turn is due now,
+        ranked by the commit time of the transaction waiting when the push thread saw
+        one (``committed``, Unix seconds; see "turn order" in the module doc)."""
+        now = time.monotonic()
+        rank = None
+        if committed is not None and self._oldest_first:
+            rank = now - min(PUSHED_AGE_CAP, max(0.0, time.time() - committed))
         with self._cond:
             if self._parked(subscription_id, generation) and not self._stopping.is_set():
-                self._push(subscription_id, time.monotonic())
+                self._push(subscription_id, now, rank)
 
     def _armable(self, subscription_id: str, generation: int) -> bool:
         with self._cond:

@@ -6,21 +6,28 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import queue
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from pgsieve.streaming.pushwaits import PushWaits, keepalives_only, keepalives_seen
+from pgsieve.streaming.pushwaits import PushWaits, begins_at, keepalives_only, keepalives_seen
+from pgsieve.wire.decoder import decode_message
+from pgsieve.wire.messages import Begin
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 class Harness:
     def __init__(self) -> None:
         self.woken: queue.Queue[tuple[str, int, float]] = queue.Queue()
+        self.committed: dict[str, float | None] = {}
         self.generations: dict[str, int] = {}
         self.waits = PushWaits(self._wake, self._armable, max_delay=0.1)
         self.stopping = threading.Event()
@@ -28,7 +35,8 @@ class Harness:
                                        daemon=True)
         self.thread.start()
 
-    def _wake(self, subscription_id: str, generation: int) -> None:
+    def _wake(self, subscription_id: str, generation: int, committed: float | None) -> None:
+        self.committed[subscription_id] = committed
         self.woken.put((subscription_id, generation, time.monotonic()))
 
     def _armable(self, subscription_id: str, generation: int) -> bool:
@@ -192,7 +200,7 @@ def test_a_socket_closed_while_its_readiness_is_handled_leaves_the_thread_runnin
     woken: queue.Queue[str] = queue.Queue()
     mine = {"a": a, "b": b}
 
-    def wake(subscription_id: str, generation: int) -> None:
+    def wake(subscription_id: str, generation: int, _committed: float | None) -> None:
         woken.put(subscription_id)
         for other, sock in mine.items():
             if other != subscription_id:
@@ -263,3 +271,44 @@ def test_watching_a_session_never_closes_its_socket(pair: Pairs) -> None:
     ours.send(b"still open")
     assert server.recv(64) == b"still open"
     assert ours.recv(4096, socket.MSG_DONTWAIT) == keepalive(1) + xlogdata(b"I...")
+
+
+def _captured_begin() -> tuple[bytes, Begin]:
+    """A BEGIN as a real PostgreSQL 15 sent it (tests/golden), and what it decodes to."""
+    messages = json.loads((GOLDEN / "basic.json").read_text())["messages"]
+    raw = bytes.fromhex(messages[0]["data"])
+    begin = decode_message(raw, 1)
+    assert isinstance(begin, Begin)
+    return raw, begin
+
+
+def test_a_pushed_transaction_shows_its_commit_time_before_it_is_read() -> None:
+    raw, begin = _captured_begin()
+    assert begins_at(xlogdata(raw), 0) == pytest.approx(begin.commit_time.timestamp(),
+                                                        abs=1e-6)
+    waiting = keepalive(1) + keepalive(2) + xlogdata(raw)
+    assert begins_at(waiting, 2 * 23) == begins_at(xlogdata(raw), 0)
+    # Anything but an XLogData starting with a BEGIN shows no commit time.
+    assert begins_at(xlogdata(b"I" + raw[1:]), 0) is None
+    assert begins_at(waiting, 0) is None  # a keepalive there
+    assert begins_at(xlogdata(raw)[:30], 0) is None  # not all of it arrived yet
+    assert begins_at(b"\x00\x01garbage-from-the-middle-of-a-message" * 3, 0) is None
+
+
+def test_a_wake_up_carries_the_commit_time_of_the_transaction_waiting(
+        harness: Harness, pair: Pairs) -> None:
+    """What the scheduler ranks turns by (oldest transaction first): the push thread
+    peeks at the BEGIN behind any keepalives; data that starts elsewhere carries none."""
+    raw, begin = _captured_begin()
+    ours, server = pair()
+    other, other_server = pair()
+    harness.generations.update({"s1": 1, "s2": 1})
+    harness.waits.arm(time.monotonic(), "s1", 1, ours.fileno(), peekable=True)
+    harness.waits.arm(time.monotonic(), "s2", 1, other.fileno(), peekable=True)
+    server.send(keepalive(1))
+    time.sleep(0.05)
+    server.send(keepalive(2) + xlogdata(raw))
+    other_server.send(xlogdata(b"I..."))
+    assert {harness.next_wake()[0] for _ in range(2)} == {"s1", "s2"}  # type: ignore[index]
+    assert harness.committed["s1"] == pytest.approx(begin.commit_time.timestamp(), abs=1e-6)
+    assert harness.committed["s2"] is None
