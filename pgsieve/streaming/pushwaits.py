@@ -45,8 +45,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
 log = logging.getLogger(__name__)
+
+compiled: ModuleType | None
+try:
+    from pgsieve.streaming import _pushpoll
+    compiled = _pushpoll
+except ImportError:  # not built (``make deps``): the Python look below runs
+    compiled = None
 
 PUSH_REARM_FIRST = 0.01
 """After the first turn in a row that found nothing, the socket is armed this much
@@ -95,7 +104,8 @@ class _Armed:
 class PushWaits:
     """One thread that turns sockets with something to apply into due turns."""
 
-    def __init__(self, wake: Wake, armable: Armable, *, max_delay: float = 0.5) -> None:
+    def __init__(self, wake: Wake, armable: Armable, *, max_delay: float = 0.5,
+                 use_compiled: bool = True) -> None:
         self._on_wake = wake
         self._armable = armable
         self._epoll = select.epoll()
@@ -103,6 +113,9 @@ class PushWaits:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._epoll.register(self._wake_r.fileno(), select.EPOLLIN)
+        self._poll: Any = (compiled.PushPoll(self._epoll.fileno())
+                           if compiled is not None and use_compiled else None)
+        """The compiled wait (``_pushpoll.pyx``): keepalives filtered without the GIL."""
         self._armed: dict[int, _Armed] = {}
         self._mutex = threading.Lock()
         # (at, n, subscription, generation, fd, peekable)
@@ -112,7 +125,13 @@ class PushWaits:
         self.max_delay = max_delay
         """The longest arming delay the scheduler asks for (its idle poll)."""
         self.wakeups = 0
-        self.keepalive_checks = 0
+        self._keepalive_checks = 0
+
+    @property
+    def keepalive_checks(self) -> int:
+        """Readiness events that brought keepalives alone (no turn woken)."""
+        extra = int(self._poll.keepalive_checks) if self._poll is not None else 0
+        return self._keepalive_checks + extra
 
     def arm(self, at: float, subscription_id: str, generation: int, fileno: int, *,
             peekable: bool = False) -> None:
@@ -140,12 +159,13 @@ class PushWaits:
         while not stopping.is_set():
             timeout = self._arm_due()
             try:
-                events = self._epoll.poll(timeout)
+                ready = (self._poll.poll(timeout) if self._poll is not None
+                         else [(fd, None) for fd, _ in self._epoll.poll(timeout)])
             except OSError as exc:
                 log.debug("waiting for pushes: %s", exc)
                 self._forget_closed()
                 continue
-            for fd, _ in events:
+            for fd, committed in ready:
                 if fd == wake_fd:
                     with contextlib.suppress(OSError):
                         self._wake_r.recv(4096)
@@ -154,7 +174,10 @@ class PushWaits:
                 if armed is None:
                     continue
                 try:
-                    self._readable(fd, armed)
+                    if self._poll is not None:  # keepalives were filtered out already
+                        self._wake(fd, armed, committed)
+                    else:
+                        self._readable(fd, armed)
                 except Exception:  # this thread must not end: every push would be lost
                     log.exception("waiting for pushes: socket %d", fd)
                     self._unregister(fd)
@@ -172,8 +195,11 @@ class PushWaits:
                                                                             armed.seen)
             if seen is not None:  # only keepalives so far: stay armed (edge)
                 armed.seen = seen
-                self.keepalive_checks += 1
+                self._keepalive_checks += 1
                 return
+        self._wake(fd, armed, committed)
+
+    def _wake(self, fd: int, armed: _Armed, committed: float | None) -> None:
         self._unregister(fd)
         self.wakeups += 1
         self._on_wake(armed.subscription_id, armed.generation, committed)
@@ -202,7 +228,9 @@ class PushWaits:
         self._unregister(fileno)
         flags = select.EPOLLIN | (select.EPOLLET if armed.peekable else 0)
         try:
-            if armed.peekable:
+            if self._poll is not None:
+                self._poll.watch(fileno, armed.peekable)
+            elif armed.peekable:
                 armed.sock = socket.socket(fileno=fileno)
             self._epoll.register(fileno, flags)
         except (OSError, ValueError) as exc:  # closed between the turn and now
@@ -215,6 +243,8 @@ class PushWaits:
         armed = self._armed.pop(fileno, None)
         if armed is not None:
             _detach(armed)
+            if self._poll is not None:
+                self._poll.forget(fileno)
             with contextlib.suppress(OSError, ValueError):
                 self._epoll.unregister(fileno)
 
@@ -278,6 +308,11 @@ def _look(sock: socket.socket, seen: int) -> tuple[int | None, float | None]:
         data = sock.recv(PEEK_BYTES, _PEEK_FLAGS)
     except OSError:
         return None, None
+    return look_at(data, seen)
+
+
+def look_at(data: bytes, seen: int) -> tuple[int | None, float | None]:
+    """:func:`_look` on the bytes peeked (the reference of the compiled wait's look)."""
     size = _KEEPALIVE.size
     if not data or len(data) < seen:
         return None, None  # less than seen: read meanwhile

@@ -203,7 +203,8 @@ class Scheduler:
         self._notes_mutex = threading.Lock()
         self._progress = ProgressBook(busy_within=PROGRESS_BUSY_WITHIN)
         self._push_waits = PushWaits(self._woken, self._armable,
-                                     max_delay=self.settings.idle_poll_seconds)
+                                     max_delay=self.settings.idle_poll_seconds,
+                                     use_compiled=hotpath.active is not None)
         self._pushed_fallback = max(self.settings.idle_poll_seconds,
                                     self.settings.consumer_heartbeat_seconds)
 

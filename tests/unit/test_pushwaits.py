@@ -16,8 +16,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pgsieve.streaming.pushwaits import PushWaits, begins_at, keepalives_only, keepalives_seen
+from pgsieve.streaming import pushwaits
+from pgsieve.streaming.pushwaits import (
+    PEEK_BYTES,
+    PushWaits,
+    begins_at,
+    keepalives_only,
+    keepalives_seen,
+    look_at,
+)
 from pgsieve.wire.decoder import decode_message
 from pgsieve.wire.messages import Begin
 
@@ -25,11 +35,13 @@ GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 class Harness:
-    def __init__(self) -> None:
+    def __init__(self, use_compiled: bool) -> None:
         self.woken: queue.Queue[tuple[str, int, float]] = queue.Queue()
         self.committed: dict[str, float | None] = {}
         self.generations: dict[str, int] = {}
-        self.waits = PushWaits(self._wake, self._armable, max_delay=0.1)
+        self.waits = PushWaits(self._wake, self._armable, max_delay=0.1,
+                               use_compiled=use_compiled)
+        assert (self.waits._poll is not None) is use_compiled
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self.waits.run, args=(self.stopping,),
                                        daemon=True)
@@ -49,9 +61,13 @@ class Harness:
             return None
 
 
-@pytest.fixture
-def harness() -> Iterator[Harness]:
-    h = Harness()
+@pytest.fixture(params=["compiled", "python"])
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    """The push thread with its compiled wait (``_pushpoll.pyx``, built by ``make deps``:
+    missing, this fails rather than skips) and with the Python reference."""
+    if request.param == "compiled":
+        assert pushwaits.compiled is not None, "pgsieve.streaming._pushpoll is not built"
+    h = Harness(use_compiled=request.param == "compiled")
     yield h
     h.stopping.set()
     h.waits.wake()
@@ -187,8 +203,9 @@ def test_only_what_arrived_since_the_last_look_is_parsed(pair: Pairs) -> None:
     assert ours.recv(4096, socket.MSG_DONTWAIT).endswith(xlogdata(b"I..."))
 
 
+@pytest.mark.parametrize("use_compiled", [True, False], ids=["compiled", "python"])
 def test_a_socket_closed_while_its_readiness_is_handled_leaves_the_thread_running(
-        pair: Pairs) -> None:
+        pair: Pairs, use_compiled: bool) -> None:
     """Two armed sockets readable in the same poll; waking the first lets the other's
     subscription go (a runner closes its session) before the thread looks at it. The
     thread goes on and later pushes still wake their turns — it once ended there on
@@ -207,7 +224,7 @@ def test_a_socket_closed_while_its_readiness_is_handled_leaves_the_thread_runnin
                 sock.close()  # let go meanwhile: its descriptor is gone
         mine.clear()
 
-    waits = PushWaits(wake, lambda _s, _g: True, max_delay=0.1)
+    waits = PushWaits(wake, lambda _s, _g: True, max_delay=0.1, use_compiled=use_compiled)
     stopping = threading.Event()
     thread = threading.Thread(target=waits.run, args=(stopping,), daemon=True)
     thread.start()
@@ -243,12 +260,13 @@ def test_a_closed_socket_is_not_taken_for_keepalives(pair: Pairs) -> None:
     assert keepalives_seen(fd, 0) is None
 
 
-def test_watching_a_session_never_closes_its_socket(pair: Pairs) -> None:
+@pytest.mark.parametrize("use_compiled", [True, False], ids=["compiled", "python"])
+def test_watching_a_session_never_closes_its_socket(pair: Pairs, use_compiled: bool) -> None:
     """The thread peeks through a socket object of its own over the session's descriptor
     (made once per arming): disarmed by a wake, replaced by a new arming, dropped with
     the thread's end — the session's socket stays open and nothing is read from it."""
     ours, server = pair()
-    h = Harness()
+    h = Harness(use_compiled)
     try:
         h.generations["s1"] = 1
         h.waits.arm(time.monotonic(), "s1", 1, ours.fileno(), peekable=True)
@@ -312,3 +330,45 @@ def test_a_wake_up_carries_the_commit_time_of_the_transaction_waiting(
     assert {harness.next_wake()[0] for _ in range(2)} == {"s1", "s2"}  # type: ignore[index]
     assert harness.committed["s1"] == pytest.approx(begin.commit_time.timestamp(), abs=1e-6)
     assert harness.committed["s2"] is None
+
+
+def _pieces() -> st.SearchStrategy[bytes]:
+    """What a walsender's socket may hold: keepalives (some asking for a reply),
+    XLogData with a BEGIN (a real server's) or another message, and stray bytes."""
+    raw, _ = _captured_begin()
+    return st.one_of(
+        st.integers(0, 2**40).map(keepalive),
+        st.integers(0, 2**40).map(lambda n: keepalive(n, reply=True)),
+        st.just(xlogdata(raw)),
+        st.binary(min_size=0, max_size=60).map(lambda b: xlogdata(b"I" + b)),
+        st.binary(min_size=1, max_size=40),
+    )
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_pieces(), min_size=0, max_size=8), st.data())
+def test_the_compiled_look_sees_what_the_reference_sees(pieces: list[bytes],
+                                                        data: st.DataObject) -> None:
+    """Any head of any mix (a cut where a message arrived in parts), from any known
+    keepalive offset: the compiled wait's look and the Python one agree."""
+    assert pushwaits.compiled is not None, "pgsieve.streaming._pushpoll is not built"
+    waiting = b"".join(pieces)
+    waiting = waiting[:data.draw(st.integers(0, len(waiting)))]
+    whole = 0
+    while waiting.startswith(keepalive(0)[:6], whole) and whole + 23 <= len(waiting) \
+            and not waiting[whole + 22]:
+        whole += 23
+    seen = data.draw(st.sampled_from(range(0, whole + 1, 23)))
+    assert pushwaits.compiled.look(waiting, seen) == look_at(waiting, seen)
+
+
+def test_a_full_peek_is_looked_at_alike() -> None:
+    """64 KiB of keepalives (a peek that may hide data behind them) then a BEGIN."""
+    assert pushwaits.compiled is not None
+    raw, _ = _captured_begin()
+    for tail in (b"", xlogdata(raw)):
+        waiting = (keepalive(7) * 3000 + tail)[:PEEK_BYTES]
+        assert pushwaits.compiled.look(waiting, 0) == look_at(waiting, 0)
+    waiting = (keepalive(7) * 2847 + xlogdata(raw) * 2)[:PEEK_BYTES]
+    assert look_at(waiting, 0)[1] is not None
+    assert pushwaits.compiled.look(waiting, 0) == look_at(waiting, 0)
