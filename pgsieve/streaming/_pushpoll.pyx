@@ -7,7 +7,7 @@ push thread ~8,000 readiness events a second, each a Python-level peek and parse
 a core, and the GIL taken from the runners 8,000 times a second (bench/RESULTS.md,
 twenty-fourth session). :meth:`PushPoll.poll` waits on the epoll set, peeks at every
 readable socket that carries the protocol in clear and tells whole keepalives (asking for
-no reply) apart from anything else — all without the GIL — and comes back to Python only
+no reply; fewer than ``drain_bytes`` of them) apart from anything else — all without the GIL — and comes back to Python only
 with sockets that have something to apply (with the commit time of the BEGIN heading
 their data, when there is one), unwatched sockets, the wake-up socket, or at the
 timeout. The reference is the Python in :mod:`.pushwaits` (``_look``); the tests run both
@@ -143,10 +143,12 @@ cdef class PushPoll:
     cdef int* seen
     cdef char* peekable
     cdef unsigned char* buf
+    cdef int drain_bytes
     cdef public long long keepalive_checks
 
-    def __cinit__(self, int epfd):
+    def __cinit__(self, int epfd, int drain_bytes):
         self.epfd = epfd
+        self.drain_bytes = drain_bytes
         self.size = 0
         self.seen = NULL
         self.peekable = NULL
@@ -219,7 +221,8 @@ cdef class PushPoll:
                         found = _look(self.buf, got, &self.seen[fd], &committed)
                         if found == ONLY_KEEPALIVES:
                             checks += 1
-                            continue
+                            if self.seen[fd] < self.drain_bytes:
+                                continue  # else: wake the turn, for libpq to read them
                     fds[count] = fd
                     times[count] = committed
                     seen_commit[count] = found == COMMIT_SEEN

@@ -61,6 +61,14 @@ PUSH_REARM_FIRST = 0.01
 """After the first turn in a row that found nothing, the socket is armed this much
 later; the delay doubles with each further one, up to the idle poll."""
 
+DRAIN_KEEPALIVE_BYTES = 64 * 23
+"""Keepalives waiting (64 of them) that wake the turn anyway, for libpq to read them. Why:
+each look peeks from the head of the socket's queue, and the kernel's cost of a peek
+grows with what is queued — with the source committing synchronously (a keepalive per
+commit), two seconds of unread keepalives made each look cost ~100 µs of kernel time
+against ~30 after one (``bench/pushwait_bench.py``). A turn that reads only keepalives is
+short; the compiled wait applies the same bound."""
+
 ARM_TICK = 0.005
 """An arming is late by this much at most (it wakes the thread only when earlier)."""
 LONG_SLEEP = 1.0
@@ -113,7 +121,7 @@ class PushWaits:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._epoll.register(self._wake_r.fileno(), select.EPOLLIN)
-        self._poll: Any = (compiled.PushPoll(self._epoll.fileno())
+        self._poll: Any = (compiled.PushPoll(self._epoll.fileno(), DRAIN_KEEPALIVE_BYTES)
                            if compiled is not None and use_compiled else None)
         """The compiled wait (``_pushpoll.pyx``): keepalives filtered without the GIL."""
         self._armed: dict[int, _Armed] = {}
@@ -196,7 +204,8 @@ class PushWaits:
             if seen is not None:  # only keepalives so far: stay armed (edge)
                 armed.seen = seen
                 self._keepalive_checks += 1
-                return
+                if seen < DRAIN_KEEPALIVE_BYTES:
+                    return
         self._wake(fd, armed, committed)
 
     def _wake(self, fd: int, armed: _Armed, committed: float | None) -> None:

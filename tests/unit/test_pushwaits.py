@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from pgsieve.streaming import pushwaits
 from pgsieve.streaming.pushwaits import (
+    DRAIN_KEEPALIVE_BYTES,
     PEEK_BYTES,
     PushWaits,
     begins_at,
@@ -372,3 +373,22 @@ def test_a_full_peek_is_looked_at_alike() -> None:
     waiting = (keepalive(7) * 2847 + xlogdata(raw) * 2)[:PEEK_BYTES]
     assert look_at(waiting, 0)[1] is not None
     assert pushwaits.compiled.look(waiting, 0) == look_at(waiting, 0)
+
+
+def test_many_keepalives_wake_the_turn_to_read_them(harness: Harness, pair: Pairs) -> None:
+    """Every look peeks from the head of the socket's queue, at a kernel cost that grows
+    with what waits: past ``DRAIN_KEEPALIVE_BYTES`` of keepalives the turn is woken to let
+    libpq read them (no commit time: nothing to apply)."""
+    ours, server = pair()
+    harness.generations["s1"] = 1
+    harness.waits.arm(time.monotonic(), "s1", 1, ours.fileno(), peekable=True)
+    below = DRAIN_KEEPALIVE_BYTES // 23 - 1
+    for n in range(below):
+        server.send(keepalive(n))
+        if n % 8 == 0:
+            time.sleep(0.01)
+    assert harness.next_wake(0.2) is None
+    server.send(keepalive(below))
+    woken = harness.next_wake()
+    assert woken is not None and woken[:2] == ("s1", 1)
+    assert harness.committed["s1"] is None
