@@ -25,6 +25,8 @@ from cpython.ref cimport Py_INCREF
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport uint32_t
+
+from pgsieve.wire._bigendian cimport be32 as _be32
 from libc.string cimport memcpy
 
 import struct
@@ -48,10 +50,6 @@ cdef inline tuple PyTuple_New_(Py_ssize_t n):
 cdef inline void _tuple_set(tuple t, Py_ssize_t i, object v):
     Py_INCREF(v)  # SET_ITEM steals a reference
     PyTuple_SET_ITEM(t, i, v)
-
-
-cdef inline uint32_t _be32(const unsigned char* p) noexcept nogil:
-    return ((<uint32_t>p[0]) << 24) | ((<uint32_t>p[1]) << 16) | ((<uint32_t>p[2]) << 8) | p[3]
 
 
 cdef object _scan(const unsigned char* p, Py_ssize_t n, Py_ssize_t pos, Py_ssize_t* end):

@@ -20,6 +20,8 @@ from libc.stdlib cimport free, malloc, realloc
 from libc.string cimport memset
 from posix.time cimport CLOCK_MONOTONIC, clock_gettime, timespec
 
+from pgsieve.wire._bigendian cimport be32 as _be32, be64 as _be64
+
 
 cdef extern from "<sys/epoll.h>" nogil:
     ctypedef union epoll_data_t:
@@ -54,18 +56,6 @@ cdef enum:
     ONLY_KEEPALIVES = 0
     SOMETHING_ELSE = 1
     COMMIT_SEEN = 2
-
-
-cdef inline uint64_t _be64(const unsigned char* p) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int k
-    for k in range(8):
-        v = (v << 8) | p[k]
-    return v
-
-
-cdef inline uint32_t _be32(const unsigned char* p) noexcept nogil:
-    return (<uint32_t>p[0] << 24) | (<uint32_t>p[1] << 16) | (<uint32_t>p[2] << 8) | p[3]
 
 
 cdef inline bint _keepalive(const unsigned char* p) noexcept nogil:

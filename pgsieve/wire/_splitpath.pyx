@@ -14,6 +14,8 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
 from cpython.datetime cimport datetime_new, import_datetime
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
+from pgsieve.wire._bigendian cimport be32 as _be32, be64 as _be64
+
 from datetime import UTC
 
 from pgsieve.wire.assembler import Transaction
@@ -28,18 +30,6 @@ cdef object _tuple_new = tuple.__new__
 cdef object _utc = UTC
 cdef int64_t _DAY = 86400000000
 cdef int64_t _EPOCH_DAYS = 10957  # 1970-01-01 .. 2000-01-01
-
-
-cdef inline uint64_t _be64(const unsigned char* p) noexcept nogil:
-    cdef uint64_t v = 0
-    cdef int k
-    for k in range(8):
-        v = (v << 8) | p[k]
-    return v
-
-
-cdef inline uint32_t _be32(const unsigned char* p) noexcept nogil:
-    return ((<uint32_t>p[0]) << 24) | ((<uint32_t>p[1]) << 16) | ((<uint32_t>p[2]) << 8) | p[3]
 
 
 cdef object _lsn(uint64_t value):
