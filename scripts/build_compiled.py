@@ -27,10 +27,15 @@ def built_path(name: str) -> Path:
         name.rsplit(".", 1)[1] + suffix)
 
 
+SHARED = [ROOT / "pgsieve" / "wire" / "_bigendian.pxd"]
+"""Declarations every module cimports: a change rebuilds them all."""
+
+
 def stale() -> dict[str, Path]:
+    shared = max(path.stat().st_mtime for path in SHARED)
     return {name: src for name, src in SOURCES.items()
             if not built_path(name).exists()
-            or built_path(name).stat().st_mtime < src.stat().st_mtime}
+            or built_path(name).stat().st_mtime < max(src.stat().st_mtime, shared)}
 
 
 def build(names: dict[str, Path]) -> None:
