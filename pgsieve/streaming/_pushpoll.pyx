@@ -7,11 +7,11 @@ push thread ~8,000 readiness events a second, each a Python-level peek and parse
 a core, and the GIL taken from the runners 8,000 times a second (bench/RESULTS.md,
 twenty-fourth session). :meth:`PushPoll.poll` waits on the epoll set, peeks at every
 readable socket that carries the protocol in clear and tells whole keepalives (asking for
-no reply; fewer than ``drain_bytes`` of them) apart from anything else — all without the GIL — and comes back to Python only
-with sockets that have something to apply (with the commit time of the BEGIN heading
-their data, when there is one), unwatched sockets, the wake-up socket, or at the
-timeout. The reference is the Python in :mod:`.pushwaits` (``_look``); the tests run both
-on the same bytes.
+no reply; fewer than ``drain_bytes`` of them) apart from anything else — all without the
+GIL — and comes back to Python only with sockets that have something to apply (with the
+commit time of the BEGIN heading their data, when there is one), unwatched sockets, the
+wake-up socket, or at the timeout. The reference is the Python in :mod:`.pushwaits`
+(``look_at``); the tests run both on the same bytes.
 """
 
 from libc.errno cimport EINTR, errno
@@ -72,7 +72,8 @@ cdef inline int _begins_at(const unsigned char* data, Py_ssize_t n, Py_ssize_t p
     if n < pos + BEGIN_SIZE:
         return SOMETHING_ELSE
     p = data + pos
-    if p[0] != b'd' or p[5] != b'w' or p[30] != b'B' or _be32(p + 1) < <uint32_t>(BEGIN_SIZE - 1):
+    if (p[0] != b'd' or p[5] != b'w' or p[30] != b'B'
+            or _be32(p + 1) < <uint32_t>(BEGIN_SIZE - 1)):
         return SOMETHING_ELSE
     committed[0] = PG_EPOCH + <double>(<int64_t>_be64(p + 39)) / 1000000.0
     return COMMIT_SEEN
@@ -81,7 +82,7 @@ cdef inline int _begins_at(const unsigned char* data, Py_ssize_t n, Py_ssize_t p
 cdef int _look(const unsigned char* data, Py_ssize_t n, int* seen,
                double* committed) noexcept nogil:
     """What waits, ``n`` bytes peeked of which the first ``seen[0]`` are known keepalives
-    (as :func:`.pushwaits._look`): ONLY_KEEPALIVES (``seen`` moved on), or what else."""
+    (as :func:`.pushwaits.look_at`): ONLY_KEEPALIVES (``seen`` moved on), or what else."""
     cdef Py_ssize_t pos, whole, k
     if n <= 0 or n < seen[0]:
         return SOMETHING_ELSE

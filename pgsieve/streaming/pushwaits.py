@@ -328,10 +328,9 @@ def look_at(data: bytes, seen: int) -> tuple[int | None, float | None]:
     if len(data) == PEEK_BYTES:  # a full peek may hide data behind whole keepalives
         return None, begins_at(data, _skip_keepalives(data, 0))
     whole = len(data) - (len(data) - seen) % size
-    for pos in range(seen, whole, size):
-        kind, length, tag, _, _, reply = _KEEPALIVE.unpack_from(data, pos)
-        if kind != b"d" or length != size - 1 or tag != b"k" or reply:
-            return None, begins_at(data, _skip_keepalives(data, pos))
+    pos = _skip_keepalives(data, seen)
+    if pos < whole:  # something else among what arrived since the last look
+        return None, begins_at(data, pos)
     head = data[whole:whole + len(_KEEPALIVE_HEAD)]
     if head == _KEEPALIVE_HEAD[:len(head)]:
         return whole, None
