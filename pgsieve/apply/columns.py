@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from pgsieve.rowfilter.parse import quote_ident, quote_qualified
+
 
 @dataclass(frozen=True, slots=True)
 class TargetColumn:
@@ -54,9 +56,20 @@ class TargetTable:
     neither. A source table with REPLICA IDENTITY FULL is matched on these, not on every
     old value, when they are all published."""
     index: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    sql_names: list[str] = field(default_factory=list, init=False, compare=False, hash=False,
+                                 repr=False)
+    """Filled by :meth:`quoted` on first use."""
 
     def __post_init__(self) -> None:
         self.index.update({c.name: i for i, c in enumerate(self.columns)})
+
+    def quoted(self) -> list[str]:
+        """The qualified name, then each column's name, as SQL identifiers — quoted once
+        per table shape: a small batch's script names them all, for every batch."""
+        if not self.sql_names:
+            self.sql_names[:] = [quote_qualified(self.schema, self.name),
+                                 *(quote_ident(c.name) for c in self.columns)]
+        return self.sql_names
 
     @property
     def qualified_name(self) -> str:

@@ -26,7 +26,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-from psycopg import sql
+from psycopg import errors, generators
+from psycopg.pq import DiagnosticField, ExecStatus
+from psycopg.pq.abc import PGresult
 
 from pgsieve.apply.batch import ApplyBatch, ApplyFenced
 from pgsieve.apply.direct import DirectMismatch, DirectTable, Values
@@ -36,6 +38,8 @@ from pgsieve.apply.target import APPLIED_TABLE, SCHEMA, TargetWriter
 from pgsieve.platform.faults import fault_point
 from pgsieve.wire.lsn import Lsn
 
+FATAL_ERROR = ExecStatus.FATAL_ERROR
+COMMAND_OK = ExecStatus.COMMAND_OK
 MAX_STATEMENTS = 256
 """Above this many row statements a batch goes the pipelined way (one string per batch
 is built in memory; past a few hundred statements the round trips saved no longer
@@ -88,12 +92,9 @@ class _Script:
         self.counts.append(count)
 
 
-def _table_statements(script: _Script, conn: psycopg.Connection[Any], tp: TablePlan,
-                      direct: DirectTable) -> int:
+def _table_statements(script: _Script, tp: TablePlan, direct: DirectTable) -> int:
     """The direct path's statements for one table, in its order; rows written."""
-    table = tp.target
-    target = sql.Identifier(table.schema, table.name).as_string(conn)
-    names = [sql.Identifier(c.name).as_string(conn) for c in table.columns]
+    target, *names = tp.target.quoted()
     kp = tp.key_positions or ()
 
     def where(key: Values) -> str:
@@ -137,7 +138,7 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
     written = 0
     for name, tp in plan.tables.items():
         if name in direct:
-            written += _table_statements(script, conn, tp, direct[name])
+            written += _table_statements(script, tp, direct[name])
     recorded = expected
     if batch.end_lsn > expected:
         commit_lsn = "NULL" if batch.commit_lsn is None else literal(str(batch.commit_lsn))
@@ -154,7 +155,7 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
         # Everything written and the applied LSN with it: a crash now must leave the
         # target exactly as before the batch (the crash tests stop here).
         fault_point("apply.before_commit")
-        conn.execute("COMMIT")
+        _commit(conn)
     except BaseException:
         _rollback(conn)
         raise
@@ -163,27 +164,53 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
 
 def _run(conn: psycopg.Connection[Any], script: _Script, batch: ApplyBatch,
          expected: Lsn) -> None:
-    """Send the script; raise on a moved fence or a count not as expected."""
-    cur = conn.cursor()
-    try:
-        cur.execute("; ".join(script.parts).encode())
-    except (psycopg.errors.IntegrityError, psycopg.errors.DataError):
-        raise DirectMismatch from None
+    """Send the script; raise on a moved fence or a count not as expected.
+
+    Straight through libpq (psycopg's ``pgconn`` and its wait, which gives up the GIL
+    while the target works), not through a cursor: a script is one string with no
+    parameters and its results are row counts, and a cursor's query conversion and
+    result bookkeeping were a tenth of a busy worker's GIL (issue 16: every turn's
+    Python is what a burst of turns queues for)."""
+    pgconn = conn.pgconn
+    pgconn.send_query("; ".join(script.parts).encode())
+    results = conn.wait(generators.execute(pgconn))
     mismatch = False
     for i, count in enumerate(script.counts):
+        if i >= len(results):
+            raise psycopg.InterfaceError("the script returned fewer results than statements")
+        result = results[i]
+        if result.status == FATAL_ERROR:
+            error = _error(conn, result)
+            if isinstance(error, (psycopg.errors.IntegrityError, psycopg.errors.DataError)):
+                raise DirectMismatch from None
+            raise error
         if i == 1:
-            row = cur.fetchone()
-            recorded = None if row is None else Lsn.parse(row[0])
+            value = result.get_value(0, 0) if result.ntuples else None
+            recorded = None if value is None else Lsn.parse(value.decode())
             if recorded is None or recorded.value == 0:
                 recorded = None
             if recorded != expected:
                 raise ApplyFenced(batch.subscription_id, expected, recorded)
-        elif count is not None and cur.rowcount != count:
+        elif count is not None and result.command_tuples != count:
             mismatch = True
-        if i + 1 < len(script.counts) and not cur.nextset():
-            raise psycopg.InterfaceError("the script returned fewer results than statements")
     if mismatch:
         raise DirectMismatch
+
+
+def _commit(conn: psycopg.Connection[Any]) -> None:
+    """COMMIT, in libpq's blocking call (which gives up the GIL while it waits)."""
+    result = conn.pgconn.exec_(b"COMMIT")
+    if result.status != COMMAND_OK:
+        raise _error(conn, result)
+
+
+def _error(conn: psycopg.Connection[Any], result: PGresult) -> psycopg.Error:
+    """The exception psycopg raises for ``result``: the class of its SQLSTATE, or — an
+    error libpq made itself (no SQLSTATE: the connection broke) — OperationalError, which
+    the scheduler takes as a transient failure."""
+    if not result.error_field(DiagnosticField.SQLSTATE):
+        return psycopg.OperationalError(result.get_error_message(conn.info.encoding))
+    return errors.error_from_result(result, encoding=conn.info.encoding)
 
 
 def _rollback(conn: psycopg.Connection[Any]) -> None:

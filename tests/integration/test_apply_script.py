@@ -11,7 +11,7 @@ import psycopg
 import pytest
 
 from pgsieve.apply import script
-from pgsieve.apply.batch import ApplyFenced
+from pgsieve.apply.batch import ApplyConflict, ApplyFenced
 from pgsieve.spark.apply import apply_batch
 from tests.integration import test_apply as harness
 from tests.integration.test_apply import Pair
@@ -104,4 +104,50 @@ def test_a_moved_fence_or_a_crash_before_the_commit_leaves_the_target_as_before(
     with pytest.raises(ApplyFenced):
         apply_batch(None, batch, pair.writer, distributed=False)
     assert pair.target.query("SELECT count(*) FROM q") == [(2,)]
+    assert pair.writer.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_a_target_connection_lost_before_the_commit_is_a_transient_failure(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch):
+    """The script and its COMMIT go straight through libpq: a connection that breaks
+    between them must still end as psycopg's OperationalError (what the scheduler retries
+    as transient), with nothing of the batch committed."""
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one')", "INSERT INTO q (id, v) VALUES (2, 'two')")
+    assert _scripts(pair.apply(1)) == 2
+    applied = pair.writer.applied_lsn()
+    pair.run("INSERT INTO q (id, v) VALUES (3, 'three')")
+    (batch,) = pair.batches(pair.read(), None)
+    backend = pair.writer.conn.info.backend_pid
+
+    def terminate(name: str, **_: Any) -> None:
+        pair.target.execute(f"SELECT pg_terminate_backend({backend}, 5000)")
+
+    with monkeypatch.context() as m:
+        m.setattr(script, "fault_point", terminate)
+        with pytest.raises(psycopg.OperationalError):
+            apply_batch(None, batch, pair.writer, distributed=False)
+    assert pair.target.query("SELECT count(*) FROM q") == [(2,)]
+    pair.close()  # a new connection, as the scheduler's retry makes
+    assert pair.writer.applied_lsn() == applied
+
+
+def test_a_row_the_target_already_has_is_judged_through_staging(pair: Pair):
+    """The script's INSERT meets a row the target holds (a unique violation inside the
+    script): nothing of it stays, and the batch is merged again through staging, whose
+    conflict policy decides — as with any other path."""
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one')", "INSERT INTO q (id, v) VALUES (2, 'two')")
+    assert _scripts(pair.apply(1)) == 2
+    pair.target.execute("INSERT INTO q (id, v) VALUES (4, 'the target''s own')")
+    pair.run("INSERT INTO q (id, v) VALUES (3, 'three'), (4, 'four')")
+    with pytest.raises(ApplyConflict, match=r"already exists"):  # native stops here too
+        pair.apply(1, on_conflict="native")
+    assert pair.target.query("SELECT count(*) FROM q") == [(3,)]
+    assert pair.writer.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    pair.close()
+    result = pair.apply(1, on_conflict="upsert")[0]
+    assert "merge_script" not in result.timings and result.direct_tables == ()
+    assert pair.target.query("SELECT id, v FROM q ORDER BY id") == [
+        (1, "one"), (2, "two"), (3, "three"), (4, "four")]
     assert pair.writer.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
