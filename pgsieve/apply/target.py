@@ -52,6 +52,8 @@ writer's tables; re-read where they changed), or re-read when a batch fails on t
 
 SCHEMA = "pgsieve"
 APPLIED_TABLE = "applied"
+RECORD_STATEMENT = "pgsieve_record"
+"""A target connection's prepared statement (see :meth:`TargetWriter.record_statement`)."""
 
 _DDL = f"""
 CREATE SCHEMA IF NOT EXISTS {SCHEMA};
@@ -184,6 +186,7 @@ class TargetWriter:
         self._stages_empty: set[str] = set()
         self._stage_dead_rows: dict[str, int] = {}
         self._replica_role: bool | None = None
+        self._record_prepared = False
         self._applied: Lsn | None = None
         self._applied_known = False
         self._staging_in_transaction: list[int] = []
@@ -270,6 +273,24 @@ class TargetWriter:
         assert row is not None
         lsn = Lsn.parse(row[0])
         return None if lsn.value == 0 else lsn
+
+    def record_statement(self, *, prepare_again: bool = False) -> str:
+        """The name of this connection's prepared statement that moves the record from
+        its first parameter to the next batch's end (``$2``, ``$3`` commit LSN, ``$4``
+        commit time) only if the record still holds that first one: the fence, the row
+        lock and the record in one statement, planned once (prepared the first time it is
+        asked for). Zero rows updated: another writer moved the record (or it is gone).
+        ``prepare_again``: the server no longer has it (see :mod:`.script`)."""
+        if prepare_again or not self._record_prepared:
+            self.conn.execute(sql.SQL(
+                f"PREPARE {RECORD_STATEMENT} (pg_lsn, pg_lsn, pg_lsn, timestamptz) AS "
+                f"UPDATE {SCHEMA}.{APPLIED_TABLE} SET end_lsn = $2, "
+                "commit_lsn = COALESCE($3, commit_lsn), "
+                "commit_time = COALESCE($4, commit_time), updated_at = now() "
+                "WHERE subscription_id = {} AND end_lsn = $1").format(
+                    sql.Literal(self.subscription_id)))
+            self._record_prepared = True
+        return RECORD_STATEMENT
 
     def write_applied(self, conn: psycopg.Connection[Any], end_lsn: Lsn,
                       commit_lsn: Lsn | None, commit_time: datetime | None) -> None:

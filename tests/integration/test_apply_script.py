@@ -151,3 +151,18 @@ def test_a_row_the_target_already_has_is_judged_through_staging(pair: Pair):
     assert pair.target.query("SELECT id, v FROM q ORDER BY id") == [
         (1, "one"), (2, "two"), (3, "three"), (4, "four")]
     assert pair.writer.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_the_prepared_record_statement_comes_back_after_psycopg_deallocates_it(pair: Pair):
+    """The fence and the record are one prepared statement; psycopg deallocates every
+    prepared statement of a connection after a ROLLBACK it runs (when it holds its own):
+    the next script prepares it again and still goes as one script."""
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one')", "INSERT INTO q (id, v) VALUES (2, 'two')")
+    assert _scripts(pair.apply(1)) == 2
+    pair.writer.conn.execute("DEALLOCATE ALL")
+    pair.run("INSERT INTO q (id, v) VALUES (3, 'three')", "UPDATE q SET v = 'uno' WHERE id = 1")
+    assert _scripts(pair.apply(1)) == 3  # and the end marker's
+    assert pair.target.query("SELECT id, v FROM q ORDER BY id") == [
+        (1, "uno"), (2, "two"), (3, "three")]
+    assert pair.writer.applied_lsn() == pair.applied[-1].end_lsn
