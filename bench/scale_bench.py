@@ -189,14 +189,40 @@ class Watcher:
 
 # -- the deployment ---------------------------------------------------------------------
 
+STATEMENT_STATS = False
+"""``--statements``: ``pg_stat_statements`` in the pgsieve target cluster (see
+:func:`target_statements`)."""
+
+
 def cluster(root: Path, name: str, n: int) -> LocalCluster:
+    extra = ({"shared_preload_libraries": "pg_stat_statements",
+              "pg_stat_statements.track": "all", "pg_stat_statements.track_planning": "on"}
+             if STATEMENT_STATS and name == "target" else {})
     return LocalCluster(root / name, free_port(), settings={
         "fsync": "off", "synchronous_commit": "off",
         "max_connections": str(4 * n + 100), "max_wal_senders": str(2 * n + 20),
         "max_replication_slots": str(2 * n + 20),
         "max_logical_replication_workers": str(n + 8),
         "max_worker_processes": str(n + 24), "wal_retrieve_retry_interval": "100ms",
+        **extra,
     }).start()
+
+
+def target_statements(target: LocalCluster, reset: bool) -> list[tuple[str, int, float, float]]:
+    """What the target's backends spent per statement (summed over every target
+    database, normalised text): ``(statement, calls, ms executing, ms planning)``, the
+    costliest first; ``reset``: start counting afresh (and return nothing)."""
+    with psycopg.connect(target.dsn("postgres"), autocommit=True) as conn:
+        if reset:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            conn.execute("SELECT pg_stat_statements_reset()")
+            return []
+        rows = conn.execute(
+            "SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 90) AS q, sum(calls), "
+            "sum(total_exec_time), sum(total_plan_time) FROM pg_stat_statements "
+            "WHERE query NOT LIKE '%pg_stat_statements%' GROUP BY q "
+            "ORDER BY sum(total_exec_time + total_plan_time) DESC LIMIT 12").fetchall()
+    return [(str(q), int(calls), float(ex), float(plan)) for q, calls, ex, plan in rows]
 
 
 def create_dbs(c: LocalCluster, names: list[str]) -> None:
@@ -516,6 +542,9 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
     watcher = Watcher(clusters, d["src"])
     watcher.worker_pgrp = d["worker"].pid
     watcher.start()
+    statements = STATEMENT_STATS and "pgsieve" in systems
+    if statements:
+        target_statements(clusters["target"], reset=True)
     commits: dict[int, list[float]] = {k: [] for k in tenants}
     dsns = {(system, k): clusters[PREFIXES[system][0]].dsn(f"{PREFIXES[system][1]}{k}")
             for system in systems for k in tenants}
@@ -532,6 +561,8 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
     prober.join()
     watcher.finish()
     report = scheduler_report(d["db_url"]) if "pgsieve" in systems else {}
+    if statements:
+        report["target_statements"] = target_statements(clusters["target"], reset=False)
     ended = time.time()
     measured_from = ended - (time.monotonic() - t0) + args.warmup
     time.sleep(2.0)  # what was in flight at the end is applied
@@ -684,7 +715,16 @@ def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bo
         if apart:
             print(f"\n{p.systems[0]}'s turn:", end="")
         if "pgsieve" in p.systems:
+            stats = p.report.pop("target_statements", None)
             print(f"\nthe worker's scheduler (last minute): {p.report}")
+            if stats:
+                print("\nthe target's backends per statement during pgsieve's run "
+                      "(pg_stat_statements, every target database, warm-up included):\n")
+                print("| statement | calls | ms executing | ms planning | µs per call |")
+                print("|---|---:|---:|---:|---:|")
+                for q, calls, ex, plan in stats:
+                    print(f"| `{q.replace('|', '¦')}` | {calls} | {ex:.0f} | {plan:.0f} | "
+                          f"{(ex + plan) * 1000 / max(1, calls):.0f} |")
             print(f"\npgsieve worker RSS (max, process group incl. Spark): "
                   f"{p.watcher.worker_rss / 2**20:,.0f} MiB; CPU {cpu['worker']:.2f} cores")
         if "native" in p.systems:
@@ -779,7 +819,12 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a worker setting, e.g. --set SCHEDULER_THREADS=8 "
                              "(PGSIEVE_NAME; the worker runs at its defaults otherwise)")
+    parser.add_argument("--statements", action="store_true",
+                        help="pg_stat_statements in the pgsieve target cluster: what its "
+                             "backends spend per statement during pgsieve's run")
     args = parser.parse_args()
+    global STATEMENT_STATS
+    STATEMENT_STATS = args.statements
     for n in [int(x) for x in args.subscriptions.split(",") if x.strip() and int(x) > 0]:
         busy(n, args)
     if args.idle:

@@ -8,6 +8,7 @@ from sqlalchemy import select
 
 from pgsieve.platform.models import Slot
 from tests.api.conftest import assert_problem
+from tests.integration.test_apply import wait_flushed
 
 
 @pytest.fixture
@@ -40,6 +41,8 @@ def test_create_list_drop(client, source_id, source_db, metadata_engine):
 
     # WAL written after the slot was created is retained by it.
     source_db.execute("CREATE TABLE t(x int); INSERT INTO t SELECT generate_series(1, 20000)")
+    with source_db.connect() as conn:  # the WAL position read is where WAL was written: with
+        wait_flushed(conn)  # synchronous_commit = off, up to 200 ms after the commit
     listed = client.get(base).json()
     assert [s["name"] for s in listed] == ["s1"]
     assert listed[0]["retained_wal_bytes"] > 100_000
