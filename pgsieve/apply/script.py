@@ -41,8 +41,6 @@ from pgsieve.wire.lsn import Lsn
 
 FATAL_ERROR = ExecStatus.FATAL_ERROR
 COMMAND_OK = ExecStatus.COMMAND_OK
-FENCE_AT = 2
-"""The fence's place in a script: after BEGIN and the transaction's settings."""
 MAX_STATEMENTS = 256
 """Above this many row statements a batch goes the pipelined way (one string per batch
 is built in memory; past a few hundred statements the round trips saved no longer
@@ -131,22 +129,14 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
     """Apply the batch (one :func:`eligible` took) as one script and commit it; the
     applied LSN recorded and the rows written.
 
-    After BEGIN and the transaction's settings comes the fence: a batch that ends past
-    ``expected`` moves the record from ``expected`` to its end with the writer's prepared
-    statement (the row locked, compared and written in one statement planned once — a
-    lock and an UPDATE each planned per batch were a third of the target's statement time,
-    measured with ``pg_stat_statements`` at N = 50); any other batch only locks and reads
-    the record. Then the rows' statements."""
+    The script's first statement is the fence: a batch that ends past ``expected`` moves
+    the record from ``expected`` to its end with the writer's prepared statement (the row
+    locked, compared and written in one statement planned once — a lock and an UPDATE
+    each planned per batch were a third of the target's time per batch, measured with
+    ``pg_stat_statements`` at N = 50); any other batch only locks and reads the record."""
     conn = writer.conn
     script = _Script()
     script.add("BEGIN")
-    # The transaction's settings in one statement: the prepared record planned once (a
-    # custom plan per EXECUTE, PostgreSQL's choice for it, cost its planning every batch)
-    # and, where the role may, triggers and foreign keys off as native's apply worker runs.
-    settings = ["set_config('plan_cache_mode', 'force_generic_plan', true)"]
-    if writer.replica_role_known():
-        settings.append("set_config('session_replication_role', 'replica', true)")
-    script.add("SELECT " + ", ".join(settings))
     recorded = expected
     if batch.end_lsn > expected:
         commit_lsn = "NULL" if batch.commit_lsn is None else literal(str(batch.commit_lsn))
@@ -158,6 +148,8 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
     else:
         script.add(f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
                    f"WHERE subscription_id = {literal(writer.subscription_id)} FOR UPDATE")
+    if writer.replica_role_known():
+        script.add("SET LOCAL session_replication_role = replica")
     written = 0
     for name, tp in plan.tables.items():
         if name in direct:
@@ -168,7 +160,7 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
         except psycopg.errors.InvalidSqlStatementName:
             # Gone: psycopg deallocates all of a connection's prepared statements after a
             # ROLLBACK, DROP or ALTER it ran while holding prepared statements of its own.
-            # Nothing was written (the fence comes before every row).
+            # Nothing was written (the fence is the script's first statement).
             _rollback(conn)
             writer.record_statement(prepare_again=True)
             _run(conn, script, batch, expected)
@@ -211,7 +203,7 @@ def _run(conn: psycopg.Connection[Any], script: _Script, batch: ApplyBatch,
             if isinstance(error, (psycopg.errors.IntegrityError, psycopg.errors.DataError)):
                 raise DirectMismatch from None
             raise error
-        if i == FENCE_AT:  # the record moved, or locked and read
+        if i == 1:  # the fence: the record moved, or locked and read
             if count is not None:
                 if result.command_tuples != count:
                     raise _FenceMoved
