@@ -131,9 +131,10 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
 
     The script's first statement is the fence: a batch that ends past ``expected`` moves
     the record from ``expected`` to its end with the writer's prepared statement (the row
-    locked, compared and written in one statement planned once — a lock and an UPDATE
-    each planned per batch were a third of the target's time per batch, measured with
-    ``pg_stat_statements`` at N = 50); any other batch only locks and reads the record."""
+    locked, compared and written in one statement, where a lock and an UPDATE were a
+    third of the target's statement time at N = 50, measured with ``pg_stat_statements``;
+    still planned per batch, since the script's SET LOCAL of the replica role resets the
+    plan cache); any other batch only locks and reads the record."""
     conn = writer.conn
     script = _Script()
     script.add("BEGIN")

@@ -278,8 +278,8 @@ class TargetWriter:
         """The name of this connection's prepared statement that moves the record from
         its first parameter to the next batch's end (``$2``, ``$3`` commit LSN, ``$4``
         commit time) only if the record still holds that first one: the fence, the row
-        lock and the record in one statement, planned once (prepared the first time it is
-        asked for). Zero rows updated: another writer moved the record (or it is gone).
+        lock and the record in one statement (prepared the first time it is asked for).
+        Zero rows updated: another writer moved the record (or it is gone).
         ``prepare_again``: the server no longer has it (see :mod:`.script`)."""
         if prepare_again or not self._record_prepared:
             self.conn.execute(sql.SQL(
