@@ -133,8 +133,9 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
     the record from ``expected`` to its end with the writer's prepared statement (the row
     locked, compared and written in one statement, where a lock and an UPDATE were a
     third of the target's statement time at N = 50, measured with ``pg_stat_statements``;
-    still planned per batch, since the script's SET LOCAL of the replica role resets the
-    plan cache); any other batch only locks and reads the record."""
+    planned once per session where the session runs as replica, see
+    :meth:`.TargetWriter._replica_session`); any other batch only locks and reads the
+    record."""
     conn = writer.conn
     script = _Script()
     script.add("BEGIN")
@@ -149,7 +150,7 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
     else:
         script.add(f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
                    f"WHERE subscription_id = {literal(writer.subscription_id)} FOR UPDATE")
-    if writer.replica_role_known():
+    if writer.replica_role_per_transaction():
         script.add("SET LOCAL session_replication_role = replica")
     written = 0
     for name, tp in plan.tables.items():

@@ -186,10 +186,13 @@ class TargetWriter:
         self._stages_empty: set[str] = set()
         self._stage_dead_rows: dict[str, int] = {}
         self._replica_role: bool | None = None
+        self._session_role = False
         self._record_prepared = False
         self._applied: Lsn | None = None
         self._applied_known = False
         self._staging_in_transaction: list[int] = []
+        if self.conn.pgconn.parameter_status(b"is_superuser") == b"on":
+            self._replica_session()
 
     # -- connection details for Spark tasks (never logged) ------------------------------
     @property
@@ -346,7 +349,8 @@ class TargetWriter:
         role may set the replication role (its grants may have changed too)."""
         self._tables.clear()
         self._fingerprints.clear()
-        self._replica_role = None
+        if not self._session_role:
+            self._replica_role = None
         self._shapes_read_at = time.monotonic()
 
     def refresh_shapes(self) -> bool:
@@ -377,7 +381,11 @@ class TargetWriter:
                 del self._tables[name]
                 self._fingerprints.pop(name, None)
         superuser = bool(rows and rows[0][2])  # the same value on every row
-        if not (self._replica_role and superuser):
+        if self._session_role and not superuser:
+            self._reconnect()  # a session cannot give the role back without superuser
+        elif superuser and not self._session_role:
+            self._replica_session()
+        elif not superuser:
             self._replica_role = None
         self._shapes_read_at = now
         return True
@@ -447,11 +455,52 @@ class TargetWriter:
         on this connection yet)."""
         return self._replica_role
 
+    def replica_role_per_transaction(self) -> bool:
+        """Whether each transaction must set the replica role itself (allowed, but not
+        set for the whole session: a role that is not a superuser)."""
+        return bool(self._replica_role) and not self._session_role
+
+    def _replica_session(self) -> None:
+        """Run the whole session as ``session_replication_role = replica``, as PostgreSQL's
+        apply worker does, when the role is a superuser (checked with the shapes: one that
+        loses it gets a new session, see :meth:`refresh_shapes`).
+
+        Why once per session and not ``SET LOCAL`` per transaction: changing the setting
+        resets the server's plan cache (every prepared statement of the session is
+        planned again), so a per-transaction SET had the record's prepared statement —
+        and psycopg's automatically prepared ones — planned at every batch (issue 16,
+        ``pg_stat_statements``). Everything this connection runs is pgsieve's apply and
+        its own tables, so user event triggers also stay quiet for its staging tables.
+        Only between transactions: a session-level SET inside one is undone by its
+        ROLLBACK."""
+        if self.conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            return
+        try:
+            self.conn.execute("SET session_replication_role = replica")
+        except psycopg.errors.InsufficientPrivilege:
+            return  # not a superuser after all: asked per transaction, as before
+        self._session_role = self._replica_role = True
+
+    def _reconnect(self) -> None:
+        """A new session in place of this one (the role lost superuser and the session
+        still runs as replica); what belongs to the old session is forgotten."""
+        self.close()
+        self.conn = _connect(self._dsn, self.connect_timeout, "pgsieve-apply")
+        self._session_role = False
+        self._replica_role = None
+        self._record_prepared = False
+        self.applied_unknown()
+        log.warning("target role is no longer a superuser: new target session, triggers "
+                    "and foreign keys fire during apply unless it may set the replica role")
+
     def replica_role(self, conn: psycopg.Connection[Any]) -> bool:
         """``SET LOCAL session_replication_role = replica``, as PostgreSQL's apply worker
         runs: ordinary triggers and foreign-key checks do not fire for replicated rows.
-        Needs superuser (as native subscriptions do); without it the merge runs with
-        triggers on, and says so once in the log."""
+        Needs superuser (as native subscriptions do) or the right to set it; without it
+        the merge runs with triggers on, and says so once in the log. Nothing to do on
+        the writer's own connection when its session runs as replica."""
+        if self._session_role and conn is self.conn:
+            return True
         if self._replica_role is False:
             return False
         if self._replica_role:  # allowed before: no savepoint around it (two round trips)

@@ -101,29 +101,69 @@ def _learn_role(writer: TargetWriter) -> bool:
         return writer.replica_role(writer.conn)
 
 
+def _session_role(writer: TargetWriter) -> str:
+    row = writer.conn.execute("SHOW session_replication_role").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
 def test_the_replica_role_answer_follows_the_role_across_checks(
         target_db: Database, plain_role: str) -> None:
-    """A superuser's answer is kept across checks (every batch can go as one script);
-    a role that lost superuser is asked again at the next check, and a role that gained
-    it too — without a batch having to fail first."""
+    """A superuser's session runs as replica from the check that finds it one (every
+    batch can go as one script, no SET per transaction); a role that lost superuser gets
+    a new session (it could not set the role back) and is asked again at the next batch;
+    one that gains it again is back to a replica session — without a batch having to
+    fail first."""
     target_db.execute("CREATE TABLE a (id int PRIMARY KEY, v text)")
     dsn = conninfo.make_conninfo(target_db.dsn, user=plain_role)
     with contextlib.closing(TargetWriter(dsn, "roles")) as writer:
         writer.table("public.a")
+        assert _session_role(writer) == "origin"
         target_db.execute(f"ALTER ROLE {plain_role} SUPERUSER")
         assert _learn_role(writer) is True
+        assert writer.replica_role_per_transaction()  # not yet for the session
         _expire(writer)
         writer.refresh_shapes()
         assert writer.replica_role_known() is True  # kept: still a superuser
+        assert not writer.replica_role_per_transaction()
+        assert _session_role(writer) == "replica"
 
+        first_session = writer.conn
         target_db.execute(f"ALTER ROLE {plain_role} NOSUPERUSER")
         _expire(writer)
         writer.refresh_shapes()
+        assert writer.conn is not first_session and first_session.closed
+        assert _session_role(writer) == "origin"
         assert writer.replica_role_known() is None  # asked again at the next batch
         assert _learn_role(writer) is False
 
         target_db.execute(f"ALTER ROLE {plain_role} SUPERUSER")
         _expire(writer)
         writer.refresh_shapes()
-        assert writer.replica_role_known() is None
+        assert writer.replica_role_known() is True
+        assert _session_role(writer) == "replica"
         assert _learn_role(writer) is True
+
+
+def test_a_superuser_writer_runs_its_session_as_replica(target_db: Database) -> None:
+    """Set once when the writer connects, as PostgreSQL's apply worker does (a SET per
+    transaction reset the server's plan cache at every batch): a transaction that sets
+    nothing itself still fires no ordinary trigger, and one enabled ALWAYS still fires."""
+    target_db.execute("""
+        CREATE TABLE a (id int PRIMARY KEY, v text);
+        CREATE TABLE fired (name text);
+        CREATE FUNCTION note() RETURNS trigger LANGUAGE plpgsql AS
+          $$BEGIN INSERT INTO public.fired VALUES (TG_NAME); RETURN NEW; END$$;
+        CREATE TRIGGER ordinary BEFORE INSERT ON a FOR EACH ROW EXECUTE FUNCTION note();
+        CREATE TRIGGER always BEFORE INSERT ON a FOR EACH ROW EXECUTE FUNCTION note();
+        ALTER TABLE a ENABLE ALWAYS TRIGGER always""")
+    with contextlib.closing(TargetWriter(target_db.dsn, "replica-session")) as writer:
+        assert _session_role(writer) == "replica"
+        assert writer.replica_role_known() is True
+        assert not writer.replica_role_per_transaction()
+        for i in range(3):
+            with writer.conn.transaction():
+                assert _learn_role(writer) is True
+                writer.conn.execute("INSERT INTO public.a VALUES (%s, 'x')", (i,))
+        assert _session_role(writer) == "replica"
+    assert target_db.query("SELECT name FROM fired") == [("always",)] * 3
