@@ -35,6 +35,7 @@ from pgsieve.apply.columns import (
     TargetTable,
     describe_mismatch,
 )
+from pgsieve.apply.plan import RelationMaps
 from pgsieve.apply.staging import META_COLUMNS
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets
@@ -182,6 +183,8 @@ class TargetWriter:
         self._tables: dict[str, TargetTable] = {}
         self._fingerprints: dict[str, str] = {}
         self._shapes_read_at = 0.0
+        self.relation_maps = RelationMaps()
+        """How the stream's relations map onto these shapes (kept across batches)."""
         self._staging: dict[int, tuple[str, tuple[Any, ...]]] = {}
         self._stages_empty: set[str] = set()
         self._stage_dead_rows: dict[str, int] = {}
@@ -349,6 +352,7 @@ class TargetWriter:
         role may set the replication role (its grants may have changed too)."""
         self._tables.clear()
         self._fingerprints.clear()
+        self.relation_maps.clear()
         if not self._session_role:
             self._replica_role = None
         self._shapes_read_at = time.monotonic()
@@ -380,6 +384,7 @@ class TargetWriter:
             if current.get(oid) != self._fingerprints.get(name):
                 del self._tables[name]
                 self._fingerprints.pop(name, None)
+                self.relation_maps.clear()
         superuser = bool(rows and rows[0][2])  # the same value on every row
         if self._session_role and not superuser:
             self._reconnect()  # a session cannot give the role back without superuser

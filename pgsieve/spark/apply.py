@@ -159,7 +159,7 @@ def prepare_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
         plan, staged, fetched, spark_report = plan_and_stage(spark, batch, writer, expected,
                                                              timings)
     else:
-        plan = build_plan(batch, resolver(writer, batch), expected)
+        plan = build_plan(batch, resolver(writer, batch), expected, writer.relation_maps)
         timings["plan"] = (now := time.perf_counter()) - t
         t = now
         fetched = fetch_pending(writer, plan)

@@ -94,9 +94,15 @@ class AppliedProgress:
     images: dict[str, deque[UpdateImageRecord]] = field(default_factory=dict)
     apply_seconds: dict[str, Any] | None = None
     batch_changes: dict[str, Any] | None = None
+    unsettled: list[tuple[float, int]] = field(default_factory=list)
+    """Batches counted but not yet in the histograms, and the last one not yet in
+    ``last_batch`` (see :meth:`settle`)."""
+    last_result: tuple[ApplyResult, float, float] | None = None
 
     def add(self, result: ApplyResult, elapsed: float, source_lsn: Lsn | None) -> None:
-        """Count one applied batch."""
+        """Count one applied batch. What only the write reads (the last batch's summary,
+        the histograms) waits for :meth:`settle`: a stream applies a few batches per
+        write, and building them per batch was a third of this call."""
         if self.applied is None or result.end_lsn > self.applied:
             self.applied = result.end_lsn
             self.last_commit_ts = result.commit_time
@@ -110,17 +116,8 @@ class AppliedProgress:
             self.stats[key] = self.stats.get(key, 0) + value
         path = "spark" if result.distributed else "driver"
         self.paths[path] = self.paths.get(path, 0) + 1
-        self.last_batch = {
-            "changes": result.changes, "transactions": result.transactions,
-            "rows_written": result.rows_written, "seconds": round(elapsed, 4),
-            "timings": {k: round(v, 4) for k, v in result.timings.items()},
-            "end_lsn": str(result.end_lsn),
-            "direct_tables": list(result.direct_tables),
-            "applied_at": datetime.now(UTC).isoformat(),
-        }
+        self.last_result = (result, elapsed, time.time())
         if result.spark:
-            # the Spark side of a batch staged by tasks: its job group, jobs and stages
-            self.last_batch["spark"] = result.spark
             self.stats["spark_task_failures"] = (self.stats.get("spark_task_failures", 0)
                                                  + int(result.spark.get("task_failures", 0)))
         for name, counts in result.counts.items():
@@ -135,14 +132,37 @@ class AppliedProgress:
                 self.last_missing[name] = last
         for image in result.update_images[-UPDATE_IMAGE_WINDOW:]:
             self.images.setdefault(image.table, deque(maxlen=UPDATE_IMAGE_WINDOW)).append(image)
-        self.apply_seconds = observe(self.apply_seconds, APPLY_SECONDS_BUCKETS,
-                                     max(0.0, float(elapsed)))
-        self.batch_changes = observe(self.batch_changes, BATCH_CHANGES_BUCKETS,
-                                     max(0, int(result.changes)))
+        self.unsettled.append((elapsed, result.changes))
+
+    def settle(self) -> None:
+        """Bring ``last_batch`` and the histograms up to date with the counted batches
+        (before they are written or folded)."""
+        if self.last_result is not None:
+            result, elapsed, applied_at = self.last_result
+            self.last_result = None
+            self.last_batch = {
+                "changes": result.changes, "transactions": result.transactions,
+                "rows_written": result.rows_written, "seconds": round(elapsed, 4),
+                "timings": {k: round(v, 4) for k, v in result.timings.items()},
+                "end_lsn": str(result.end_lsn),
+                "direct_tables": list(result.direct_tables),
+                "applied_at": datetime.fromtimestamp(applied_at, UTC).isoformat(),
+            }
+            if result.spark:
+                # the Spark side of a batch staged by tasks: its job group, jobs, stages
+                self.last_batch["spark"] = result.spark
+        for elapsed, changes in self.unsettled:
+            self.apply_seconds = observe(self.apply_seconds, APPLY_SECONDS_BUCKETS,
+                                         max(0.0, float(elapsed)))
+            self.batch_changes = observe(self.batch_changes, BATCH_CHANGES_BUCKETS,
+                                         max(0, int(changes)))
+        self.unsettled.clear()
 
     def absorb(self, later: AppliedProgress) -> None:
         """Fold ``later`` (batches applied after this one's) into this one — a write
         that failed is retried with what came since."""
+        self.settle()
+        later.settle()
         if later.applied is not None and (self.applied is None or later.applied > self.applied):
             self.applied, self.last_commit_ts = later.applied, later.last_commit_ts
         self.source_lsn = later.source_lsn or self.source_lsn
@@ -229,6 +249,7 @@ _READ = (_SUBS.c.id, _SUBS.c.applied_lsn, _SUBS.c.received_lsn, _SUBS.c.last_com
 
 def _new_values(sub: dict[str, Any], p: AppliedProgress) -> dict[str, Any]:
     """The subscription's columns that ``p`` changes, with their new values."""
+    p.settle()
     out: dict[str, Any] = {}
     if p.applied is not None:
         if sub["applied_lsn"] is None or p.applied.value > sub["applied_lsn"]:

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from pgsieve.apply.batch import ApplyBatch, TableRoute
+from pgsieve.apply.batch import ApplyBatch, TableRoute, TableStopped
 from pgsieve.apply.columns import TargetColumn, TargetTable
-from pgsieve.apply.plan import BatchPlan, RawView, _Builder
+from pgsieve.apply.plan import BatchPlan, RawView, RelationMaps, _Builder, build_plan
 from pgsieve.platform.states import SyncState
 from pgsieve.wire import (
     Begin,
@@ -154,3 +154,40 @@ def test_runs_plan_exactly_as_transactions_one_by_one(seed: int) -> None:
     want = OneByOne(batch, resolve, applied).build()
     assert summary(got) == summary(want)
     assert got.tables and got.skipped_transaction is not None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_relation_maps_kept_across_batches_plan_as_fresh_ones(seed: int) -> None:
+    """A writer keeps its stream's relation maps from batch to batch: every batch plans
+    exactly as with maps built afresh, Relation messages that arrive between batches
+    included, and a map is reused only for the same relation, route and target shape."""
+    rng = random.Random(seed)
+    txns = packed_transactions(workload(rng, 120), rng)
+    routes = {name: TableRoute(name, name) for name in ("public.t", "public.u")}
+    tables = {name: target(name) for name in TABLES}
+
+    def resolve(qualified: str) -> TargetTable:
+        return tables[qualified.split(".")[1]]
+
+    known = RelationMaps()
+    cut = 0
+    while cut < len(txns):
+        step = rng.randint(1, 9)
+        batch = ApplyBatch("sub", txns[cut:cut + step], routes)
+        cut += step
+        got = build_plan(batch, resolve, None, known)
+        want = _Builder(batch, resolve, None).build()
+        assert summary(got) == summary(want)
+
+    rel = relation(10, "t")
+    route = routes["public.t"]
+    first = known.get(rel, route, tables["t"])
+    assert known.get(rel, route, tables["t"]) is first
+    assert known.get(rel, TableRoute("public.t", "public.t"), tables["t"]) is not first
+    assert known.get(relation(10, "t"), route, tables["t"]) is not first
+    assert known.get(rel, route, target("t")) is not first  # the shape read again
+    narrow = TargetTable("public", "t", 1, "r", (TargetColumn("id", "integer", "integer"),),
+                         unique=(frozenset({"id"}),))
+    for _ in range(2):  # refused every time, never kept
+        with pytest.raises(TableStopped):
+            known.get(rel, route, narrow)
