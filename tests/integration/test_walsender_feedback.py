@@ -14,12 +14,16 @@ never sent it again. Real cluster, real walsender.
 from __future__ import annotations
 
 import math
+import select
+import struct
 import time
 from collections.abc import Generator
 
 import psycopg
 
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.streaming.consumer import ConsumerItem, SlotConsumer
+from pgsieve.streaming.replication import ReplicationSession
 from pgsieve.streaming.transports import PgoutputOptions, WalsenderTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
@@ -78,3 +82,49 @@ def test_a_keepalive_in_the_middle_of_a_transaction_confirms_nothing_unapplied(
         items.close()
         consumer.close()
         source_db.execute("SELECT pg_drop_replication_slot('fb')")
+
+
+def test_status_updates_written_straight_to_the_socket_reach_the_server(
+        source_db: Database) -> None:
+    """A status update is written to an unencrypted session's socket without libpq (no
+    GIL held while the walsender is woken): the server's slot moves to exactly what was
+    confirmed, through that path and through libpq's alike, interleaved, and the stream
+    goes on being read through libpq afterwards."""
+    source_db.execute("CREATE TABLE a (id int PRIMARY KEY); CREATE PUBLICATION pub FOR TABLE a")
+    [(start,)] = source_db.query(
+        "SELECT lsn::text FROM pg_create_logical_replication_slot('fb', 'pgoutput')")
+    session = ReplicationSession(secure_conninfo(source_db.dsn, purpose=Purpose.STREAM),
+                                 "pgsieve-test")
+    try:
+        assert session.plain_socket  # the policy's connections: no TLS here, no GSS
+        session.start("fb", Lsn.parse(str(start)).value,
+                      {"proto_version": "2", "publication_names": "pub"})
+        ends: list[int] = []
+        for i in range(6):
+            source_db.execute(f"INSERT INTO a VALUES ({i})")
+            ends.append(_next_commit_end(session))
+            session.plain_socket = i % 2 == 0  # every other one through libpq
+            session.confirm(ends[-1])
+            deadline = time.monotonic() + 10
+            while _confirmed(source_db).value != ends[-1]:
+                assert time.monotonic() < deadline, f"update {i} did not reach the server"
+                time.sleep(0.02)
+    finally:
+        session.close()
+        source_db.execute("SELECT pg_drop_replication_slot('fb')")
+
+
+def _next_commit_end(session: ReplicationSession) -> int:
+    """Read through libpq until a Commit message; its transaction's end LSN."""
+    poller = select.poll()
+    poller.register(session.fileno(), select.POLLIN)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        message = session.read_message()
+        if message is None:
+            poller.poll(100)
+            continue
+        _, data = message
+        if data[:1] == b"C":  # Commit: flags, commit LSN, end LSN, time
+            return int(struct.unpack_from("!Q", data, 10)[0])
+    raise AssertionError("no Commit within 10 s")
