@@ -175,7 +175,10 @@ class ReplicationSession:
         its sends (the START_REPLICATION, a status update sent through it) flushed
         everything, and libpq sends nothing else on its own while streaming."""
         frame = _COPY_DATA.pack(b"d", 4 + len(payload)) + payload
-        fd = self.fileno()
+        try:
+            fd = self.fileno()
+        except Exception as exc:  # psycopg.OperationalError: closed, as libpq's path says
+            raise ReplicationError(str(exc).strip() or "the connection is closed") from None
         try:
             sent = os.write(fd, frame)
         except BlockingIOError:

@@ -20,10 +20,11 @@ import time
 from collections.abc import Generator
 
 import psycopg
+import pytest
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.streaming.consumer import ConsumerItem, SlotConsumer
-from pgsieve.streaming.replication import ReplicationSession
+from pgsieve.streaming.replication import ReplicationError, ReplicationSession
 from pgsieve.streaming.transports import PgoutputOptions, WalsenderTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
@@ -128,3 +129,40 @@ def _next_commit_end(session: ReplicationSession) -> int:
         if data[:1] == b"C":  # Commit: flags, commit LSN, end LSN, time
             return int(struct.unpack_from("!Q", data, 10)[0])
     raise AssertionError("no Commit within 10 s")
+
+
+def test_a_status_update_on_a_closed_or_broken_session_is_a_replication_error(
+        source_db: Database) -> None:
+    """What a stream treats as a broken session (and reconnects from), on the raw path
+    as on libpq's: the session closed here, or its walsender terminated by the server."""
+    source_db.execute("CREATE TABLE a (id int PRIMARY KEY); CREATE PUBLICATION pub FOR TABLE a")
+    [(start,)] = source_db.query(
+        "SELECT lsn::text FROM pg_create_logical_replication_slot('fb', 'pgoutput')")
+    try:
+        for plain in (True, False):
+            session = ReplicationSession(secure_conninfo(source_db.dsn, purpose=Purpose.STREAM),
+                                         "pgsieve-test")
+            session.plain_socket = plain
+            session.start("fb", Lsn.parse(str(start)).value,
+                          {"proto_version": "2", "publication_names": "pub"})
+            source_db.execute("SELECT pg_terminate_backend(active_pid) FROM "
+                              "pg_replication_slots WHERE slot_name = 'fb'")
+            with pytest.raises(ReplicationError):
+                _send_until_refused(session)
+            session.close()
+            with pytest.raises(ReplicationError):
+                session.send_status()
+            while source_db.query("SELECT active FROM pg_replication_slots "
+                                  "WHERE slot_name = 'fb'") != [(False,)]:
+                time.sleep(0.05)
+    finally:
+        source_db.execute("SELECT pg_drop_replication_slot('fb')")
+
+
+def _send_until_refused(session: ReplicationSession) -> None:
+    """Status updates until one fails (the kernel notices the peer's reset after the
+    first write that meets it)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        session.send_status()
+        time.sleep(0.05)
