@@ -179,26 +179,24 @@ class ReplicationSession:
             fd = self.fileno()
         except Exception as exc:  # psycopg.OperationalError: closed, as libpq's path says
             raise ReplicationError(str(exc).strip() or "the connection is closed") from None
-        try:
-            sent = os.write(fd, frame)
-        except BlockingIOError:
-            return False
-        except OSError as exc:
-            raise ReplicationError(f"could not send a status update: {exc}") from None
+        sent = 0
         poller: select.poll | None = None
-        while sent < len(frame):  # part of it went: the rest must follow, whatever it takes
+        while True:
+            try:
+                sent += os.write(fd, frame[sent:])
+            except BlockingIOError:
+                if not sent:
+                    return False  # nothing went: libpq sends it
+            except OSError as exc:
+                raise ReplicationError(f"could not send a status update: {exc}") from None
+            if sent == len(frame):
+                return True
+            # Part of it went: the rest must follow, once the socket has room.
             if poller is None:
                 poller = select.poll()
                 poller.register(fd, select.POLLOUT)
             if not poller.poll(SEND_TIMEOUT_MS):
                 raise ReplicationError("timed out sending a status update")
-            try:
-                sent += os.write(fd, frame[sent:])
-            except BlockingIOError:
-                continue
-            except OSError as exc:
-                raise ReplicationError(f"could not send a status update: {exc}") from None
-        return True
 
     def close(self) -> None:
         self.pgconn.finish()
