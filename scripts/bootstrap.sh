@@ -61,10 +61,14 @@ stamp=.venv/.pgsieve-installed
 if ! { [ -f "$stamp" ] && [ "$stamp" -nt requirements.lock ] && [ "$stamp" -nt pyproject.toml ]; }; then
   [ -x .venv/bin/python ] || python3 -m venv .venv
   .venv/bin/python -m pip install --quiet --disable-pip-version-check uv==0.13.8
-  .venv/bin/uv pip sync --quiet --python .venv/bin/python requirements.lock
+  # Bytecode compiled once here: with PYTHONDONTWRITEBYTECODE set (as on CI machines)
+  # every worker and test process would otherwise compile each import from source.
+  .venv/bin/uv pip sync --quiet --compile-bytecode --python .venv/bin/python requirements.lock
   .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e .
   touch "$stamp"
 fi
 # The compiled hot path (Cython + gcc; a no-op when up to date). Not fatal: without it
 # pgsieve runs the pure-Python reference, slower, and says so in its log and /healthz.
 .venv/bin/python scripts/build_compiled.py || true
+# pgsieve's own bytecode too (stale files are recompiled in memory, never trusted).
+.venv/bin/python -m compileall -q pgsieve >/dev/null || true
