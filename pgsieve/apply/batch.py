@@ -140,7 +140,9 @@ class ApplyResult:
     counts: dict[str, TableCounts] = field(default_factory=dict)
     skipped_transaction: Lsn | None = None
     """The commit LSN of a transaction skipped because of ``skip_lsn``."""
-    update_images: list[UpdateImageRecord] = field(default_factory=list)
+    update_images: Sequence[UpdateImageRecord] = field(default_factory=list)
+    """A sample of the batch's UPDATE images (the planner's is decoded when first read:
+    :class:`.plan.UpdateImages`)."""
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per stage (decode, net effect, stage, merge), for metrics and benchmarks."""
     already_applied: int = 0

@@ -113,12 +113,16 @@ def merge(
     outcome = MergeOutcome()
     staged = dict(staged)
     writer.applied_unknown()
-    before = {name: replace(c) for name, c in counts.items()} if direct else {}
+    before: dict[str, TableCounts] | None = None
     try:
         try:
+            # (a script never changes the counts: they are copied, to be put back after
+            # a mismatch, only for the statements that may)
             recorded = _merge_small(writer, batch, plan, staged, expected_applied, direct,
                                     outcome)
             if recorded is None:
+                if direct:
+                    before = {name: replace(c) for name, c in counts.items()}
                 recorded = _merge_in_transaction(writer, batch, plan, staged, counts,
                                                  expected_applied, direct, outcome)
         except (_StageInstead, DirectMismatch):
@@ -126,8 +130,9 @@ def merge(
             # counts go back to what the plan counted; a conflict policy adds again). A
             # table whose plain inserts were set apart is staged again whole.
             writer.merge_rolled_back()
-            counts.clear()
-            counts.update(before)
+            if before is not None:
+                counts.clear()
+                counts.update(before)
             for name in direct or ():
                 staged.pop(name, None)
             outcome = MergeOutcome()

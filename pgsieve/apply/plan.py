@@ -193,7 +193,7 @@ class BatchPlan:
     truncates: list[TruncateOp]
     """Run first, in order."""
     counts: dict[str, TableCounts]
-    images: list[UpdateImageRecord]
+    images: UpdateImages
     transactions: int
     """Transactions applied (not skipped, not already at the target)."""
     changes: int
@@ -680,18 +680,61 @@ class _Builder:
                 old_values = rm.text_values(old_tup)
             tp.effect.delete(rm.key_of(old_values), clsn)
 
-    def _images(self) -> list[UpdateImageRecord]:
-        out: list[UpdateImageRecord] = []
-        decoder = Decoder(4)
-        for source_table, q in self.images.items():
-            for item, rm in q:
-                if type(item) is tuple:  # (lsn, raw) from the hot path: decode now
-                    lsn, raw = cast(tuple[int, bytes], item)
-                    item = Change(Lsn(lsn), decoder.decode(raw),  # type: ignore[arg-type]
-                                  (rm.relation,))
-                out.append(update_image(source_table, cast(Change, item), rm))
-        out.sort(key=lambda r: r.lsn)
-        return out
+    def _images(self) -> UpdateImages:
+        return UpdateImages(self.images)
+
+
+PendingImage = tuple[Change | tuple[int, bytes], "RelationMap"]
+"""An UPDATE kept for the image sample: decoded (a Change) or, from the hot path, its
+(LSN, raw pgoutput message), with the relation map it was routed by."""
+
+
+class UpdateImages(Sequence[UpdateImageRecord]):
+    """A batch's sample of UPDATE images, decoded to PostgreSQL text when first read.
+
+    Why lazily: only the progress writer reads them (the update preview's window), and it
+    runs between a burst's turns; decoding them while planning was ~4 % of a busy
+    worker's GIL at 50 subscriptions (py-spy), in the turns a burst queues for. The
+    pending messages are immutable bytes and relation maps that are never changed once
+    built, so decoding later gives the same records; decoding twice (two threads at
+    once) gives equal lists, and either may be kept."""
+
+    __slots__ = ("_count", "_pending", "_records")
+
+    def __init__(self, pending: Mapping[str, Sequence[PendingImage]] | None = None) -> None:
+        self._pending = pending or {}
+        self._count = sum(len(q) for q in self._pending.values())
+        self._records: list[UpdateImageRecord] | None = None if self._count else []
+
+    def records(self) -> list[UpdateImageRecord]:
+        """The images in LSN order (decoded now if not yet)."""
+        records = self._records
+        if records is None:
+            records = self._records = _decode_images(self._pending)
+        return records
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.records()[index]
+
+    def __iter__(self) -> Iterator[UpdateImageRecord]:
+        return iter(self.records())
+
+
+def _decode_images(pending: Mapping[str, Sequence[PendingImage]]) -> list[UpdateImageRecord]:
+    out: list[UpdateImageRecord] = []
+    decoder = Decoder(4)
+    for source_table, q in pending.items():
+        for item, rm in q:
+            if type(item) is tuple:  # (lsn, raw) from the hot path: decode now
+                lsn, raw = cast(tuple[int, bytes], item)
+                item = Change(Lsn(lsn), decoder.decode(raw),  # type: ignore[arg-type]
+                              (rm.relation,))
+            out.append(update_image(source_table, cast(Change, item), rm))
+    out.sort(key=lambda r: r.lsn)
+    return out
 
 
 def _text(rm: RelationMap, tup: TupleData, keys_only: bool) -> dict[str, str | None]:

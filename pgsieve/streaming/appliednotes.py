@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -60,6 +60,11 @@ BUSY_WITHIN_SECONDS = 1.0
 write instead of writing it in the turn (see :meth:`ProgressBook.busy`). A scheduler
 gives its book a window longer than the longest gap between its group writes (see
 :class:`ProgressBook`)."""
+
+UNSETTLED_IMAGES_LIMIT = 64
+"""Batches whose UPDATE images wait for :meth:`AppliedProgress.settle` at most; past it
+the stream settles them itself (a progress writer that cannot write for a while must not
+let them pile up)."""
 
 COUNTERS = ("inserts", "updates", "deletes", "truncates", "conflicts", "missing_skipped")
 """Per-table counts a batch adds (the columns of ``SubscriptionTable`` of the same name)."""
@@ -98,6 +103,8 @@ class AppliedProgress:
     """Batches counted but not yet in the histograms, and the last one not yet in
     ``last_batch`` (see :meth:`settle`)."""
     last_result: tuple[ApplyResult, float, float] | None = None
+    unsettled_images: list[Sequence[UpdateImageRecord]] = field(default_factory=list)
+    """Counted batches' UPDATE images not yet decoded into ``images``."""
 
     def add(self, result: ApplyResult, elapsed: float, source_lsn: Lsn | None) -> None:
         """Count one applied batch. What only the write reads (the last batch's summary,
@@ -130,13 +137,25 @@ class AppliedProgress:
                          "(as PostgreSQL does); last: %s at %s", name,
                          counts.missing_skipped, last.op, last.commit_lsn)
                 self.last_missing[name] = last
-        for image in result.update_images[-UPDATE_IMAGE_WINDOW:]:
-            self.images.setdefault(image.table, deque(maxlen=UPDATE_IMAGE_WINDOW)).append(image)
+        if result.update_images:  # decoded when settled (off the turn: see settle)
+            self.unsettled_images.append(result.update_images)
+            if len(self.unsettled_images) >= UNSETTLED_IMAGES_LIMIT:
+                self._settle_images()
         self.unsettled.append((elapsed, result.changes))
 
+    def _settle_images(self) -> None:
+        for images in self.unsettled_images:
+            for image in images[-UPDATE_IMAGE_WINDOW:]:
+                self.images.setdefault(image.table,
+                                       deque(maxlen=UPDATE_IMAGE_WINDOW)).append(image)
+        self.unsettled_images.clear()
+
     def settle(self) -> None:
-        """Bring ``last_batch`` and the histograms up to date with the counted batches
-        (before they are written or folded)."""
+        """Bring ``last_batch``, the UPDATE images and the histograms up to date with the
+        counted batches (before they are written or folded). The progress writer calls
+        it, between a burst's turns: the images' decoding (:class:`.plan.UpdateImages`)
+        was ~4 % of a busy worker's GIL when the planner did it in every turn."""
+        self._settle_images()
         if self.last_result is not None:
             result, elapsed, applied_at = self.last_result
             self.last_result = None
@@ -213,6 +232,8 @@ def record_applied(session: Session, progress: Iterable[AppliedProgress],
     meanwhile is not written back); table counters are added
     in SQL; one INSERT takes all UPDATE images."""
     by_id = {p.subscription_id: p for p in progress}
+    for p in by_id.values():
+        p.settle()  # (decoding the images before the rows are locked)
     images: list[dict[str, Any]] = []
     updates: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     counted = [sid for sid, p in by_id.items() if p.tables]

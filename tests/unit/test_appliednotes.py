@@ -6,8 +6,10 @@ that failed is written later with what came since."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, select
@@ -25,6 +27,7 @@ from pgsieve.platform.models import (
     UpdateImage,
 )
 from pgsieve.streaming.appliednotes import (
+    UNSETTLED_IMAGES_LIMIT,
     AppliedProgress,
     ImageTrims,
     ProgressBook,
@@ -238,3 +241,56 @@ def test_each_subscription_keeps_its_newest_window_of_images_and_no_more(
     assert max(kept) == lsn - 1  # the newest are there
     assert min(kept) > 100  # the oldest are gone
     assert len(others) == 10
+
+
+class ReadCounting(Sequence[UpdateImageRecord]):
+    """A batch's images that count how often they were read (decoding is what a lazy
+    sample saves; reading them is what decodes them)."""
+
+    def __init__(self, records: list[UpdateImageRecord]) -> None:
+        self.records, self.reads = records, 0
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, index: Any) -> Any:
+        self.reads += 1
+        return self.records[index]
+
+
+def images_batch(end: int, table: str, n: int) -> tuple[ApplyResult, ReadCounting]:
+    result = batch(end)
+    images = ReadCounting([UpdateImageRecord(table, Lsn(end * 1000 + i), "K", {"id": str(i)},
+                                             {"id": str(i)}) for i in range(n)])
+    result.update_images = images
+    return result, images
+
+
+def test_update_images_are_read_when_settled_not_when_counted() -> None:
+    progress = AppliedProgress("s")
+    counted = [images_batch(end, "public.orders", 3) for end in range(1, 6)]
+    for result, _ in counted:
+        progress.add(result, 0.01, None)
+    assert all(images.reads == 0 for _, images in counted)  # the turn did not read them
+    assert progress.images == {}
+    progress.settle()
+    assert all(images.reads > 0 for _, images in counted)
+    assert [i.lsn.value for i in progress.images["public.orders"]] == [
+        end * 1000 + i for end in range(1, 6) for i in range(3)]
+
+
+def test_images_past_the_limit_settle_in_the_stream_and_keep_every_tables_window() -> None:
+    """A progress writer that cannot write must not let undecoded images pile up; the
+    window per table is the one settling them all at the write would give (a table whose
+    images are only in early batches keeps them)."""
+    progress = AppliedProgress("s")
+    progress.add(images_batch(1, "public.early", 2)[0], 0.01, None)
+    for end in range(2, 2 + 3 * UNSETTLED_IMAGES_LIMIT):
+        progress.add(images_batch(end, "public.orders", 7)[0], 0.01, None)
+        assert len(progress.unsettled_images) < UNSETTLED_IMAGES_LIMIT
+    progress.settle()
+    assert [i.lsn.value for i in progress.images["public.early"]] == [1000, 1001]
+    kept = [i.lsn.value for i in progress.images["public.orders"]]
+    newest = [end * 1000 + i for end in range(2, 2 + 3 * UNSETTLED_IMAGES_LIMIT)
+              for i in range(7)][-UPDATE_IMAGE_WINDOW:]
+    assert kept == newest

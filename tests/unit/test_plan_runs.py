@@ -152,7 +152,10 @@ def test_runs_plan_exactly_as_transactions_one_by_one(seed: int) -> None:
 
     got = _Builder(batch, resolve, applied).build()
     want = OneByOne(batch, resolve, applied).build()
+    # The image sample is counted when planned and decoded when first read.
+    assert got.images._records is None and len(got.images) == len(want.images) > 0
     assert summary(got) == summary(want)
+    assert got.images[-1] == list(got.images)[-1] == max(got.images, key=lambda i: i.lsn)
     assert got.tables and got.skipped_transaction is not None
 
 
