@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -61,10 +61,10 @@ write instead of writing it in the turn (see :meth:`ProgressBook.busy`). A sched
 gives its book a window longer than the longest gap between its group writes (see
 :class:`ProgressBook`)."""
 
-UNSETTLED_IMAGES_LIMIT = 64
-"""Batches whose UPDATE images wait for :meth:`AppliedProgress.settle` at most; past it
-the stream settles them itself (a progress writer that cannot write for a while must not
-let them pile up)."""
+UNSETTLED_LIMIT = 64
+"""Batches that wait for :meth:`AppliedProgress.settle` at most; past it the stream
+settles them itself (a progress writer that cannot write for a while must not let them
+pile up)."""
 
 COUNTERS = ("inserts", "updates", "deletes", "truncates", "conflicts", "missing_skipped")
 """Per-table counts a batch adds (the columns of ``SubscriptionTable`` of the same name)."""
@@ -99,17 +99,35 @@ class AppliedProgress:
     images: dict[str, deque[UpdateImageRecord]] = field(default_factory=dict)
     apply_seconds: dict[str, Any] | None = None
     batch_changes: dict[str, Any] | None = None
-    unsettled: list[tuple[float, int]] = field(default_factory=list)
-    """Batches counted but not yet in the histograms, and the last one not yet in
-    ``last_batch`` (see :meth:`settle`)."""
-    last_result: tuple[ApplyResult, float, float] | None = None
-    unsettled_images: list[Sequence[UpdateImageRecord]] = field(default_factory=list)
-    """Counted batches' UPDATE images not yet decoded into ``images``."""
+    unsettled: list[tuple[ApplyResult, float, Lsn | None, float]] = field(
+        default_factory=list)
+    """Batches added and not yet counted: (result, seconds, source LSN, applied at)."""
 
     def add(self, result: ApplyResult, elapsed: float, source_lsn: Lsn | None) -> None:
-        """Count one applied batch. What only the write reads (the last batch's summary,
-        the histograms) waits for :meth:`settle`: a stream applies a few batches per
-        write, and building them per batch was a third of this call."""
+        """Count one applied batch — later: the batch is kept as it is and counted by
+        :meth:`settle`, which the progress writer calls between a burst's turns. Why: a
+        stream applies a few batches per write, and this accounting (counters, tables,
+        the last batch's summary, the histograms, decoding the UPDATE images) held ~5 %
+        of a busy worker's GIL inside the turns a burst queues for (py-spy, N = 50)."""
+        self.unsettled.append((result, elapsed, source_lsn, time.time()))
+        if len(self.unsettled) >= UNSETTLED_LIMIT:
+            self.settle()
+
+    def settle(self) -> None:
+        """Count the batches added since the last settle, in their order: bring the
+        counters, ``last_batch``, the UPDATE images and the histograms up to date
+        (before they are written or folded)."""
+        unsettled, self.unsettled = self.unsettled, []
+        for result, elapsed, source_lsn, _ in unsettled:
+            self._count(result, elapsed, source_lsn)
+            self.apply_seconds = observe(self.apply_seconds, APPLY_SECONDS_BUCKETS,
+                                         max(0.0, float(elapsed)))
+            self.batch_changes = observe(self.batch_changes, BATCH_CHANGES_BUCKETS,
+                                         max(0, int(result.changes)))
+        if unsettled:
+            self._summarize(*unsettled[-1])
+
+    def _count(self, result: ApplyResult, elapsed: float, source_lsn: Lsn | None) -> None:
         if self.applied is None or result.end_lsn > self.applied:
             self.applied = result.end_lsn
             self.last_commit_ts = result.commit_time
@@ -123,7 +141,6 @@ class AppliedProgress:
             self.stats[key] = self.stats.get(key, 0) + value
         path = "spark" if result.distributed else "driver"
         self.paths[path] = self.paths.get(path, 0) + 1
-        self.last_result = (result, elapsed, time.time())
         if result.spark:
             self.stats["spark_task_failures"] = (self.stats.get("spark_task_failures", 0)
                                                  + int(result.spark.get("task_failures", 0)))
@@ -137,45 +154,22 @@ class AppliedProgress:
                          "(as PostgreSQL does); last: %s at %s", name,
                          counts.missing_skipped, last.op, last.commit_lsn)
                 self.last_missing[name] = last
-        if result.update_images:  # decoded when settled (off the turn: see settle)
-            self.unsettled_images.append(result.update_images)
-            if len(self.unsettled_images) >= UNSETTLED_IMAGES_LIMIT:
-                self._settle_images()
-        self.unsettled.append((elapsed, result.changes))
+        for image in result.update_images[-UPDATE_IMAGE_WINDOW:]:  # (decoded here)
+            self.images.setdefault(image.table, deque(maxlen=UPDATE_IMAGE_WINDOW)).append(image)
 
-    def _settle_images(self) -> None:
-        for images in self.unsettled_images:
-            for image in images[-UPDATE_IMAGE_WINDOW:]:
-                self.images.setdefault(image.table,
-                                       deque(maxlen=UPDATE_IMAGE_WINDOW)).append(image)
-        self.unsettled_images.clear()
-
-    def settle(self) -> None:
-        """Bring ``last_batch``, the UPDATE images and the histograms up to date with the
-        counted batches (before they are written or folded). The progress writer calls
-        it, between a burst's turns: the images' decoding (:class:`.plan.UpdateImages`)
-        was ~4 % of a busy worker's GIL when the planner did it in every turn."""
-        self._settle_images()
-        if self.last_result is not None:
-            result, elapsed, applied_at = self.last_result
-            self.last_result = None
-            self.last_batch = {
-                "changes": result.changes, "transactions": result.transactions,
-                "rows_written": result.rows_written, "seconds": round(elapsed, 4),
-                "timings": {k: round(v, 4) for k, v in result.timings.items()},
-                "end_lsn": str(result.end_lsn),
-                "direct_tables": list(result.direct_tables),
-                "applied_at": datetime.fromtimestamp(applied_at, UTC).isoformat(),
-            }
-            if result.spark:
-                # the Spark side of a batch staged by tasks: its job group, jobs, stages
-                self.last_batch["spark"] = result.spark
-        for elapsed, changes in self.unsettled:
-            self.apply_seconds = observe(self.apply_seconds, APPLY_SECONDS_BUCKETS,
-                                         max(0.0, float(elapsed)))
-            self.batch_changes = observe(self.batch_changes, BATCH_CHANGES_BUCKETS,
-                                         max(0, int(changes)))
-        self.unsettled.clear()
+    def _summarize(self, result: ApplyResult, elapsed: float, _source_lsn: Lsn | None,
+                   applied_at: float) -> None:
+        self.last_batch = {
+            "changes": result.changes, "transactions": result.transactions,
+            "rows_written": result.rows_written, "seconds": round(elapsed, 4),
+            "timings": {k: round(v, 4) for k, v in result.timings.items()},
+            "end_lsn": str(result.end_lsn),
+            "direct_tables": list(result.direct_tables),
+            "applied_at": datetime.fromtimestamp(applied_at, UTC).isoformat(),
+        }
+        if result.spark:
+            # the Spark side of a batch staged by tasks: its job group, jobs, stages
+            self.last_batch["spark"] = result.spark
 
     def absorb(self, later: AppliedProgress) -> None:
         """Fold ``later`` (batches applied after this one's) into this one — a write

@@ -27,7 +27,7 @@ from pgsieve.platform.models import (
     UpdateImage,
 )
 from pgsieve.streaming.appliednotes import (
-    UNSETTLED_IMAGES_LIMIT,
+    UNSETTLED_LIMIT,
     AppliedProgress,
     ImageTrims,
     ProgressBook,
@@ -272,25 +272,26 @@ def test_update_images_are_read_when_settled_not_when_counted() -> None:
     for result, _ in counted:
         progress.add(result, 0.01, None)
     assert all(images.reads == 0 for _, images in counted)  # the turn did not read them
-    assert progress.images == {}
+    assert progress.images == {} and progress.applied is None  # nor counted anything
     progress.settle()
+    assert progress.applied == Lsn(5) and progress.stats["batches"] == 5
     assert all(images.reads > 0 for _, images in counted)
     assert [i.lsn.value for i in progress.images["public.orders"]] == [
         end * 1000 + i for end in range(1, 6) for i in range(3)]
 
 
-def test_images_past_the_limit_settle_in_the_stream_and_keep_every_tables_window() -> None:
-    """A progress writer that cannot write must not let undecoded images pile up; the
-    window per table is the one settling them all at the write would give (a table whose
-    images are only in early batches keeps them)."""
+def test_batches_past_the_limit_settle_in_the_stream_and_keep_every_tables_window() -> None:
+    """A progress writer that cannot write must not let uncounted batches (and their
+    undecoded images) pile up; the window per table is the one settling them all at the
+    write would give (a table whose images are only in early batches keeps them)."""
     progress = AppliedProgress("s")
     progress.add(images_batch(1, "public.early", 2)[0], 0.01, None)
-    for end in range(2, 2 + 3 * UNSETTLED_IMAGES_LIMIT):
+    for end in range(2, 2 + 3 * UNSETTLED_LIMIT):
         progress.add(images_batch(end, "public.orders", 7)[0], 0.01, None)
-        assert len(progress.unsettled_images) < UNSETTLED_IMAGES_LIMIT
+        assert len(progress.unsettled) < UNSETTLED_LIMIT
     progress.settle()
     assert [i.lsn.value for i in progress.images["public.early"]] == [1000, 1001]
     kept = [i.lsn.value for i in progress.images["public.orders"]]
-    newest = [end * 1000 + i for end in range(2, 2 + 3 * UNSETTLED_IMAGES_LIMIT)
+    newest = [end * 1000 + i for end in range(2, 2 + 3 * UNSETTLED_LIMIT)
               for i in range(7)][-UPDATE_IMAGE_WINDOW:]
     assert kept == newest
