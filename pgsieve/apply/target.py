@@ -40,6 +40,7 @@ from pgsieve.apply.staging import META_COLUMNS
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.errors import ErrorCode, Unprocessable, Unreachable
+from pgsieve.platform.spread import spread
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.wire.lsn import Lsn
 
@@ -48,8 +49,10 @@ log = logging.getLogger(__name__)
 STAGE_TRUNCATE_AFTER_ROWS = 20_000
 """A staging table emptied with DELETE is TRUNCATEd once this many dead rows add up."""
 SHAPE_TTL_SECONDS = 5.0
-"""Target table shapes are checked again after this long (one query for all of a
-writer's tables; re-read where they changed), or re-read when a batch fails on them."""
+"""Target table shapes are checked again within this long (one query for all of a
+writer's tables; re-read where they changed; each period drawn between half of it and all
+of it, so that a worker's writers do not check together: :mod:`pgsieve.platform.spread`),
+or re-read when a batch fails on them."""
 
 SCHEMA = "pgsieve"
 APPLIED_TABLE = "applied"
@@ -183,6 +186,7 @@ class TargetWriter:
         self._tables: dict[str, TargetTable] = {}
         self._fingerprints: dict[str, str] = {}
         self._shapes_read_at = 0.0
+        self._shapes_ttl = spread(SHAPE_TTL_SECONDS)
         self.relation_maps = RelationMaps()
         """How the stream's relations map onto these shapes (kept across batches)."""
         self._staging: dict[int, tuple[str, tuple[Any, ...]]] = {}
@@ -372,7 +376,7 @@ class TargetWriter:
         shows at the next batch (it was one batch in fifteen going the slower pipelined
         way at 50 subscriptions per worker)."""
         now = time.monotonic()
-        if now - self._shapes_read_at < SHAPE_TTL_SECONDS and self._tables:
+        if now - self._shapes_read_at < self._shapes_ttl and self._tables:
             return False
         if not self._tables:
             self.invalidate()
@@ -393,6 +397,7 @@ class TargetWriter:
         elif not superuser:
             self._replica_role = None
         self._shapes_read_at = now
+        self._shapes_ttl = spread(SHAPE_TTL_SECONDS)  # (see pgsieve.platform.spread)
         return True
 
     def table(self, name: str) -> TargetTable:

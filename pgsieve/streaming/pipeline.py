@@ -59,6 +59,7 @@ from pgsieve.platform.models import (
     utcnow,
 )
 from pgsieve.platform.settings import Settings
+from pgsieve.platform.spread import spread
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.spark.apply import apply_batch
@@ -97,7 +98,8 @@ SOURCE_LSN_EVERY = 2.0
 IDLE_RECORD_EVERY = 5.0
 CONTROL_SAFETY_EVERY = 30.0
 """A scheduler's stream re-reads its subscription at least this often (see
-``_StreamRun.control_on_request``)."""
+``_StreamRun.control_on_request``; each period drawn between half of it and all of it, so
+that a worker's streams do not re-read together: :mod:`pgsieve.platform.spread`)."""
 MARKER_RETRY_SECONDS = 1.0
 """A stream stopped before a reconciliation marker whose rows are not staged yet is
 taken up again this soon."""
@@ -466,8 +468,10 @@ class _StreamRun:
         self.batches = 0
         self.changes = 0
         self._control_at = time.monotonic()
+        self._control_safety = spread(CONTROL_SAFETY_EVERY)
         self._source_lsn_at = 0.0
         self._idle_recorded_at = 0.0
+        self._idle_every = spread(IDLE_RECORD_EVERY)
         self._idle_pending: Lsn | None = None
         self._noted_at = 0.0
         self._source_lsn: Lsn | None = None
@@ -549,7 +553,7 @@ class _StreamRun:
 
     def _turn(self, deadline: float) -> bool:
         now = time.monotonic()
-        every = CONTROL_SAFETY_EVERY if self.control_on_request else self.control_every
+        every = self._control_safety if self.control_on_request else self.control_every
         if self._control_requested or now - self._control_at >= every:
             self._control_requested = False
             self._control(now)
@@ -645,6 +649,7 @@ class _StreamRun:
 
     def _control(self, now: float) -> None:
         self._control_at = now
+        self._control_safety = spread(CONTROL_SAFETY_EVERY)  # (pgsieve.platform.spread)
         routes, enabled, on_conflict, skip_lsn, catchup = self.cycle.load_routes()
         # A table waiting for its catch-up is looked at again every turn until done.
         self._control_requested = self._control_requested or catchup
@@ -681,7 +686,7 @@ class _StreamRun:
     def _record_idle(self, lsn: Lsn, now: float) -> None:
         """Nothing is pending: record the idle position at the target, confirm it (so the
         slot releases WAL), and show lag 0."""
-        if now - self._idle_recorded_at < IDLE_RECORD_EVERY:
+        if now - self._idle_recorded_at < self._idle_every:
             # Kept, and recorded by a later turn once the period is over: on a quiet
             # source this may be the last position the walsender sends for a long time
             # (a client that answers is not pinged), and dropping it left the target's
@@ -694,6 +699,7 @@ class _StreamRun:
             return
         self._idle_pending = None
         self._idle_recorded_at = now
+        self._idle_every = spread(IDLE_RECORD_EVERY)
         if self.keeper.lost.is_set():
             return
         self._settle_merges()
@@ -706,7 +712,7 @@ class _StreamRun:
         once the period is over, if nothing arrived since."""
         pending = self._idle_pending
         if (pending is not None and not len(self.batcher)
-                and now - self._idle_recorded_at >= IDLE_RECORD_EVERY):
+                and now - self._idle_recorded_at >= self._idle_every):
             self._record_idle(pending, now)
 
     def _note_caught_up(self, now: float, lsn: Lsn | None) -> None:
