@@ -577,6 +577,11 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
             latencies.setdefault(system, []).extend(
                 a - c for c, a in zip(commits[k], applied, strict=True)
                 if measured_from <= c < ended - 1.0)
+            if args.dump_transactions:
+                with open(args.dump_transactions, "a") as out:
+                    out.writelines(f"{system},{k},{c:.4f},{a:.4f}\n"
+                                   for c, a in zip(commits[k], applied, strict=True)
+                                   if measured_from <= c < ended - 1.0)
     return Phase(systems, done, elapsed, lags, exact, latencies, watcher, report)
 
 
@@ -800,6 +805,9 @@ def main() -> None:
     parser.add_argument("--no-native", action="store_true")
     parser.add_argument("--dump", metavar="CSV",
                         help="write every lag sample (epoch, system, tenant, lag) here")
+    parser.add_argument("--dump-transactions", metavar="CSV",
+                        help="append every measured tenant transaction here: system, "
+                             "tenant, commit and applied time (epoch seconds)")
     parser.add_argument("--workers", type=int, default=1,
                         help="worker processes (the issue's goals are for one)")
     parser.add_argument("--metadata", choices=["sqlite", "postgres"], default="sqlite",

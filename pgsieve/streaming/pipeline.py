@@ -23,9 +23,10 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
+from functools import lru_cache
 from typing import Any, Literal, Protocol
 
 import psycopg
@@ -171,11 +172,27 @@ def worker_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}:{uuid.uuid4().hex[:6]}"
 
 
-def table_routes(tables: list[SubscriptionTable]) -> dict[str, TableRoute]:
+class _TableRow(Protocol):
+    """A subscription's table as :func:`table_routes` reads it (an ORM object or a row)."""
+
+    @property
+    def table_name(self) -> str: ...
+    @property
+    def sync_state(self) -> SyncState: ...
+    @property
+    def sync_lsn(self) -> int | None: ...
+
+
+@lru_cache(maxsize=4096)
+def _source_name(table_name: str) -> tuple[str, str]:
+    return parse_table_name(table_name)  # (PostgreSQL's own parser: ~75 µs a call)
+
+
+def table_routes(tables: Iterable[_TableRow]) -> dict[str, TableRoute]:
     """Routes by the name pgoutput gives a relation (unquoted ``namespace.name``)."""
     routes = {}
     for t in tables:
-        schema, name = parse_table_name(t.table_name)
+        schema, name = _source_name(t.table_name)
         routes[f"{schema}.{name}"] = TableRoute(
             source_table=f"{schema}.{name}",
             target_table=t.table_name,
@@ -391,16 +408,26 @@ class ConsumeCycle:
 
     def load_routes(self) -> tuple[dict[str, TableRoute], bool, str, Lsn | None, bool]:
         """(routes, enabled, on_conflict, skip_lsn, has catch-up work)."""
+        # Two Core queries, no ORM objects: a scheduler's stream re-reads this every
+        # time its subscription changes, and loading, refreshing and the lazy table list
+        # held a few milliseconds of the GIL per read (py-spy, N = 50).
         with self.sessions() as session:
-            sub = session.get(Subscription, self.subscription_id)
+            sub = session.execute(
+                select(Subscription.enabled, Subscription.state, Subscription.options,
+                       Subscription.skip_lsn)
+                .where(Subscription.id == self.subscription_id)).first()
             if sub is None:
                 return {}, False, "error", None, False
-            session.refresh(sub)
-            tables = list(sub.tables)
-            catchup = any(t.sync_state == SyncState.CATCHUP for t in tables)
-            return (table_routes(tables), sub.enabled and sub.state == SubscriptionState.STREAMING,
-                    str(sub.options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),
-                    None if sub.skip_lsn is None else Lsn(sub.skip_lsn), catchup)
+            tables = session.execute(
+                select(SubscriptionTable.table_name, SubscriptionTable.sync_state,
+                       SubscriptionTable.sync_lsn)
+                .where(SubscriptionTable.subscription_id == self.subscription_id)).all()
+        catchup = any(t.sync_state == SyncState.CATCHUP for t in tables)
+        options = sub.options if isinstance(sub.options, dict) else {}
+        return (table_routes(tables),
+                sub.enabled and sub.state == SubscriptionState.STREAMING,
+                str(options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),
+                None if sub.skip_lsn is None else Lsn(sub.skip_lsn), catchup)
 
     def _bump_stat(self, key: str) -> None:
         with self.sessions() as session:
