@@ -1,7 +1,9 @@
 """Builds pgsieve's compiled hot path in place (``make deps`` runs this).
 
-``pgsieve/apply/_hotpath.pyx``, ``pgsieve/wire/_splitpath.pyx`` and
-``pgsieve/streaming/_pushpoll.pyx`` (the push thread's wait) → ``*.so`` beside them,
+``pgsieve/apply/_hotpath.pyx``, ``pgsieve/wire/_splitpath.pyx``,
+``pgsieve/streaming/_pushpoll.pyx`` (the push thread's wait) and
+``pgsieve/streaming/_copydrain.pyx`` (a turn's read of its replication session) →
+``*.so`` beside them,
 with Cython and the
 system's C compiler (gcc and the Python headers; nothing is downloaded). Does nothing when
 the module is newer than its source. A failed build is not fatal: pgsieve then runs its
@@ -18,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = {"pgsieve.apply._hotpath": ROOT / "pgsieve" / "apply" / "_hotpath.pyx",
            "pgsieve.wire._splitpath": ROOT / "pgsieve" / "wire" / "_splitpath.pyx",
-           "pgsieve.streaming._pushpoll": ROOT / "pgsieve" / "streaming" / "_pushpoll.pyx"}
+           "pgsieve.streaming._pushpoll": ROOT / "pgsieve" / "streaming" / "_pushpoll.pyx",
+           "pgsieve.streaming._copydrain": ROOT / "pgsieve" / "streaming" / "_copydrain.pyx"}
 
 
 def built_path(name: str) -> Path:

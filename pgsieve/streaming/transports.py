@@ -888,6 +888,24 @@ class _WalsenderSession:
         self.failed = False
         self.failed_with = ""
 
+    def _buffered(self, conn: ReplicationSession) -> Iterator[SessionEntry]:
+        """A held-open session's messages: everything buffered at each read (up to
+        ``_WALSENDER_BATCH`` messages or ``_WALSENDER_BATCH_BYTES``, in one call:
+        :meth:`ReplicationSession.read_batch`), ``IDLE`` when nothing is."""
+        while time.monotonic() < self.deadline:
+            try:
+                got = conn.read_batch(_WALSENDER_BATCH, _WALSENDER_BATCH_BYTES)
+            except ReplicationError as exc:
+                # What was read but not handed over comes again after reconnecting.
+                self.failed_with = scrub_secrets(str(exc).strip())
+                log.warning("walsender stream broke: %s", self.failed_with)
+                self.failed = True
+                return
+            except ProtocolError as exc:
+                raise TransportError(f"malformed message from the walsender: {exc}"
+                                     ) from None
+            yield IDLE if got is None else got
+
     def messages(self) -> Iterator[SessionEntry]:
         """The stream's messages, handed over packed as one MessageBatch of whatever
         arrives without a pause of ``_WALSENDER_LINGER`` (up to ``_WALSENDER_BATCH``
@@ -897,17 +915,16 @@ class _WalsenderSession:
         goes as it is."""
         conn = self.t._conn
         assert conn is not None
+        if self.t.held_open:  # a scheduler's turn: what is buffered, no lingering
+            yield from self._buffered(conn)
+            return
         read = conn.read_message
         fileno = conn.fileno()
-        held_open = self.t.held_open
-        linger = 0.0 if held_open else _WALSENDER_LINGER
+        linger = _WALSENDER_LINGER
         while time.monotonic() < self.deadline:
             try:
                 msg = read()
                 if msg is None:
-                    if held_open:  # nothing buffered: the caller's turn ends here
-                        yield IDLE
-                        continue
                     timeout = max(0.0, min(1.0, self.deadline - time.monotonic()))
                     ready, _, _ = select.select([fileno], [], [], timeout)
                     if not ready:
@@ -921,7 +938,7 @@ class _WalsenderSession:
                 while count < _WALSENDER_BATCH and size < _WALSENDER_BATCH_BYTES:
                     msg = read()
                     if msg is None:  # more on its way? (a backlog arrives in bursts)
-                        if (not linger or not select.select([fileno], [], [], linger)[0]
+                        if (not select.select([fileno], [], [], linger)[0]
                                 or time.monotonic() > hold_until):
                             break
                         continue
