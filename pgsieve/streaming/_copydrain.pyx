@@ -89,9 +89,9 @@ cdef class CopyDrain:
     def drain(self, size_t conn, Py_ssize_t max_count, Py_ssize_t max_bytes):
         """Read whole messages until none is buffered (after one ``PQconsumeInput``
         found nothing more), ``max_count`` XLogData were read, or their payloads reached
-        ``max_bytes``. Returns ``(status, data, offsets, lsns, wal_end, reply)``: the
-        payloads concatenated, where each starts (and the end), their start LSNs, the
-        last WAL end a message carried (0: none), and whether a keepalive asked for a
+        ``max_bytes``. Returns ``(status, data, offsets, lsns, types, wal_end, reply)``:
+        the payloads concatenated, where each starts (and the end), their start LSNs,
+        their first bytes, the last WAL end a message carried (0: none), and whether a keepalive asked for a
         reply. ``status`` other than 0: what stopped the read (the caller raises; what
         was read is dropped, as the reference drops it)."""
         cdef char* buf = NULL
@@ -100,6 +100,8 @@ cdef class CopyDrain:
         cdef Py_ssize_t size = 0, capacity = 0, count = 0, n, payload
         cdef uint64_t* lsns = NULL
         cdef uint64_t* more_lsns
+        cdef char* types = NULL
+        cdef char* more_types
         cdef Py_ssize_t* offsets = NULL
         cdef Py_ssize_t* more_offsets
         cdef Py_ssize_t slots = 0
@@ -107,7 +109,7 @@ cdef class CopyDrain:
         cdef int reply = 0, status = OK, consumed = 0, i
         cdef void* c = <void*>conn
         if conn == 0:
-            return LIBPQ_ERROR, b"", [0], [], 0, False
+            return LIBPQ_ERROR, b"", [0], [], b"", 0, False
         try:
             # (The GIL stays held: psycopg holds it through its own libpq calls, so no
             # other thread can close the connection under this loop.)
@@ -144,7 +146,11 @@ cdef class CopyDrain:
                                 offsets, slots * sizeof(Py_ssize_t))
                             if more_offsets != NULL:
                                 offsets = more_offsets
-                            if more_lsns == NULL or more_offsets == NULL:
+                            more_types = <char*>realloc(types, slots)
+                            if more_types != NULL:
+                                types = more_types
+                            if (more_lsns == NULL or more_offsets == NULL
+                                    or more_types == NULL):
                                 status = NO_MEMORY
                         if status == OK and size + payload > capacity:
                             capacity = max(2 * capacity, size + payload, 4096)
@@ -157,6 +163,7 @@ cdef class CopyDrain:
                             lsns[count] = _be64(<unsigned char*>buf + 1)
                             wal_end = _be64(<unsigned char*>buf + 9)
                             offsets[count] = size
+                            types[count] = buf[XLOG_HEAD]
                             memcpy(data + size, buf + XLOG_HEAD, payload)
                             size += payload
                             count += 1
@@ -174,12 +181,14 @@ cdef class CopyDrain:
                 if status != OK:
                     break
             if status != OK:
-                return status, b"", [0], [], wal_end, bool(reply)
+                return status, b"", [0], [], b"", wal_end, bool(reply)
             out = [offsets[i] for i in range(count)]
             out.append(size)
             return (OK, PyBytes_FromStringAndSize(data, size), out,
-                    [lsns[i] for i in range(count)], wal_end, bool(reply))
+                    [lsns[i] for i in range(count)], PyBytes_FromStringAndSize(types, count),
+                    wal_end, bool(reply))
         finally:
+            free(types)
             free(data)
             free(lsns)
             free(offsets)

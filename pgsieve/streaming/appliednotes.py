@@ -125,7 +125,8 @@ class AppliedProgress:
             self.batch_changes = observe(self.batch_changes, BATCH_CHANGES_BUCKETS,
                                          max(0, int(result.changes)))
         if unsettled:
-            self._summarize(*unsettled[-1])
+            result, elapsed, _, applied_at = unsettled[-1]
+            self._summarize(result, elapsed, applied_at)
 
     def _count(self, result: ApplyResult, elapsed: float, source_lsn: Lsn | None) -> None:
         if self.applied is None or result.end_lsn > self.applied:
@@ -157,8 +158,7 @@ class AppliedProgress:
         for image in result.update_images[-UPDATE_IMAGE_WINDOW:]:  # (decoded here)
             self.images.setdefault(image.table, deque(maxlen=UPDATE_IMAGE_WINDOW)).append(image)
 
-    def _summarize(self, result: ApplyResult, elapsed: float, _source_lsn: Lsn | None,
-                   applied_at: float) -> None:
+    def _summarize(self, result: ApplyResult, elapsed: float, applied_at: float) -> None:
         self.last_batch = {
             "changes": result.changes, "transactions": result.transactions,
             "rows_written": result.rows_written, "seconds": round(elapsed, 4),

@@ -97,9 +97,8 @@ class ReplicationSession:
                              and options.get(b"gssencmode") in (None, b"disable"))
         """Status updates go straight to the socket (see :meth:`_write_plain`): the
         session is neither TLS- nor GSS-encrypted."""
-        self._drain_checked = False
-        self._drain_found: CopyDrain | None = None
-        """:func:`copy_drain` for this connection, once asked (None: not available)."""
+        self._drain = copy_drain(self.pgconn)
+        """How :meth:`read_batch` reads (None: the reference loop)."""
 
     @property
     def backend_pid(self) -> int:
@@ -190,19 +189,13 @@ class ReplicationSession:
             size += len(msg[1])
         return first if len(datas) == 1 else MessageBatch.from_parts(datas, lsns)
 
-    @property
-    def _drain(self) -> CopyDrain | None:
-        if not self._drain_checked:
-            self._drain_checked = True
-            self._drain_found = copy_drain(self.pgconn)
-        return self._drain_found
-
     def _read_drained(self, drain: CopyDrain, max_count: int, max_bytes: int
                       ) -> tuple[int, bytes] | MessageBatch | None:
         ptr = pgconn_pointer(self.pgconn)
         if ptr is None:
             raise ReplicationError("the connection is closed")
-        status, data, offsets, lsns, wal_end, reply = drain.drain(ptr, max_count, max_bytes)
+        status, data, offsets, lsns, types, wal_end, reply = drain.drain(
+            ptr, max_count, max_bytes)
         if status:
             raise ReplicationError(self._drain_failure(status))
         if wal_end:
@@ -214,7 +207,7 @@ class ReplicationSession:
             return None
         if count == 1:
             return lsns[0], data
-        return MessageBatch(data, offsets, array("Q", lsns), bytes(data[o] for o in offsets[:-1]))
+        return MessageBatch(data, offsets, array("Q", lsns), types)
 
     def _drain_failure(self, status: int) -> str:
         if status == _COPY_ENDED:  # the server ended the COPY: an error (terminated, say)
@@ -313,13 +306,22 @@ def copy_drain(pgconn: pq.abc.PGconn) -> CopyDrain | None:
     if ptr is None:
         return None
     for path in _loaded_libpqs():
-        try:
-            drain: CopyDrain = _copydrain.CopyDrain(path)
-        except OSError:
-            continue
-        if drain.owns(ptr, pgconn.socket, pgconn.backend_pid):
+        drain = _library(path)
+        if drain is not None and drain.owns(ptr, pgconn.socket, pgconn.backend_pid):
             return drain
     return None
+
+
+@cache
+def _library(path: bytes) -> CopyDrain | None:
+    """The drain through the loaded library at ``path`` (opened once per process), or
+    None when it is not libpq."""
+    assert _copydrain is not None
+    try:
+        drain: CopyDrain = _copydrain.CopyDrain(path)
+    except OSError:
+        return None
+    return drain
 
 
 def pgconn_pointer(pgconn: pq.abc.PGconn) -> int | None:

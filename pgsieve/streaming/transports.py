@@ -888,6 +888,12 @@ class _WalsenderSession:
         self.failed = False
         self.failed_with = ""
 
+    def _broke(self, exc: ReplicationError) -> None:
+        # What was read but not handed over comes again after reconnecting.
+        self.failed_with = scrub_secrets(str(exc).strip())
+        log.warning("walsender stream broke: %s", self.failed_with)
+        self.failed = True
+
     def _buffered(self, conn: ReplicationSession) -> Iterator[SessionEntry]:
         """A held-open session's messages: everything buffered at each read (up to
         ``_WALSENDER_BATCH`` messages or ``_WALSENDER_BATCH_BYTES``, in one call:
@@ -896,10 +902,7 @@ class _WalsenderSession:
             try:
                 got = conn.read_batch(_WALSENDER_BATCH, _WALSENDER_BATCH_BYTES)
             except ReplicationError as exc:
-                # What was read but not handed over comes again after reconnecting.
-                self.failed_with = scrub_secrets(str(exc).strip())
-                log.warning("walsender stream broke: %s", self.failed_with)
-                self.failed = True
+                self._broke(exc)
                 return
             except ProtocolError as exc:
                 raise TransportError(f"malformed message from the walsender: {exc}"
@@ -948,10 +951,7 @@ class _WalsenderSession:
                     count += 1
                     size += len(payload)
             except ReplicationError as exc:
-                # What was read but not handed over comes again after reconnecting.
-                self.failed_with = scrub_secrets(str(exc).strip())
-                log.warning("walsender stream broke: %s", self.failed_with)
-                self.failed = True
+                self._broke(exc)
                 return
             if len(datas) == 1:
                 yield lsns[0], datas[0]

@@ -23,8 +23,10 @@ from pgsieve.wire.batch import MessageBatch
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 
-pytestmark = pytest.mark.skipif(replication._copydrain is None,
-                                reason="the compiled drain is not built (make deps)")
+
+@pytest.fixture(autouse=True)
+def _built() -> None:
+    assert replication._copydrain is not None, "pgsieve.streaming._copydrain is not built"
 
 START = {"proto_version": "2", "publication_names": "pub"}
 
@@ -34,7 +36,7 @@ def _session(db: Database, slot: str, start: str, *, compiled: bool) -> Replicat
     if compiled:
         assert session._drain is not None  # psycopg's libpq found, and it owns the session
     else:
-        session._drain_checked, session._drain_found = True, None  # the reference
+        session._drain = None  # the reference
     session.start(slot, Lsn.parse(start).value, START)
     return session
 
