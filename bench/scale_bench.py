@@ -271,6 +271,34 @@ def applied_clock(c: LocalCluster, prefix: str, tenants: list[int]
     return out
 
 
+BURST_GAP = 0.06
+"""Applies further apart than this start a new burst (the source's WAL is flushed every
+200 ms here, and a burst's applies span a few tens of ms)."""
+
+
+def burst_offsets(transactions: list[tuple[float, float]], gap: float = BURST_GAP
+                  ) -> list[tuple[float, float]]:
+    """Per burst of applies: its first and its last apply after the burst's newest commit.
+
+    ``transactions``: (commit, applied) of every tenant's transaction. Applies come in
+    bursts, one per WAL flush at the source; a burst is applies less than ``gap`` apart.
+    Its newest commit stands for the flush that delivered it (the workload commits every
+    5 ms: within 5 ms of it). The first apply says how soon a system starts on a flush;
+    the last, how long it takes to finish one — the part of the lag a system adds."""
+    out: list[tuple[float, float]] = []
+    burst: list[tuple[float, float]] = []
+    for commit, applied in sorted(transactions, key=lambda t: t[1]):
+        if burst and applied - burst[-1][1] > gap:
+            newest = max(c for c, _ in burst)
+            out.append((burst[0][1] - newest, burst[-1][1] - newest))
+            burst = []
+        burst.append((commit, applied))
+    if burst:
+        newest = max(c for c, _ in burst)
+        out.append((burst[0][1] - newest, burst[-1][1] - newest))
+    return out
+
+
 def applied_times(commits: list[float], noted: list[tuple[float, float]]) -> list[float]:
     """When each of ``commits`` (a tenant's probe stamps, in order) was applied: at the
     first noted write of a stamp at or after it. A subscriber that writes a batch's net
@@ -529,6 +557,7 @@ class Phase:
     lags: dict[tuple[str, int], list[float]]
     exact: dict[tuple[str, int], list[float]]
     latencies: dict[str, list[float]]
+    bursts: dict[str, list[tuple[float, float]]]
     watcher: Watcher
     report: dict[str, Any]
 
@@ -568,21 +597,24 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
     time.sleep(2.0)  # what was in flight at the end is applied
     exact: dict[tuple[str, int], list[float]] = {}
     latencies: dict[str, list[float]] = {}
+    measured: dict[str, list[tuple[float, float]]] = {}
     for system in systems:
         name, prefix = PREFIXES[system]
         noted = applied_clock(clusters[name], prefix, tenants)
         for k in tenants:
             applied = applied_times(commits[k], noted[k])
             exact[(system, k)] = exact_lags(commits[k], applied, measured_from, ended)
-            latencies.setdefault(system, []).extend(
-                a - c for c, a in zip(commits[k], applied, strict=True)
-                if measured_from <= c < ended - 1.0)
+            pairs = [(c, a) for c, a in zip(commits[k], applied, strict=True)
+                     if measured_from <= c < ended - 1.0]
+            latencies.setdefault(system, []).extend(a - c for c, a in pairs)
+            measured.setdefault(system, []).extend(pairs)
             if args.dump_transactions:
                 with open(args.dump_transactions, "a") as out:
                     out.writelines(f"{system},{k},{c:.4f},{a:.4f}\n"
                                    for c, a in zip(commits[k], applied, strict=True)
                                    if measured_from <= c < ended - 1.0)
-    return Phase(systems, done, elapsed, lags, exact, latencies, watcher, report)
+    bursts = {system: burst_offsets(pairs) for system, pairs in measured.items()}
+    return Phase(systems, done, elapsed, lags, exact, latencies, bursts, watcher, report)
 
 
 PREFIXES = {"pgsieve": ("target", "t"), "native": ("native", "n")}
@@ -715,6 +747,18 @@ def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bo
         print(f"| {system} | " + " | ".join(
             f"{percentile(values, q) * 1000:.0f}" for q in (0.1, 0.5, 0.9, 0.99))
             + f" | {len(values)} |")
+    bursts = {system: v for p in phases for system, v in p.bursts.items()}
+    print(f"\nBursts (applies less than {BURST_GAP * 1000:.0f} ms apart, one per WAL flush): "
+          "the first and the last apply after the burst's newest commit:\n")
+    print("| system | bursts | first p50 (ms) | first p90 (ms) | last p50 (ms) "
+          "| last p90 (ms) |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for system in systems:
+        firsts = [f for f, _ in bursts[system]]
+        lasts = [last for _, last in bursts[system]]
+        print(f"| {system} | {len(firsts)} | " + " | ".join(
+            f"{percentile(v, q) * 1000:.0f}" for v in (firsts, lasts) for q in (0.5, 0.9))
+            + " |")
     for p in phases:
         cpu = {name: m.seconds() / p.elapsed for name, m in p.watcher.cpu.items()}
         if apart:
