@@ -1,7 +1,7 @@
 """When the source delivers a tenant's transaction, beside native replication (issue 16).
 
 Usage:  .venv/bin/python -m bench.delivery_floor [--subscriptions 50] [--rate 2000]
-            [--seconds 30] [--order native-first|bare-first]
+            [--seconds 30] [--order native-first|bare-first] [--alone]
 
 The floor under pgsieve's live lag in ``bench.scale_bench``: the same source, tenants,
 publications and workload, N native subscriptions, and beside them N slots read by a
@@ -11,7 +11,9 @@ Printed: commit → read by the bare client, and commit → applied by native (t
 of ``scale_bench``), per transaction. What the bare client sees is the earliest any
 client of this source can apply; pgsieve's apply latency minus it is the worker's own.
 ``--order``: whose walsenders start first (the source wakes them in that order at each
-WAL flush).
+WAL flush). ``--alone``: the two do not share the machine — the bare client reads with
+no native subscription yet, then its sessions and slots go and native runs alone, as
+``scale_bench --apart`` runs the two systems.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--order", choices=["native-first", "bare-first"],
                         default="native-first")
+    parser.add_argument("--alone", action="store_true",
+                        help="each alone with the machine, in turn: the bare client, then "
+                             "native")
     args = parser.parse_args()
     n, tenants = args.subscriptions, list(range(args.subscriptions))
     root = Path(tempfile.mkdtemp(prefix="pgsieve-floor-"))
@@ -102,6 +107,8 @@ def main() -> None:
 
         first, second = ((start_native, start_bare) if args.order == "native-first"
                          else (start_bare, start_native))
+        if args.alone:
+            first, second = start_bare, lambda: None
         first()
         second()
         stop = threading.Event()
@@ -113,6 +120,17 @@ def main() -> None:
         time.sleep(2.0)
         stop.set()
         reader.join()
+        if args.alone:  # the bare client's sessions and slots gone, native alone
+            for session in sessions:
+                session.close()
+            sessions.clear()
+            with psycopg.connect(src, autocommit=True) as conn:
+                for k in tenants:
+                    conn.execute(f"SELECT pg_drop_replication_slot('bare{k}')")
+            start_native()
+            commits = {k: [] for k in tenants}
+            drive(src, tenants, args.rate, args.seconds, commits, first_id=10**12)
+            time.sleep(2.0)
         noted = applied_clock(native, "n", tenants)
         applied: list[float] = []
         for k in tenants:
@@ -121,7 +139,7 @@ def main() -> None:
             applied.extend(a - c for c, a in zip(commits[k][skip:], times[skip:], strict=True))
         bare = arrivals[len(arrivals) // 4:]
         print(f"\n### N = {n}, {args.rate:,.0f} changes/s for {args.seconds:.0f} s, "
-              f"{args.order}\n")
+              f"{'each alone' if args.alone else args.order}\n")
         print("| per transaction | p10 (ms) | p50 (ms) | p90 (ms) | p99 (ms) |")
         print("|---|---:|---:|---:|---:|")
         for label, values in (("commit → read by the bare client", bare),
