@@ -607,12 +607,10 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
             pairs = [(c, a) for c, a in zip(commits[k], applied, strict=True)
                      if measured_from <= c < ended - 1.0]
             latencies.setdefault(system, []).extend(a - c for c, a in pairs)
-            measured.setdefault(system, []).extend(pairs)
+            measured.setdefault(system, []).extend(p for p in pairs if p[1] != float("inf"))
             if args.dump_transactions:
                 with open(args.dump_transactions, "a") as out:
-                    out.writelines(f"{system},{k},{c:.4f},{a:.4f}\n"
-                                   for c, a in zip(commits[k], applied, strict=True)
-                                   if measured_from <= c < ended - 1.0)
+                    out.writelines(f"{system},{k},{c:.4f},{a:.4f}\n" for c, a in pairs)
     bursts = {system: burst_offsets(pairs) for system, pairs in measured.items()}
     return Phase(systems, done, elapsed, lags, exact, latencies, bursts, watcher, report)
 
