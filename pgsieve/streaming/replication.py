@@ -305,11 +305,19 @@ def copy_drain(pgconn: pq.abc.PGconn) -> CopyDrain | None:
     ptr = pgconn_pointer(pgconn)
     if ptr is None:
         return None
+    for owner in _OWNERS:  # a library that owned a connection before: no map to read
+        if owner.owns(ptr, pgconn.socket, pgconn.backend_pid):
+            return owner
     for path in _loaded_libpqs():
         drain = _library(path)
         if drain is not None and drain.owns(ptr, pgconn.socket, pgconn.backend_pid):
+            _OWNERS.append(drain)
             return drain
     return None
+
+
+_OWNERS: list[CopyDrain] = []
+"""The drains whose library owned a connection (psycopg keeps one libpq loaded)."""
 
 
 @cache
