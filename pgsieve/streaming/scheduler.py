@@ -76,6 +76,7 @@ from pgsieve.platform.models import (
 )
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
+from pgsieve.platform.threadnames import named
 from pgsieve.spark.session import get_spark
 from pgsieve.streaming.appliednotes import ProgressBook, record_applied
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up_many
@@ -217,7 +218,7 @@ class Scheduler:
                   ("pgsieve-sweep", self._sweep_loop),
                   ("pgsieve-push", lambda: self._push_waits.run(self._stopping))]
         for name, target in loops:
-            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread = threading.Thread(target=named(name, target), name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         moved.on_staged(self._rows_staged)
