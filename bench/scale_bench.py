@@ -3,6 +3,7 @@
 Usage:  .venv/bin/python -m bench.scale_bench [--subscriptions 10,50,100] [--rate 2000]
             [--seconds 60] [--warmup 10] [--idle 200] [--idle-seconds 60] [--no-native]
             [--order native-first|pgsieve-first] [--apart] [--source-commit async|sync]
+            [--perf-sched SECONDS]
 
 Per N: one source with one publication per tenant (``ev`` and ``probe`` WHERE tenant =
 k), N pgsieve subscriptions (one target database each, ``copy_data: false``) served by
@@ -54,7 +55,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,8 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
+from bench.schedtrace import SchedTrace, analyse
+from bench.schedtrace import report as sched_report
 from pgsieve.api.app import create_app
 from pgsieve.platform.db import engine_for
 from pgsieve.platform.migrate import upgrade
@@ -560,6 +563,12 @@ class Phase:
     bursts: dict[str, list[tuple[float, float]]]
     watcher: Watcher
     report: dict[str, Any]
+    sched: list[str] = field(default_factory=list)
+    """``--perf-sched``: the scheduler trace's report (:mod:`bench.schedtrace`)."""
+
+
+PERF_AFTER_WARMUP = 2.0
+"""``--perf-sched`` starts recording this long after the warm-up."""
 
 
 def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
@@ -580,6 +589,8 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
     lags: dict[tuple[str, int], list[float]] = {key: [] for key in dsns}
     stop = threading.Event()
     t0 = time.monotonic()
+    trace = (SchedTrace(t0 + args.warmup + PERF_AFTER_WARMUP, args.perf_sched, watcher.roots,
+                        d["worker"].pid).start() if args.perf_sched else None)
     prober = threading.Thread(target=probe, args=(dsns, commits, stop, lags,
                                                   t0 + args.warmup, series))
     prober.start()
@@ -612,7 +623,13 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
                 with open(args.dump_transactions, "a") as out:
                     out.writelines(f"{system},{k},{c:.4f},{a:.4f}\n" for c, a in pairs)
     bursts = {system: burst_offsets(pairs) for system, pairs in measured.items()}
-    return Phase(systems, done, elapsed, lags, exact, latencies, bursts, watcher, report)
+    sched: list[str] = []
+    if trace is not None:
+        record = trace.join()
+        for system, pairs in measured.items():
+            sched += sched_report(system, record, analyse(record, pairs))
+    return Phase(systems, done, elapsed, lags, exact, latencies, bursts, watcher, report,
+                 sched)
 
 
 PREFIXES = {"pgsieve": ("target", "t"), "native": ("native", "n")}
@@ -787,6 +804,8 @@ def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bo
             decode = sum(p.watcher.source_cpu_by(f"n{k}") for k in range(n)) / p.elapsed / n
             parts.append(f"native walsender {decode * 100:.1f} % of a core")
         print("source decode CPU per subscription: " + ", ".join(parts))
+        for line in p.sched:
+            print(line)
 
 
 def idle(m: int, args: argparse.Namespace) -> None:
@@ -869,10 +888,17 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a worker setting, e.g. --set SCHEDULER_THREADS=8 "
                              "(PGSIEVE_NAME; the worker runs at its defaults otherwise)")
+    parser.add_argument("--perf-sched", type=float, default=0.0, metavar="SECONDS",
+                        help="record the machine's scheduler (perf sched) this long in each "
+                             "measured stretch and line it up with the applied transactions' "
+                             "bursts (bench/schedtrace.py; needs perf and root)")
     parser.add_argument("--statements", action="store_true",
                         help="pg_stat_statements in the pgsieve target cluster: what its "
                              "backends spend per statement during pgsieve's run")
     args = parser.parse_args()
+    if args.perf_sched and args.perf_sched > args.seconds - args.warmup - PERF_AFTER_WARMUP - 1:
+        parser.error("--perf-sched must end inside the measured stretch: at most "
+                     f"{args.seconds - args.warmup - PERF_AFTER_WARMUP - 1:g} s here")
     global STATEMENT_STATS
     STATEMENT_STATS = args.statements
     for n in [int(x) for x in args.subscriptions.split(",") if x.strip() and int(x) > 0]:
