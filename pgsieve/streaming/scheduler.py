@@ -120,6 +120,12 @@ PROGRESS_BUSY_WITHIN = PROGRESS_WRITE_EVERY + QUIET_WAIT_SECONDS + 1.0
 """A batch applied within this long of the last group write waits for the next one
 instead of being written by its turn: longer than the longest gap between group writes
 (their period, then the quiet wait, then the write itself, given a second)."""
+QUIET_SETTLE_SECONDS = 0.02
+"""Quiet means no turn has run or been due for this long, not only "none right now". A
+flush's burst has lulls of a few milliseconds (while the walsenders still decode, between
+arrivals), where every other group progress write used to start: 15 ms of the GIL at
+N = 50, landing 25–31 ms into a 40 ms burst (``scale_bench --perf-sched``, session 30).
+The gap after a burst lasts over 100 ms at the source's 200 ms WAL flushes."""
 QUIET_POLL_SECONDS = 0.005
 """How often that wait looks again (a turn coming due is a matter of time, not a
 notification)."""
@@ -179,6 +185,8 @@ class Scheduler:
         self._quiet = threading.Condition(lock)
         """Notified when the last running turn ends (:meth:`_wait_quiet`)."""
         self._turns_running = 0
+        self._busy_at = 0.0
+        """When a turn last started or ended (monotonic; :meth:`_wait_quiet`)."""
         self._held: dict[str, _Held] = {}
         self._adopting: set[str] = set()
         self._releasing: set[str] = set()
@@ -506,6 +514,7 @@ class Scheduler:
                     held.running = True
                     held.generation += 1
                     self._turns_running += 1
+                    self._busy_at = now
                     return held, due
                 timeout = self._ready[0][0] - now if self._ready else None
                 self._cond.wait(timeout)
@@ -524,15 +533,17 @@ class Scheduler:
             finally:
                 with self._cond:
                     self._turns_running -= 1
+                    self._busy_at = time.monotonic()
                     if not self._turns_running:
                         self._quiet.notify_all()
 
     def _wait_quiet(self, limit: float) -> None:
-        """Wait until no turn runs or is due, at most ``limit`` seconds. Why: pushed data
-        arrives in bursts (each WAL flush at the source wakes most streams at once), and
-        a metadata write (the group progress, the heartbeat, the sweep's query) holds the
-        GIL for milliseconds: done in the middle of a burst, every turn still queued
-        waits for it; done in the gap after it, none does."""
+        """Wait until no turn runs or is due and none has for ``QUIET_SETTLE_SECONDS``,
+        at most ``limit`` seconds. Why: pushed data arrives in bursts (each WAL flush at
+        the source wakes most streams at once), and a metadata write (the group progress,
+        the heartbeat, the sweep's query) holds the GIL for milliseconds: done in the
+        middle of a burst, every turn still queued waits for it; done in the gap after
+        it, none does."""
         deadline = time.monotonic() + limit
         with self._cond:
             while not self._stopping.is_set():
@@ -540,9 +551,13 @@ class Scheduler:
                 if now >= deadline:
                     return
                 due = bool(self._ready) and self._ready[0][0] <= now
+                wait = QUIET_POLL_SECONDS
                 if not self._turns_running and not due:
-                    return
-                self._quiet.wait(min(deadline - now, QUIET_POLL_SECONDS))
+                    settled = now - self._busy_at
+                    if settled >= QUIET_SETTLE_SECONDS:
+                        return
+                    wait = QUIET_SETTLE_SECONDS - settled
+                self._quiet.wait(min(deadline - now, wait))
 
     def _take_turn(self, held: _Held, due: float) -> None:
         """One turn of ``held``, then back in the queue — or let go of it."""

@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from pgsieve.platform.settings import Settings
 from pgsieve.streaming.pipeline import OpenStream
-from pgsieve.streaming.scheduler import Scheduler, _Held
+from pgsieve.streaming.scheduler import QUIET_SETTLE_SECONDS, Scheduler, _Held
 
 
 @dataclass
@@ -40,9 +40,9 @@ class _Run:
         return self.worked
 
 
-def _scheduler(tmp_path: Path) -> Scheduler:
+def _scheduler(tmp_path: Path, idle_poll_seconds: float = 5.0) -> Scheduler:
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'meta.db'}",
-                        idle_poll_seconds=5.0)
+                        idle_poll_seconds=idle_poll_seconds)
     return Scheduler(settings, spark=lambda: None)
 
 
@@ -93,6 +93,42 @@ def test_a_write_goes_at_its_limit_while_turns_keep_coming(tmp_path: Path) -> No
         waited = time.monotonic() - started
         assert 0.3 <= waited < 1.0, waited
         assert len(run.turns) > 5  # the turns went on meanwhile
+
+
+def test_a_lull_inside_a_burst_is_not_quiet(tmp_path: Path) -> None:
+    """Turns with gaps of a few milliseconds between them (a flush's burst while the
+    walsenders still decode): no moment is quiet for ``QUIET_SETTLE_SECONDS``, so the
+    write waits for its limit instead of starting in a lull (session 30: every other
+    progress write began 25–31 ms into a 40 ms burst)."""
+    assert QUIET_SETTLE_SECONDS > 0.008
+    run = _Run(seconds=0.01, worked=False)  # each turn then idle for idle_poll_seconds
+    scheduler = _scheduler(tmp_path, idle_poll_seconds=0.004)
+    _hold(scheduler, "a", run)
+    runner = threading.Thread(target=scheduler._runner, daemon=True)
+    runner.start()
+    try:
+        while not run.turns:
+            time.sleep(0.002)
+        started = time.monotonic()
+        scheduler._wait_quiet(0.3)
+        waited = time.monotonic() - started
+        lulls = [b - a for a, b in itertools.pairwise(run.turns)]
+    finally:
+        scheduler._stopping.set()
+        with scheduler._cond:
+            scheduler._cond.notify_all()
+        runner.join(5)
+    assert waited >= 0.29, (waited, lulls)
+    assert len(run.turns) > 10
+
+
+def test_a_gap_after_the_turns_is_quiet_once_it_settled(tmp_path: Path) -> None:
+    run = _Run(seconds=0.05, worked=False)
+    with _turns(tmp_path, run) as scheduler:
+        scheduler._wait_quiet(3.0)
+        waited = time.monotonic() - run.turns[0]  # from the turn's start
+    # the turn (50 ms) ended, then nothing ran for the settle time: not the limit
+    assert 0.05 + QUIET_SETTLE_SECONDS * 0.9 <= waited < 0.5, waited
 
 
 def test_a_busy_workers_turns_leave_their_progress_to_the_group_write(
