@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -48,9 +49,12 @@ def test_the_schedulers_threads_are_named(tmp_path: Path) -> None:
     upgrade(url)
     scheduler = Scheduler(Settings(home=tmp_path, database_url=url, scheduler_threads=2),
                           spark=lambda: None)
+    wanted = {"turns-0", "turns-1", "push", "progress", "sweep", "lock-heartbeat"}
     scheduler.start()
-    try:
-        names = _kernel_names()
+    try:  # (a thread names itself once it runs: started is not yet running)
+        deadline = time.monotonic() + 10
+        while not wanted <= (names := _kernel_names()) and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         scheduler.stop(timeout=5)
-    assert {"turns-0", "turns-1", "push", "progress", "sweep", "lock-heartbeat"} <= names
+    assert wanted <= names
