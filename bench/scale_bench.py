@@ -64,7 +64,7 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from bench.schedtrace import SchedTrace, analyse
+from bench.schedtrace import BURST_GAP, SchedTrace, analyse, bursts_of
 from bench.schedtrace import report as sched_report
 from pgsieve.api.app import create_app
 from pgsieve.platform.db import engine_for
@@ -274,29 +274,18 @@ def applied_clock(c: LocalCluster, prefix: str, tenants: list[int]
     return out
 
 
-BURST_GAP = 0.06
-"""Applies further apart than this start a new burst (the source's WAL is flushed every
-200 ms here, and a burst's applies span a few tens of ms)."""
-
-
 def burst_offsets(transactions: list[tuple[float, float]], gap: float = BURST_GAP
                   ) -> list[tuple[float, float]]:
     """Per burst of applies: its first and its last apply after the burst's newest commit.
 
     ``transactions``: (commit, applied) of every tenant's transaction. Applies come in
-    bursts, one per WAL flush at the source; a burst is applies less than ``gap`` apart.
-    Its newest commit stands for the flush that delivered it (the workload commits every
-    5 ms: within 5 ms of it). The first apply says how soon a system starts on a flush;
-    the last, how long it takes to finish one — the part of the lag a system adds."""
+    bursts, one per WAL flush at the source; a burst is applies less than ``gap`` apart
+    (:func:`bench.schedtrace.bursts_of`). Its newest commit stands for the flush that
+    delivered it (the workload commits every 5 ms: within 5 ms of it). The first apply
+    says how soon a system starts on a flush; the last, how long it takes to finish one —
+    the part of the lag a system adds."""
     out: list[tuple[float, float]] = []
-    burst: list[tuple[float, float]] = []
-    for commit, applied in sorted(transactions, key=lambda t: t[1]):
-        if burst and applied - burst[-1][1] > gap:
-            newest = max(c for c, _ in burst)
-            out.append((burst[0][1] - newest, burst[-1][1] - newest))
-            burst = []
-        burst.append((commit, applied))
-    if burst:
+    for burst in bursts_of(transactions, gap):
         newest = max(c for c, _ in burst)
         out.append((burst[0][1] - newest, burst[-1][1] - newest))
     return out

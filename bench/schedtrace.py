@@ -38,7 +38,11 @@ WINDOW = 0.080
 """A burst's CPU is summed over this long from ``X``."""
 EARLY = 0.012
 """Wake-ups in the burst's first this-many seconds count as early."""
-DECODE_GAP = 0.060
+BURST_GAP = 0.06
+"""Applies further apart than this start a new burst (the source's WAL is flushed every
+200 ms in the benchmark, and a burst's applies span a few tens of ms)."""
+DECODE_GAP = BURST_GAP
+"""Walsender runs further apart than this end a flush's decoding."""
 
 _LINE = re.compile(r"^\s*(\d+\.\d+)\s+\[(\d+)\]\s+(.+?)\[(\d+)(?:/\d+)?\]\s+([\d.]+)\s+"
                    r"([\d.]+)\s+([\d.]+)")
@@ -110,7 +114,7 @@ def name_roles(roots: dict[str, int], worker_pids: list[int]) -> dict[int, str]:
                 role = "pgsieve target"
             roles[pid] = role
     for pid in worker_pids:
-        for task in Path(f"/proc/{pid}/task").glob("*") if Path(f"/proc/{pid}").exists() else []:
+        for task in Path(f"/proc/{pid}/task").glob("*"):  # (nothing once it is gone)
             try:
                 comm = (task / "comm").read_text().strip()
             except OSError:
@@ -179,7 +183,7 @@ class SchedTrace:
         self.record.runs = parse_timehist(hist.stdout)
 
 
-def bursts_of(applied: list[tuple[float, float]], gap: float = DECODE_GAP
+def bursts_of(applied: list[tuple[float, float]], gap: float = BURST_GAP
               ) -> list[list[tuple[float, float]]]:
     """``(commit, applied)`` pairs grouped by applies less than ``gap`` apart."""
     out: list[list[tuple[float, float]]] = []
