@@ -1,4 +1,4 @@
-"""A small batch's whole transaction in one round trip (then its COMMIT).
+"""A small batch's whole transaction, COMMIT included, in one round trip.
 
 A caught-up stream commits a batch of a handful of rows every few milliseconds, and with
 tens of subscriptions on one worker the Python around each batch is what the worker's
@@ -10,8 +10,18 @@ PostgreSQL text the server types from the target columns, the same record of the
 end LSN in the same transaction (here moved, fenced and locked by one prepared statement,
 see :func:`merge_as_script`). Here they are sent as one simple-query
 string, the values quoted as literals (``standard_conforming_strings`` is pinned on
-every target connection, and checked), and each statement's row count is checked
-against what the batch expects before the COMMIT is sent.
+every target connection, and checked).
+
+The COMMIT is the string's last statement, so every check a batch needs before it
+commits is made by the server: each row statement runs inside a ``WITH`` that counts
+what it changed and divides by whether that is the count the batch expects
+(:func:`checked`), so a row missing or present fails the statement with
+``division_by_zero``; PostgreSQL skips the rest of a simple query after an error, COMMIT
+included, and the transaction is rolled back. Why not check the counts here and COMMIT in
+a second round trip, as sessions 25–30 did: at N = 50 a turn waited ~0.3 ms on average
+for that COMMIT's round trip (the target's backend woken on a machine busy decoding the
+flush), a quarter of a turn, and each of the worker's two runner threads runs ~20 turns
+of a burst one after another (bench/RESULTS.md, thirty-first session).
 
 Anything unexpected ends as the direct path's does: the fence moved → ``ApplyFenced``;
 a row missing or present, a value the target refuses → :class:`.direct.DirectMismatch`
@@ -35,7 +45,7 @@ from pgsieve.apply.batch import ApplyBatch, ApplyFenced
 from pgsieve.apply.direct import DirectMismatch, DirectTable, Values
 from pgsieve.apply.net_effect import mask_positions
 from pgsieve.apply.plan import BatchPlan, TablePlan
-from pgsieve.apply.target import APPLIED_TABLE, SCHEMA, TargetWriter
+from pgsieve.apply.target import APPLIED_TABLE, SCHEMA, TargetWriter, expect_rows
 from pgsieve.platform.faults import fault_point
 from pgsieve.wire.lsn import Lsn
 
@@ -82,19 +92,22 @@ def _statements(direct: DirectTable) -> int:
 
 
 class _Script:
-    """The statements and, per result, the row count it must report (None: unchecked)."""
+    """The statements, in order: BEGIN, the fence (:data:`FENCE`), the rows', COMMIT."""
 
     def __init__(self) -> None:
         self.parts: list[str] = []
-        self.counts: list[int | None] = []
 
-    def add(self, statement: str, count: int | None = None) -> None:
+    def add(self, statement: str) -> None:
         self.parts.append(statement)
-        self.counts.append(count)
+
+
+FENCE = 1
+"""The script's statement that fences (its first after BEGIN)."""
 
 
 def _table_statements(script: _Script, tp: TablePlan, direct: DirectTable) -> int:
-    """The direct path's statements for one table, in its order; rows written."""
+    """The direct path's statements for one table, in its order, each failing unless it
+    changes the rows it must; rows written."""
     target, *names = tp.target.quoted()
     kp = tp.key_positions or ()
 
@@ -103,9 +116,9 @@ def _table_statements(script: _Script, tp: TablePlan, direct: DirectTable) -> in
 
     written = 0
     for key in direct.absent:  # must find nothing: then it changes nothing
-        script.add(f"DELETE FROM {target} WHERE {where(key)}", 0)
+        script.add(expect_rows(f"DELETE FROM {target} WHERE {where(key)} RETURNING 1", 0))
     for key in direct.deletes:
-        script.add(f"DELETE FROM {target} WHERE {where(key)}", 1)
+        script.add(expect_rows(f"DELETE FROM {target} WHERE {where(key)} RETURNING 1", 1))
         written += 1
     for mask, rows in direct.updates.items():
         positions = [j for j in mask_positions(mask) if j not in kp]
@@ -113,20 +126,22 @@ def _table_statements(script: _Script, tp: TablePlan, direct: DirectTable) -> in
         for row in rows:
             sets = ", ".join(f"{names[j]} = {literal(v)}"
                              for j, v in zip(positions, row[:n], strict=True))
-            script.add(f"UPDATE {target} SET {sets} WHERE {where(row[n:])}", 1)
+            script.add(expect_rows(
+                f"UPDATE {target} SET {sets} WHERE {where(row[n:])} RETURNING 1", 1))
             written += 1
     for mask, rows in direct.inserts.items():
         columns = ", ".join(names[j] for j in mask_positions(mask))
         values = ", ".join("(" + ", ".join(literal(v) for v in row) + ")" for row in rows)
-        script.add(f"INSERT INTO {target} ({columns}) OVERRIDING SYSTEM VALUE VALUES {values}",
-                   len(rows))
+        # Counted too: a trigger of the target's may skip a row.
+        script.add(expect_rows(f"INSERT INTO {target} ({columns}) OVERRIDING SYSTEM VALUE "
+                               f"VALUES {values} RETURNING 1", len(rows)))
         written += len(rows)
     return written
 
 
 def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
                     direct: Mapping[str, DirectTable], expected: Lsn) -> tuple[Lsn, int]:
-    """Apply the batch (one :func:`eligible` took) as one script and commit it; the
+    """Apply the batch (one :func:`eligible` took) as one script that commits it; the
     applied LSN recorded and the rows written.
 
     The script's first statement is the fence: a batch that ends past ``expected`` moves
@@ -134,8 +149,9 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
     locked, compared and written in one statement, where a lock and an UPDATE were a
     third of the target's statement time at N = 50, measured with ``pg_stat_statements``;
     planned once per session where the session runs as replica, see
-    :meth:`.TargetWriter._replica_session`); any other batch only locks and reads the
-    record."""
+    :meth:`.TargetWriter._replica_session`); any other batch only locks the record where
+    it still holds ``expected``. Either fails (``division_by_zero``) when the record
+    moved, before anything of the batch is written."""
     conn = writer.conn
     script = _Script()
     script.add("BEGIN")
@@ -145,31 +161,33 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
         commit_time = ("NULL" if batch.commit_time is None
                        else literal(batch.commit_time.isoformat()))
         script.add(f"EXECUTE {writer.record_statement()}({literal(str(expected))}, "
-                   f"{literal(str(batch.end_lsn))}, {commit_lsn}, {commit_time})", 1)
+                   f"{literal(str(batch.end_lsn))}, {commit_lsn}, {commit_time})")
         recorded = batch.end_lsn
     else:
-        script.add(f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
-                   f"WHERE subscription_id = {literal(writer.subscription_id)} FOR UPDATE")
+        script.add(expect_rows(
+            f"SELECT 1 FROM {SCHEMA}.{APPLIED_TABLE} "
+            f"WHERE subscription_id = {literal(writer.subscription_id)} "
+            f"AND end_lsn = {literal(str(expected))} FOR UPDATE", 1))
     if writer.replica_role_per_transaction():
         script.add("SET LOCAL session_replication_role = replica")
     written = 0
     for name, tp in plan.tables.items():
         if name in direct:
             written += _table_statements(script, tp, direct[name])
+    script.add("COMMIT")
     try:
+        # Nothing is sent yet: a crash here leaves the target exactly as before the
+        # batch (the crash tests stop here).
+        fault_point("apply.before_commit")
         try:
-            _run(conn, script, batch, expected)
+            _run(conn, script)
         except psycopg.errors.InvalidSqlStatementName:
             # Gone: psycopg deallocates all of a connection's prepared statements after a
             # ROLLBACK, DROP or ALTER it ran while holding prepared statements of its own.
             # Nothing was written (the fence is the script's first statement).
             _rollback(conn)
             writer.record_statement(prepare_again=True)
-            _run(conn, script, batch, expected)
-        # Everything written and the applied LSN with it: a crash now must leave the
-        # target exactly as before the batch (the crash tests stop here).
-        fault_point("apply.before_commit")
-        _commit(conn)
+            _run(conn, script)
     except _FenceMoved:
         _rollback(conn)
         raise ApplyFenced(batch.subscription_id, expected, writer.applied_lsn()) from None
@@ -183,9 +201,12 @@ class _FenceMoved(Exception):
     """The record was not at the position the script moves it from."""
 
 
-def _run(conn: psycopg.Connection[Any], script: _Script, batch: ApplyBatch,
-         expected: Lsn) -> None:
-    """Send the script; raise on a moved fence or a count not as expected.
+def _run(conn: psycopg.Connection[Any], script: _Script) -> None:
+    """Send the script; return when its COMMIT succeeded. Raise on a moved fence
+    (:class:`_FenceMoved`), a row statement that failed its count or met a value or a
+    row the target refuses (:class:`.direct.DirectMismatch`), or any other error (the
+    server skipped the rest of the script after it: the transaction is left to roll
+    back, or was already, when the COMMIT failed).
 
     Straight through libpq (psycopg's ``pgconn`` and its wait, which gives up the GIL
     while the target works), not through a cursor: a script is one string with no
@@ -195,38 +216,25 @@ def _run(conn: psycopg.Connection[Any], script: _Script, batch: ApplyBatch,
     pgconn = conn.pgconn
     pgconn.send_query("; ".join(script.parts).encode())
     results = conn.wait(generators.execute(pgconn))
-    mismatch = False
-    for i, count in enumerate(script.counts):
-        if i >= len(results):
-            raise psycopg.InterfaceError("the script returned fewer results than statements")
-        result = results[i]
-        if result.status == FATAL_ERROR:
-            error = _error(conn, result)
-            if isinstance(error, (psycopg.errors.IntegrityError, psycopg.errors.DataError)):
-                raise DirectMismatch from None
-            raise error
-        if i == 1:  # the fence: the record moved, or locked and read
-            if count is not None:
-                if result.command_tuples != count:
-                    raise _FenceMoved
-                continue
-            value = result.get_value(0, 0) if result.ntuples else None
-            recorded = None if value is None else Lsn.parse(value.decode())
-            if recorded is None or recorded.value == 0:
-                recorded = None
-            if recorded != expected:
-                raise ApplyFenced(batch.subscription_id, expected, recorded)
-        elif count is not None and result.command_tuples != count:
-            mismatch = True
-    if mismatch:
-        raise DirectMismatch
+    last = len(script.parts) - 1
+    for i, result in enumerate(results):
+        if result.status != FATAL_ERROR:
+            continue
+        error = _error(conn, result)
+        if i == FENCE and isinstance(error, errors.DivisionByZero):
+            raise _FenceMoved
+        if FENCE < i < last and isinstance(error, ROW_REFUSED):
+            raise DirectMismatch from None
+        raise error
+    if len(results) != len(script.parts) or results[-1].status != COMMAND_OK:
+        raise psycopg.InterfaceError("the script returned fewer results than statements")
 
 
-def _commit(conn: psycopg.Connection[Any]) -> None:
-    """COMMIT, in libpq's blocking call (which gives up the GIL while it waits)."""
-    result = conn.pgconn.exec_(b"COMMIT")
-    if result.status != COMMAND_OK:
-        raise _error(conn, result)
+ROW_REFUSED = (errors.IntegrityError, errors.DataError, errors.FeatureNotSupported)
+"""Errors of a row statement that the staging path judges: a count not as expected
+(``division_by_zero``, a data error), a row present (a unique violation), a value the
+target refuses, or a rule on the target table, which a data-modifying ``WITH`` does not
+support."""
 
 
 def _error(conn: psycopg.Connection[Any], result: PGresult) -> psycopg.Error:

@@ -59,6 +59,14 @@ APPLIED_TABLE = "applied"
 RECORD_STATEMENT = "pgsieve_record"
 """A target connection's prepared statement (see :meth:`TargetWriter.record_statement`)."""
 
+
+def expect_rows(query: str, count: int) -> str:
+    """``query`` (one row out per row it changes or locks: a ``RETURNING``, a ``FOR
+    UPDATE``) as a statement that fails with ``division_by_zero`` unless there are
+    exactly ``count`` of them. Why: a check the server makes lets the COMMIT go in the
+    same round trip, skipped when a check fails (see :mod:`.script`)."""
+    return f"WITH changed AS ({query}) SELECT 1 / (count(*) = {count})::int FROM changed"
+
 _DDL = f"""
 CREATE SCHEMA IF NOT EXISTS {SCHEMA};
 CREATE TABLE IF NOT EXISTS {SCHEMA}.{APPLIED_TABLE} (
@@ -289,15 +297,17 @@ class TargetWriter:
         its first parameter to the next batch's end (``$2``, ``$3`` commit LSN, ``$4``
         commit time) only if the record still holds that first one: the fence, the row
         lock and the record in one statement (prepared the first time it is asked for).
-        Zero rows updated: another writer moved the record (or it is gone).
+        It fails with ``division_by_zero`` where it updated no row: another writer moved
+        the record (or it is gone).
         ``prepare_again``: the server no longer has it (see :mod:`.script`)."""
         if prepare_again or not self._record_prepared:
             self.conn.execute(sql.SQL(
                 f"PREPARE {RECORD_STATEMENT} (pg_lsn, pg_lsn, pg_lsn, timestamptz) AS "
-                f"UPDATE {SCHEMA}.{APPLIED_TABLE} SET end_lsn = $2, "
-                "commit_lsn = COALESCE($3, commit_lsn), "
-                "commit_time = COALESCE($4, commit_time), updated_at = now() "
-                "WHERE subscription_id = {} AND end_lsn = $1").format(
+                + expect_rows(
+                    f"UPDATE {SCHEMA}.{APPLIED_TABLE} SET end_lsn = $2, "
+                    "commit_lsn = COALESCE($3, commit_lsn), "
+                    "commit_time = COALESCE($4, commit_time), updated_at = now() "
+                    "WHERE subscription_id = {} AND end_lsn = $1 RETURNING 1", 1)).format(
                     sql.Literal(self.subscription_id)))
             self._record_prepared = True
         return RECORD_STATEMENT

@@ -109,9 +109,9 @@ def test_a_moved_fence_or_a_crash_before_the_commit_leaves_the_target_as_before(
 
 def test_a_target_connection_lost_before_the_commit_is_a_transient_failure(
         pair: Pair, monkeypatch: pytest.MonkeyPatch):
-    """The script and its COMMIT go straight through libpq: a connection that breaks
-    between them must still end as psycopg's OperationalError (what the scheduler retries
-    as transient), with nothing of the batch committed."""
+    """The script, its COMMIT included, goes straight through libpq: a connection that
+    broke before it is sent must still end as psycopg's OperationalError (what the
+    scheduler retries as transient), with nothing of the batch committed."""
     pair.setup(SOURCE, tables=["public.q", "public.k2"])
     pair.run("INSERT INTO q (id, v) VALUES (1, 'one')", "INSERT INTO q (id, v) VALUES (2, 'two')")
     assert _scripts(pair.apply(1)) == 2
@@ -166,3 +166,61 @@ def test_the_prepared_record_statement_comes_back_after_psycopg_deallocates_it(p
     assert pair.target.query("SELECT id, v FROM q ORDER BY id") == [
         (1, "uno"), (2, "two"), (3, "three")]
     assert pair.writer.applied_lsn() == pair.applied[-1].end_lsn
+
+
+def test_a_rule_or_a_trigger_on_the_target_table_sends_the_batch_through_staging(pair: Pair):
+    """The script's row statements run inside a ``WITH`` that counts what they changed,
+    so that the COMMIT can go in the same round trip. A data-modifying ``WITH`` refuses a
+    table with a rule that fires, and a trigger may skip a row: both batches are merged
+    again through staging, and end as the same statements without the script."""
+    target_ddl = harness._strip_publications(SOURCE) + """;
+    CREATE TABLE q_log (id int, v text);
+    CREATE RULE q_logged AS ON UPDATE TO q DO ALSO INSERT INTO q_log VALUES (new.id, new.v);
+    ALTER TABLE q ENABLE ALWAYS RULE q_logged;
+    CREATE FUNCTION q_skip() RETURNS trigger LANGUAGE plpgsql AS
+      $$ BEGIN RETURN CASE WHEN NEW.v = 'skip' THEN NULL ELSE NEW END; END $$;
+    CREATE TRIGGER q_skip BEFORE INSERT ON k2 FOR EACH ROW EXECUTE FUNCTION q_skip();
+    ALTER TABLE k2 ENABLE ALWAYS TRIGGER q_skip;
+    """
+    pair.setup(SOURCE, target_ddl=target_ddl, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one')", "INSERT INTO q (id, v) VALUES (2, 'two')")
+    assert _scripts(pair.apply(1)) == 2  # the first batch learns the replica role
+
+    pair.run("UPDATE q SET v = 'uno' WHERE id = 1")
+    (result,) = [r for r in pair.apply(1) if r.rows_written]
+    assert "merge_script" not in result.timings and result.direct_tables == ()
+    assert pair.target.query("SELECT id, v FROM q ORDER BY id") == [(1, "uno"), (2, "two")]
+    assert pair.target.query("SELECT id, v FROM q_log") == [(1, "uno")]
+
+    pair.run("INSERT INTO k2 VALUES ('a', 1, 'kept'), ('b', 2, 'skip')")
+    (result,) = [r for r in pair.apply(1) if r.counts]
+    assert "merge_script" not in result.timings and result.direct_tables == ()
+    assert pair.target.query("SELECT a, b, v FROM k2") == [("a", 1, "kept")]
+    assert pair.writer.applied_lsn() == pair.applied[-1].end_lsn
+    assert pair.writer.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def test_a_batch_behind_the_recorded_position_writes_nothing_and_is_fenced_on_it(pair: Pair):
+    """A batch that ends at or before the position the target records (read again from
+    further back) was applied already: the script writes none of its rows and leaves the
+    record, only locking it where it still holds what the worker expects — and is fenced
+    off where another writer moved it meanwhile."""
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one')", "INSERT INTO q (id, v) VALUES (2, 'two')")
+    assert _scripts(pair.apply(1)) == 2
+    pair.run("INSERT INTO q (id, v) VALUES (3, 'three')")
+    (batch,) = pair.batches(pair.read(), None)  # (read before the record moves ahead)
+    ahead = "FFFF/0"
+    where = f"WHERE subscription_id = '{pair.subscription_id}'"
+    pair.target.execute(f"UPDATE pgsieve.applied SET end_lsn = '{ahead}' {where}")
+    pair.writer.applied_unknown()
+    result = apply_batch(None, batch, pair.writer, distributed=False)
+    assert "merge_script" in result.timings and result.rows_written == 0
+    assert pair.target.query("SELECT count(*) FROM q") == [(2,)]
+    assert str(pair.writer.applied_lsn()) == ahead
+
+    pair.target.execute(f"UPDATE pgsieve.applied SET end_lsn = 'FFFF/10' {where}")
+    with pytest.raises(ApplyFenced):  # the worker still expects FFFF/0
+        apply_batch(None, batch, pair.writer, distributed=False)
+    assert str(pair.writer.applied_lsn()) == "FFFF/10"
+    assert pair.writer.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
