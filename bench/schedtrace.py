@@ -23,6 +23,7 @@ installed and allowed to trace the scheduler (root, or ``perf_event_paranoid`` â
 from __future__ import annotations
 
 import bisect
+import os
 import re
 import shutil
 import statistics
@@ -38,6 +39,8 @@ WINDOW = 0.080
 """A burst's CPU is summed over this long from ``X``."""
 EARLY = 0.012
 """Wake-ups in the burst's first this-many seconds count as early."""
+SLICE = 0.010
+"""The machine's busy share is reported per this long a slice of :data:`WINDOW`."""
 BURST_GAP = 0.06
 """Applies further apart than this start a new burst (the source's WAL is flushed every
 200 ms in the benchmark, and a burst's applies span a few tens of ms)."""
@@ -206,10 +209,18 @@ class BurstFigures:
     early_delay: dict[str, tuple[float, float, float]]
     """By group: mean and longest wait for a core (ms), and wake-ups per burst, of the
     wake-ups in the burst's first :data:`EARLY` seconds."""
+    busy: list[float] = field(default_factory=list)
+    """Per :data:`SLICE` of :data:`WINDOW` from ``X``: the share of the machine's cores
+    that ran anything (p50 over the bursts). Below 1 where the burst is still going: its
+    end is set by a chain of waits (a round trip, a lock), not by CPU."""
 
 
-def analyse(record: Record, applied: list[tuple[float, float]]) -> BurstFigures | None:
-    """The figures of the bursts wholly inside the record (``applied``: Unix seconds)."""
+def analyse(record: Record, applied: list[tuple[float, float]],
+            cores: int | None = None) -> BurstFigures | None:
+    """The figures of the bursts wholly inside the record (``applied``: Unix seconds;
+    ``cores``: the machine's, by default this one's)."""
+    cores = cores or os.cpu_count() or 1
+    slices = round(WINDOW / SLICE)
     if not record.runs:
         return None
     off = record.realtime_offset
@@ -221,6 +232,7 @@ def analyse(record: Record, applied: list[tuple[float, float]]) -> BurstFigures 
     decode, first, last = [], [], []
     cpu: dict[str, float] = defaultdict(float)
     delays: dict[str, list[float]] = defaultdict(list)
+    busy: list[list[float]] = [[] for _ in range(slices)]
     n = 0
     for burst in bursts_of([(c - off, a - off) for c, a in applied]):
         newest = max(c for c, _ in burst)
@@ -240,21 +252,29 @@ def analyse(record: Record, applied: list[tuple[float, float]]) -> BurstFigures 
         first.append(burst[0][1] - x)
         last.append(burst[-1][1] - x)
         j = bisect.bisect_left(starts, x - 0.05)
+        ran = [0.0] * slices
         for r in runs[j:]:
             if r.start > x + WINDOW:
                 break
             role = record.roles.get(r.tid, "other" if r.tid else "idle")
             cpu[role] += max(0.0, min(r.end, x + WINDOW) - max(r.start, x))
+            if r.tid:
+                for k in range(slices):
+                    lo_k = x + k * SLICE
+                    ran[k] += max(0.0, min(r.end, lo_k + SLICE) - max(r.start, lo_k))
             woken = r.start - r.delay
             if x <= woken < x + EARLY:
                 delays[role].append(r.delay)
+        for k in range(slices):
+            busy[k].append(ran[k] / (SLICE * cores))
     if not n:
         return None
     return BurstFigures(
         n, statistics.median(decode), statistics.median(first), statistics.median(last),
         {role: ms * 1000 / n for role, ms in cpu.items() if role != "idle"},
         {role: (statistics.fmean(d) * 1000, max(d) * 1000, len(d) / n)
-         for role, d in delays.items() if role != "idle"})
+         for role, d in delays.items() if role != "idle"},
+        [statistics.median(b) for b in busy])
 
 
 def report(system: str, record: Record, figures: BurstFigures | None) -> list[str]:
@@ -275,4 +295,7 @@ def report(system: str, record: Record, figures: BurstFigures | None) -> list[st
         mean, longest, count = figures.early_delay.get(role, (0.0, 0.0, 0.0))
         lines.append(f"| {role} | {figures.cpu[role]:.1f} | {count:.1f} | "
                      f"{mean:.2f} / {longest:.1f} |")
+    if figures.busy:
+        share = ", ".join(f"{b * 100:.0f}" for b in figures.busy)
+        lines.append(f"\nCores busy, % per {SLICE * 1000:.0f} ms from X (p50): {share}")
     return lines

@@ -46,7 +46,7 @@ def _burst_record(offset: float) -> Record:
 def test_a_burst_is_measured_from_the_walsenders_start() -> None:
     offset = 1_800_000_000.0  # Unix time minus monotonic time while recording
     applied = [(9.99 + offset, 10.033 + offset), (10.0 + offset, 10.040 + offset)]
-    figures = analyse(_burst_record(offset), applied)
+    figures = analyse(_burst_record(offset), applied, cores=2)
     assert figures is not None and figures.bursts == 1
     near = 1e-6  # (Unix seconds lose a few digits)
     assert figures.first == pytest.approx(0.013, abs=near)  # X = 10.020
@@ -56,8 +56,12 @@ def test_a_burst_is_measured_from_the_walsenders_start() -> None:
     assert figures.cpu["worker runners"] == pytest.approx(2.0, abs=1e-3)
     mean, longest, per_burst = figures.early_delay["worker runners"]
     assert mean == pytest.approx(4.0) and longest == pytest.approx(4.0) and per_burst == 1.0
+    # From X: walsenders 6 + 8 ms, the runner 2 ms in the first 10 ms (16 of 20 core-ms);
+    # the target's 1 ms in the second; nothing after.
+    assert figures.busy[:3] == pytest.approx([0.8, 0.05, 0.0])
     lines = report("pgsieve", _burst_record(offset), figures)
     assert "first apply X + 13.0 ms" in lines[0]
+    assert "Cores busy, % per 10 ms from X (p50): 80, 5, 0" in lines[-1]
     assert any(line.startswith("| walsenders | 14.0 |") for line in lines)
 
 
