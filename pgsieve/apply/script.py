@@ -33,7 +33,7 @@ calls a small batch costs, never what it commits.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import psycopg
@@ -105,38 +105,84 @@ FENCE = 1
 """The script's statement that fences (its first after BEGIN)."""
 
 
-def _table_statements(script: _Script, tp: TablePlan, direct: DirectTable) -> int:
+def _table_statements(script: _Script, writer: TargetWriter, tp: TablePlan,
+                      direct: DirectTable) -> int:
     """The direct path's statements for one table, in its order, each failing unless it
-    changes the rows it must; rows written."""
+    changes the rows it must; rows written. Each shape is the session's prepared
+    statement where it could be prepared (:mod:`.prepared`), else literal SQL."""
     target, *names = tp.target.quoted()
-    kp = tp.key_positions or ()
+    kp = tuple(tp.key_positions or ())
+    conn, oid, prepared = writer.conn, tp.target.oid, writer.prepared_rows
 
     def where(key: Values) -> str:
         return " AND ".join(f"{names[p]} = {literal(v)}" for p, v in zip(kp, key, strict=True))
 
+    def execute(name: str, values: Iterable[str | None], count: int) -> None:
+        script.add(f"EXECUTE {name}({', '.join(map(literal, values))}, {count})")
+
+    def delete_text() -> str:
+        keys = " AND ".join(f"{names[p]} = ${i}" for i, p in enumerate(kp, 1))
+        return expect_rows(f"DELETE FROM {target} WHERE {keys} RETURNING 1", f"${len(kp) + 1}")
+
     written = 0
-    for key in direct.absent:  # must find nothing: then it changes nothing
-        script.add(expect_rows(f"DELETE FROM {target} WHERE {where(key)} RETURNING 1", 0))
-    for key in direct.deletes:
-        script.add(expect_rows(f"DELETE FROM {target} WHERE {where(key)} RETURNING 1", 1))
-        written += 1
+    if direct.absent or direct.deletes:
+        delete = prepared.name_for(conn, oid, ("delete", kp), delete_text)
+        for key, count in [*((k, 0) for k in direct.absent), *((k, 1) for k in direct.deletes)]:
+            # (absent: must find nothing — then it changes nothing)
+            if delete is not None:
+                execute(delete, key, count)
+            else:
+                script.add(expect_rows(
+                    f"DELETE FROM {target} WHERE {where(key)} RETURNING 1", count))
+        written += len(direct.deletes)
     for mask, rows in direct.updates.items():
         positions = [j for j in mask_positions(mask) if j not in kp]
         n = len(positions)
+
+        def update_text(positions: list[int] = positions, n: int = n) -> str:
+            sets = ", ".join(f"{names[j]} = ${i}" for i, j in enumerate(positions, 1))
+            keys = " AND ".join(f"{names[p]} = ${n + i}" for i, p in enumerate(kp, 1))
+            return expect_rows(f"UPDATE {target} SET {sets} WHERE {keys} RETURNING 1",
+                               f"${n + len(kp) + 1}")
+
+        update = prepared.name_for(conn, oid, ("update", kp, tuple(positions)), update_text)
         for row in rows:
+            if update is not None:
+                execute(update, row, 1)
+                continue
             sets = ", ".join(f"{names[j]} = {literal(v)}"
                              for j, v in zip(positions, row[:n], strict=True))
             script.add(expect_rows(
                 f"UPDATE {target} SET {sets} WHERE {where(row[n:])} RETURNING 1", 1))
-            written += 1
+        written += len(rows)
     for mask, rows in direct.inserts.items():
-        columns = ", ".join(names[j] for j in mask_positions(mask))
-        values = ", ".join("(" + ", ".join(literal(v) for v in row) + ")" for row in rows)
-        # Counted too: a trigger of the target's may skip a row.
-        script.add(expect_rows(f"INSERT INTO {target} ({columns}) OVERRIDING SYSTEM VALUE "
-                               f"VALUES {values} RETURNING 1", len(rows)))
+        columns = [names[j] for j in mask_positions(mask)]
+        insert = None
+        if len(rows) <= PREPARED_INSERT_ROWS:
+            def insert_text(columns: list[str] = columns, count: int = len(rows)) -> str:
+                width = len(columns)
+                values = ", ".join(
+                    "(" + ", ".join(f"${r * width + i}" for i in range(1, width + 1)) + ")"
+                    for r in range(count))
+                return expect_rows(f"INSERT INTO {target} ({', '.join(columns)}) OVERRIDING "
+                                   f"SYSTEM VALUE VALUES {values} RETURNING 1",
+                                   f"${width * count + 1}")
+
+            insert = prepared.name_for(conn, oid, ("insert", mask, len(rows)), insert_text)
+        if insert is not None:
+            execute(insert, [v for row in rows for v in row], len(rows))
+        else:
+            values = ", ".join("(" + ", ".join(literal(v) for v in row) + ")" for row in rows)
+            # Counted too: a trigger of the target's may skip a row.
+            script.add(expect_rows(f"INSERT INTO {target} ({', '.join(columns)}) OVERRIDING "
+                                   f"SYSTEM VALUE VALUES {values} RETURNING 1", len(rows)))
         written += len(rows)
     return written
+
+
+PREPARED_INSERT_ROWS = 4
+"""A multi-row INSERT is prepared per row count up to this many rows (a caught-up
+stream's batches hold one to a few); larger ones go as literal SQL."""
 
 
 def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
@@ -153,6 +199,34 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
     it still holds ``expected``. Either fails (``division_by_zero``) when the record
     moved, before anything of the batch is written."""
     conn = writer.conn
+    for attempt in (1, 2):
+        script, recorded, written = _build(writer, batch, plan, direct, expected)
+        try:
+            # Nothing is sent yet: a crash here leaves the target exactly as before the
+            # batch (the crash tests stop here).
+            fault_point("apply.before_commit")
+            _run(conn, script)
+        except psycopg.errors.InvalidSqlStatementName:
+            # A prepared statement is gone (see TargetWriter.prepared_lost); nothing was
+            # written: the server skipped the rest of the script.
+            _rollback(conn)
+            if attempt == 2:
+                raise
+            writer.prepared_lost()
+            continue
+        except _FenceMoved:
+            _rollback(conn)
+            raise ApplyFenced(batch.subscription_id, expected, writer.applied_lsn()) from None
+        except BaseException:
+            _rollback(conn)
+            raise
+        return recorded, written
+    raise AssertionError("unreachable")
+
+
+def _build(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
+           direct: Mapping[str, DirectTable], expected: Lsn) -> tuple[_Script, Lsn, int]:
+    """The script of :func:`merge_as_script`, the LSN it records and the rows it writes."""
     script = _Script()
     script.add("BEGIN")
     recorded = expected
@@ -173,28 +247,9 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
     written = 0
     for name, tp in plan.tables.items():
         if name in direct:
-            written += _table_statements(script, tp, direct[name])
+            written += _table_statements(script, writer, tp, direct[name])
     script.add("COMMIT")
-    try:
-        # Nothing is sent yet: a crash here leaves the target exactly as before the
-        # batch (the crash tests stop here).
-        fault_point("apply.before_commit")
-        try:
-            _run(conn, script)
-        except psycopg.errors.InvalidSqlStatementName:
-            # Gone: psycopg deallocates all of a connection's prepared statements after a
-            # ROLLBACK, DROP or ALTER it ran while holding prepared statements of its own.
-            # Nothing was written (the fence is the script's first statement).
-            _rollback(conn)
-            writer.record_statement(prepare_again=True)
-            _run(conn, script)
-    except _FenceMoved:
-        _rollback(conn)
-        raise ApplyFenced(batch.subscription_id, expected, writer.applied_lsn()) from None
-    except BaseException:
-        _rollback(conn)
-        raise
-    return recorded, written
+    return script, recorded, written
 
 
 class _FenceMoved(Exception):
@@ -248,8 +303,10 @@ def _error(conn: psycopg.Connection[Any], result: PGresult) -> psycopg.Error:
 
 def _rollback(conn: psycopg.Connection[Any]) -> None:
     """End the script's transaction whatever state it is in (a broken connection is
-    the caller's to notice)."""
+    the caller's to notice). Through libpq, not ``conn.execute``: psycopg deallocates
+    every prepared statement of the connection after a ROLLBACK it runs while it holds
+    some of its own, the script's among them."""
     if conn.closed or conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE:
         return
     with contextlib.suppress(psycopg.Error):
-        conn.execute("ROLLBACK")
+        conn.pgconn.exec_(b"ROLLBACK")

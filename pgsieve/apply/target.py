@@ -36,6 +36,7 @@ from pgsieve.apply.columns import (
     describe_mismatch,
 )
 from pgsieve.apply.plan import RelationMaps
+from pgsieve.apply.prepared import PreparedRows
 from pgsieve.apply.staging import META_COLUMNS
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets
@@ -60,11 +61,12 @@ RECORD_STATEMENT = "pgsieve_record"
 """A target connection's prepared statement (see :meth:`TargetWriter.record_statement`)."""
 
 
-def expect_rows(query: str, count: int) -> str:
+def expect_rows(query: str, count: int | str) -> str:
     """``query`` (one row out per row it changes or locks: a ``RETURNING``, a ``FOR
     UPDATE``) as a statement that fails with ``division_by_zero`` unless there are
-    exactly ``count`` of them. Why: a check the server makes lets the COMMIT go in the
-    same round trip, skipped when a check fails (see :mod:`.script`)."""
+    exactly ``count`` of them (a number, or a parameter of a prepared statement). Why: a
+    check the server makes lets the COMMIT go in the same round trip, skipped when a
+    check fails (see :mod:`.script`)."""
     return f"WITH changed AS ({query}) SELECT 1 / (count(*) = {count})::int FROM changed"
 
 _DDL = f"""
@@ -203,6 +205,8 @@ class TargetWriter:
         self._replica_role: bool | None = None
         self._session_role = False
         self._record_prepared = False
+        self.prepared_rows = PreparedRows()
+        """The session's prepared row statements (:mod:`.prepared`)."""
         self._applied: Lsn | None = None
         self._applied_known = False
         self._staging_in_transaction: list[int] = []
@@ -312,6 +316,15 @@ class TargetWriter:
             self._record_prepared = True
         return RECORD_STATEMENT
 
+    def prepared_lost(self) -> None:
+        """A statement the session should have prepared is gone (psycopg deallocates
+        all of a connection's prepared statements after a ROLLBACK, DROP or ALTER it ran
+        while holding its own): deallocate the rest too — psycopg sees the command and
+        forgets its own — and prepare each again on next use."""
+        self.conn.execute("DEALLOCATE ALL")
+        self._record_prepared = False
+        self.prepared_rows.forget()
+
     def write_applied(self, conn: psycopg.Connection[Any], end_lsn: Lsn,
                       commit_lsn: Lsn | None, commit_time: datetime | None) -> None:
         """Inside the merge transaction: record the batch's end (after lock_applied)."""
@@ -367,6 +380,7 @@ class TargetWriter:
         self._tables.clear()
         self._fingerprints.clear()
         self.relation_maps.clear()
+        self.prepared_rows.drop_all(self.conn)
         if not self._session_role:
             self._replica_role = None
         self._shapes_read_at = time.monotonic()
@@ -401,6 +415,7 @@ class TargetWriter:
                 del self._tables[name]
                 self._fingerprints.pop(name, None)
                 self.relation_maps.clear()
+                self.prepared_rows.drop_table(self.conn, oid)
         superuser = bool(rows and rows[0][2])  # the same value on every row
         if self._session_role and not superuser:
             self._reconnect()  # a session cannot give the role back without superuser
@@ -511,6 +526,7 @@ class TargetWriter:
         self._session_role = False
         self._replica_role = None
         self._record_prepared = False
+        self.prepared_rows.forget()
         self.applied_unknown()
         log.warning("target role is no longer a superuser: new target session, triggers "
                     "and foreign keys fire during apply unless it may set the replica role")

@@ -224,3 +224,64 @@ def test_a_batch_behind_the_recorded_position_writes_nothing_and_is_fenced_on_it
         apply_batch(None, batch, pair.writer, distributed=False)
     assert str(pair.writer.applied_lsn()) == "FFFF/10"
     assert pair.writer.conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+def _row_statements(pair: Pair) -> list[tuple[str, str]]:
+    """The writer's session's prepared row statements: (name, text)."""
+    return pair.writer.conn.execute(
+        "SELECT name, statement FROM pg_prepared_statements "
+        "WHERE name LIKE 'pgsieve_row_%' ORDER BY name").fetchall()
+
+
+def test_row_statements_are_prepared_once_per_shape_and_again_when_the_table_changes(
+        pair: Pair):
+    """A script sends ``EXECUTE`` of the session's prepared statement for each shape (the
+    UPDATE of these columns, the DELETE by key, the INSERT of these columns and rows):
+    prepared once, reused batch after batch; a table whose shape changed at the target
+    gets its statements deallocated and prepared again — and the rows end as native's."""
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one')", "INSERT INTO q (id, v) VALUES (2, 'two')")
+    pair.apply(1)
+    for i in range(3):
+        pair.run(f"INSERT INTO q (id, v) VALUES ({10 + i}, 'it''s {i}')",
+                 f"UPDATE q SET v = 'v{i}', n = {i}.5 WHERE id = 1",
+                 f"DELETE FROM q WHERE id = {10 + i}")
+        assert _scripts(results := pair.apply(1)) == len(results) == 4
+        if i == 0:
+            first = _row_statements(pair)
+    assert {text.split("AS (", 1)[1].split(" ", 1)[0] for _, text in first} == {
+        "INSERT", "UPDATE", "DELETE"}
+    assert _row_statements(pair) == first  # the same statements, reused
+
+    pair.target.execute("ALTER TABLE q ADD COLUMN note text DEFAULT 'target''s own'")
+    assert pair.native is not None
+    pair.native.execute("ALTER TABLE q ADD COLUMN note text DEFAULT 'target''s own'")
+    pair.writer._shapes_read_at -= 3600  # as if the shape check were due
+    pair.run("INSERT INTO q (id, v) VALUES (20, 'after')", "UPDATE q SET v = 'w' WHERE id = 2")
+    assert _scripts(pair.apply(1)) == 3
+    after = _row_statements(pair)
+    assert after and not {name for name, _ in after} & {name for name, _ in first}
+    pair.assert_same("q", "k2")
+
+
+def test_a_shape_the_target_cannot_prepare_goes_as_literal_sql(pair: Pair,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    """A PREPARE the server refuses leaves that shape as literal SQL, for good in this
+    session, and the batch still goes as one script."""
+    from pgsieve.apply import prepared
+
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one')")
+    pair.apply(1)
+    refuse = prepared.NAME_PREFIX
+    monkeypatch.setattr(prepared, "NAME_PREFIX", "not a name ")  # a PREPARE that fails
+    pair.run("INSERT INTO q (id, v) VALUES (2, 'two')", "UPDATE q SET v = 'uno' WHERE id = 1")
+    assert _scripts(pair.apply(1)) == 3
+    monkeypatch.setattr(prepared, "NAME_PREFIX", refuse)
+    pair.run("INSERT INTO q (id, v) VALUES (3, 'three')")
+    assert _scripts(pair.apply(1)) == 2
+    assert _row_statements(pair) == []  # the shapes refused stay literal SQL
+    assert pair.writer.prepared_rows.name_for(
+        pair.writer.conn, -1, "another", lambda: "SELECT $1::int") is not None
+    assert pair.target.query("SELECT id, v FROM q ORDER BY id") == [
+        (1, "uno"), (2, "two"), (3, "three")]
