@@ -33,6 +33,7 @@ calls a small batch costs, never what it commits.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -88,7 +89,8 @@ def eligible(writer: TargetWriter, plan: BatchPlan, staged: Mapping[str, Any],
 def _statements(direct: DirectTable) -> int:
     """How many statements :func:`_table_statements` writes for ``direct``."""
     return (len(direct.absent) + len(direct.deletes)
-            + sum(len(rows) for rows in direct.updates.values()) + len(direct.inserts))
+            + sum(len(rows) for rows in direct.updates.values())
+            + sum(len(insert_chunks(len(rows))) for rows in direct.inserts.values()))
 
 
 class _Script:
@@ -157,32 +159,47 @@ def _table_statements(script: _Script, writer: TargetWriter, tp: TablePlan,
         written += len(rows)
     for mask, rows in direct.inserts.items():
         columns = [names[j] for j in mask_positions(mask)]
-        insert = None
-        if len(rows) <= PREPARED_INSERT_ROWS:
-            def insert_text(columns: list[str] = columns, count: int = len(rows)) -> str:
-                width = len(columns)
-                values = ", ".join(
-                    "(" + ", ".join(f"${r * width + i}" for i in range(1, width + 1)) + ")"
-                    for r in range(count))
-                return expect_rows(f"INSERT INTO {target} ({', '.join(columns)}) OVERRIDING "
-                                   f"SYSTEM VALUE VALUES {values} RETURNING 1",
-                                   f"${width * count + 1}")
 
-            insert = prepared.name_for(conn, oid, ("insert", mask, len(rows)), insert_text)
-        if insert is not None:
-            execute(insert, [v for row in rows for v in row], len(rows))
-        else:
-            values = ", ".join("(" + ", ".join(literal(v) for v in row) + ")" for row in rows)
+        def insert_text(count: int, columns: list[str] = columns) -> str:
+            width = len(columns)
+            values = ", ".join(
+                "(" + ", ".join(f"${r * width + i}" for i in range(1, width + 1)) + ")"
+                for r in range(count))
+            return expect_rows(f"INSERT INTO {target} ({', '.join(columns)}) OVERRIDING "
+                               f"SYSTEM VALUE VALUES {values} RETURNING 1",
+                               f"${width * count + 1}")
+
+        for chunk in insert_chunks(len(rows)):
+            part = rows[chunk]
+            insert = prepared.name_for(conn, oid, ("insert", mask, len(part)),
+                                       functools.partial(insert_text, len(part)))
+            if insert is not None:
+                execute(insert, [v for row in part for v in row], len(part))
+                continue
+            values = ", ".join("(" + ", ".join(literal(v) for v in row) + ")" for row in part)
             # Counted too: a trigger of the target's may skip a row.
             script.add(expect_rows(f"INSERT INTO {target} ({', '.join(columns)}) OVERRIDING "
-                                   f"SYSTEM VALUE VALUES {values} RETURNING 1", len(rows)))
+                                   f"SYSTEM VALUE VALUES {values} RETURNING 1", len(part)))
         written += len(rows)
     return written
 
 
-PREPARED_INSERT_ROWS = 4
-"""A multi-row INSERT is prepared per row count up to this many rows (a caught-up
-stream's batches hold one to a few); larger ones go as literal SQL."""
+INSERT_CHUNK_ROWS = (16, 8, 4, 2, 1)
+"""The row counts a multi-row INSERT is prepared for: a mask's rows go as the fewest
+such chunks (11 rows: 8, 2, 1), so a session prepares at most five INSERTs per table and
+column set however its batches vary, and none is planned per batch."""
+
+
+def insert_chunks(rows: int) -> list[slice]:
+    """``rows`` rows as consecutive slices of :data:`INSERT_CHUNK_ROWS` sizes, largest
+    first."""
+    out: list[slice] = []
+    start = 0
+    for size in INSERT_CHUNK_ROWS:
+        while rows - start >= size:
+            out.append(slice(start, start + size))
+            start += size
+    return out
 
 
 def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,

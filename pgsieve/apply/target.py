@@ -406,9 +406,7 @@ class TargetWriter:
             self.invalidate()
             return True
         by_oid = {t.oid: name for name, t in self._tables.items()}
-        # Prepared on the server at once (psycopg's own statement cache): planning was
-        # 350 of its 500 µs, and every writer checks every few seconds, inside a turn.
-        rows = self.conn.execute(_FINGERPRINTS_SQL, (list(by_oid),), prepare=True).fetchall()
+        rows = self.conn.execute(_FINGERPRINTS_SQL, (list(by_oid),)).fetchall()
         current = {oid: fingerprint for oid, fingerprint, _ in rows}
         for oid, name in by_oid.items():
             if current.get(oid) != self._fingerprints.get(name):
