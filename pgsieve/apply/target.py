@@ -296,15 +296,14 @@ class TargetWriter:
         lsn = Lsn.parse(row[0])
         return None if lsn.value == 0 else lsn
 
-    def record_statement(self, *, prepare_again: bool = False) -> str:
+    def record_statement(self) -> str:
         """The name of this connection's prepared statement that moves the record from
         its first parameter to the next batch's end (``$2``, ``$3`` commit LSN, ``$4``
         commit time) only if the record still holds that first one: the fence, the row
         lock and the record in one statement (prepared the first time it is asked for).
         It fails with ``division_by_zero`` where it updated no row: another writer moved
-        the record (or it is gone).
-        ``prepare_again``: the server no longer has it (see :mod:`.script`)."""
-        if prepare_again or not self._record_prepared:
+        the record (or it is gone). Prepared again after :meth:`prepared_lost`."""
+        if not self._record_prepared:
             self.conn.execute(sql.SQL(
                 f"PREPARE {RECORD_STATEMENT} (pg_lsn, pg_lsn, pg_lsn, timestamptz) AS "
                 + expect_rows(
