@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import defaultdict
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -42,16 +41,12 @@ shape goes as literal SQL, which does not need the parameters typed."""
 
 
 class PreparedRows:
-    """The session's prepared row statements: a shape's key → its name (None: it goes
-    as literal SQL)."""
+    """The session's prepared row statements: a table's shape → its statement's name
+    (None: it goes as literal SQL)."""
 
     def __init__(self) -> None:
         self._names: dict[tuple[int, Hashable], str | None] = {}
-        self._by_table: dict[int, list[tuple[tuple[int, Hashable], str]]] = defaultdict(list)
         self._serial = 0
-
-    def __len__(self) -> int:
-        return sum(1 for name in self._names.values() if name is not None)
 
     def name_for(self, conn: psycopg.Connection[Any], table_oid: int, key: Hashable,
                  text: Callable[[], str]) -> str | None:
@@ -65,35 +60,26 @@ class PreparedRows:
         if len(self._names) >= MAX_PREPARED:
             return None
         self._serial += 1
-        name = f"{NAME_PREFIX}{self._serial}"
+        name: str | None = f"{NAME_PREFIX}{self._serial}"
         try:
             conn.execute(f"PREPARE {name} AS {text()}".encode())
         except _REFUSED as exc:
             log.info("a row statement goes unprepared: %s", exc.diag.message_primary)
-            self._names[full] = None
-            return None
+            name = None
         self._names[full] = name
-        self._by_table[table_oid].append((full, name))
         return name
 
-    def drop_table(self, conn: psycopg.Connection[Any], table_oid: int) -> None:
-        """The table's shape changed (or it is gone): deallocate its statements."""
-        for full, name in self._by_table.pop(table_oid, []):
-            self._names.pop(full, None)
-            _deallocate(conn, name)
-        for full in [k for k in self._names if k[0] == table_oid]:
-            del self._names[full]  # (shapes that went as literal SQL: try again)
-
-    def drop_all(self, conn: psycopg.Connection[Any]) -> None:
-        """Every table's shape is read again: deallocate every statement."""
-        for table_oid in list(self._by_table):
-            self.drop_table(conn, table_oid)
-        self._names.clear()
+    def drop_table(self, conn: psycopg.Connection[Any], table_oid: int | None) -> None:
+        """The table's shape changed or it is gone (None: every table's): deallocate its
+        statements; the shapes that went as literal SQL are tried again."""
+        for full in [k for k in self._names if table_oid is None or k[0] == table_oid]:
+            name = self._names.pop(full)
+            if name is not None:
+                _deallocate(conn, name)
 
     def forget(self) -> None:
         """The session no longer has them (deallocated, or a new session)."""
         self._names.clear()
-        self._by_table.clear()
 
 
 def _deallocate(conn: psycopg.Connection[Any], name: str) -> None:

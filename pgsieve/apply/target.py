@@ -379,7 +379,7 @@ class TargetWriter:
         self._tables.clear()
         self._fingerprints.clear()
         self.relation_maps.clear()
-        self.prepared_rows.drop_all(self.conn)
+        self.prepared_rows.drop_table(self.conn, None)
         if not self._session_role:
             self._replica_role = None
         self._shapes_read_at = time.monotonic()
