@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -43,7 +43,7 @@ from psycopg.pq import DiagnosticField, ExecStatus
 from psycopg.pq.abc import PGresult
 
 from pgsieve.apply.batch import ApplyBatch, ApplyFenced
-from pgsieve.apply.direct import DirectMismatch, DirectTable, Values
+from pgsieve.apply.direct import DirectMismatch, DirectTable
 from pgsieve.apply.net_effect import mask_positions
 from pgsieve.apply.plan import BatchPlan, TablePlan
 from pgsieve.apply.target import APPLIED_TABLE, SCHEMA, TargetWriter, expect_rows
@@ -111,77 +111,76 @@ def _table_statements(script: _Script, writer: TargetWriter, tp: TablePlan,
                       direct: DirectTable) -> int:
     """The direct path's statements for one table, in its order, each failing unless it
     changes the rows it must; rows written. Each shape is the session's prepared
-    statement where it could be prepared (:mod:`.prepared`), else literal SQL."""
+    statement where it could be prepared (:mod:`.prepared`), else literal SQL: the same
+    text with the values in place of the parameters."""
     target, *names = tp.target.quoted()
     kp = tuple(tp.key_positions or ())
     conn, oid, prepared = writer.conn, tp.target.oid, writer.prepared_rows
 
-    def where(key: Values) -> str:
-        return " AND ".join(f"{names[p]} = {literal(v)}" for p, v in zip(kp, key, strict=True))
+    def delete_sql(key: Sequence[str], count: str) -> str:
+        keys = " AND ".join(f"{names[p]} = {v}" for p, v in zip(kp, key, strict=True))
+        return expect_rows(f"DELETE FROM {target} WHERE {keys} RETURNING 1", count)
+
+    def update_sql(positions: Sequence[int], values: Sequence[str], key: Sequence[str],
+                   count: str) -> str:
+        sets = ", ".join(f"{names[j]} = {v}" for j, v in zip(positions, values, strict=True))
+        keys = " AND ".join(f"{names[p]} = {v}" for p, v in zip(kp, key, strict=True))
+        return expect_rows(f"UPDATE {target} SET {sets} WHERE {keys} RETURNING 1", count)
+
+    def insert_sql(columns: Sequence[str], rows: Iterable[Sequence[str]], count: str) -> str:
+        values = ", ".join("(" + ", ".join(row) + ")" for row in rows)
+        # Counted too: a trigger of the target's may skip a row.
+        return expect_rows(f"INSERT INTO {target} ({', '.join(columns)}) OVERRIDING SYSTEM "
+                           f"VALUE VALUES {values} RETURNING 1", count)
 
     def execute(name: str, values: Iterable[str | None], count: int) -> None:
         script.add(f"EXECUTE {name}({', '.join(map(literal, values))}, {count})")
 
-    def delete_text() -> str:
-        keys = " AND ".join(f"{names[p]} = ${i}" for i, p in enumerate(kp, 1))
-        return expect_rows(f"DELETE FROM {target} WHERE {keys} RETURNING 1", f"${len(kp) + 1}")
-
     written = 0
     if direct.absent or direct.deletes:
-        delete = prepared.name_for(conn, oid, ("delete", kp), delete_text)
+        delete = prepared.name_for(conn, oid, ("delete", kp), functools.partial(
+            delete_sql, _params(1, len(kp)), f"${len(kp) + 1}"))
         for key, count in [*((k, 0) for k in direct.absent), *((k, 1) for k in direct.deletes)]:
             # (absent: must find nothing — then it changes nothing)
             if delete is not None:
                 execute(delete, key, count)
             else:
-                script.add(expect_rows(
-                    f"DELETE FROM {target} WHERE {where(key)} RETURNING 1", count))
+                script.add(delete_sql([literal(v) for v in key], str(count)))
         written += len(direct.deletes)
     for mask, rows in direct.updates.items():
         positions = [j for j in mask_positions(mask) if j not in kp]
         n = len(positions)
-
-        def update_text(positions: list[int] = positions, n: int = n) -> str:
-            sets = ", ".join(f"{names[j]} = ${i}" for i, j in enumerate(positions, 1))
-            keys = " AND ".join(f"{names[p]} = ${n + i}" for i, p in enumerate(kp, 1))
-            return expect_rows(f"UPDATE {target} SET {sets} WHERE {keys} RETURNING 1",
-                               f"${n + len(kp) + 1}")
-
-        update = prepared.name_for(conn, oid, ("update", kp, tuple(positions)), update_text)
+        update = prepared.name_for(conn, oid, ("update", kp, tuple(positions)), functools.partial(
+            update_sql, positions, _params(1, n), _params(n + 1, len(kp)),
+            f"${n + len(kp) + 1}"))
         for row in rows:
             if update is not None:
                 execute(update, row, 1)
-                continue
-            sets = ", ".join(f"{names[j]} = {literal(v)}"
-                             for j, v in zip(positions, row[:n], strict=True))
-            script.add(expect_rows(
-                f"UPDATE {target} SET {sets} WHERE {where(row[n:])} RETURNING 1", 1))
+            else:
+                script.add(update_sql(positions, [literal(v) for v in row[:n]],
+                                      [literal(v) for v in row[n:]], "1"))
         written += len(rows)
     for mask, rows in direct.inserts.items():
         columns = [names[j] for j in mask_positions(mask)]
-
-        def insert_text(count: int, columns: list[str] = columns) -> str:
-            width = len(columns)
-            values = ", ".join(
-                "(" + ", ".join(f"${r * width + i}" for i in range(1, width + 1)) + ")"
-                for r in range(count))
-            return expect_rows(f"INSERT INTO {target} ({', '.join(columns)}) OVERRIDING "
-                               f"SYSTEM VALUE VALUES {values} RETURNING 1",
-                               f"${width * count + 1}")
-
+        width = len(columns)
         for chunk in insert_chunks(len(rows)):
             part = rows[chunk]
-            insert = prepared.name_for(conn, oid, ("insert", mask, len(part)),
-                                       functools.partial(insert_text, len(part)))
+            count = len(part)
+            insert = prepared.name_for(conn, oid, ("insert", mask, count), functools.partial(
+                insert_sql, columns, [_params(r * width + 1, width) for r in range(count)],
+                f"${width * count + 1}"))
             if insert is not None:
-                execute(insert, [v for row in part for v in row], len(part))
-                continue
-            values = ", ".join("(" + ", ".join(literal(v) for v in row) + ")" for row in part)
-            # Counted too: a trigger of the target's may skip a row.
-            script.add(expect_rows(f"INSERT INTO {target} ({', '.join(columns)}) OVERRIDING "
-                                   f"SYSTEM VALUE VALUES {values} RETURNING 1", len(part)))
+                execute(insert, [v for row in part for v in row], count)
+            else:
+                script.add(insert_sql(columns, ([literal(v) for v in row] for row in part),
+                                      str(count)))
         written += len(rows)
     return written
+
+
+def _params(first: int, count: int) -> list[str]:
+    """Parameter placeholders ``$first`` … ``$(first + count - 1)``."""
+    return [f"${i}" for i in range(first, first + count)]
 
 
 INSERT_CHUNK_ROWS = (16, 8, 4, 2, 1)
