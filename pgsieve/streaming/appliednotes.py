@@ -25,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -215,7 +215,7 @@ class ImageTrims:
 
 
 def record_applied(session: Session, progress: Iterable[AppliedProgress],
-                   trims: ImageTrims) -> None:
+                   trims: ImageTrims, pause: Callable[[], None] = lambda: None) -> None:
     """Write ``progress`` to the subscriptions (the caller commits).
 
     In SQLAlchemy Core, not through ORM objects: a worker with tens of subscriptions
@@ -224,19 +224,32 @@ def record_applied(session: Session, progress: Iterable[AppliedProgress],
     (:func:`lock_rows`), one SELECT reads what the new values depend on; each UPDATE sets
     only the columns that changed (as the ORM did, so a column another writer set
     meanwhile is not written back); table counters are added
-    in SQL; one INSERT takes all UPDATE images."""
+    in SQL; one INSERT takes all UPDATE images.
+
+    ``pause`` is called between the write's parts (every :data:`PAUSE_EVERY`
+    subscriptions settled or read, before each statement): the scheduler waits there for
+    a gap between two turns. The whole write is ~40 ms of Python for 50 subscriptions
+    when the source commits synchronously (PostgreSQL's default): a commit comes every
+    few milliseconds, no lull is long enough for it, and in one piece it held the GIL
+    while the turns applying those commits waited (bench/RESULTS.md, thirty-third
+    session)."""
     by_id = {p.subscription_id: p for p in progress}
-    for p in by_id.values():
+    for i, p in enumerate(by_id.values()):
+        if i % PAUSE_EVERY == 0:
+            pause()
         p.settle()  # (decoding the images before the rows are locked)
     images: list[dict[str, Any]] = []
     updates: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     counted = [sid for sid, p in by_id.items() if p.tables]
     # Others merge into ``stats`` too (the restarter, a cycle's error counters): what is
     # read here stays current until this transaction commits.
+    pause()
     lock_rows(session, _SUBS, list(by_id))
     for chunk in in_chunks(sorted(by_id)):
         rows = session.execute(select(*_READ).where(_SUBS.c.id.in_(chunk))).all()
-        for row in rows:
+        for i, row in enumerate(rows):
+            if i and i % PAUSE_EVERY == 0:
+                pause()
             p = by_id[row.id]
             changed = _new_values(row._asdict(), p)
             if changed:
@@ -245,14 +258,23 @@ def record_applied(session: Session, progress: Iterable[AppliedProgress],
                     {"b_id": row.id, **{f"v_{c}": v for c, v in changed.items()}})
             images += _image_rows(p)
     for columns, params in updates.items():
+        pause()
         session.execute(update(_SUBS).where(_SUBS.c.id == bindparam("b_id")).values(
             {c: bindparam(f"v_{c}") for c in columns}), params)
+    pause()
     _add_table_counts(session, {sid: by_id[sid] for sid in counted})
     if images:
+        pause()
         session.execute(insert(UpdateImage), images)
-        for p in by_id.values():
+        for i, p in enumerate(by_id.values()):
+            if i and i % PAUSE_EVERY == 0:
+                pause()
             _trim_images(session, p, trims)
 
+
+PAUSE_EVERY = 5
+"""Subscriptions settled, read or trimmed between two pauses of :func:`record_applied`
+(~1 ms of Python for 5 with the source committing synchronously)."""
 
 _SUBS = cast(Table, Subscription.__table__)
 _TABLES = cast(Table, SubscriptionTable.__table__)

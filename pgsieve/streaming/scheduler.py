@@ -126,6 +126,13 @@ flush's burst has lulls of a few milliseconds (while the walsenders still decode
 arrivals), where every other group progress write used to start: 15 ms of the GIL at
 N = 50, landing 25–31 ms into a 40 ms burst (``scale_bench --perf-sched``, session 30).
 The gap after a burst lasts over 100 ms at the source's 200 ms WAL flushes."""
+PROGRESS_GAP_WAIT_SECONDS = 0.02
+"""How long each part of a group progress write (and the heartbeat's transaction) waits
+at most for no turn to run or be due (no settle: any gap between two turns will do). In
+one piece the group write held the GIL for ~40 ms for 50 subscriptions with the source
+committing synchronously (PostgreSQL's default), where a commit comes every few
+milliseconds and no 20 ms lull ever does: it ran amid the turns, and the transactions
+they applied meanwhile waited (bench/RESULTS.md, thirty-third session)."""
 QUIET_POLL_SECONDS = 0.005
 """How often that wait looks again (a turn coming due is a matter of time, not a
 notification)."""
@@ -302,14 +309,16 @@ class Scheduler:
             self._stopping.wait(max(0.0, started + PROGRESS_WRITE_EVERY - time.monotonic()))
 
     def _write_progress(self) -> bool:
-        """What the streams applied and is not written yet, written now; False when the
-        metadata store refused it (kept for the next write)."""
+        """What the streams applied and is not written yet, written now, in one
+        transaction whose parts wait for gaps between turns (``record_applied``'s pauses,
+        :data:`PROGRESS_GAP_WAIT_SECONDS`); False when the metadata store refused it
+        (kept for the next write)."""
         progress = self._progress.take()
         if not progress:
             return True
         try:
             with self.sessions() as session:
-                record_applied(session, progress, self._progress.trims)
+                record_applied(session, progress, self._progress.trims, pause=self._gap)
                 session.commit()
         except Exception as exc:
             self._progress.restore(progress)
@@ -318,6 +327,11 @@ class Scheduler:
             return False
         self._progress.written()
         return True
+
+    def _gap(self) -> None:
+        """Until no turn runs or is due (any gap between two turns), at most
+        :data:`PROGRESS_GAP_WAIT_SECONDS`: where a metadata write's Python goes on."""
+        self._wait_quiet(PROGRESS_GAP_WAIT_SECONDS, settle=0.0)
 
     # -- taking a subscription ---------------------------------------------------------------
     def adopt(self, subscription_id: str) -> str:
@@ -537,9 +551,9 @@ class Scheduler:
                     if not self._turns_running:
                         self._quiet.notify_all()
 
-    def _wait_quiet(self, limit: float) -> None:
-        """Wait until no turn runs or is due and none has for ``QUIET_SETTLE_SECONDS``,
-        at most ``limit`` seconds. Why: pushed data arrives in bursts (each WAL flush at
+    def _wait_quiet(self, limit: float, settle: float = QUIET_SETTLE_SECONDS) -> None:
+        """Wait until no turn runs or is due and none has for ``settle`` seconds, at
+        most ``limit`` seconds. Why: pushed data arrives in bursts (each WAL flush at
         the source wakes most streams at once), and a metadata write (the group progress,
         the heartbeat, the sweep's query) holds the GIL for milliseconds: done in the
         middle of a burst, every turn still queued waits for it; done in the gap after
@@ -554,9 +568,9 @@ class Scheduler:
                 wait = QUIET_POLL_SECONDS
                 if not self._turns_running and not due:
                     settled = now - self._busy_at
-                    if settled >= QUIET_SETTLE_SECONDS:
+                    if settled >= settle:
                         return
-                    wait = QUIET_SETTLE_SECONDS - settled
+                    wait = settle - settled
                 self._quiet.wait(min(deadline - now, wait))
 
     def _take_turn(self, held: _Held, due: float) -> None:
@@ -710,6 +724,9 @@ class Scheduler:
         before its next turn), and the worker's own heartbeat with what the scheduler
         reports (``/metrics``, the dashboard, the other workers' fair share). Returns
         the locks lost."""
+        report = self.snapshot() if self.worker is not None else {}
+        # (its Python out of the transaction's, and the transaction in a gap between turns)
+        self._gap()
         with self._notes_mutex:
             notes, self._notes = self._notes, {}
         with self.sessions() as session:
@@ -723,7 +740,7 @@ class Scheduler:
                         h.stream.run.request_control()
             if self.worker is not None:
                 beat = session.get(WorkerHeartbeat, self.worker)
-                details = {"pid": os.getpid(), "scheduler": self.snapshot()}
+                details = {"pid": os.getpid(), "scheduler": report}
                 if beat is None:
                     session.add(WorkerHeartbeat(worker=self.worker, beat_at=utcnow(),
                                                 details=details))
@@ -834,6 +851,12 @@ class Scheduler:
         """Subscriptions held and the turn wait (p50/p99 over the last minute): how long
         a subscription that was due waited for a runner."""
         cutoff = time.monotonic() - WAIT_WINDOW
+        # Older samples go first (runners append on the right meanwhile): each report
+        # walks one window, not the deques' whole length.
+        while self._waits and self._waits[0][0] < cutoff:
+            self._waits.popleft()
+        while self._durations and self._durations[0][0] < cutoff:
+            self._durations.popleft()
         waits = sorted(w for at, w in list(self._waits) if at >= cutoff)
         recent = [(d, worked) for at, d, worked in list(self._durations) if at >= cutoff]
         busy = sorted(d for d, worked in recent if worked)

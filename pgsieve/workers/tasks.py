@@ -143,8 +143,8 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
     import threading
 
     settings: Settings = celery_app.conf.pgsieve_settings
+    freeze_startup_heap()  # the modules, now: collections during the warm-up skip them
     if not settings.spark_warmup:
-        freeze_startup_heap()
         return
 
     def start() -> None:
@@ -160,7 +160,7 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
             get_spark(settings)
         except Exception as exc:  # reported again, with context, when a job needs it
             log.warning("Spark warm-up failed: %s", exc)
-        freeze_startup_heap()
+        freeze_startup_heap()  # and what Spark and py4j brought
 
     threading.Thread(target=start, name="spark-warmup", daemon=True).start()
 
@@ -170,9 +170,15 @@ def freeze_startup_heap() -> None:
     out of the garbage collector's reach. They live as long as the process, yet each
     full collection walked all of them: measured with 50 subscriptions streaming, a
     pause of 0.12–0.19 s every ~10 s in every thread — every subscription's lag jumped by
-    it. Objects created later (batches, turns) are collected as before."""
+    it. Objects created later (batches, turns) are collected as before.
+
+    Only the young generations are collected first, not the whole heap: a full
+    collection here held the GIL for as long as the pauses it prevents (0.2–1.0 s when
+    the Spark warm-up ended with 50 subscriptions streaming, every turn stopped behind
+    it; bench/RESULTS.md, thirty-third session). The price is the old generation's
+    garbage of the moment, frozen with the rest once (~900 objects measured)."""
     started = time.perf_counter()
-    gc.collect()
+    gc.collect(1)
     gc.freeze()
     log.info("the startup heap is frozen: %d objects outside the collector's scans "
              "(the collection before it took %.3f s)", gc.get_freeze_count(),

@@ -27,6 +27,7 @@ from pgsieve.platform.models import (
     UpdateImage,
 )
 from pgsieve.streaming.appliednotes import (
+    PAUSE_EVERY,
     UNSETTLED_LIMIT,
     AppliedProgress,
     ImageTrims,
@@ -295,3 +296,41 @@ def test_batches_past_the_limit_settle_in_the_stream_and_keep_every_tables_windo
     newest = [end * 1000 + i for end in range(2, 2 + 3 * UNSETTLED_LIMIT)
               for i in range(7)][-UPDATE_IMAGE_WINDOW:]
     assert kept == newest
+
+
+def test_a_write_pauses_between_its_parts(engine: Engine, sub_id: str) -> None:
+    """The scheduler's progress thread waits at each pause for a gap between turns: the
+    images of every few subscriptions are decoded before any lock is taken, each
+    statement comes after a pause, and what is written is the same."""
+    with Session(engine) as session:
+        template = session.get(Subscription, sub_id)
+        assert template is not None
+        ids = [sub_id]
+        for k in range(11):
+            sub = Subscription(name=f"sub{k}", source_id=template.source_id,
+                               target_id=template.target_id, publications=["p"],
+                               slot_name=f"pgsieve_sub{k}", state="streaming")
+            sub.tables = [SubscriptionTable(table_name="public.orders", sync_state="ready")]
+            session.add(sub)
+            session.flush()
+            ids.append(sub.id)
+        session.commit()
+    progress = []
+    for sid in ids:
+        p = AppliedProgress(sid)
+        p.add(batch(100, inserts=2, images=1), 0.01, None)
+        progress.append(p)
+    pauses: list[bool] = []
+    with Session(engine) as session:
+        record_applied(session, progress, ImageTrims(),
+                       pause=lambda: pauses.append(session.in_transaction()))
+        session.commit()
+    settling = -(-len(ids) // PAUSE_EVERY)
+    assert pauses[:settling + 1] == [False] * (settling + 1)  # no transaction yet
+    # reading the rows, the UPDATE, the table counts, the images and their trims
+    assert len(pauses) >= settling + 1 + (len(ids) - 1) // PAUSE_EVERY + 3
+    with Session(engine) as session:
+        applied = session.scalars(select(Subscription.applied_lsn)
+                                  .where(Subscription.id.in_(ids))).all()
+        assert applied == [100] * len(ids)
+        assert len(session.scalars(select(UpdateImage)).all()) == len(ids)

@@ -13,15 +13,22 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 from pgsieve.platform.settings import Settings
+from pgsieve.streaming import scheduler as scheduler_module
+from pgsieve.streaming.appliednotes import AppliedProgress
 from pgsieve.streaming.pipeline import OpenStream
-from pgsieve.streaming.scheduler import QUIET_SETTLE_SECONDS, Scheduler, _Held
+from pgsieve.streaming.scheduler import (
+    PROGRESS_GAP_WAIT_SECONDS,
+    QUIET_SETTLE_SECONDS,
+    Scheduler,
+    _Held,
+)
 
 
 @dataclass
@@ -158,3 +165,39 @@ def test_a_busy_workers_turns_leave_their_progress_to_the_group_write(
     gaps = [b - a for a, b in itertools.pairwise(writes)]
     assert max(gaps) > 1.05, gaps  # write, then a quiet wait run out: the long gaps
     assert idle_moments == 0
+
+
+def test_a_group_progress_write_goes_on_in_the_gaps_between_turns(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """With the source committing synchronously a turn comes every few milliseconds and
+    no lull is ever long enough for a whole group write (~40 ms of Python for 50
+    subscriptions, which held the GIL amid the turns). Its parts wait at
+    ``record_applied``'s pauses for a gap between two turns: each part here begins while
+    no turn runs."""
+    # Turns of 10 ms, each due again 4 ms after it ended: short gaps, never a lull.
+    run = _Run(seconds=0.01, worked=False)
+    parts: list[bool] = []
+
+    def record(session: Any, progress: list[AppliedProgress], trims: Any,
+               pause: Callable[[], None]) -> None:
+        for _ in range(20):  # 20 parts of 2 ms of "Python"
+            pause()
+            parts.append(scheduler._turns_running > 0)
+            time.sleep(0.002)
+
+    monkeypatch.setattr(scheduler_module, "record_applied", record)
+    with _turns(tmp_path, run, idle_poll_seconds=0.004) as scheduler:
+        book = scheduler._progress
+        book._by_id["a"] = AppliedProgress("a")
+        book._pending.set()
+        started = time.monotonic()
+        assert scheduler._write_progress()
+        took = time.monotonic() - started
+        turns = len(run.turns)
+    assert run.seconds < PROGRESS_GAP_WAIT_SECONDS  # so a gap is always found in time
+    # Without the pauses' waits about 10 ms of every 14 would find a turn running; a
+    # turn may still start just after a look, on a loaded machine.
+    assert sum(parts) <= 3, parts
+    assert took < 20 * PROGRESS_GAP_WAIT_SECONDS + 0.5, took
+    assert turns > 5  # the turns went on meanwhile
+    assert not book.take()  # written
