@@ -418,6 +418,7 @@ def deployment(root: Path, tenants: list[int], native: bool,
         else:
             raise RuntimeError(f"the worker holds only {held} of {n} subscriptions "
                                f"(log: {root / 'worker.log'})")
+        wait_until_warm(root / "worker.log", worker_settings)
         if native and pgsieve_first and not apart:
             wait_for_walsenders(src, "pgsieve-consumer", n)
             alter_native(clusters["native"], tenants, "ENABLE")
@@ -442,6 +443,30 @@ def deployment(root: Path, tenants: list[int], native: bool,
                     nconn.execute(f"ALTER SUBSCRIPTION n{k} DISABLE")
         for each in clusters.values():
             each.destroy()
+
+
+WARM_LINE = b"the startup heap is frozen"
+"""What a worker logs when it froze its heap: once when it is ready, and once more when
+its Spark warm-up ended (``PGSIEVE_SPARK_WARMUP``, on by default)."""
+
+
+def wait_until_warm(log: Path, worker_settings: dict[str, str], limit: float = 120.0) -> None:
+    """Until the worker's Spark warm-up ended: its JVM's start (10–20 s of CPU) and the
+    freeze after it belong to a worker's first minute, not to its steady state, and a
+    phase that began before they ended measured them (thirty-third session: a
+    ``--no-native`` phase began ~25 s after the worker started, the warm-up ended ~31 s
+    after)."""
+    warmup = worker_settings.get("PGSIEVE_SPARK_WARMUP", "true").lower() not in (
+        "0", "false", "no", "off")
+    wanted = 2 if warmup else 1
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
+        if log.read_bytes().count(WARM_LINE) >= wanted:
+            print(f"(the worker was warm {time.monotonic() - started:.1f} s after it held "
+                  "every subscription)", flush=True)
+            return
+        time.sleep(0.5)
+    print(f"(the worker was not warm after {limit:.0f} s; measuring anyway)", flush=True)
 
 
 def scheduler_report(db_url: str) -> dict[str, Any]:

@@ -172,17 +172,16 @@ def freeze_startup_heap() -> None:
     pause of 0.12–0.19 s every ~10 s in every thread — every subscription's lag jumped by
     it. Objects created later (batches, turns) are collected as before.
 
-    Only the young generations are collected first, not the whole heap: a full
-    collection here held the GIL for as long as the pauses it prevents (0.2–1.0 s when
-    the Spark warm-up ended with 50 subscriptions streaming, every turn stopped behind
-    it; bench/RESULTS.md, thirty-third session). The price is the old generation's
-    garbage of the moment, frozen with the rest once (~900 objects measured)."""
+    Nothing is collected first: a full collection here held the GIL for as long as the
+    pauses it prevents (0.2–1.0 s when the Spark warm-up ended with 50 subscriptions
+    streaming, every turn stopped behind it), and even the young generations' took
+    0.06–0.13 s then (bench/RESULTS.md, thirty-third session); the freeze itself moves
+    lists, whatever their length. The price is the cyclic garbage of the moment, kept
+    once (~1,000 objects measured after the warm-up)."""
     started = time.perf_counter()
-    gc.collect(1)
     gc.freeze()
     log.info("the startup heap is frozen: %d objects outside the collector's scans "
-             "(the collection before it took %.3f s)", gc.get_freeze_count(),
-             time.perf_counter() - started)
+             "(in %.4f s)", gc.get_freeze_count(), time.perf_counter() - started)
 
 
 @worker_shutting_down.connect
