@@ -25,11 +25,11 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from sqlalchemy import Table, and_, bindparam, delete, insert, select, update
 from sqlalchemy.orm import Session
@@ -53,6 +53,7 @@ from pgsieve.platform.models import (
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.wire.lsn import Lsn
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 BUSY_WITHIN_SECONDS = 1.0
@@ -234,9 +235,7 @@ def record_applied(session: Session, progress: Iterable[AppliedProgress],
     while the turns applying those commits waited (bench/RESULTS.md, thirty-third
     session)."""
     by_id = {p.subscription_id: p for p in progress}
-    for i, p in enumerate(by_id.values()):
-        if i % PAUSE_EVERY == 0:
-            pause()
+    for p in _pausing(by_id.values(), pause, first=True):
         p.settle()  # (decoding the images before the rows are locked)
     images: list[dict[str, Any]] = []
     updates: dict[tuple[str, ...], list[dict[str, Any]]] = {}
@@ -247,9 +246,7 @@ def record_applied(session: Session, progress: Iterable[AppliedProgress],
     lock_rows(session, _SUBS, list(by_id))
     for chunk in in_chunks(sorted(by_id)):
         rows = session.execute(select(*_READ).where(_SUBS.c.id.in_(chunk))).all()
-        for i, row in enumerate(rows):
-            if i and i % PAUSE_EVERY == 0:
-                pause()
+        for row in _pausing(rows, pause):
             p = by_id[row.id]
             changed = _new_values(row._asdict(), p)
             if changed:
@@ -266,15 +263,23 @@ def record_applied(session: Session, progress: Iterable[AppliedProgress],
     if images:
         pause()
         session.execute(insert(UpdateImage), images)
-        for i, p in enumerate(by_id.values()):
-            if i and i % PAUSE_EVERY == 0:
-                pause()
+        for p in _pausing(by_id.values(), pause):
             _trim_images(session, p, trims)
 
 
 PAUSE_EVERY = 5
 """Subscriptions settled, read or trimmed between two pauses of :func:`record_applied`
 (~1 ms of Python for 5 with the source committing synchronously)."""
+
+
+def _pausing(items: Iterable[T], pause: Callable[[], None], *,
+             first: bool = False) -> Iterator[T]:
+    """``items``, with ``pause()`` before every :data:`PAUSE_EVERY`-th (and before the
+    first when ``first``)."""
+    for i, item in enumerate(items):
+        if i % PAUSE_EVERY == 0 and (i or first):
+            pause()
+        yield item
 
 _SUBS = cast(Table, Subscription.__table__)
 _TABLES = cast(Table, SubscriptionTable.__table__)
