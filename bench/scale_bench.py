@@ -418,7 +418,7 @@ def deployment(root: Path, tenants: list[int], native: bool,
         else:
             raise RuntimeError(f"the worker holds only {held} of {n} subscriptions "
                                f"(log: {root / 'worker.log'})")
-        wait_until_warm(root / "worker.log", worker_settings)
+        wait_until_warm(root / "worker.log", worker_settings, workers)
         if native and pgsieve_first and not apart:
             wait_for_walsenders(src, "pgsieve-consumer", n)
             alter_native(clusters["native"], tenants, "ENABLE")
@@ -450,15 +450,19 @@ WARM_LINE = b"the startup heap is frozen"
 its Spark warm-up ended (``PGSIEVE_SPARK_WARMUP``, on by default)."""
 
 
-def wait_until_warm(log: Path, worker_settings: dict[str, str], limit: float = 120.0) -> None:
-    """Until the worker's Spark warm-up ended: its JVM's start (10–20 s of CPU) and the
+def wait_until_warm(log: Path, worker_settings: dict[str, str], workers: int = 1,
+                    limit: float = 120.0) -> None:
+    """Until every worker's Spark warm-up ended: its JVM's start (10–20 s of CPU) and the
     freeze after it belong to a worker's first minute, not to its steady state, and a
     phase that began before they ended measured them (thirty-third session: a
     ``--no-native`` phase began ~25 s after the worker started, the warm-up ended ~31 s
-    after)."""
+    after). The workers share one log: each writes the line when it is ready, and once
+    more when its warm-up ended (thirty-fourth session: with ``--workers 2`` the two
+    ready lines were taken for the end of the warm-up, and both JVMs started inside the
+    measured stretch)."""
     warmup = worker_settings.get("PGSIEVE_SPARK_WARMUP", "true").lower() not in (
         "0", "false", "no", "off")
-    wanted = 2 if warmup else 1
+    wanted = (2 if warmup else 1) * workers
     started = time.monotonic()
     while time.monotonic() - started < limit:
         if log.read_bytes().count(WARM_LINE) >= wanted:
@@ -864,7 +868,8 @@ def worker_settings(args: argparse.Namespace) -> dict[str, str]:
     out = {}
     for item in args.set:
         name, _, value = item.partition("=")
-        out[f"PGSIEVE_{name.upper()}"] = value
+        name = name.upper()
+        out[name if name.startswith("PGSIEVE_") else f"PGSIEVE_{name}"] = value
     return out
 
 
