@@ -66,6 +66,7 @@ from sqlalchemy import text
 
 from bench.schedtrace import BURST_GAP, SchedTrace, analyse, bursts_of
 from bench.schedtrace import report as sched_report
+from bench.stallprobe import StallProbe, Stalls
 from pgsieve.api.app import create_app
 from pgsieve.platform.db import engine_for
 from pgsieve.platform.migrate import upgrade
@@ -583,6 +584,8 @@ class Phase:
     report: dict[str, Any]
     sched: list[str] = field(default_factory=list)
     """``--perf-sched``: the scheduler trace's report (:mod:`bench.schedtrace`)."""
+    stalls: Stalls | None = None
+    """The machine's own stalls over the measured stretch (:mod:`bench.stallprobe`)."""
 
 
 PERF_AFTER_WARMUP = 2.0
@@ -612,6 +615,7 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
     prober = threading.Thread(target=probe, args=(dsns, commits, stop, lags,
                                                   t0 + args.warmup, series))
     prober.start()
+    stall_probe = StallProbe(args.warmup, max(0.0, args.seconds - args.warmup))
     done = drive(d["src"], tenants, args.rate, args.seconds, commits,
                  first_id=1 + index * 10**12, sync_commit=args.source_commit == "sync")
     elapsed = time.monotonic() - t0
@@ -647,7 +651,7 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
         for system, pairs in measured.items():
             sched += sched_report(system, record, analyse(record, pairs))
     return Phase(systems, done, elapsed, lags, exact, latencies, bursts, watcher, report,
-                 sched)
+                 sched, stall_probe.result())
 
 
 PREFIXES = {"pgsieve": ("target", "t"), "native": ("native", "n")}
@@ -822,6 +826,8 @@ def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bo
             decode = sum(p.watcher.source_cpu_by(f"n{k}") for k in range(n)) / p.elapsed / n
             parts.append(f"native walsender {decode * 100:.1f} % of a core")
         print("source decode CPU per subscription: " + ", ".join(parts))
+        if p.stalls is not None:
+            print(p.stalls.describe())
         for line in p.sched:
             print(line)
 

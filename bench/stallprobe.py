@@ -1,0 +1,95 @@
+"""How often the machine itself stalls a process, whatever its priority.
+
+A probe process at the highest priority it may take (nice -20 as root, its own nice
+otherwise) sleeps 0.5 ms in a loop for the measured stretch and counts the wake-ups that
+came late by more than 5 and 10 ms. On an idle machine none do. Under a scheduler that
+is fair between priorities, a process at nice -20 waits for a core for well under a
+millisecond, however busy the others keep it; wake-ups 10-60 ms late mean the machine
+stopped every process for that long (a virtual CPU the host did not run, a kernel
+section that does not preempt).
+
+Why in the benchmark: a transaction's path through pgsieve wakes more processes than
+native's (walsender -> push thread -> runner -> target backend -> runner, against
+walsender -> apply worker), so each of these stalls reaches more of its transactions;
+``scale_bench`` prints the probe's figures per phase, so a run's result can be read
+against the machine it ran on (bench/RESULTS.md, thirty-fourth session).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+_PROBE = r"""
+import json, os, sys, time
+nice = 0
+try:
+    os.nice(-20)
+except OSError:
+    pass
+nice = os.nice(0)
+time.sleep(float(sys.argv[1]))
+end = time.monotonic() + float(sys.argv[2])
+wakes = late5 = late10 = 0
+worst = 0.0
+while True:
+    t = time.monotonic()
+    if t >= end:
+        break
+    time.sleep(0.0005)
+    late = time.monotonic() - t - 0.0005
+    wakes += 1
+    worst = max(worst, late)
+    late5 += late > 0.005
+    late10 += late > 0.010
+print(json.dumps({"nice": nice, "wakes": wakes, "late5": late5, "late10": late10,
+                  "worst": worst, "seconds": float(sys.argv[2])}))
+"""
+
+
+@dataclass(frozen=True)
+class Stalls:
+    """What the probe saw over its stretch."""
+
+    nice: int
+    wakes: int
+    late5: int
+    late10: int
+    worst: float
+    seconds: float
+
+    def describe(self) -> str:
+        per = max(self.seconds, 1e-9)
+        return (f"machine stalls (a probe at nice {self.nice} sleeping 0.5 ms, "
+                f"{self.seconds:.0f} s): {self.late10 / per:.1f}/s woke > 10 ms late, "
+                f"{self.late5 / per:.1f}/s > 5 ms, worst {self.worst * 1000:.0f} ms "
+                f"({self.wakes:,} wake-ups)")
+
+
+class StallProbe:
+    """The probe over ``seconds`` starting ``delay`` seconds from now, in its own
+    process (a thread of the benchmark would measure the benchmark's GIL)."""
+
+    def __init__(self, delay: float, seconds: float) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _PROBE, str(max(0.0, delay)), str(max(0.0, seconds))],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._until = time.monotonic() + delay + seconds
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def result(self) -> Stalls | None:
+        """Waits for the stretch to end; None if the probe failed."""
+        try:
+            out, _ = self._proc.communicate(
+                timeout=max(5.0, self._until - time.monotonic() + 5.0))
+            return Stalls(**json.loads(out))
+        except (subprocess.TimeoutExpired, ValueError, TypeError):
+            self._proc.kill()
+            self._proc.communicate()
+            return None
