@@ -281,6 +281,7 @@ def _pausing(items: Iterable[T], pause: Callable[[], None], *,
             pause()
         yield item
 
+
 _SUBS = cast(Table, Subscription.__table__)
 _TABLES = cast(Table, SubscriptionTable.__table__)
 _IMAGES = cast(Table, UpdateImage.__table__)
