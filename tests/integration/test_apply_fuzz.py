@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -274,6 +275,13 @@ def seeds() -> list[int]:
 @pytest.mark.parametrize("per_batch", [1, 5, None, harness.STAGED],
                          ids=["txn", "five", "all", "staged"])
 def test_random_workloads_end_like_native(pair: Pair, per_batch: int | str | None, seed: int):
+    run_and_compare(pair, seed, per_batch)
+
+
+def run_and_compare(pair: Pair, seed: int, per_batch: int | str | None,
+                    spark: Any = None, distributed: bool | None = False) -> None:
+    """Three rounds of :func:`workload`, each applied in batches of ``per_batch``
+    transactions and compared with native and with the source."""
     pair.publications = ("p", "p2", "p3")
     pair.binary = seed % 2 == 1  # pgoutput's values in binary format on odd seeds
     pair.setup(SOURCE, TARGET, tables=[f"public.{t}" for t in TABLES])
@@ -282,7 +290,7 @@ def test_random_workloads_end_like_native(pair: Pair, per_batch: int | str | Non
         for round_ in range(3):
             workload(conn, rnd, 60)
             conn.commit()
-            pair.apply(per_batch)
+            pair.apply(per_batch, spark=spark, distributed=distributed)
             pair.confirm()
             pair.wait_native()
             for table, where in FILTERED.items():
@@ -317,6 +325,11 @@ def test_random_workloads_through_a_worker_killed_midway_end_like_native(
             "options": {"binary": seed % 2 == 1}})
         native_subscription(source_db, native_db, "native_fuzz", ["p", "p2", "p3"])
         worker = env.start_worker()
+        # A second session writes at the same time: its transactions interleave with the
+        # first's in the WAL (a large one streamed in chunks between the other's commits).
+        beside = threading.Thread(target=concurrent_workload,
+                                  args=(source_db, random.Random(seed + 1000), 120))
+        beside.start()
         with source_db.connect(autocommit=False) as conn:
             for round_ in range(4):
                 for _ in range(40):
@@ -331,6 +344,7 @@ def test_random_workloads_through_a_worker_killed_midway_end_like_native(
                                "the first round applied", env)
                     env.kill(worker)
                     worker = env.start_worker()
+        beside.join()
         end = source_lsn(source_db)
         wait_until(lambda: native_caught_up(source_db, native_db, "native_fuzz", end), 60,
                    "the native subscriber")
@@ -357,3 +371,11 @@ def applied_by(target: Database, lsn: str) -> bool:
         return applied_past(target, lsn)
     except psycopg.errors.UndefinedTable:
         return False
+
+
+def concurrent_workload(db: Database, rnd: random.Random, transactions: int) -> None:
+    with db.connect(autocommit=False) as conn:
+        for _ in range(transactions):
+            workload(conn, rnd, 1)
+            conn.commit()
+            time.sleep(rnd.uniform(0, 0.02))

@@ -11,6 +11,7 @@ import pytest
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark, spark_properties
 from tests.integration import test_apply as harness
+from tests.integration import test_apply_fuzz as fuzz
 from tests.integration.test_apply import Pair
 
 native_db = harness.native_db
@@ -88,3 +89,10 @@ def test_distributed_apply_equals_native(pair: Pair, spark: Any, per_batch: int 
     assert sum(r.fetched_rows for r in results) == 10
     assert pair.writer.applied_lsn() == results[-1].end_lsn
     assert pair.rows(pair.target, "hot") == [(1, 43)]
+
+
+@pytest.mark.parametrize("seed", fuzz.seeds())
+def test_random_workloads_through_spark_end_like_native(pair: Pair, spark: Any, seed: int):
+    """The random workloads of :mod:`tests.integration.test_apply_fuzz`, every batch
+    (everything each round wrote) through the Spark path."""
+    fuzz.run_and_compare(pair, seed, None, spark=spark, distributed=True)
