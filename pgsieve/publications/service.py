@@ -29,6 +29,9 @@ kind.
 
 from __future__ import annotations
 
+import logging
+import random
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
@@ -96,8 +99,12 @@ __all__ = [
     "validate_definition",
 ]
 
+log = logging.getLogger(__name__)
+
 DDL_LOCK_TIMEOUT_MS = 3000
 DDL_STATEMENT_TIMEOUT_MS = 15000
+DEADLOCK_ATTEMPTS = 3
+"""Attempts of a publication change that PostgreSQL ended as a deadlock's victim."""
 
 
 class PublicationCode(StrEnum):
@@ -718,31 +725,47 @@ def apply_publication(
     source_unreachable on a lost connection).
     """
     what = "the publication"
-    try:
-        with conn.transaction(force_rollback=not commit):
-            _set_local(conn, lock_timeout_ms, statement_timeout_ms)
-            _lock(conn, pub.name)
-            before = read_live_publications(conn, [pub.name]).get(pub.name)
-            if create and before is not None:
-                raise Conflict(f"a publication named '{pub.name}' already exists on the source",
-                               code=PublicationCode.EXISTS)
-            if before_ddl is not None:
-                before_ddl(conn)
-            baseline = _identity_failures(conn, pub)
-            for statement in _statements(conn, pub, before.definition if before else None):
-                conn.execute(statement, prepare=False)
-            errors, warnings = _probe_identity(conn, pub, baseline)
-            if errors:
-                raise PublicationInvalid(errors, warnings)
-            after = read_live_publications(conn, [pub.name])[pub.name]
-            result = ApplyResult(before, after, warnings)
-            if on_applied is not None:
-                on_applied(result)
-    except psycopg.Error as exc:
-        if conn.broken or conn.closed:
-            raise Unreachable(f"lost the connection to the source: {exc}") from None
-        raise _postgres_error(exc, what) from None
-    return result
+    for attempt in range(1, DEADLOCK_ATTEMPTS + 1):
+        handed_over = False
+        try:
+            with conn.transaction(force_rollback=not commit):
+                _set_local(conn, lock_timeout_ms, statement_timeout_ms)
+                _lock(conn, pub.name)
+                before = read_live_publications(conn, [pub.name]).get(pub.name)
+                if create and before is not None:
+                    raise Conflict(
+                        f"a publication named '{pub.name}' already exists on the source",
+                        code=PublicationCode.EXISTS)
+                if before_ddl is not None:
+                    before_ddl(conn)
+                baseline = _identity_failures(conn, pub)
+                for statement in _statements(conn, pub, before.definition if before else None):
+                    conn.execute(statement, prepare=False)
+                errors, warnings = _probe_identity(conn, pub, baseline)
+                if errors:
+                    raise PublicationInvalid(errors, warnings)
+                after = read_live_publications(conn, [pub.name])[pub.name]
+                result = ApplyResult(before, after, warnings)
+                if on_applied is not None:
+                    handed_over = True
+                    on_applied(result)
+        except psycopg.errors.DeadlockDetected as exc:
+            # The source's own writers hold a table this transaction locks (a
+            # reconciliation's SHARE locks, several tables) while they wait for another
+            # it holds: PostgreSQL ended this transaction, nothing of it stands. Again,
+            # unless the caller already acted on it (its metadata then belongs to it).
+            if handed_over or attempt == DEADLOCK_ATTEMPTS or conn.broken or conn.closed:
+                raise _postgres_error(exc, what) from None
+            log.info("publication %s: deadlock with the source's writers, attempt %d of %d",
+                     pub.name, attempt, DEADLOCK_ATTEMPTS)
+            time.sleep(random.uniform(0.05, 0.25) * attempt)  # noqa: S311 - a backoff
+            continue
+        except psycopg.Error as exc:
+            if conn.broken or conn.closed:
+                raise Unreachable(f"lost the connection to the source: {exc}") from None
+            raise _postgres_error(exc, what) from None
+        return result
+    raise AssertionError("unreachable")
 
 
 def drop_publication(

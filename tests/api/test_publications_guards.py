@@ -201,3 +201,52 @@ def test_a_change_waiting_too_long_for_another_is_busy(client, sid, src: Databas
         assert_problem(client.delete(url(sid, "p")), 409, "publication_busy")
     assert src.query(CATALOG) == before
     assert metadata(metadata_engine) == meta
+
+
+def test_a_change_that_deadlocks_with_the_sources_writers_is_made_again(
+        src: Database, caplog: pytest.LogCaptureFixture):
+    """A reconciliation's change first takes SHARE locks on the publication's tables, one
+    after the other. A writer of the source holding one of them, then writing another
+    the change already holds, deadlocks with it; PostgreSQL ends the change's transaction
+    (it waited first) and the writer goes on. The change is made again, and succeeds once
+    the writer committed — instead of a 409 for an everyday multi-table transaction."""
+    from pgsieve.publications.service import apply_publication
+    from pgsieve.rowfilter.effective import Publication, PublishedTable
+    from pgsieve.sync.moved import lock_and_export
+
+    src.execute("CREATE PUBLICATION dl FOR TABLE t2, t3")
+    new = Publication("dl", (PublishedTable("public.t2", "id > 0"), PublishedTable("public.t3")))
+    outcome: dict[str, Any] = {}
+    attempts: list[int] = []
+
+    def lock(conn: psycopg.Connection[Any]) -> None:
+        attempts.append(1)
+        lock_and_export(conn, ["public.t2", "public.t3"])
+
+    def change() -> None:
+        try:
+            with src.connect(autocommit=True) as conn:
+                outcome["result"] = apply_publication(conn, new, create=False, before_ddl=lock)
+        except Exception as exc:  # surfaced below
+            outcome["error"] = exc
+
+    with src.connect(autocommit=False) as writer, caplog.at_level("INFO"):
+        writer.execute("INSERT INTO t3 VALUES (1, 1)")  # holds t3
+        changing = threading.Thread(target=change)
+        changing.start()
+        # the change holds t2 and waits for t3
+        deadline = time.monotonic() + 10
+        while not src.query("SELECT 1 FROM pg_locks WHERE NOT granted AND mode = 'ShareLock' "
+                            "AND relation = 'public.t3'::regclass"):
+            assert time.monotonic() < deadline, "the change never waited for t3"
+            time.sleep(0.02)
+        writer.execute("INSERT INTO t2 VALUES (1, 1)")  # waits for t2: a deadlock
+        writer.commit()
+        changing.join(30)
+    assert "error" not in outcome, outcome.get("error")
+    assert len(attempts) == 2, "made twice: the first attempt was the deadlock's victim"
+    assert "deadlock with the source's writers, attempt 1 of 3" in caplog.text
+    assert src.query("SELECT (SELECT count(*) FROM t2), (SELECT count(*) FROM t3)") == [(1, 1)]
+    assert src.query("SELECT pg_get_expr(prqual, prrelid) FROM pg_publication_rel r "
+                     "JOIN pg_publication p ON p.oid = r.prpubid WHERE pubname = 'dl' "
+                     "AND prrelid = 'public.t2'::regclass") == [("(id > 0)",)]

@@ -239,7 +239,8 @@ def workload(conn: psycopg.Connection[Any], rnd: random.Random, transactions: in
                             conn.execute(query, params)
                         continue
                     conn.execute(query, params)
-        except (psycopg.errors.DeadlockDetected, psycopg.errors.UniqueViolation):
+        except (psycopg.errors.DeadlockDetected, psycopg.errors.UniqueViolation,
+                psycopg.errors.SerializationFailure):
             continue
 
 
