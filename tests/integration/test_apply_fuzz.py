@@ -392,18 +392,33 @@ def test_random_workloads_on_a_drifted_target_end_like_native(
     assert skipped, "no change met a missing row: the drift did not matter"
 
 
+SMALL_WINDOWS = {
+    "PGSIEVE_TURN_WINDOW_BYTES": str(64 << 10), "PGSIEVE_TURN_MAX_WINDOW_BYTES": str(256 << 10),
+    "PGSIEVE_TURN_SPLIT_BYTES": str(128 << 10), "PGSIEVE_PUSH_MAX_BACKLOG_BYTES": str(1 << 20),
+    "PGSIEVE_READ_AHEAD_PROCESSES": "1", "PGSIEVE_READ_AHEAD_MIN_BYTES": str(64 << 10),
+}
+"""A backlog read the ways a large one is, at the workload's size: windows of 64 kB
+growing to 256 kB, a window past 128 kB decoded by two backends, a second process reading
+ahead, and the held-open stream left for SQL windows 1 MB behind."""
+
+
 @pytest.mark.parametrize("seed", seeds())
+@pytest.mark.parametrize("backlog", [False, True], ids=["streaming", "backlog"])
 def test_random_workloads_through_a_worker_killed_midway_end_like_native(
         tmp_path: Path, source_db: Database, target_db: Database, native_db: Database,
-        seed: int):
-    """The same workloads through the running pipeline — a worker's scheduler turns on a
-    held-open walsender stream, batches cut wherever a turn finds the stream — with the
-    worker killed (-9) while they run and a new one started: the target ends as native's
-    and as the source's filtered tables, nothing lost, nothing twice."""
+        seed: int, backlog: bool):
+    """The same workloads through the running pipeline, with the worker killed (-9) once
+    it applied the first round and a new one started: the target ends as native's and as
+    the source's filtered tables, nothing lost, nothing twice. ``streaming``: the worker
+    runs while two sessions write — its scheduler's turns on a held-open walsender
+    stream, batches cut wherever a turn finds the stream. ``backlog``: the worker starts
+    once everything is written, and reads the backlog in small windows
+    (:data:`SMALL_WINDOWS`)."""
     source_db.execute(SOURCE)
     target_db.execute(TARGET)
     native_db.execute(TARGET)
     rnd = random.Random(seed)
+    knobs = SMALL_WINDOWS if backlog else {}
     with pipeline_env(tmp_path) as env:
         source_id, target_id = env.register(source_db, target_db)
         env.api("POST", "/subscriptions", json={
@@ -411,12 +426,13 @@ def test_random_workloads_through_a_worker_killed_midway_end_like_native(
             "publications": list(PUBLICATIONS), "copy_data": False,
             "options": {"binary": seed % 2 == 1}})
         native_subscription(source_db, native_db, "native_fuzz", list(PUBLICATIONS))
-        worker = env.start_worker()
+        worker = None if backlog else env.start_worker(**knobs)
         # A second session writes at the same time: its transactions interleave with the
         # first's in the WAL (a large one streamed in chunks between the other's commits).
         beside = threading.Thread(target=concurrent_workload,
                                   args=(source_db, random.Random(seed + 1000), 120))
         beside.start()
+        first = ""
         with source_db.connect(autocommit=False) as conn:
             for round_ in range(4):
                 for _ in range(40):
@@ -424,14 +440,20 @@ def test_random_workloads_through_a_worker_killed_midway_end_like_native(
                     conn.commit()
                     time.sleep(rnd.uniform(0, 0.02))
                 if round_ == 0:
-                    # the kill lands once the stream runs: round 0 applied, round 1 coming
                     first = source_lsn(source_db)
-                elif round_ == 1:
+                elif round_ == 1 and worker is not None:
+                    # the kill lands once the stream runs: round 0 applied, more coming
                     wait_until(functools.partial(applied_by, target_db, first), 60,
                                "the first round applied", env)
                     env.kill(worker)
-                    worker = env.start_worker()
+                    worker = env.start_worker(**knobs)
         beside.join()
+        if worker is None:
+            worker = env.start_worker(**knobs)
+            wait_until(functools.partial(applied_by, target_db, first), 60,
+                       "the first round applied", env)
+            env.kill(worker)
+            env.start_worker(**knobs)
         end = source_lsn(source_db)
         wait_until(lambda: native_caught_up(source_db, native_db, "native_fuzz", end), 60,
                    "the native subscriber")
