@@ -367,6 +367,7 @@ def test_random_workloads_on_a_drifted_target_end_like_native(
     Native is paused while its target drifts, so both drift at the same point."""
     assert pair.native is not None
     pair.publications = PUBLICATIONS
+    pair.binary = seed % 2 == 1
     pair.setup(SOURCE, TARGET, tables=[f"public.{t}" for t in TABLES])
     rnd = random.Random(seed)
     skipped = 0
