@@ -20,7 +20,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,6 @@ import tests.integration.pipeline_env as pipeline_env_module
 from tests.conftest import Database
 from tests.integration import test_apply as harness
 from tests.integration.pipeline_env import (
-    PipelineEnv,
     applied_past,
     native_caught_up,
     native_subscription,
@@ -40,6 +39,7 @@ from tests.integration.pipeline_env import (
     wait_until,
 )
 from tests.integration.test_apply import Pair
+from tests.integration.test_reconcile import _job_done
 
 native_db = harness.native_db
 pair = harness.pair
@@ -393,6 +393,49 @@ def test_random_workloads_on_a_drifted_target_end_like_native(
     assert skipped, "no change met a missing row: the drift did not matter"
 
 
+class Writer(threading.Thread):
+    """A session running :func:`workload` one transaction at a time, beside the test:
+    ``transactions`` of them, or until stopped."""
+
+    def __init__(self, db: Database, seed: int, transactions: int | None = None) -> None:
+        super().__init__(daemon=True)
+        self.db, self.rnd, self.transactions = db, random.Random(seed), transactions
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.db.connect(autocommit=False) as conn:
+                done = 0
+                while not self.stop.is_set() and done != self.transactions:
+                    workload(conn, self.rnd, 1)
+                    conn.commit()
+                    done += 1
+                    time.sleep(self.rnd.uniform(0, 0.02))
+        except BaseException as exc:  # surfaced by the test
+            self.error = exc
+
+    def finish(self) -> None:
+        self.join(60)
+        assert self.error is None, self.error
+
+
+def prepare(source: Database, targets: Sequence[Database], seed: int,
+            rows_first: int = 0) -> random.Random:
+    """The schema on the source (with its publications) and on each target; ``rows_first``
+    transactions of the workload already committed (rows for an initial copy); the
+    workload's random source."""
+    source.execute(SOURCE)
+    for target in targets:
+        target.execute(TARGET)
+    rnd = random.Random(seed)
+    if rows_first:
+        with source.connect(autocommit=False) as conn:
+            workload(conn, rnd, rows_first)
+            conn.commit()
+    return rnd
+
+
 SMALL_WINDOWS = {
     "PGSIEVE_TURN_WINDOW_BYTES": str(64 << 10), "PGSIEVE_TURN_MAX_WINDOW_BYTES": str(256 << 10),
     "PGSIEVE_TURN_SPLIT_BYTES": str(128 << 10), "PGSIEVE_PUSH_MAX_BACKLOG_BYTES": str(1 << 20),
@@ -415,10 +458,7 @@ def test_random_workloads_through_a_worker_killed_midway_end_like_native(
     stream, batches cut wherever a turn finds the stream. ``backlog``: the worker starts
     once everything is written, and reads the backlog in small windows
     (:data:`SMALL_WINDOWS`)."""
-    source_db.execute(SOURCE)
-    target_db.execute(TARGET)
-    native_db.execute(TARGET)
-    rnd = random.Random(seed)
+    rnd = prepare(source_db, [target_db, native_db], seed)
     knobs = SMALL_WINDOWS if backlog else {}
     with pipeline_env(tmp_path) as env:
         source_id, target_id = env.register(source_db, target_db)
@@ -430,8 +470,7 @@ def test_random_workloads_through_a_worker_killed_midway_end_like_native(
         worker = None if backlog else env.start_worker(**knobs)
         # A second session writes at the same time: its transactions interleave with the
         # first's in the WAL (a large one streamed in chunks between the other's commits).
-        beside = threading.Thread(target=concurrent_workload,
-                                  args=(source_db, random.Random(seed + 1000), 120))
+        beside = Writer(source_db, seed + 1000, 120)
         beside.start()
         first = ""
         with source_db.connect(autocommit=False) as conn:
@@ -448,7 +487,7 @@ def test_random_workloads_through_a_worker_killed_midway_end_like_native(
                                "the first round applied", env)
                     env.kill(worker)
                     worker = env.start_worker(**knobs)
-        beside.join()
+        beside.finish()
         if worker is None:
             worker = env.start_worker(**knobs)
             wait_until(functools.partial(applied_by, target_db, first), 60,
@@ -472,14 +511,6 @@ def applied_by(target: Database, lsn: str) -> bool:
         return False
 
 
-def concurrent_workload(db: Database, rnd: random.Random, transactions: int) -> None:
-    with db.connect(autocommit=False) as conn:
-        for _ in range(transactions):
-            workload(conn, rnd, 1)
-            conn.commit()
-            time.sleep(rnd.uniform(0, 0.02))
-
-
 @pytest.mark.parametrize("seed", seeds())
 def test_random_workloads_copied_while_they_run_end_like_native(
         tmp_path: Path, source_db: Database, target_db: Database, native_db: Database,
@@ -488,17 +519,10 @@ def test_random_workloads_copied_while_they_run_end_like_native(
     write: each table copied under its snapshot and handed to the stream with no gap and
     nothing twice — as native's table synchronisation does — whatever the workload does
     around the hand-over."""
-    source_db.execute(SOURCE)
-    target_db.execute(TARGET)
-    native_db.execute(TARGET)
-    rnd = random.Random(seed)
-    with source_db.connect(autocommit=False) as conn:
-        workload(conn, rnd, 80)  # rows for the copy
-        conn.commit()
+    prepare(source_db, [target_db, native_db], seed, rows_first=80)
     with pipeline_env(tmp_path) as env:
         env.start_worker()
-        beside = threading.Thread(target=concurrent_workload,
-                                  args=(source_db, random.Random(seed + 1000), 150))
+        beside = Writer(source_db, seed + 1000, 150)
         beside.start()
         try:
             source_id, target_id = env.register(source_db, target_db)
@@ -509,7 +533,7 @@ def test_random_workloads_copied_while_they_run_end_like_native(
                 f"CREATE SUBSCRIPTION native_fuzz CONNECTION '{source_db.dsn}' "
                 f"PUBLICATION {', '.join(PUBLICATIONS)}")
         finally:
-            beside.join()
+            beside.finish()
         end = source_lsn(source_db)
         wait_until(lambda: native_caught_up(source_db, native_db, "native_fuzz", end)
                    and native_tables_ready(native_db), 90, "the native subscriber")
@@ -535,26 +559,8 @@ FILTER_CHANGES = {
     "pt": ("p3", ["id % 2 = 0", "r < 2", None]),
 }
 """Filters a table's publication may change to (None: no filter), in random order."""
-
-
-class Writer(threading.Thread):
-    """:func:`workload`, one transaction at a time, until stopped."""
-
-    def __init__(self, db: Database, seed: int) -> None:
-        super().__init__(daemon=True)
-        self.db, self.rnd = db, random.Random(seed)
-        self.stop = threading.Event()
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            with self.db.connect(autocommit=False) as conn:
-                while not self.stop.is_set():
-                    workload(conn, self.rnd, 1)
-                    conn.commit()
-                    time.sleep(self.rnd.uniform(0, 0.02))
-        except BaseException as exc:  # surfaced by the test
-            self.error = exc
+REDIS_DB_FILTERS = 8
+"""A Redis database of its own for the test that runs beat, as test_reconcile has."""
 
 
 @pytest.mark.spark
@@ -568,12 +574,7 @@ def test_random_filter_changes_reconciled_while_two_sessions_write_end_equal_to_
     every table equals the source's rows under the filters then in force. (Native keeps
     rows that no longer match and misses those that came to match: test_reconcile.)"""
     monkeypatch.setattr(pipeline_env_module, "REDIS_DB", REDIS_DB_FILTERS)
-    source_db.execute(SOURCE)
-    target_db.execute(TARGET)
-    rnd = random.Random(seed)
-    with source_db.connect(autocommit=False) as conn:
-        workload(conn, rnd, 80)  # rows for the copy
-        conn.commit()
+    rnd = prepare(source_db, [target_db], seed, rows_first=80)
     filters = dict(FILTERED)
     writers = [Writer(source_db, seed + 100), Writer(source_db, seed + 200)]
     with pipeline_env(tmp_path) as env:
@@ -601,29 +602,17 @@ def test_random_filter_changes_reconciled_while_two_sessions_write_end_equal_to_
                 condition = where or "true"
                 filters[table] = condition if table != "kd" else f"({condition}) OR id % 5 = 0"
                 for item in changed["reconcile"]:
-                    job = job_done(env, item["job_id"])
+                    job = _job_done(env, item["job_id"])
                     if job["followed_by"]:
-                        job_done(env, job["followed_by"])
+                        _job_done(env, job["followed_by"])
                 wait_until(ready, 120, "the tables back in the stream", env)
                 time.sleep(rnd.uniform(0, 1))
         finally:
             for w in writers:
                 w.stop.set()
             for w in writers:
-                w.join(30)
-        assert all(w.error is None for w in writers), [w.error for w in writers]
+                w.finish()
         end = source_lsn(source_db)
         wait_until(lambda: applied_by(target_db, end), 120, "pgsieve to apply everything",
                    env)
         assert_tables(target_db, filters, f"seed {seed}", source=source_db)
-
-
-REDIS_DB_FILTERS = 8
-
-
-def job_done(env: PipelineEnv, job_id: str) -> dict[str, Any]:
-    wait_until(lambda: env.api("GET", f"/jobs/{job_id}")["state"] in ("done", "failed"), 240,
-               f"job {job_id}", env)
-    job: dict[str, Any] = env.api("GET", f"/jobs/{job_id}")
-    assert job["state"] == "done", job
-    return job
