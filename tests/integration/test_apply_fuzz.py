@@ -15,6 +15,7 @@ runs seeds 7 and 8 (the filter changes: 7); ``PGSIEVE_FUZZ_SEEDS=1-40`` runs mor
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -28,7 +29,8 @@ import psycopg
 import pytest
 
 import tests.integration.pipeline_env as pipeline_env_module
-from tests.conftest import Database
+from pgsieve.platform.pgcluster import LocalCluster
+from tests.conftest import Database, _fresh_db
 from tests.integration import test_apply as harness
 from tests.integration.pipeline_env import (
     applied_past,
@@ -509,6 +511,52 @@ def applied_by(target: Database, lsn: str) -> bool:
         return applied_past(target, lsn)
     except psycopg.errors.UndefinedTable:
         return False
+
+
+SHARED = {
+    "a": (("p", "p2"), {t: FILTERED[t] for t in ("kd", "kf", "nk", "ui")}),
+    "b": (("p3", "p4"), {t: FILTERED[t] for t in ("pt", "cl")}),
+    "c": (("p", "p3"), {**{t: FILTERED[t] for t in ("kf", "nk", "ui", "pt")},
+                        "kd": "id % 2 = 0"}),
+}
+"""Three subscriptions of one source: their publications and what each target holds."""
+
+
+@pytest.mark.parametrize("seed", seeds())
+def test_three_subscriptions_of_one_source_on_one_worker_each_end_equal_to_the_source(
+        tmp_path: Path, source_db: Database, target_db: Database, native_db: Database,
+        subscriber: LocalCluster, seed: int):
+    """Subscriptions that share tables and publications (``kd`` through p and p2 in one,
+    p alone in another) on one worker's scheduler, while two sessions write: each target
+    ends with the source's rows under its own subscription's filters — nothing of one
+    subscription's plan, shapes or prepared statements leaks into another's."""
+    with contextlib.contextmanager(_fresh_db)(subscriber, "tgt") as third:
+        targets = dict(zip(SHARED, (target_db, native_db, third), strict=True))
+        rnd = prepare(source_db, list(targets.values()), seed)
+        with pipeline_env(tmp_path) as env:
+            env.start_worker()
+            source_id = env.api("POST", "/sources", json={"name": "src",
+                                                          "dsn": source_db.dsn})["id"]
+            for name, (publications, _) in SHARED.items():
+                target_id = env.api("POST", "/targets", json={
+                    "name": f"tgt-{name}", "dsn": targets[name].dsn})["id"]
+                env.api("POST", "/subscriptions", json={
+                    "name": f"fuzz-{name}", "source_id": source_id, "target_id": target_id,
+                    "publications": list(publications), "copy_data": False})
+            beside = Writer(source_db, seed + 1000, 100)
+            beside.start()
+            with source_db.connect(autocommit=False) as conn:
+                for _ in range(100):
+                    workload(conn, rnd, 1)
+                    conn.commit()
+                    time.sleep(rnd.uniform(0, 0.02))
+            beside.finish()
+            end = source_lsn(source_db)
+            for name, (_, filters) in SHARED.items():
+                wait_until(functools.partial(applied_by, targets[name], end), 120,
+                           f"subscription {name} to apply everything", env)
+                assert_tables(targets[name], filters, f"seed {seed}, subscription {name}",
+                              source=source_db)
 
 
 @pytest.mark.parametrize("seed", seeds())
