@@ -798,17 +798,11 @@ class RowChange:
 
 
 def table_changes(batch: ApplyBatch, plan: BatchPlan, tp: TablePlan) -> Iterator[RowChange]:
-    """The changes of one target table (after its last TRUNCATE), re-read in order.
-
-    The plan knows each relation by the identity of the object it met; a spilled
-    transaction is read back from its file at every pass, with relations unpickled anew
-    (:class:`~pgsieve.wire.assembler.Changes`), so a relation the plan does not know by
-    identity is looked up by value (a Relation is a frozen dataclass: equal messages, the
-    same map). Skipping it instead once lost every change of a spilled transaction to a
-    table applied change by change (REPLICA IDENTITY FULL)."""
+    """The changes of one target table (after its last TRUNCATE), re-read in order
+    (relations known by identity: every pass over a transaction yields the same objects,
+    spilled ones too)."""
     name = tp.target.qualified_name
     maps = plan.relation_maps
-    by_value: dict[Relation, RelationMap] | None = None
     txns = batch.transactions
     for ti in plan.applied_positions:
         if ti < tp.start[0]:
@@ -821,12 +815,7 @@ def table_changes(batch: ApplyBatch, plan: BatchPlan, tp: TablePlan) -> Iterator
             msg = ch.message
             if not isinstance(msg, Insert | Update | Delete):
                 continue
-            rel = ch.relations[0]
-            rm = maps.get(id(rel))
-            if rm is None and txn.changes.spilled:
-                if by_value is None:
-                    by_value = {m.relation: m for m in maps.values()}
-                rm = by_value.get(rel)
+            rm = maps.get(id(ch.relations[0]))
             if rm is None or rm.target.qualified_name != name:
                 continue
             if not (rm.always or rm.route.applies(commit_lsn)):

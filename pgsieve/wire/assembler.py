@@ -114,7 +114,7 @@ _OVERHEAD = 300  # Python objects around one buffered change, roughly
 class _SpillFile:
     """Append-only record file; read back with ``pread`` so readers never share a cursor."""
 
-    __slots__ = ("bytes_written", "file", "recorded")
+    __slots__ = ("bytes_written", "file", "recorded", "relations")
 
     def __init__(self, directory: str | None) -> None:
         # Anonymous (already unlinked) file: nothing is left behind if the process dies.
@@ -122,6 +122,12 @@ class _SpillFile:
             dir=directory, buffering=_CHUNK
         )
         self.recorded: dict[int, Relation] = {}  # relation definitions already in the file
+        self.relations: list[Relation] = []
+        """The relations in effect, in the order of their records: the file only marks
+        where each takes effect, and every read-back yields these same objects (the apply
+        plan knows a relation by its identity across its passes over a transaction; one
+        unpickled anew at each pass lost a spilled transaction's changes on the
+        change-by-change path)."""
         self.bytes_written = 0
 
     def _put(self, tag: int, subxid: int, lsn: Lsn, payload: bytes) -> None:
@@ -133,7 +139,8 @@ class _SpillFile:
         for rel in change.relations:
             if self.recorded.get(rel.relation_id) is not rel:
                 self.recorded[rel.relation_id] = rel
-                self._put(_RELATION, 0, change.lsn, pickle.dumps(rel, protocol=5))
+                self.relations.append(rel)
+                self._put(_RELATION, 0, change.lsn, b"")
         if raw is not None:
             self._put(_RAW_STREAM if in_stream else _RAW, subxid, change.lsn, raw)
         else:
@@ -162,9 +169,10 @@ class _SpillFile:
 
 def _rebuild(spill: _SpillFile, aborted: frozenset[int]) -> Iterator[Change]:
     relations: dict[int, Relation] = {}
+    written = iter(spill.relations)
     for tag, subxid, lsn, payload in spill.records():
         if tag == _RELATION:
-            rel: Relation = pickle.loads(payload)  # noqa: S301 - our own temp file
+            rel = next(written)
             relations[rel.relation_id] = rel
             continue
         if subxid in aborted:
