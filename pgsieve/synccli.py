@@ -23,6 +23,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from pgsieve.platform.pgserver import describe_oldest
+
 FINAL = ("done", "failed", "cancelled")
 
 
@@ -67,6 +69,7 @@ def follow(client: httpx.Client, job_id: str, console: Console, poll: float = 1.
     with Progress(*columns, console=console, transient=False) as progress:
         overall = progress.add_task("all tables", total=None, state="queued")
         bars: dict[str, TaskID] = {}
+        shown: list[dict[str, Any]] | None = None  # what the job's slot waits for, printed
         while True:
             job = get_job(client, job_id)
             total = job["progress"]["total"]
@@ -80,6 +83,12 @@ def follow(client: httpx.Client, job_id: str, console: Console, poll: float = 1.
                 progress.update(bar, completed=t["rows_done"],
                                 total=t["rows_total"] if t["rows_total"] else None,
                                 state=t["state"])
+            waiting = job.get("waiting_for")
+            if waiting and waiting["transactions"] != shown:
+                shown = waiting["transactions"]
+                progress.console.print(
+                    f"slot {waiting['slot']} waits for {len(shown)} transaction(s) on the "
+                    f"source to end; oldest: {describe_oldest(shown)}")
             if job["state"] in FINAL:
                 return job
             if deadline is not None and time.monotonic() > deadline:

@@ -129,6 +129,32 @@ def publisher(cluster_root: Path) -> Iterator[LocalCluster]:
 
 
 @pytest.fixture(scope="session")
+def private_publisher(cluster_root: Path) -> Iterator[LocalCluster]:
+    """A source cluster for tests that keep transactions open or prepared on it. Those
+    hold back every logical slot created anywhere on their cluster (PostgreSQL's snapshot
+    builder waits for them): on the shared publisher they would stall the copies of the
+    tests running beside them. (Session-scoped per xdist worker: the tests of one worker
+    run one at a time.)"""
+    cluster = _session_cluster(cluster_root, "private-publisher",
+                               logical_decoding_work_mem="64kB", max_prepared_transactions="10")
+    yield cluster
+    cluster.destroy()
+
+
+@pytest.fixture
+def private_source_db(private_publisher: LocalCluster) -> Iterator[Database]:
+    """A fresh database on :func:`private_publisher`; transactions a failed test left
+    prepared in it are rolled back first (a database with one cannot be dropped)."""
+    for db in _fresh_db(private_publisher, "src"):
+        try:
+            yield db
+        finally:
+            for (gid,) in db.query("SELECT gid FROM pg_prepared_xacts WHERE database = "
+                                   "current_database()"):
+                db.execute(f"ROLLBACK PREPARED '{gid}'")
+
+
+@pytest.fixture(scope="session")
 def subscriber(cluster_root: Path) -> Iterator[LocalCluster]:
     """The target cluster, also wal_level=logical so native subscriptions can run there."""
     # Native subscriptions are the tests' oracle. PostgreSQL's launcher starts apply

@@ -302,6 +302,7 @@ export async function subscriptionDetail(root, ctx, id) {
         const { done = 0, total = null } = job.progress || {};
         fill(row, h("span", {}, `${job.kind} ${label}: `, badge(job.state)),
           progressBar(done, total, `${fmt.count(done)} / ${total == null ? "?" : fmt.count(total)}`),
+          waitingFor(job),
           job.error ? h("div", { class: "error" }, job.error) : null);
         if (TERMINAL_JOB_STATES.has(job.state)) clearInterval(timer);
       } catch (err) {
@@ -310,6 +311,23 @@ export async function subscriptionDetail(root, ctx, id) {
       }
     }, 1000);
     ctx.timers.push(timer);
+  }
+
+  // A slot being created waits for the source's running transactions (any database,
+  // prepared ones too): the job names them (GET /jobs/{id} waiting_for).
+  function waitingFor(job) {
+    const w = job.waiting_for;
+    if (!w) return null;
+    const oldest = w.transactions[0];
+    const who = !oldest ? "none this role can see (pg_read_all_stats shows them)"
+      : oldest.prepared_gid != null
+        ? `prepared transaction '${oldest.prepared_gid}' in ${oldest.database}`
+        : `pid ${oldest.pid} in ${oldest.database} (${oldest.state}`
+          + `${oldest.application_name ? `, ${oldest.application_name}` : ""})`;
+    const since = oldest && oldest.started_at ? `, began ${fmt.ago(oldest.started_at)}` : "";
+    return h("div", { class: "warning", "data-test": "waiting-for" },
+      `slot ${w.slot} waits ${fmt.seconds(w.seconds)} for ${w.transactions.length} `
+      + `transaction(s) on the source to end; oldest: ${who}${since}`);
   }
 
   function jobLine(job) {
@@ -334,6 +352,7 @@ export async function subscriptionDetail(root, ctx, id) {
           : waiting)
         : progressBar(done, total, `${fmt.count(done)} / ${total == null ? "?" : fmt.count(total)}`),
       h("span", { class: "muted" }, fmt.time(job.created_at)),
+      waitingFor(job),
       job.error ? h("div", { class: "error" }, job.error) : null);
   }
 

@@ -151,7 +151,8 @@ class ApplyResult:
     sequential_tables: dict[str, str] = field(default_factory=dict)
     """Target tables applied change by change instead of set-based, with the reason."""
     fetched_rows: int = 0
-    """Rows whose unchanged-TOAST values were fetched from the source (see README)."""
+    """Rows whose unchanged-TOAST values were fetched from the source (see README),
+    including rows read again at a new key (:mod:`pgsieve.apply.fetchmarks`)."""
     distributed: bool = False
     """Whether the net effect and staging ran as Spark tasks (else in the driver)."""
     direct_tables: tuple[str, ...] = ()

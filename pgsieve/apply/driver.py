@@ -34,7 +34,8 @@ def resolver(writer: TargetWriter, batch: ApplyBatch) -> Callable[[str], TargetT
 
 
 def fetch_pending(writer: TargetWriter, plan: BatchPlan) -> int:
-    """Fill the ``'u'`` columns of inserted rows from the source (see module doc)."""
+    """Fill the ``'u'`` columns of inserted rows from the source (see module doc), and
+    note them in ``TablePlan.fetched``."""
     fetched = 0
     for tp in plan.tables.values():
         if tp.reason() is not None:
@@ -52,11 +53,12 @@ def fetch_pending(writer: TargetWriter, plan: BatchPlan) -> int:
             umask = items[0][1][UMASK]
             cols = list(mask_positions(umask))
             keys = [k if isinstance(k, tuple) else (k,) for k, _ in items]
-            found = fetch_unchanged(
+            found, position = fetch_unchanged(
                 writer, (rm.relation.namespace, rm.relation.name), rm.source_table,
                 key_names, keys, [tp.target.columns[j].name for j in cols],
-                Lsn(items[0][1][2]))
-            for kt, (_, e) in zip(keys, items, strict=True):
+                Lsn(items[0][1][2]), tp.target)
+            for kt, (key, e) in zip(keys, items, strict=True):
+                tp.fetched[key] = (umask, position)
                 row = list(e[ROW])
                 for j, v in zip(cols, found[kt], strict=True):
                     row[j] = v

@@ -36,6 +36,7 @@ from pgsieve.apply.batch import (
 )
 from pgsieve.apply.columns import TargetTable
 from pgsieve.apply.direct import DirectMismatch, DirectTable, apply_direct
+from pgsieve.apply.fetchmarks import MarkBook
 from pgsieve.apply.net_effect import (
     OP_ABSENT,
     OP_DELETE,
@@ -45,8 +46,8 @@ from pgsieve.apply.net_effect import (
 )
 from pgsieve.apply.plan import BatchPlan, TablePlan, TruncateOp
 from pgsieve.apply.sequential import apply_sequential
-from pgsieve.apply.staging import StageEncoder, StageSummary, mask_text
-from pgsieve.apply.target import SCHEMA, TargetWriter
+from pgsieve.apply.staging import SCHEMA, StageEncoder, StageSummary, mask_text
+from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.faults import fault_point
 from pgsieve.wire.lsn import Lsn
 
@@ -68,6 +69,10 @@ class MergeOutcome:
     sequential: dict[str, str] = field(default_factory=dict)
     direct: list[str] = field(default_factory=list)
     """Tables written without staging (:mod:`.direct`)."""
+    fetched_again: int = 0
+    """Rows read from the source in the transaction (:attr:`.fetchmarks.MarkBook.rows_read`)."""
+    marks: MarkBook | None = None
+    """The transaction's marks, handed to the cache once it committed."""
     timings: dict[str, float] = field(default_factory=dict)
     """Where the merge's time went (``merge_<step>`` seconds): the fence lock, the
     set-based checks, DELETE, UPDATE and INSERT statements, the direct path, the applied
@@ -112,14 +117,15 @@ def merge(
     whose target is not as expected is staged then and merged as the others."""
     outcome = MergeOutcome()
     staged = dict(staged)
+    marked = MarkBook.needed(writer.fetch_marks, writer.conn, plan)
     writer.applied_unknown()
     before: dict[str, TableCounts] | None = None
     try:
         try:
             # (a script never changes the counts: they are copied, to be put back after
-            # a mismatch, only for the statements that may)
-            recorded = _merge_small(writer, batch, plan, staged, expected_applied, direct,
-                                    outcome)
+            # a mismatch, only for the statements that may; nor the marks)
+            recorded = None if marked else _merge_small(writer, batch, plan, staged,
+                                                        expected_applied, direct, outcome)
             if recorded is None:
                 if direct:
                     before = {name: replace(c) for name, c in counts.items()}
@@ -141,7 +147,10 @@ def merge(
                                              stage_late=set(direct or ()))
     except BaseException:
         writer.merge_rolled_back()
+        writer.fetch_marks.invalidate()  # (the COMMIT itself may have failed)
         raise
+    if outcome.marks is not None:
+        outcome.marks.commit()
     writer.applied_committed(recorded)
     writer.stages_emptied([st.name for st in staged.values()])
     return outcome
@@ -174,6 +183,7 @@ def _merge_in_transaction(writer: TargetWriter, batch: ApplyBatch, plan: BatchPl
     """:func:`merge`'s transaction; the applied LSN it leaves recorded. Tables in
     ``stage_late`` were not staged before it: it stages them."""
     with writer.conn.transaction():
+        outcome.marks = MarkBook(writer.fetch_marks, writer.conn)
         recorded = _merge_steps(writer, batch, plan, staged, counts, expected_applied,
                                 direct, outcome, stage_late)
         steps_done = time.perf_counter()
@@ -192,8 +202,13 @@ def _merge_steps(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
         if recorded != expected_applied:
             raise ApplyFenced(batch.subscription_id, expected_applied, recorded)
         writer.replica_role(conn)
+    book = outcome.marks
+    if book is not None:
+        book.before_merge(conn, plan, {name: st.name for name, st in staged.items()})
     for op in plan.truncates:
         _truncate(conn, writer, op, op.source_tables[0])
+        if book is not None:
+            book.truncated(op.tables)
     for name, tp in plan.tables.items():
         reason = tp.reason()
         if reason is None:
@@ -237,8 +252,15 @@ def _merge_steps(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
         outcome.sequential[name] = reason
         log.info("applying %s change by change: %s", name, reason)
         outcome.rows_written += apply_sequential(
-            conn, writer, batch, plan, tp, batch.on_conflict, counts)
+            conn, writer, batch, plan, tp, batch.on_conflict, counts, book)
     end = batch.end_lsn
+    if book is not None:
+        with outcome.timed("marks"):
+            for name, tp in plan.tables.items():
+                if tp.reason() is None and name not in outcome.sequential:
+                    book.settle(conn, writer, plan, name, tp)
+            book.flush(conn, end)
+        outcome.fetched_again = book.rows_read
     with outcome.timed("record"):
         if recorded is None or end > recorded:
             writer.write_applied(conn, end, batch.commit_lsn, batch.commit_time)

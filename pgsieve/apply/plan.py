@@ -181,6 +181,9 @@ class TablePlan:
     """Why this table must be applied change by change (None: set-based)."""
     source_tables: set[str] = field(default_factory=set)
     last_map: RelationMap | None = field(default=None, repr=False)
+    fetched: dict[Any, tuple[int, int]] = field(default_factory=dict, repr=False)
+    """Keys whose unchanged-TOAST columns were read from the source: (columns, source
+    position after the read) — marked until the stream passes it (:mod:`.fetchmarks`)."""
 
     def reason(self) -> str | None:
         return self.sequential or self.effect.inconsistent

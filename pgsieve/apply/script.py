@@ -46,7 +46,8 @@ from pgsieve.apply.batch import ApplyBatch, ApplyFenced
 from pgsieve.apply.direct import DirectMismatch, DirectTable
 from pgsieve.apply.net_effect import mask_positions
 from pgsieve.apply.plan import BatchPlan, TablePlan
-from pgsieve.apply.target import APPLIED_TABLE, SCHEMA, TargetWriter, expect_rows
+from pgsieve.apply.staging import SCHEMA
+from pgsieve.apply.target import APPLIED_TABLE, TargetWriter, expect_rows
 from pgsieve.platform.faults import fault_point
 from pgsieve.wire.lsn import Lsn
 

@@ -24,6 +24,7 @@ from pgsieve.apply.batch import (
     TableStopped,
 )
 from pgsieve.apply.columns import TargetTable
+from pgsieve.apply.fetchmarks import MarkBook, TableMarks, column_names, read_again, write_read
 from pgsieve.apply.net_effect import mask_positions
 from pgsieve.apply.plan import BatchPlan, RowChange, TablePlan, table_changes
 from pgsieve.apply.target import TargetWriter
@@ -36,45 +37,63 @@ def _text(v: Any) -> str | None:
 
 def fetch_unchanged(writer: TargetWriter, source: tuple[str, str], source_table: str,
                     key_names: Sequence[str], keys: Sequence[tuple[bytes, ...]],
-                    columns: Sequence[str], commit_lsn: Any
-                    ) -> dict[tuple[bytes, ...], tuple[bytes | None, ...]]:
+                    columns: Sequence[str], commit_lsn: Any, target: TargetTable
+                    ) -> tuple[dict[tuple[bytes, ...], tuple[bytes | None, ...]], int]:
     """Values of unchanged-TOAST columns the stream did not carry, read from the source by
-    key; :class:`TableStopped` when that is impossible (see README, "Guarantees beyond
-    native")."""
+    key, and the source position they were read at: :mod:`.fetchmarks` marks them until
+    the stream passes it. A row the source no longer holds gets NULL there, as a
+    placeholder: it left the key before that position, so the stream deletes or moves
+    it (reading the values again at its new key) before it passes the mark.
+    :class:`TableStopped` when that is impossible: no source connection, the source
+    unreachable, a placeholder for a column the target declares NOT NULL (see
+    docs/guarantees.md, "Guarantees beyond native")."""
     why = None
     found: dict[tuple[bytes, ...], tuple[bytes | None, ...]] = {}
+    position = 0
     if writer.source_dsn is None:
         why = "no source connection is configured to read them from"
     else:
         try:
-            found = writer.fetch_source_rows(source, key_names, keys, columns)
+            found, position = writer.fetch_source_rows(source, key_names, keys, columns)
         except psycopg.Error as exc:
             why = f"reading them from the source failed ({type(exc).__name__})"
         else:
             missing = [k for k in keys if k not in found]
-            if missing:
+            required = [c for c in columns if target.columns[target.index[c]].not_null]
+            if missing and required:
                 why = (f"the source no longer has the row with key "
                        f"{dict(zip(key_names, [v.decode() for v in missing[0]], strict=True))} "
-                       "(deleted or re-keyed since)")
+                       f"(deleted or re-keyed since), and the target's {', '.join(required)} "
+                       "cannot hold NULL until the stream deletes or moves it")
+            placeholder = (None,) * len(columns)
+            for k in missing:
+                found[k] = placeholder
     if why is not None:
         raise TableStopped(
             source_table, commit_lsn,
             f"an UPDATE that the row filter turned into an INSERT did not carry the "
-            f"unchanged TOAST column(s) {', '.join(columns)}; {why}. pgsieve never writes a "
+            f"unchanged TOAST column(s) {', '.join(columns)}; {why}. pgsieve never keeps a "
             "value it did not receive (native PostgreSQL would write NULL): resynchronise "
             "the table or skip the transaction")
-    return found
+    return found, position
 
 
 class _RowApplier:
     def __init__(self, conn: psycopg.Connection[Any], writer: TargetWriter, tp: TablePlan,
-                 policy: ConflictPolicy, counts: dict[str, TableCounts]) -> None:
+                 policy: ConflictPolicy, counts: dict[str, TableCounts],
+                 book: MarkBook | None) -> None:
         self.conn = conn
         self.writer = writer
         self.table: TargetTable = tp.target
         self.tp = tp
         self.policy = policy
         self.counts = counts
+        self.book = book
+        self.marks: TableMarks | None = None
+        """The table's rows holding values read ahead of the stream (:mod:`.fetchmarks`),
+        kept change by change."""
+        if book is not None:
+            self.marks = book.table(tp.target.qualified_name)
         self.ident = sql.Identifier(tp.target.schema, tp.target.name)
         self.key_names: list[str] = []
         """Key columns of the change being applied (its relation's, see RowChange.mode)."""
@@ -122,13 +141,51 @@ class _RowApplier:
                 raise TableStopped(rc.source_table, rc.commit_lsn,
                                    "unchanged TOAST values in a table without a key")
             kt = self._key_tuple(key)
-            found = fetch_unchanged(self.writer, rc.relation_name, rc.source_table,
-                                    self.key_names, [kt],
-                                    [self.table.columns[j].name for j in ucols], rc.commit_lsn)
-            fetched = found[kt]
+            names = [self.table.columns[j].name for j in ucols]
+            found, position = fetch_unchanged(self.writer, rc.relation_name, rc.source_table,
+                                              self.key_names, [kt], names, rc.commit_lsn,
+                                              self.table)
             positions += ucols
-            values += list(fetched)
+            values += list(found[kt])
+            if self.book is not None:
+                self.book.rows_read += 1
+            if self.marks is not None:
+                self.marks[key] = (frozenset(names), position)
+        elif self.marks is not None and key is not None:
+            self.marks.pop(key, None)
         return positions, values
+
+    def _received(self, rc: RowChange, key: Any) -> None:
+        """The row at ``key`` received ``rc``'s columns in place: they are no longer the
+        ones read ahead of the stream."""
+        if self.marks is None or key not in self.marks:
+            return
+        columns, position = self.marks[key]
+        kept = columns - column_names(self.table, rc.mask)
+        if kept:
+            self.marks[key] = (kept, position)
+        else:
+            del self.marks[key]
+
+    def _moved(self, rc: RowChange) -> None:
+        """The row at ``rc.old_key`` moved to ``rc.key`` keeping the columns it did not
+        receive: marked ones are read again at the new key (:mod:`.fetchmarks`)."""
+        if self.marks is None:
+            return
+        mark = self.marks.pop(rc.old_key, None)
+        self.marks.pop(rc.key, None)
+        if mark is None:
+            return
+        kept = mark[0] - column_names(self.table, rc.mask)
+        if not kept:
+            return
+        names = sorted(kept)
+        found, position = read_again(self.writer, [rc.relation_name], rc.source_table,
+                                     self.key_names, [rc.key], names)
+        write_read(self.conn, self.table, rc.key_positions, names, found)
+        self.marks[rc.key] = (kept, position)
+        if self.book is not None:
+            self.book.rows_read += len(found)
 
     def _insert(self, positions: Sequence[int], values: Sequence[Any]) -> None:
         cols = sql.SQL(", ").join(sql.Identifier(self.table.columns[j].name)
@@ -177,6 +234,7 @@ class _RowApplier:
                     self.conn.execute(sql.SQL("UPDATE {} SET {} WHERE {}").format(
                         self.ident, sets, where), params + kparams)
                     self.written += 1
+                    self._received(rc, rc.key)
             return
         self._insert(*self._full_row(rc, rc.key))
 
@@ -200,6 +258,10 @@ class _RowApplier:
             found = cur.rowcount > 0
             self.written += max(cur.rowcount, 0)
         if found:
+            if key_changed:
+                self._moved(rc)
+            else:
+                self._received(rc, rc.key)
             return
         self._conflict(rc, "update", self._key_dict(rc.old_key),
                        "the row to update is missing in the target", missing=True)
@@ -212,6 +274,8 @@ class _RowApplier:
                                 params)
         if cur.rowcount > 0:
             self.written += cur.rowcount
+            if self.marks is not None:
+                self.marks.pop(rc.old_key, None)
             return
         self._conflict(rc, "delete", self._key_dict(rc.old_key),
                        "the row to delete is missing in the target", missing=True)
@@ -291,9 +355,11 @@ def apply_sequential(
     tp: TablePlan,
     policy: ConflictPolicy,
     counts: dict[str, TableCounts],
+    marks: MarkBook | None = None,
 ) -> int:
-    """Apply ``tp``'s changes one by one; returns rows written."""
-    applier = _RowApplier(conn, writer, tp, policy, counts)
+    """Apply ``tp``'s changes one by one; returns rows written. ``marks``: the batch's
+    (:mod:`.fetchmarks`; None outside a merge's transaction)."""
+    applier = _RowApplier(conn, writer, tp, policy, counts, marks)
     for rc in table_changes(batch, plan, tp):
         if rc.row is not None and any(rc.row[j] is UNCHANGED for j in mask_positions(rc.mask)):
             raise AssertionError("a received column holds no value")  # pragma: no cover

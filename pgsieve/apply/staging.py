@@ -39,6 +39,8 @@ from pgsieve.apply.net_effect import (
     ROW as ENTRY_ROW,
 )
 
+SCHEMA = "pgsieve"
+"""The target's schema of pgsieve's own tables (staging, the applied record, marks)."""
 META_COLUMNS = ("_op", "_first", "_lsn", "_m")
 
 

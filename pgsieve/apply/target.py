@@ -35,9 +35,10 @@ from pgsieve.apply.columns import (
     TargetTable,
     describe_mismatch,
 )
+from pgsieve.apply.fetchmarks import FETCHED_DDL, FETCHED_TABLE, FetchMarks
 from pgsieve.apply.plan import RelationMaps
 from pgsieve.apply.prepared import PreparedRows
-from pgsieve.apply.staging import META_COLUMNS
+from pgsieve.apply.staging import META_COLUMNS, SCHEMA
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.errors import ErrorCode, Unprocessable, Unreachable
@@ -55,7 +56,6 @@ writer's tables; re-read where they changed; each period drawn between half of i
 of it, so that a worker's writers do not check together: :mod:`pgsieve.platform.spread`),
 or re-read when a batch fails on them."""
 
-SCHEMA = "pgsieve"
 APPLIED_TABLE = "applied"
 RECORD_STATEMENT = "pgsieve_record"
 """A target connection's prepared statement (see :meth:`TargetWriter.record_statement`)."""
@@ -80,6 +80,7 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.{APPLIED_TABLE} (
 );
 COMMENT ON TABLE {SCHEMA}.{APPLIED_TABLE} IS
     'pgsieve: per subscription, the end LSN of the last source transaction this database holds';
+{FETCHED_DDL}
 """
 
 _FINGERPRINT = """
@@ -199,6 +200,8 @@ class TargetWriter:
         self._shapes_ttl = spread(SHAPE_TTL_SECONDS)
         self.relation_maps = RelationMaps()
         """How the stream's relations map onto these shapes (kept across batches)."""
+        self.fetch_marks = FetchMarks(subscription_id)
+        """Rows holding values read ahead of the stream (:mod:`.fetchmarks`)."""
         self._staging: dict[int, tuple[str, tuple[Any, ...]]] = {}
         self._stages_empty: set[str] = set()
         self._stage_dead_rows: dict[str, int] = {}
@@ -360,15 +363,39 @@ class TargetWriter:
                 current = lsn
         self.applied_committed(current)
 
+    def hand_over_marks(self, subscription_id: str) -> None:
+        """Give this writer's marks (:mod:`.fetchmarks`) to ``subscription_id``: a table's
+        catch-up hands its values read ahead over to the subscription's stream, which
+        applies the table's changes from then on (it reads them again once its routes
+        change)."""
+        with self.conn.transaction():
+            self.conn.execute(
+                f"INSERT INTO {SCHEMA}.{FETCHED_TABLE} AS f "
+                "(subscription_id, target_table, key, columns, source_lsn) "
+                f"SELECT %s, target_table, key, columns, source_lsn FROM {SCHEMA}.{FETCHED_TABLE} "
+                "WHERE subscription_id = %s "
+                "ON CONFLICT (subscription_id, target_table, key) DO UPDATE "
+                "SET columns = excluded.columns, source_lsn = excluded.source_lsn",
+                (subscription_id, self.subscription_id))
+            self.conn.execute(
+                f"DELETE FROM {SCHEMA}.{FETCHED_TABLE} WHERE subscription_id = %s",
+                (self.subscription_id,))
+        self.fetch_marks.invalidate()
+
     def forget(self, subscription_id: str | None = None) -> None:
         """Drop the record and staging tables of a deleted subscription."""
         self.applied_unknown()
         sub = subscription_id or self.subscription_id
-        exists = self.conn.execute("SELECT to_regclass(%s) IS NOT NULL",
-                                   (f"{SCHEMA}.{APPLIED_TABLE}",)).fetchone()
+        exists = self.conn.execute(
+            "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
+            (f"{SCHEMA}.{APPLIED_TABLE}", f"{SCHEMA}.{FETCHED_TABLE}")).fetchone()
         if exists and exists[0]:
             self.conn.execute(f"DELETE FROM {SCHEMA}.{APPLIED_TABLE} WHERE subscription_id = %s",
                               (sub,))
+        if exists and exists[1]:
+            self.conn.execute(f"DELETE FROM {SCHEMA}.{FETCHED_TABLE} WHERE subscription_id = %s",
+                              (sub,))
+        self.fetch_marks.invalidate()
         tag = hashlib.sha1(sub.encode()).hexdigest()[:10]  # noqa: S324
         self._drop_staging(others_only=False, tag=tag)
 
@@ -648,10 +675,11 @@ class TargetWriter:
         key_columns: Sequence[str],
         keys: Sequence[tuple[bytes, ...]],
         columns: Sequence[str],
-    ) -> dict[tuple[bytes, ...], tuple[bytes | None, ...]]:
+    ) -> tuple[dict[tuple[bytes, ...], tuple[bytes | None, ...]], int]:
         """Current values of ``columns`` of the source rows with these keys (text form),
-        by key; rows not found are absent. Raises psycopg errors when the source cannot
-        be read."""
+        by key; rows not found are absent. With them, the source's WAL insert position
+        read after them: every transaction the reads saw ends at or before it (see
+        :mod:`.fetchmarks`). Raises psycopg errors when the source cannot be read."""
         if self._source_dsn is None:
             raise RuntimeError("no source connection configured")
         out: dict[tuple[bytes, ...], tuple[bytes | None, ...]] = {}
@@ -672,7 +700,9 @@ class TargetWriter:
                 for row in src.execute(query, params):
                     key = tuple(str(v).encode() for v in row[:k])
                     out[key] = tuple(None if v is None else str(v).encode() for v in row[k:])
-        return out
+            position = src.execute("SELECT pg_current_wal_insert_lsn()::text").fetchone()
+        assert position is not None
+        return out, Lsn.parse(position[0]).value
 
 
 def copy_rows(conn: psycopg.Connection[Any], staging: str, columns: Sequence[str],

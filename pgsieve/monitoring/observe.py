@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from pgsieve.monitoring.progress import (
     HISTORY_RESOLUTION,
     HISTORY_RETENTION,
+    PREPARED_HELD_AFTER,
     WAL_RATE_WINDOW,
     SlotProbe,
     compute_lag,
@@ -245,6 +246,12 @@ def recent_wal_rate(session: Session, source_id: str, now: datetime,
     return wal_rate(points)
 
 
+def being_created(slot: dict[str, Any]) -> bool:
+    """A logical slot whose creation has not reached its consistent point yet (it has no
+    confirmed position until then): it waits for the source's running transactions."""
+    return bool(slot["active"]) and slot["confirmed_flush_lsn"] is None
+
+
 def with_health(
     slots: list[dict[str, Any]],
     *,
@@ -252,7 +259,11 @@ def with_health(
     in_use: set[str],
     max_keep_bytes: int | None,
     rate: float | None,
+    running: list[dict[str, Any]] | None = None,
+    prepared: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
+    """``running``: the source's running transactions (for slots being created);
+    ``prepared``: those prepared long enough to warn of (for two-phase slots)."""
     out = []
     for slot in slots:
         owner = owned.get(slot["name"])
@@ -265,6 +276,9 @@ def with_health(
             max_keep_bytes=max_keep_bytes,
             owned_by=owner,
             rate=rate,
+            being_created=being_created(slot),
+            running=running or (),
+            prepared=(prepared or ()) if slot["two_phase"] else (),
         )
         out.append({
             **slot,
@@ -294,9 +308,14 @@ def slots_with_health(
         "max_slot_wal_keep_size": max_keep,
     }
     managed = set(session.scalars(select(Slot.name).where(Slot.source_id == source.id)))
+    running = (pgserver.running_transactions(conn)["transactions"]
+               if any(being_created(s) for s in slots) else None)
+    prepared = (pgserver.prepared_transactions(conn, older_than=PREPARED_HELD_AFTER)
+                if any(s["two_phase"] for s in slots) else None)
     judged = with_health(slots, owned=owners(session, source.id),
                          in_use=slots_in_use(session, source.id, now, lease),
-                         max_keep_bytes=max_keep, rate=rate)
+                         max_keep_bytes=max_keep, rate=rate, running=running,
+                         prepared=prepared)
     return [{**s, "managed": s["name"] in managed} for s in judged], facts
 
 

@@ -19,15 +19,19 @@ a backlog. The consumer's report is the fallback when the slot cannot be read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Literal
+from typing import Any, Literal
+
+from pgsieve.platform.pgserver import describe_oldest
 
 HISTORY_RESOLUTION = timedelta(seconds=10)
 HISTORY_RETENTION = timedelta(hours=24)
 WAL_RATE_WINDOW = timedelta(minutes=15)
 """Recent WAL rate (for projecting slot invalidation) is measured over this window."""
+PREPARED_HELD_AFTER = timedelta(minutes=1)
+"""A transaction prepared this long holds a two-phase slot's confirmed position (warned)."""
 
 LagBasis = Literal["consumer", "slot", "stored", "unknown"]
 
@@ -135,7 +139,14 @@ def slot_health(
     max_keep_bytes: int | None,
     owned_by: str | None,
     rate: float | None,
+    being_created: bool = False,
+    running: Sequence[Mapping[str, Any]] = (),
+    prepared: Sequence[Mapping[str, Any]] = (),
 ) -> SlotHealth:
+    """``being_created``: the slot waits for its consistent point (``running``: the
+    source's transactions it waits for, oldest first). ``prepared``: transactions prepared
+    in the slot's database for over :data:`PREPARED_HELD_AFTER`, given for a two-phase
+    slot only."""
     warnings: list[SlotWarning] = []
     level: Health = "ok"
 
@@ -146,6 +157,21 @@ def slot_health(
             level = severity
 
     orphaned = not active and not temporary and owned_by is None
+    if being_created:
+        warn("slot_being_created",
+             f"being created: waits for {len(running)} transaction(s) running on the source "
+             "(any database, prepared ones too) to end"
+             + (f"; oldest: {describe_oldest(running)}" if running else
+                " (none this role can see: pg_read_all_stats shows them)"))
+    if prepared:
+        oldest = min(prepared, key=lambda t: str(t["started_at"]))
+        warn("prepared_transactions_held",
+             f"{len(prepared)} transaction(s) prepared in this database for over "
+             f"{PREPARED_HELD_AFTER.total_seconds() / 60:.0f} min (oldest: "
+             f"'{oldest['prepared_gid']}' since {oldest['started_at']}): a two-phase slot "
+             "sends one at its PREPARE and pgsieve applies it at COMMIT PREPARED, so it "
+             "confirms the slot no further than where the oldest began; the slot retains "
+             "WAL until they are committed or rolled back")
     if wal_status == "lost":
         warn("wal_lost", "the slot was invalidated: WAL it needed has been removed; "
              "recreate it and resync its subscription", "critical")

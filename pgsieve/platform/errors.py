@@ -68,6 +68,7 @@ class ErrorCode(StrEnum):
     SNAPSHOT_FAILED = "snapshot_failed"
     SOURCE_IN_USE = "source_in_use"
     SOURCE_NOT_FOUND = "source_not_found"
+    SOURCE_TRANSACTIONS_RUNNING = "source_transactions_running"
     SOURCE_UNREACHABLE = "source_unreachable"
     SUBSCRIPTION_BUSY = "subscription_busy"
     SUBSCRIPTION_NOT_FOUND = "subscription_not_found"

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import re
 import secrets
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -194,9 +195,74 @@ def validate_slot_name(name: str) -> None:
         )
 
 
+RUNNING_TRANSACTIONS_QUERY = """
+SELECT a.pid, a.datname AS database, a.usename AS "user", a.application_name, a.state,
+       a.xact_start AS started_at, NULL::text AS prepared_gid
+  FROM pg_catalog.pg_stat_activity a
+ WHERE a.backend_xid IS NOT NULL AND a.pid <> pg_catalog.pg_backend_pid()
+UNION ALL
+SELECT NULL, p.database, p.owner, NULL, 'prepared', p.prepared, p.gid
+  FROM pg_catalog.pg_prepared_xacts p
+ ORDER BY started_at NULLS LAST
+ LIMIT %s
+"""
+
+SEES_ALL_SESSIONS_QUERY = """
+SELECT r.rolsuper OR pg_catalog.pg_has_role(r.oid, 'pg_read_all_stats', 'USAGE')
+  FROM pg_catalog.pg_roles r WHERE r.rolname = current_user
+"""
+
+
+def running_transactions(conn: psycopg.Connection[dict[str, Any]], limit: int = 20
+                         ) -> dict[str, Any]:
+    """What a logical slot being created waits for: PostgreSQL's snapshot builder reaches
+    a consistent point only once every transaction with a transaction id that ran when
+    it started has ended, in any database of the cluster, prepared ones included (a
+    transaction left prepared holds slot creation until it is committed or rolled back).
+    Oldest first; ``all_visible`` is false when the role sees only its own sessions
+    (other roles' need ``pg_read_all_stats``; prepared ones are always listed). No
+    statement text: it may carry secrets."""
+    rows = conn.execute(RUNNING_TRANSACTIONS_QUERY, (limit,)).fetchall()
+    seen = conn.execute(SEES_ALL_SESSIONS_QUERY).fetchone()
+    transactions = []
+    for row in rows:
+        started = row["started_at"]
+        transactions.append({**row, "started_at": started.isoformat() if started else None})
+    return {"transactions": transactions,
+            "all_visible": bool(seen and next(iter(seen.values())))}
+
+
+def prepared_transactions(conn: psycopg.Connection[dict[str, Any]], *,
+                          older_than: timedelta) -> list[dict[str, Any]]:
+    """Transactions prepared in the connected database for longer than ``older_than``
+    (what a two-phase slot's confirmed position waits for), oldest first, in the shape of
+    :func:`running_transactions`' list."""
+    rows = conn.execute(
+        "SELECT NULL::int AS pid, database, owner AS \"user\", NULL::text AS application_name, "
+        "'prepared' AS state, prepared AS started_at, gid AS prepared_gid "
+        "FROM pg_catalog.pg_prepared_xacts WHERE database = current_database() "
+        "AND prepared < now() - %s ORDER BY prepared", (older_than,)).fetchall()
+    return [{**r, "started_at": r["started_at"].isoformat()} for r in rows]
+
+
+def describe_oldest(transactions: Sequence[Mapping[str, Any]]) -> str:
+    """The oldest of :func:`running_transactions`' list, in words (logs, the CLI, slot
+    warnings)."""
+    if not transactions:
+        return "none visible to this role"
+    t = transactions[0]
+    if t.get("prepared_gid") is not None:
+        return f"prepared '{t['prepared_gid']}' in {t['database']} since {t['started_at']}"
+    return f"pid {t['pid']} in {t['database']} ({t['state']}) since {t['started_at']}"
+
+
 def create_slot(
     conn: psycopg.Connection[dict[str, Any]], name: str, two_phase: bool = False
 ) -> dict[str, Any]:
+    """Create a ``pgoutput`` slot. The creation waits for the source's running
+    transactions (see :func:`running_transactions`) no longer than the session's
+    ``statement_timeout``; then ``source_transactions_running`` (409) lists them and
+    nothing is left behind (PostgreSQL drops a slot whose creation failed)."""
     validate_slot_name(name)
     if get_slot(conn, name) is not None:
         raise Conflict(f"a replication slot named '{name}' already exists",
@@ -215,9 +281,42 @@ def create_slot(
         raise Unprocessable(str(exc).strip(), code=ErrorCode.SLOT_CREATE_FAILED) from None
     except psycopg.errors.ConfigurationLimitExceeded as exc:
         raise Conflict(str(exc).strip(), code=ErrorCode.SLOT_LIMIT_REACHED) from None
+    except psycopg.errors.QueryCanceled:
+        waiting = running_transactions(conn)
+        count = len(waiting["transactions"])
+        raise Conflict(
+            f"creating slot '{name}' waits for transactions running on the source "
+            f"({count} seen{'' if waiting['all_visible'] else ' by this role'}); it "
+            "takes a consistent point only once each that ran when it began has ended: "
+            "end them (COMMIT or ROLLBACK PREPARED for prepared ones) and try again",
+            code=ErrorCode.SOURCE_TRANSACTIONS_RUNNING, **waiting) from None
     slot = get_slot(conn, name)
     assert slot is not None
     return slot
+
+
+def stop_slot_creation(conn: psycopg.Connection[dict[str, Any]], name: str,
+                       application_name: str, timeout: float = 10.0) -> bool:
+    """End the session that is creating slot ``name`` if its ``application_name`` says it
+    is pgsieve's own (a sync job's snapshot helper waiting for the source's running
+    transactions): PostgreSQL drops a slot whose creation did not finish, as when
+    ``DROP SUBSCRIPTION`` stops a table sync worker. True if one was ended (the slot is
+    gone, or inactive, on return)."""
+    row = conn.execute(
+        "SELECT s.active_pid AS pid FROM pg_catalog.pg_replication_slots s "
+        "JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid "
+        "WHERE s.slot_name = %s AND a.application_name = %s",
+        (name, application_name)).fetchone()
+    if row is None:
+        return False
+    conn.execute("SELECT pg_catalog.pg_terminate_backend(%s)", (row["pid"],))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        slot = get_slot(conn, name)
+        if slot is None or not slot["active"]:
+            break
+        time.sleep(0.05)
+    return True
 
 
 def drop_slot(conn: psycopg.Connection[dict[str, Any]], name: str) -> None:

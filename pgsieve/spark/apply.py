@@ -204,7 +204,9 @@ def finish_prepared(p: PreparedBatch) -> ApplyResult:
         sequential_tables={**{n: tp.sequential for n, tp in plan.tables.items()
                               if tp.sequential},
                            **outcome.sequential},
-        fetched_rows=p.fetched,
+        # (a table that went change by change at the merge read its rows there again)
+        fetched_rows=p.fetched + outcome.fetched_again - sum(
+            len(plan.tables[n].fetched) for n in outcome.sequential if n in plan.tables),
         distributed=p.distributed,
         direct_tables=tuple(outcome.direct),
         spark=p.spark_report,

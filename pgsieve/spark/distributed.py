@@ -28,6 +28,7 @@ import pyarrow as pa  # type: ignore[import-untyped]
 from pgsieve.apply.batch import ApplyBatch, TableRoute
 from pgsieve.apply.columns import TargetTable
 from pgsieve.apply.driver import fetch_pending, resolver
+from pgsieve.apply.fetchmarks import key_of_text, key_text
 from pgsieve.apply.merge import StagedTable
 from pgsieve.apply.plan import (
     BatchPlan,
@@ -280,6 +281,8 @@ def stage_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatc
                 fetched = fetch_pending(writer, plan)
                 for name, tp in plan.tables.items():
                     out[name] = _stage_table(writer, tp, job["staging"].get(name))
+                    out[name]["fetched"] = [[key_text(k), m, lsn]
+                                            for k, (m, lsn) in tp.fetched.items()]
                 writer.conn.commit()
             finally:
                 writer.close()
@@ -399,6 +402,8 @@ def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | N
             fetched += int(result["fetched"])
             for name, info in result["tables"].items():
                 tp = plan.tables[name]
+                for k, m, lsn in info.get("fetched", ()):  # marked by the merge
+                    tp.fetched[key_of_text(k)] = (m, lsn)
                 if info["sequential"] and tp.sequential is None:
                     tp.sequential = info["sequential"]
                 summary = summaries.setdefault(name, StageSummary())

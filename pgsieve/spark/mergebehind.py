@@ -192,6 +192,7 @@ class MergeBehind:
             writer = self._writers[index] = TargetWriter(
                 first.dsn, first.subscription_id, source_dsn=first.source_dsn,
                 connect_timeout=first.connect_timeout)
+            writer.fetch_marks = first.fetch_marks  # (merges take turns, in one thread)
         return writer
 
     def _last_recorded(self, index: int) -> Lsn | None:

@@ -139,6 +139,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
         return
     finally:
         transport.close()
+    writer.hand_over_marks(subscription_id)  # before the stream takes the table over
     _mark_ready(sessions, subscription_id, table_name, slot, upto, settings, source_dsn)
     try:
         writer.forget()

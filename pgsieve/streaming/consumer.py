@@ -92,6 +92,13 @@ class SlotConsumer:
         self._delivered_message: Lsn | None = resume_after
         self.stats = ConsumerStats()
         self._carried: TransactionSplitter | None = None
+        self._session: TransactionSplitter | None = None
+        """The splitter of the session under way (None between sessions)."""
+        self._held: dict[tuple[str, int], int | None] = {}
+        """Prepared transactions met and not yet confirmed, by (gid, where each began):
+        the end of their COMMIT / ROLLBACK PREPARED once met (see :meth:`confirm`). Kept
+        across sessions: one that read nothing (an idle poll) or stopped before a PREPARE
+        knows nothing of it."""
 
     @property
     def delivered(self) -> Lsn | None:
@@ -109,7 +116,8 @@ class SlotConsumer:
         not confirmed yet."""
         for session in self.transport.sessions(deadline):
             self.stats.sessions += 1
-            assembler = self._assembler_for_session()
+            assembler = self._session = self._assembler_for_session()
+            assembler.full.delivered_until = self._delivered
             messages = 0
             ended = False
             try:
@@ -146,6 +154,8 @@ class SlotConsumer:
             finally:
                 self.stats.messages += messages
                 self.stats.pending_streams = assembler.pending_xids
+                self._session = None
+                self._note_prepared(assembler)
                 if ended and getattr(self.transport, "carries_over", False):
                     self._carried = assembler  # the next session goes on with its window
                 else:
@@ -195,9 +205,36 @@ class SlotConsumer:
         return True
 
     def confirm(self, lsn: Lsn) -> None:
-        """The target durably holds every transaction ending at or before ``lsn``."""
+        """The target durably holds every transaction ending at or before ``lsn``.
+
+        The slot is told no further than where the oldest prepared transaction held
+        began (a slot created with ``two_phase``): PostgreSQL sends a prepared
+        transaction's changes once, at its PREPARE, and a session starting past it would
+        get only its COMMIT PREPARED. Held there, each session reads the PREPARE again;
+        the transactions after it that the target holds are skipped (``resume_after``).
+        A transaction left prepared for long makes every new session read from its
+        PREPARE on, and the slot keep that WAL until it ends (native's two-phase
+        subscriber prepares it on its side instead, docs/guarantees.md)."""
+        if self._session is not None:
+            self._note_prepared(self._session)
+        held = self._held
+        for key in [k for k, end in held.items() if end is not None and end <= lsn.value]:
+            del held[key]  # committed (or rolled back) and now held by the target
+        if held:
+            lsn = min(lsn, Lsn(min(start for _, start in held)))
         self.transport.confirm(lsn)
         self.stats.confirmed = lsn
+
+    def _note_prepared(self, assembler: TransactionSplitter) -> None:
+        """What the session met of prepared transactions: each one held from where it
+        began until a confirmation covers its COMMIT / ROLLBACK PREPARED."""
+        held = self._held
+        for gid, start, end in assembler.resolved:
+            if start is not None:
+                held[(gid, start.value)] = end.value
+        assembler.resolved.clear()
+        for gid, start in assembler.prepared_starts.items():
+            held.setdefault((gid, start.value), None)
 
     def close(self) -> None:
         carried, self._carried = self._carried, None

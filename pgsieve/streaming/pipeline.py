@@ -681,6 +681,8 @@ class _StreamRun:
         changed = routes != self.routes
         if changed:  # (merges in flight carry the old routes: done before anyone is told)
             self._settle_merges()
+            # A table's catch-up may have handed its marks over (catchup.hand_over_marks).
+            self.writer.fetch_marks.invalidate()
         self.routes = routes
         if changed and self._on_routes_changed is not None:
             # Batches from now on use the new routes: say so (a resync waits for it).
@@ -944,6 +946,7 @@ class _StreamRun:
         if fresh == self.routes:
             return None
         self.routes = fresh
+        self.writer.fetch_marks.invalidate()  # (as in _control)
         if self._on_routes_changed is not None:
             # Batches from now on use the new routes: say so (a resync waits for it).
             self._on_routes_changed()

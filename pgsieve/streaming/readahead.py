@@ -93,10 +93,11 @@ def prestart_read_ahead() -> None:
 def read_ahead_or(inner: SqlTransport, dsn: str, *, min_bytes: int, processes: int,
                   buffer_bytes: int) -> SqlTransport | ReadAheadTransport:
     """``inner`` read ahead by a child process when its backlog is at least ``min_bytes``
-    (0: never) and fewer than ``processes`` read-ahead processes run in this process."""
+    (0: never), fewer than ``processes`` read-ahead processes run in this process, and
+    the slot is not a two-phase one (see ``SqlTransport.two_phase``)."""
     global _live
-    if not min_bytes or inner.backlog_bytes < min_bytes:
-        return inner
+    if not min_bytes or inner.backlog_bytes < min_bytes or inner.two_phase:
+        return inner  # (a two-phase slot's copy sends prepared transactions otherwise)
     with _live_lock:
         if _live >= processes:
             return inner

@@ -296,7 +296,8 @@ class SqlTransport:
     def _check_slot(self) -> None:
         row = self._conn.execute(
             "SELECT plugin, active_pid, confirmed_flush_lsn::text, "
-            "pg_wal_lsn_diff(pg_current_wal_flush_lsn(), confirmed_flush_lsn)::bigint "
+            "pg_wal_lsn_diff(pg_current_wal_flush_lsn(), confirmed_flush_lsn)::bigint, "
+            "two_phase "
             "FROM pg_replication_slots WHERE slot_name = %s AND database = current_database()",
             (self.slot,),
         ).fetchone()
@@ -307,6 +308,14 @@ class SqlTransport:
         self._confirmed = Lsn.parse(row[2])
         self.backlog_bytes = max(0, int(row[3] or 0))
         """WAL between the slot's confirmed position and the flushed end, when opened."""
+        self.two_phase = bool(row[4])
+        """The slot sends prepared transactions at their PREPARE. A copy of it does not
+        (``pg_copy_logical_replication_slot`` leaves ``two_phase`` off in PostgreSQL 15):
+        it would send them whole at COMMIT PREPARED, so a window's part decoded by a copy
+        could hide a PREPARE the consumer must hold (see SlotConsumer.confirm). Such a
+        slot's windows are read on one backend, and never by a read-ahead process."""
+        if self.two_phase:
+            self.split_bytes = 0
 
     def wait_released(self, timeout: float) -> bool:
         """Wait (bounded) until no process streams the slot: a walsender of ours that

@@ -36,6 +36,7 @@ from pgsieve.platform.states import JobState, SubscriptionState, SyncState
 from pgsieve.publications.catalog import read_publications, read_tables
 from pgsieve.rowfilter.effective import effective_filters
 from pgsieve.sync import moved
+from pgsieve.sync.snapshot import HELPER_APPLICATION
 from pgsieve.wire.lsn import InvalidLsn, Lsn, format_lsn
 
 log = logging.getLogger(__name__)
@@ -291,11 +292,12 @@ def delete_subscription(session: Session, settings: Settings, box: SecretBox,
         source = load_source(session, sub.source_id)
         try:
             with source_connection(source, settings, box) as conn:
-                for table in sub.tables:
-                    if table.sync_slot and pgserver.get_slot(conn, table.sync_slot):
-                        pgserver.drop_slot(conn, table.sync_slot)
-                if not keep_slot and pgserver.get_slot(conn, sub.slot_name):
-                    pgserver.drop_slot(conn, sub.slot_name)
+                slots = [t.sync_slot for t in sub.tables if t.sync_slot]
+                for slot in [*slots, *([] if keep_slot else [sub.slot_name])]:
+                    # a sync job's slot still being created: end its creation first
+                    pgserver.stop_slot_creation(conn, slot, HELPER_APPLICATION)
+                    if pgserver.get_slot(conn, slot):
+                        pgserver.drop_slot(conn, slot)
         except Unreachable as exc:
             if not keep_slot:
                 raise Unreachable(

@@ -21,7 +21,7 @@ at the marker.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import psycopg
@@ -138,6 +138,21 @@ def _what_happens(change: TableChange, in_subscription: bool) -> str:
     return "none"  # per-operation filters only: no existing row changes
 
 
+def changed_members(before: Before, name: str, new_definition: Publication) -> set[str]:
+    """The members of publication ``name`` whose definition (filter, column list) the
+    change alters, adds or drops: only those are locked for the change, so writers to
+    its other tables never wait for it. All members when something publication-wide
+    changes (operations, partition root, schemas, FOR ALL TABLES) or the old definition
+    is unknown."""
+    old = next((p for pubs in before.publications.values() for p in pubs if p.name == name),
+               None)
+    now = {t.table: t for t in new_definition.tables}
+    if old is None or replace(old, tables=()) != replace(new_definition, tables=()):
+        return set(now) | ({t.table for t in old.tables} if old is not None else set())
+    was = {t.table: t for t in old.tables}
+    return {t for t in set(was) | set(now) if was.get(t) != now.get(t)}
+
+
 class ChangePoint:
     """The publication change as one point of every stream, for the subscriptions with
     tables that can be reconciled by the rows the change moves (:mod:`.moved`). A
@@ -162,11 +177,9 @@ class ChangePoint:
         self.jobs: dict[str, dict[str, Any]] = {}
         """subscription id -> its reconcile item (job committed with the change)."""
         self.marker = new_id()
-        members = {t.table for t in new_definition.tables}
-        for pubs in before.publications.values():
-            for p in pubs:
-                if p.name == name:
-                    members |= {t.table for t in p.tables}
+        members = changed_members(before, name, new_definition)
+        self.locked: set[str] = set()
+        """The candidates locked before the DDL: only they may take the moved rows."""
         self.candidates = sorted({
             t.table_name for sub in users(session, source, name)
             if sub.id in before.publications and not initial_sync_pending(session, sub)
@@ -181,6 +194,7 @@ class ChangePoint:
         tables = [t for t in self.candidates if t in existing]
         if tables:
             self.snapshot = moved.lock_and_export(conn, tables)
+            self.locked = set(tables)
 
     def after_ddl(self, conn: psycopg.Connection[Any]) -> None:
         if self.snapshot is None:
@@ -195,8 +209,10 @@ class ChangePoint:
             states = {t.table_name: str(t.sync_state) for t in sub.tables}
             affected = [c for c in table_changes(pubs, after, list(infos.values()))
                         if c.reconcilable and c.table in states]
+            # (a table not locked may have taken writes between the snapshot and the
+            # change's commit that the stream applies under the old filter: compared whole)
             scoped = [moved.moved_table(c, infos.get(c.table), states[c.table])
-                      for c in affected]
+                      if c.table in self.locked else None for c in affected]
             movable = [m for m in scoped if m is not None]
             if movable:
                 whole = [c.table for c, m in zip(affected, scoped, strict=True) if m is None]

@@ -48,6 +48,8 @@ from pgsieve.wire.lsn import Lsn
 log = logging.getLogger(__name__)
 
 HELPER_MODULE = "pgsieve.sync.snapshot"
+HELPER_APPLICATION = "pgsieve-snapshot"
+"""The helpers' ``application_name`` (a subscription's delete ends one creating its slot)."""
 DEFAULT_GRACE_SECONDS = 600.0
 """How long a helper keeps its snapshot for a job whose runner stopped heart-beating."""
 POLL_SECONDS = 1.0
@@ -148,10 +150,12 @@ def hold_snapshot(
     lease_seconds: float,
     grace_seconds: float = DEFAULT_GRACE_SECONDS,
     timeout: float = 3600.0,
+    on_wait: Callable[[float], None] | None = None,
 ) -> ExportedSnapshot:
     """Start a detached helper that creates ``slot`` with an exported snapshot and holds
     it; returns once the snapshot exists (creating a slot waits for running transactions
-    to finish, hence the long ``timeout``)."""
+    to finish, hence the long ``timeout``). ``on_wait(seconds)`` is called about every
+    second while it waits (the job shows what it waits for)."""
     request = {
         "dsn": source_dsn,
         "slot": slot,
@@ -162,7 +166,7 @@ def hold_snapshot(
     }
     # The next spare is started by the sync job when it ends, not here: its interpreter
     # start would take CPU from this job's copy (measured: ~8 % of a 2-core sync).
-    return _ask(_take_helper(), request, slot, timeout)
+    return _ask(_take_helper(), request, slot, timeout, on_wait)
 
 
 def hold_imported_snapshot(
@@ -195,12 +199,13 @@ def hold_imported_snapshot(
 
 
 def _ask(proc: subprocess.Popen[bytes], request: dict[str, Any], slot: str,
-         timeout: float) -> ExportedSnapshot:
+         timeout: float, on_wait: Callable[[float], None] | None = None) -> ExportedSnapshot:
     assert proc.stdin is not None
     assert proc.stdout is not None
     proc.stdin.write(json.dumps(request).encode())
     proc.stdin.close()
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     line = b""
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 1.0)
@@ -209,6 +214,13 @@ def _ask(proc: subprocess.Popen[bytes], request: dict[str, Any], slot: str,
             break
         if proc.poll() is not None:
             break
+        if on_wait is not None:
+            try:
+                on_wait(time.monotonic() - started)
+            except BaseException:
+                proc.stdout.close()
+                _terminate(proc)  # (the server drops a slot whose creation was cut short)
+                raise
     proc.stdout.close()
     if not line:
         _terminate(proc)
@@ -343,7 +355,7 @@ def _helper_main() -> int:
     try:
         conn = psycopg.connect(secure_conninfo(request["dsn"], purpose=Purpose.STREAM),
                                autocommit=True, replication="database",
-                               application_name="pgsieve-snapshot")
+                               application_name=HELPER_APPLICATION)
         lsn, name = create_slot_with_snapshot(conn, slot)
     except psycopg.errors.DuplicateObject:
         _answer({"ok": False, "code": "slot_exists",
@@ -390,7 +402,7 @@ def _hold_imported(request: dict[str, Any], grace: timedelta) -> int:
     started = time.monotonic()
     try:
         conn = psycopg.connect(secure_conninfo(request["dsn"], purpose=Purpose.STREAM),
-                               autocommit=True, application_name="pgsieve-snapshot")
+                               autocommit=True, application_name=HELPER_APPLICATION)
         conn.execute("SET idle_in_transaction_session_timeout = 0")
         conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         conn.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(

@@ -85,7 +85,9 @@ from pgsieve.spark.sync import (
 from pgsieve.sync import moved, parked_merge
 from pgsieve.sync.diffrun import IN_WORKER_MAX_ROWS
 from pgsieve.sync.diffsync import SparkRanges, diff_table
+from pgsieve.sync.slotwait import SlotWaitReport
 from pgsieve.sync.snapshot import (
+    HELPER_APPLICATION,
     ExportedSnapshot,
     SnapshotError,
     hold_snapshot,
@@ -573,16 +575,32 @@ class SyncJobRunner:
 
     # -- snapshots ---------------------------------------------------------------------------
     def _hold(self, ctx: _Context, slot: str) -> ExportedSnapshot:
+        def transactions() -> dict[str, Any]:
+            with pgserver.connect(ctx.source_dsn,
+                                  connect_timeout=self.settings.connect_timeout) as conn:
+                return pgserver.running_transactions(conn)
+
+        def publish(waiting_for: dict[str, Any] | None) -> None:
+            with self._owned() as (_, job):
+                details = {k: v for k, v in job.details.items() if k != "waiting_for"}
+                job.details = details if waiting_for is None else {
+                    **details, "waiting_for": waiting_for}
+
+        report = SlotWaitReport(slot, transactions, publish)
         try:
             with self._timed("snapshot"):
                 return hold_snapshot(ctx.source_dsn, slot,
                                      database_url=self.settings.effective_database_url,
                                      job_id=self.job_id,
-                                     lease_seconds=self.settings.consumer_lease_seconds)
+                                     lease_seconds=self.settings.consumer_lease_seconds,
+                                     on_wait=report)
         except SnapshotError as exc:
             if exc.code == "slot_exists":
                 raise SyncError(str(exc), code=ErrorCode.SLOT_EXISTS) from None
-            raise _Retry(f"cannot create slot {slot}: {exc}") from None
+            raise _Retry(f"cannot create slot {slot}: {exc}{report.explain()}") from None
+        finally:
+            with contextlib.suppress(_Lost):
+                report.clear()
 
     def _main_snapshot(self, ctx: _Context) -> ExportedSnapshot | None:
         """The subscription slot's snapshot: created now (first run), the one recorded
@@ -626,6 +644,9 @@ class SyncJobRunner:
     def _drop_slot_if_exists(self, ctx: _Context, slot: str) -> None:
         with pgserver.connect(ctx.source_dsn, connect_timeout=self.settings.connect_timeout
                               ) as conn:
+            # A runner that died while the slot waited for the source's transactions left
+            # its helper (a session of its own) creating it: the job is ours now.
+            pgserver.stop_slot_creation(conn, slot, HELPER_APPLICATION)
             found = pgserver.get_slot(conn, slot)
             if found is not None:
                 if found["active"]:
@@ -1048,6 +1069,12 @@ class SyncJobRunner:
 
     def _retry(self, message: str) -> RunOutcome:
         message = scrub_secrets(message)
+        try:
+            return self._queue_again(message)
+        except _Lost as exc:  # e.g. the subscription was deleted, which ended the attempt
+            return RunOutcome("lost", str(exc))
+
+    def _queue_again(self, message: str) -> RunOutcome:
         with self._owned() as (_, job):
             attempts = int(job.details.get("attempts", 0)) + 1
             job.details = {**job.details, "attempts": attempts, "last_error": message}

@@ -348,6 +348,15 @@ class TransactionAssembler:
         self._stream: _Buffer | None = None  # transaction of the open stream block
         self._streams: dict[int, _Buffer] = {}  # streamed, in progress, by top-level xid
         self._prepared: dict[str, _Buffer] = {}  # prepared, awaiting COMMIT PREPARED, by gid
+        self.resolved: list[tuple[str, Lsn | None, Lsn]] = []
+        """COMMIT PREPARED and ROLLBACK PREPARED met, in order: (gid, where the prepared
+        transaction began — None if this stream never showed its PREPARE —, end LSN).
+        The caller takes them (and empties the list)."""
+        self.delivered_until: Lsn | None = None
+        """A COMMIT PREPARED whose PREPARE this stream never showed, ending at or before
+        this, is one the caller delivered already (its PREPARE lay before the position
+        the session started from): ignored. Past it, it is an error (nothing can supply
+        the transaction's changes)."""
 
     # -- public API ---------------------------------------------------------------------------
     def feed(self, message: Message, lsn: Lsn, raw: bytes | None = None) -> Item | None:
@@ -381,13 +390,13 @@ class TransactionAssembler:
         return list(self._prepared)
 
     @property
-    def oldest_pending_lsn(self) -> Lsn | None:
-        """First LSN of the oldest uncommitted transaction: a consumer must not confirm a
-        flush position past it, or PostgreSQL will not resend its changes."""
-        bufs = [*self._streams.values(), *self._prepared.values()]
-        if self._current is not None:
-            bufs.append(self._current)
-        return min((b.first_lsn for b in bufs), default=None)
+    def prepared_starts(self) -> dict[str, Lsn]:
+        """First LSN of each prepared transaction held (its COMMIT PREPARED not seen yet),
+        by gid: a consumer must not confirm a flush position past one. PostgreSQL sends a
+        two-phase slot's prepared transaction once, at its PREPARE, and a session starting
+        past that sends only the COMMIT PREPARED. (Open and streamed transactions need no
+        such bound: a session starting before their commit sends them whole again.)"""
+        return {gid: b.first_lsn for gid, b in self._prepared.items()}
 
     def close(self) -> None:
         """Drop everything uncommitted (and its spill files)."""
@@ -509,9 +518,14 @@ class TransactionAssembler:
         buf.gid = gid
         self._prepared[gid] = buf
 
-    def _on_commit_prepared(self, msg: CommitPrepared, lsn: Lsn, raw: bytes | None) -> Item:
+    def _on_commit_prepared(self, msg: CommitPrepared, lsn: Lsn, raw: bytes | None
+                            ) -> Item | None:
         buf = self._prepared.pop(msg.gid, None)
+        self.resolved.append((msg.gid, None if buf is None else buf.first_lsn, msg.end_lsn))
         if buf is None:
+            done = self.delivered_until
+            if done is not None and msg.end_lsn <= done:
+                return None
             raise AssemblyError(
                 f"COMMIT PREPARED {msg.gid!r} at {lsn} for a transaction never prepared in "
                 "this stream (its PREPARE was consumed before; the assembler holds no state)")
@@ -520,6 +534,8 @@ class TransactionAssembler:
     def _on_rollback_prepared(self, msg: RollbackPrepared, lsn: Lsn, raw: bytes | None) -> None:
         # PostgreSQL may roll back a transaction whose PREPARE it never sent: nothing to drop.
         buf = self._prepared.pop(msg.gid, None)
+        self.resolved.append((msg.gid, None if buf is None else buf.first_lsn,
+                              msg.rollback_end_lsn))
         if buf is not None:
             self._release(buf)
             buf.discard()

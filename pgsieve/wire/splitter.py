@@ -269,6 +269,14 @@ class TransactionSplitter:
             xids.append(_BEGIN_XID.unpack_from(self._pending.data, 17)[0])
         return xids
 
+    @property
+    def prepared_starts(self) -> dict[str, Lsn]:
+        return self.full.prepared_starts
+
+    @property
+    def resolved(self) -> list[tuple[str, Lsn | None, Lsn]]:
+        return self.full.resolved
+
     def close(self) -> None:
         self.full.close()
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import re
 import time
+from typing import Any
 
 from playwright.sync_api import Page, expect
 from sqlalchemy import update
 
 from pgsieve.platform.db import session_factory
-from pgsieve.platform.models import SubscriptionTable
+from pgsieve.platform.models import Job, SubscriptionTable
 from tests.browser.conftest import shot
 from tests.browser.live import TOKEN, LiveDeployment
 from tests.conftest import Database
@@ -245,15 +246,21 @@ def test_publication_with_filter_subscription_and_lag_to_zero(
     expect(page.get_by_test_id("refresh-result")).to_contain_text("no new tables")
 
 
-def test_table_sync_progress_bars(page: Page, live: LiveDeployment, source_db: Database,
-                                  target_db: Database):
+def _paused_subscription(live: LiveDeployment, source_db: Database,
+                         target_db: Database) -> Any:
+    """Subscription all_orders of source shop's pub_all (table public.orders), paused."""
     source_db.execute(SOURCE + "CREATE PUBLICATION pub_all FOR TABLE public.orders;")
     target_db.execute(TARGET)
     src = live.api("POST", "/sources", json={"name": "shop", "dsn": source_db.dsn})
     tgt = live.api("POST", "/targets", json={"name": "warehouse", "dsn": target_db.dsn})
-    sub = live.api("POST", "/subscriptions", json={
+    return live.api("POST", "/subscriptions", json={
         "name": "all_orders", "source_id": src["id"], "target_id": tgt["id"],
         "publications": ["pub_all"], "copy_data": False, "enabled": False})
+
+
+def test_table_sync_progress_bars(page: Page, live: LiveDeployment, source_db: Database,
+                                  target_db: Database):
+    sub = _paused_subscription(live, source_db, target_db)
     # What an initial sync records while it copies (no worker runs in this test).
     with session_factory(live.settings.effective_database_url)() as session:
         session.execute(update(SubscriptionTable)
@@ -279,6 +286,32 @@ def test_table_sync_progress_bars(page: Page, live: LiveDeployment, source_db: D
     listed = page.get_by_test_id("subscription-all_orders")
     expect(listed).to_contain_text("paused")
     expect(listed.get_by_test_id("lag")).not_to_have_text("…")
+
+
+def test_a_sync_job_waiting_for_source_transactions_says_which(
+        page: Page, live: LiveDeployment, source_db: Database, target_db: Database):
+    sub = _paused_subscription(live, source_db, target_db)
+    job_id = live.api("POST", f"/subscriptions/{sub['id']}/sync", json={})["job_id"]
+    # What a sync job records while its slot waits (tests/api/test_slot_wait.py records
+    # it for real; no worker runs in this test).
+    waiting = {"reason": "source_transactions_running", "slot": "pgsieve_sync_x",
+               "seconds": 95, "all_visible": True, "transactions": [
+                   {"pid": None, "database": "shop", "user": "app", "application_name": None,
+                    "state": "prepared", "started_at": "2026-01-01T00:00:00+00:00",
+                    "prepared_gid": "order_42"}]}
+    with session_factory(live.settings.effective_database_url)() as session:
+        session.execute(update(Job).where(Job.id == job_id)
+                        .values(state="running", details={"waiting_for": waiting}))
+        session.commit()
+    login(page)
+    page.goto(f"/#/subscriptions/{sub['id']}")
+    line = page.get_by_test_id(f"sync-job-{job_id}").get_by_test_id("waiting-for")
+    expect(line).to_contain_text("slot pgsieve_sync_x waits 1 min 35 s for 1 transaction(s)")
+    expect(line).to_contain_text("prepared transaction 'order_42' in shop")
+    with session_factory(live.settings.effective_database_url)() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(details={}))
+        session.commit()
+    expect(page.get_by_test_id("waiting-for")).to_have_count(0)
 
 
 def test_filter_change_planned_in_the_editor_and_reconciled(

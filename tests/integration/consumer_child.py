@@ -1,5 +1,6 @@
 """A consumer process for the crash tests: applies each transaction to a JSON-lines file
-(the "target"), fsyncs, then confirms; on start resumes after the file's last LSN.
+(the "target"), fsyncs, then confirms; on start cuts off a torn last line (a kill
+mid-write) and resumes after the file's last LSN.
 
 Run: python -m tests.integration.consumer_child DSN SLOT PUBLICATION TRANSPORT OUT_FILE
 """
@@ -25,15 +26,31 @@ from pgsieve.wire.lsn import Lsn
 
 
 def last_applied(path: Path) -> Lsn | None:
+    """The end LSN of the last whole line, after cutting off a torn last line.
+
+    A kill in the middle of writing a large transaction's line leaves part of it behind;
+    like a target's transaction that never committed, it must go, or the next run's first
+    line would be appended to it and both be unreadable (the re-sent transaction lost)."""
     if not path.exists():
         return None
     last = None
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                last = json.loads(line)["end_lsn"]
-            except json.JSONDecodeError:  # a torn last line: not applied
-                break
+    good = 0  # bytes of whole, readable lines
+    data = path.read_bytes()
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        if not line.strip():
+            good += len(line)
+            continue
+        try:
+            last = json.loads(line)["end_lsn"]
+        except json.JSONDecodeError:
+            break
+        good += len(line)
+    if good < len(data):
+        with path.open("r+b") as f:
+            f.truncate(good)
+            os.fsync(f.fileno())
     return Lsn.parse(last) if last else None
 
 

@@ -73,9 +73,16 @@ class PipelineEnv:
                 self.kill(proc)
 
     def logs(self) -> str:
+        """Each process's log: its first warnings and errors (what went wrong first is
+        often far from the end), then its tail."""
         out = []
         for path in sorted(self.tmp.glob("*.log")):
-            out.append(f"==== {path.name}\n{path.read_text(errors='replace')[-6000:]}")
+            text = path.read_text(errors="replace")
+            first = [line for line in text.splitlines()
+                     if (" WARNING " in line or " ERROR " in line) and " celery." not in line]
+            if first:
+                out.append(f"==== {path.name}, first warnings\n" + "\n".join(first[:15]))
+            out.append(f"==== {path.name}\n{text[-6000:]}")
         return "\n".join(out)
 
     # -- API shortcuts -----------------------------------------------------------------

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
-from pgsieve.apply.batch import ApplyConflict, ApplyFenced, TableStopped
+from pgsieve.apply.batch import ApplyConflict, ApplyFenced, ConflictPolicy, TableStopped
 from pgsieve.apply.target import TargetWriter, check_target_tables, read_source_columns
 from pgsieve.platform.errors import Unprocessable
 from pgsieve.spark.apply import apply_batch
@@ -200,8 +201,40 @@ def test_update_turned_insert_keeps_toast_where_native_writes_null(pair: Pair):
     assert result.fetched_rows == 2
 
 
-def test_update_turned_insert_whose_source_row_is_gone_stops_the_table(pair: Pair):
+@pytest.mark.parametrize("on_conflict", ["error", "skip"], ids=["set-based", "by-change"])
+def test_update_turned_insert_whose_source_row_is_gone_holds_a_placeholder_until_deleted(
+        pair: Pair, on_conflict: ConflictPolicy):
+    """The row entered the filter and was deleted before pgsieve applied its INSERT: the
+    read finds nothing, the row is written with NULL in place of the body, marked, and the
+    stream's DELETE — before the read's position, necessarily — removes it. Nothing stops,
+    and nothing pgsieve did not receive is left. (``skip`` with a conflict in the batch:
+    the same change by change.)"""
     pair.setup(TOASTED, tables=["public.big"])
+    conflict = ""
+    kept = []
+    if on_conflict == "skip":  # the target holds the row the source inserts with the move
+        conflict = "; INSERT INTO big VALUES (500, 'x', 'n500')"
+        pair.target.execute("INSERT INTO big VALUES (500, 'x', 'n500')")
+        kept = [(500, mini_md5("x"), "n500")]
+    pair.run(f"INSERT INTO big VALUES (1, {BODY}, 'n1')",
+             "UPDATE big SET id = 101 WHERE id = 1" + conflict,
+             "DELETE FROM big WHERE id = 101")
+    first, *rest = pair.batches(pair.read(), 1, on_conflict)
+    result = apply_batch(None, first, pair.writer, distributed=False)
+    assert result.fetched_rows == 1
+    assert ("public.big" in result.sequential_tables) == (on_conflict == "skip")
+    assert pair.target.query(BODIES) == [(101, None, "n1"), *kept]
+    assert pair.target.query("SELECT key, columns FROM pgsieve.fetched") == [(["101"], ["body"])]
+    for batch in rest:
+        apply_batch(None, batch, pair.writer, distributed=False)
+    assert pair.target.query(BODIES) == pair.source.query(BODIES)
+    assert pair.target.query("SELECT count(*) FROM pgsieve.fetched") == [(0,)]
+
+
+def test_a_placeholder_the_target_cannot_hold_stops_the_table(pair: Pair):
+    """The same with the target's body NOT NULL: no placeholder, the table stops."""
+    pair.setup(TOASTED, target_ddl=TOASTED.split("ALTER")[0].replace(
+        "body text", "body text NOT NULL"), tables=["public.big"])
     pair.run(f"INSERT INTO big VALUES (1, {BODY}, 'n1')", "UPDATE big SET id = 101 WHERE id = 1",
              "DELETE FROM big WHERE id = 101")
     txns = pair.read()
@@ -209,7 +242,8 @@ def test_update_turned_insert_whose_source_row_is_gone_stops_the_table(pair: Pai
     with pytest.raises(TableStopped) as info:
         apply_batch(None, first, pair.writer, distributed=False)
     assert info.value.table == "public.big" and "body" in info.value.detail
-    assert "no longer has the row" in info.value.detail
+    assert "no longer has the row" in info.value.detail and "NOT NULL" not in info.value.detail
+    assert "cannot hold NULL" in info.value.detail
     assert pair.rows(pair.target, "big") == [] and pair.writer.applied_lsn() is None
     # The same transactions in one batch: the row is deleted within it, nothing to fetch.
     [result] = [apply_batch(None, b, pair.writer, distributed=False)
@@ -217,37 +251,113 @@ def test_update_turned_insert_whose_source_row_is_gone_stops_the_table(pair: Pai
     assert result.fetched_rows == 0 and pair.rows(pair.target, "big") == []
 
 
-def moved_on_and_key_taken(pair: Pair) -> None:
+def mini_md5(text: str) -> str:
+    import hashlib
+    return hashlib.md5(text.encode()).hexdigest()  # noqa: S324
+
+
+PASSED_MARKS = ("SELECT count(*) FROM pgsieve.fetched f JOIN pgsieve.applied a "
+                "USING (subscription_id) WHERE f.source_lsn <= a.end_lsn")
+"""Marks the applied position passed: dropped by the batch that passed them. (Marks may
+stay past the last batch: the shared cluster's WAL moves on with other tests' work.)"""
+OTHER = "(SELECT string_agg(md5('other' || g), '') FROM generate_series(1, 100) g)"
+BODIES = "SELECT id, md5(body), note FROM big ORDER BY id"
+
+
+def moved_on_and_key_taken(pair: Pair, *between: str, moved_on: str = "") -> None:
     """The row that moved into the filter (1 -> 101) moves on (101 -> 102), and another
-    row takes its old key (101)."""
+    row takes its old key (101). ``between``: transactions before it moves on;
+    ``moved_on``: statements in the transaction that moves it on."""
     pair.setup(TOASTED, tables=["public.big"])
-    other = "(SELECT string_agg(md5('other' || g), '') FROM generate_series(1, 100) g)"
     pair.run(f"INSERT INTO big VALUES (1, {BODY}, 'n1')",
              "UPDATE big SET id = 101 WHERE id = 1",
-             "UPDATE big SET id = 102 WHERE id = 101",
-             f"INSERT INTO big VALUES (101, {other}, 'newcomer')")
+             *between,
+             "UPDATE big SET id = 102 WHERE id = 101" + moved_on,
+             f"INSERT INTO big VALUES (101, {OTHER}, 'newcomer')")
 
 
 def test_a_row_moved_into_the_filter_and_on_within_one_batch_gets_its_own_value(pair: Pair):
     """In one batch the moves chain: 102 is fetched, and 101 is the newcomer's insert."""
     moved_on_and_key_taken(pair)
     [result] = pair.apply(None)
-    query = "SELECT id, md5(body), note FROM big ORDER BY id"
-    assert pair.target.query(query) == pair.source.query(query)
+    assert pair.target.query(BODIES) == pair.source.query(BODIES)
     assert result.fetched_rows == 1
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (docs/guarantees.md): the fetch reads by "
-                   "key, and the key may hold another row by then")
 def test_a_fetched_value_of_a_key_another_row_took_is_not_carried_to_the_first_rows_new_key(
         pair: Pair):
-    """Known defect, kept as a test that must start passing: the same moves, one
-    transaction per batch. The fetch for 101 reads the newcomer's body; the next batch's
-    key change carries it to 102, where it stays."""
+    """The same moves, one transaction per batch. The fetch for 101 reads the newcomer's
+    body (the source is ahead of the stream); the next batch's key change reads the body
+    again at 102 instead of carrying it, because 101 was marked."""
     moved_on_and_key_taken(pair)
-    pair.apply(1)
-    query = "SELECT id, md5(body), note FROM big ORDER BY id"
-    assert pair.target.query(query) == pair.source.query(query)
+    results = pair.apply(1)
+    assert pair.target.query(BODIES) == pair.source.query(BODIES)
+    assert [r.fetched_rows for r in results] == [1, 1, 0, 0], "read, read again, none"
+    assert pair.target.query(PASSED_MARKS) == [(0,)], "no mark the stream passed is left"
+
+
+def test_a_mark_outlives_its_writer(pair: Pair):
+    """The mark is in the target, written with the batch: a restarted worker (a new
+    writer) still reads the moved row's body again."""
+    moved_on_and_key_taken(pair)
+    first, *rest = pair.batches(pair.read(), 1)
+    assert apply_batch(None, first, pair.writer, distributed=False).fetched_rows == 1
+    marks = "SELECT target_table, key, columns FROM pgsieve.fetched"
+    assert pair.target.query(marks) == [("public.big", ["101"], ["body"])]
+    pair.close()
+    results = [apply_batch(None, b, pair.writer, distributed=False) for b in rest]
+    assert [r.fetched_rows for r in results] == [1, 0, 0]
+    assert pair.target.query(BODIES) == pair.source.query(BODIES)
+
+
+def test_a_catch_up_hands_its_marks_over_to_the_stream(pair: Pair):
+    """A table's catch-up (a writer of its own) read the body at 101 ahead of the stream
+    and hands its mark over; the subscription's stream, which applies the table from
+    then on, reads the body again when the row moves on."""
+    moved_on_and_key_taken(pair)
+    first, *rest = pair.batches(pair.read(), 1)
+    catchup = TargetWriter(pair.target.dsn, "catch-up of big", source_dsn=pair.source.dsn)
+    try:
+        catchup.ensure_schema()
+        applied = apply_batch(None, replace(first, subscription_id="catch-up of big"), catchup,
+                              distributed=False)
+        assert applied.fetched_rows == 1
+        catchup.hand_over_marks(pair.subscription_id)
+    finally:
+        catchup.close()
+    marks = "SELECT subscription_id, key FROM pgsieve.fetched"
+    assert pair.target.query(marks) == [(pair.subscription_id, ["101"])]
+    results = [apply_batch(None, b, pair.writer, distributed=False) for b in rest]
+    assert [r.fetched_rows for r in results] == [1, 0, 0]
+    assert pair.target.query(BODIES) == pair.source.query(BODIES)
+
+
+def test_an_update_in_place_keeps_the_mark_until_the_column_arrives(pair: Pair):
+    """An UPDATE in place that leaves the body unchanged keeps the mark (the value may
+    still be the newcomer's); one that sends the body clears it, and the key change then
+    carries the target's body, which is now right."""
+    moved_on_and_key_taken(pair, "UPDATE big SET note = 'in place' WHERE id = 101")
+    assert [r.fetched_rows for r in pair.apply(1)] == [1, 0, 1, 0, 0]
+    assert pair.target.query(BODIES) == pair.source.query(BODIES)
+    pair.source.execute("TRUNCATE big")
+    pair.apply(None)
+    moved = "UPDATE big SET body = md5('sent') WHERE id = 101"
+    pair.run(f"INSERT INTO big VALUES (1, {BODY}, 'n1')", "UPDATE big SET id = 101 WHERE id = 1",
+             moved, "UPDATE big SET id = 102 WHERE id = 101",
+             f"INSERT INTO big VALUES (101, {OTHER}, 'newcomer')")
+    assert [r.fetched_rows for r in pair.apply(1)] == [1, 0, 0, 0, 0]
+    assert pair.target.query(BODIES) == pair.source.query(BODIES)
+
+
+def test_a_marked_row_moved_in_a_table_applied_change_by_change_is_read_again(pair: Pair):
+    """The move's batch holds a conflict too (on_conflict=skip): the table goes change by
+    change, and the key change from the marked key reads the body again there."""
+    moved_on_and_key_taken(pair, moved_on="; INSERT INTO big VALUES (500, 'x', 'n500')")
+    pair.target.execute("INSERT INTO big VALUES (500, 'x', 'n500')")
+    results = pair.apply(1, on_conflict="skip")
+    assert "public.big" in results[1].sequential_tables
+    assert [r.fetched_rows for r in results] == [1, 1, 0, 0]
+    assert pair.target.query(BODIES) == pair.source.query(BODIES)
 
 
 # -- subscription-time checks ------------------------------------------------------------------

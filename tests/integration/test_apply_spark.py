@@ -10,7 +10,10 @@ import pytest
 
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark, spark_properties
+from tests.conftest import Database
 from tests.integration import test_apply as harness
+from tests.integration import test_apply_conflicts as conflicts
+from tests.integration import test_apply_fetch_fuzz as fetch_fuzz
 from tests.integration import test_apply_fuzz as fuzz
 from tests.integration.test_apply import Pair
 
@@ -96,3 +99,30 @@ def test_random_workloads_through_spark_end_like_native(pair: Pair, spark: Any, 
     """The random workloads of :mod:`tests.integration.test_apply_fuzz`, every batch
     (everything each round wrote) through the Spark path."""
     fuzz.run_and_compare(pair, seed, None, spark=spark, distributed=True)
+
+
+def test_a_moved_rows_body_read_ahead_is_read_again_through_spark(pair: Pair, spark: Any):
+    """The read-ahead case of ``test_apply_conflicts``, every batch through Spark tasks:
+    a task reads the body at 101 (the newcomer's by then) and reports it; the next
+    batch's move is planned in a task, and the merge finds it in the staging table and
+    reads the body again at 102."""
+    conflicts.moved_on_and_key_taken(pair)
+    results = pair.apply(1, spark=spark, distributed=True)
+    assert all(r.distributed for r in results)
+    assert [r.fetched_rows for r in results] == [1, 1, 0, 0]
+    assert pair.target.query(conflicts.BODIES) == pair.source.query(conflicts.BODIES)
+    assert pair.target.query(conflicts.PASSED_MARKS) == [(0,)]
+
+
+@pytest.mark.parametrize("seed", fuzz.seeds())
+def test_random_moves_of_unchanged_toast_through_spark(source_db: Database,
+                                                        target_db: Database, spark: Any,
+                                                        seed: int):
+    """The random moves of :mod:`tests.integration.test_apply_fetch_fuzz`, every batch
+    through Spark tasks (their reads reported to the merge, moves found in staging)."""
+    p = Pair(source_db, target_db, None, ("p",))
+    try:
+        fetch_fuzz.run_against_source(p, seed, per_batch=None, restarts=True, spark=spark,
+                                      distributed=True)
+    finally:
+        p.close()

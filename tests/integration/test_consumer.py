@@ -574,6 +574,7 @@ def test_idle_progress_never_passes_a_commit_not_yet_flushed(cluster_root: Path)
         "synchronous_commit": "off", "wal_writer_delay": "2000ms", "wal_buffers": "64kB",
         "wal_writer_flush_after": "0"}).start()
     stop = threading.Event()
+    writer: threading.Thread | None = None
 
     def noise() -> None:  # keeps the write position ahead of the flush position
         with psycopg.connect(cluster.dsn(), autocommit=True) as conn:
@@ -611,4 +612,6 @@ def test_idle_progress_never_passes_a_commit_not_yet_flushed(cluster_root: Path)
         assert missing == []
     finally:
         stop.set()
+        if writer is not None:
+            writer.join()  # before the cluster goes: its statement ends, not the thread
         cluster.destroy()

@@ -379,7 +379,7 @@ def test_live_capture_matches_golden(name: str, source_db: Database) -> None:
 
 @pytest.fixture(scope="module")
 def two_phase_cluster() -> Iterator[LocalCluster]:
-    """The shared publisher has max_prepared_transactions = 0; two-phase needs its own."""
+    """Its own cluster (the golden captures compare bytes from a fresh one)."""
     root = Path(tempfile.mkdtemp(prefix="pgsieve-2pc-"))
     root.chmod(0o755)
     cluster = LocalCluster(root / "data", free_port(), settings=CLUSTER_SETTINGS).start()

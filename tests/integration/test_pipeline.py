@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psycopg
 
@@ -46,36 +47,65 @@ def prepare(source: Database, target: Database, native: Database) -> None:
 def workload(source: Database, seed: int, transactions: int, stop: threading.Event | None = None,
              pace: float = 0.0) -> None:
     """Random inserts, updates (some changing the key across the filter), deletes, in
-    transactions of 1–20 changes; ``pace`` seconds between transactions."""
+    transactions of 1–20 changes; ``pace`` seconds between transactions. A source that
+    restarts under it costs the transaction under way, then the workload goes on (a fault
+    test's restart is followed by changes for the stream to pick up again)."""
     rnd = random.Random(seed)
     next_event = 1
-    with psycopg.connect(source.dsn, autocommit=False) as conn:
+    conn = psycopg.connect(source.dsn, autocommit=False)
+    try:
         for _ in range(transactions):
             if stop is not None and stop.is_set():
                 break
-            for _ in range(rnd.randint(1, 20)):
-                op = rnd.random()
-                key = rnd.randint(1, 400)
-                if op < 0.45:
-                    conn.execute("INSERT INTO items VALUES (%s, %s, %s) ON CONFLICT (id) DO "
-                                 "UPDATE SET val = excluded.val",
-                                 (key, rnd.randint(0, 9), f"v{rnd.random():.6f}"))
-                elif op < 0.65:
-                    conn.execute("UPDATE items SET val = %s, grp = grp + 1 WHERE id = %s",
-                                 (f"u{rnd.random():.6f}", key))
-                elif op < 0.75:
-                    new = rnd.randint(401, 100_000)
-                    conn.execute("UPDATE items SET id = %s WHERE id = %s AND NOT EXISTS "
-                                 "(SELECT 1 FROM items WHERE id = %s)", (new, key, new))
-                elif op < 0.88:
-                    conn.execute("DELETE FROM items WHERE id = %s", (key,))
-                else:
-                    conn.execute("INSERT INTO events VALUES (%s, %s, %s)",
-                                 (next_event, rnd.choice(["a", "b"]), "x" * rnd.randint(1, 50)))
-                    next_event += 1
-            conn.commit()
+            try:
+                next_event = _random_transaction(conn, rnd, next_event)
+            except psycopg.OperationalError:  # the source went away (a restart)
+                conn.close()
+                conn = _reconnect(source)
+                row = conn.execute("SELECT coalesce(max(id), 0) + 1 FROM events").fetchone()
+                conn.commit()  # the lost COMMIT may have landed: take its events' ids as used
+                next_event = int(row[0]) if row else next_event
             if pace:
                 time.sleep(pace)
+    finally:
+        conn.close()
+
+
+def _random_transaction(conn: psycopg.Connection[Any], rnd: random.Random, next_event: int
+                        ) -> int:
+    for _ in range(rnd.randint(1, 20)):
+        op = rnd.random()
+        key = rnd.randint(1, 400)
+        if op < 0.45:
+            conn.execute("INSERT INTO items VALUES (%s, %s, %s) ON CONFLICT (id) DO "
+                         "UPDATE SET val = excluded.val",
+                         (key, rnd.randint(0, 9), f"v{rnd.random():.6f}"))
+        elif op < 0.65:
+            conn.execute("UPDATE items SET val = %s, grp = grp + 1 WHERE id = %s",
+                         (f"u{rnd.random():.6f}", key))
+        elif op < 0.75:
+            new = rnd.randint(401, 100_000)
+            conn.execute("UPDATE items SET id = %s WHERE id = %s AND NOT EXISTS "
+                         "(SELECT 1 FROM items WHERE id = %s)", (new, key, new))
+        elif op < 0.88:
+            conn.execute("DELETE FROM items WHERE id = %s", (key,))
+        else:
+            conn.execute("INSERT INTO events VALUES (%s, %s, %s)",
+                         (next_event, rnd.choice(["a", "b"]), "x" * rnd.randint(1, 50)))
+            next_event += 1
+    conn.commit()
+    return next_event
+
+
+def _reconnect(source: Database, timeout: float = 60.0) -> psycopg.Connection[Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return psycopg.connect(source.dsn, autocommit=False)
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def assert_targets_match(source: Database, target: Database, native: Database) -> None:
@@ -117,11 +147,20 @@ def test_pipeline_follows_the_source_like_native(tmp_path: Path, source_db, targ
                    "the native subscriber")
         wait_until(lambda: targets_match(source_db, target_db, native_db), 120,
                    "pgsieve's target to equal native's", env)
+        events = len(table_rows(source_db, "events", "id"))
+
+        def counted() -> dict[str, dict[str, int]]:
+            return {t["table"]: t for t in env.subscription(sub_id)["tables"]}
+
+        # The counts reach the metadata store a moment after the target's commit (the
+        # batches' notes are written in the gaps between turns).
+        wait_until(lambda: counted()["public.events"]["inserts"] == events, 30,
+                   "the counts to cover every applied batch", env)
         sub = env.subscription(sub_id)
         assert sub["state"] == "streaming"
         assert sub["applied_lsn"] is not None
-        counts = {t["table"]: t for t in sub["tables"]}
-        assert counts["public.events"]["inserts"] == len(table_rows(source_db, "events", "id"))
+        counts = counted()
+        assert counts["public.events"]["inserts"] == events
         assert counts["public.items"]["inserts"] > 0 and counts["public.items"]["deletes"] > 0
 
         # The slot never runs ahead of what the target holds.

@@ -83,19 +83,25 @@ def backlog(tmp_path: Path, source: Database, target: Database, native: Database
 def test_read_ahead_process_killed_mid_catch_up(tmp_path: Path, source_db: Database,
                                                 target_db: Database, native_db: Database):
     with pipeline_env(tmp_path) as env:
-        # (a backlog long enough to outlast the kill: the apply COPYs plain inserts in
-        # now, and 4,000 transactions were caught up within the 0.3 s it used to wait)
         sub_id = backlog(tmp_path, source_db, target_db, native_db, env, transactions=10000)
-        worker = env.start_worker(**READ_AHEAD)
-        child = wait_for_child(env, worker.pid)
-        time.sleep(0.1)  # a few windows in
-        os.kill(child, signal.SIGKILL)
+        # Mid catch-up for sure, however fast the apply: it waits on a lock meanwhile (this
+        # backlog was once all applied before the kill), and what is read ahead of it is
+        # bounded (a 1 MiB buffer, a batch or two), far short of the backlog's ~10 MB.
+        with target_db.connect() as lock:
+            lock.execute("BEGIN")
+            lock.execute("LOCK TABLE items, events IN SHARE MODE")  # (reads pass)
+            worker = env.start_worker(**READ_AHEAD)
+            child = wait_for_child(env, worker.pid)
+            time.sleep(0.3)  # a few windows in
+            os.kill(child, signal.SIGKILL)
+            lock.execute("ROLLBACK")
         assert not targets_match(source_db, target_db, native_db), "killed mid catch-up"
         wait_until(lambda: targets_match(source_db, target_db, native_db), 120,
                    "the target to equal native's", env)
         assert worker.poll() is None, "the worker carried on"
         assert _slot_behind_target(source_db, target_db, "pgsieve_pipe") is True
-        assert f"read-ahead process {child} ends (the read-ahead process ended)" in env.logs()
+        logs = env.logs()
+        assert f"read-ahead process {child} ends (the read-ahead process ended)" in logs, logs
         assert env.subscription(sub_id)["state"] == "streaming"
         wait_until(lambda: not temporary_slots(source_db), 30,
                    "the killed process's temporary slot to go")

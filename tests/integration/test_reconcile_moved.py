@@ -599,3 +599,39 @@ def test_a_partitioned_table_published_via_its_root_moves_its_rows(
     # The applied LSN is written in the transaction that applies the rows: once it
     # passed every commit, the target holds them all, at once.
     assert rows(target_db, "events") == rows(source_db, "events WHERE region IN ('us', 'ap')")
+
+
+def test_a_change_locks_only_the_tables_it_changes(
+        env: PipelineEnv, source_db: Database, target_db: Database):
+    """The SHARE locks that fix a filter change's point (writers wait for the change's
+    commit) are taken on the tables whose definition changes, not on every member of the
+    publication: a transaction writing to another member stays open across the change,
+    and the changed table still moves its rows, writes running, ending equal to the
+    source. (Locking them all made the change wait for that transaction, then fail.)"""
+    source_db.execute(SCHEMA + ROWS + "CREATE TABLE notes (id int PRIMARY KEY, body text);")
+    target_db.execute(SCHEMA + "CREATE TABLE notes (id int PRIMARY KEY, body text);")
+    src, _ = _streaming(env, source_db, target_db, [
+        {"table": "public.items", "where": "region = 'eu'"}, {"table": "public.notes"}])
+    writes = Writes(source_db.dsn)
+    writes.start()
+    with source_db.connect(autocommit=False) as other:
+        other.execute("INSERT INTO notes VALUES (1, 'written across the change')")
+        try:
+            started = time.monotonic()
+            r = env.client.patch(f"/api/v1/sources/{src}/publications/pub", json={
+                "alter_tables": [{"table": "public.items", "where": "region = 'us'"}],
+                "reconcile": "diff"})
+            assert r.status_code == 200, r.text
+            assert time.monotonic() - started < 5
+            [item] = r.json()["reconcile"]
+            assert item["method"] == "moved_rows" and item["tables"] == ["public.items"]
+            assert other.info.transaction_status == psycopg.pq.TransactionStatus.INTRANS
+            other.commit()
+            _job_done(env, item["job_id"])
+            time.sleep(1)
+        finally:
+            writes.stop.set()
+            writes.join(30)
+    assert writes.error is None and writes.count > 50, writes.error
+    _equal_to_source(env, source_db, target_db, "region = 'us'")
+    assert rows(target_db, "notes") == [(1, "written across the change")]

@@ -225,7 +225,7 @@ def test_two_phase(raw: bool) -> None:
     feed = Feeder(raw=raw, proto_version=3)
     assert feed(BeginPrepare(Lsn(0x100), Lsn(0x108), T, 40, "g1"), REL, row(1), row(2),
                 Prepare(0, Lsn(0x100), Lsn(0x108), T, 40, "g1")) == []
-    assert feed.asm.prepared_gids == ["g1"] and feed.asm.oldest_pending_lsn is not None
+    assert feed.asm.prepared_gids == ["g1"] and list(feed.asm.prepared_starts) == ["g1"]
     assert feed(BeginPrepare(Lsn(0x200), Lsn(0x208), T, 41, "g2"), row(3),
                 Prepare(0, Lsn(0x200), Lsn(0x208), T, 41, "g2"),
                 RollbackPrepared(0, Lsn(0x208), Lsn(0x300), T, T, 41, "g2")) == []
@@ -236,7 +236,9 @@ def test_two_phase(raw: bool) -> None:
     assert (txn.gid, txn.xid, txn.commit_lsn, txn.end_lsn) == ("g1", 40, Lsn(0x500),
                                                                Lsn(0x508))
     assert ids(txn) == [1, 2]
-    assert feed.asm.prepared_gids == [] and feed.asm.oldest_pending_lsn is None
+    assert feed.asm.prepared_gids == [] and feed.asm.prepared_starts == {}
+    assert [(gid, end) for gid, _, end in feed.asm.resolved] == [("g2", Lsn(0x300)),
+                                                                  ("g1", Lsn(0x508))]
 
 
 def test_stream_prepare_then_commit_prepared() -> None:

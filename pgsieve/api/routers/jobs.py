@@ -96,6 +96,8 @@ def job_out(session: Session, job: Job) -> dict[str, Any]:
         "scope": job.details.get("scope"),
         "phase": job.details.get("phase"),
         "merged_by": job.details.get("merged_by"),
+        "waiting_for": job.details.get("waiting_for") if job.state in (
+            JobState.QUEUED, JobState.RUNNING) else None,
         "after_job": job.details.get("after_job"),
         "followed_by": job.details.get("followed_by") or job.details.get("fell_back_to"),
         "attempts": int(job.details.get("attempts", 0)),

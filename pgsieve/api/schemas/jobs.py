@@ -144,6 +144,14 @@ class JobOut(BaseModel):
         default=None, description="moved_rows: staging, waiting_for_stream, merged; or "
         "merging, merged (the stream waited at the marker: the job merged the rows as it "
         "read them)")
+    waiting_for: dict[str, Any] | None = Field(
+        default=None, description="while the job's slot creation waits (more than 2 s) "
+        "for transactions running on the source — a new slot's consistent point waits for "
+        "every transaction that ran when it began, in any database, prepared ones "
+        "included: {reason: source_transactions_running, slot, seconds, transactions: "
+        "[{pid, database, user, application_name, state, started_at, prepared_gid}] "
+        "(oldest first), all_visible (false: the role sees only its own sessions; "
+        "pg_read_all_stats shows the others)}; null otherwise")
     merged_by: Literal["stream", "job"] | None = Field(
         default=None, description="moved_rows, once merged: the stream at the change's "
         "marker (from the staged rows), or the job itself while the stream waited there")
