@@ -179,6 +179,10 @@ class ReadAheadTransport:
         self._window = None  # (what is left of it is read again, from the slot)
         if proc is None:
             return
+        if not warn and proc.poll() is not None:
+            # It died before this process ended it (killed, crashed): say so, whichever of
+            # reading its pipe or closing the stream came first.
+            why, warn = "the read-ahead process ended", True
         log.log(logging.WARNING if warn else logging.INFO,
                 "slot %s: read-ahead process %d ends (%s); SQL windows from the slot's "
                 "confirmed position", self.slot, proc.pid, why)
