@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pgsieve.platform.settings import Settings
@@ -114,6 +115,30 @@ def cluster_task_slots(spark: Any) -> int:
         return int(spark.sparkContext.defaultParallelism)
     except Exception:  # Spark Connect has no SparkContext
         return 0
+
+
+class LazySpark:
+    """Stands in for the SparkSession; the first attribute access starts (or reuses) it.
+
+    Work that may not need Spark at all (a sync whose tables are each copied as one
+    stream by the worker itself) holds one of these: a cold JVM costs seconds of CPU on
+    the cores the two servers need, for nothing when no Spark job runs."""
+
+    __slots__ = ("_provider", "_session")
+
+    def __init__(self, provider: Callable[[], Any]) -> None:
+        self._provider = provider
+        self._session: Any = None
+
+    @property
+    def started(self) -> bool:
+        """Whether anything asked for the session yet."""
+        return self._session is not None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._session is None:
+            self._session = self._provider()
+        return getattr(self._session, name)
 
 
 def get_spark(settings: Settings) -> SparkSession:

@@ -439,18 +439,22 @@ def _ready(_: object) -> bool:
     return copy_partition is not None  # importing this module is the point
 
 
-def task_slots(spark: Any) -> int:
-    """How many tasks run at once: the cores of ``local[N]``/``local[*]``, else the
-    cluster's default parallelism (what the copy should cut a big table into)."""
-    sc = spark.sparkContext
-    master = str(sc.master)
+def local_task_slots(master: str) -> int | None:
+    """The tasks ``local``, ``local[N]`` or ``local[*]`` runs at once, read off the master
+    URL (no session needed); None for a cluster, whose executors decide."""
     found = re.match(r"local\[(\d+|\*)", master)
     if found:
         cores = os.cpu_count() or 1
         return cores if found.group(1) == "*" else max(1, int(found.group(1)))
-    if master == "local":
-        return 1
-    return max(1, int(sc.defaultParallelism))
+    return 1 if master == "local" else None
+
+
+def task_slots(spark: Any) -> int:
+    """How many tasks run at once: the cores of ``local[N]``/``local[*]``, else the
+    cluster's default parallelism (what the copy should cut a big table into)."""
+    sc = spark.sparkContext
+    local = local_task_slots(str(sc.master))
+    return local if local is not None else max(1, int(sc.defaultParallelism))
 
 
 _warmed: set[str] = set()

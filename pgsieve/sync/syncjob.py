@@ -46,6 +46,7 @@ from functools import partial
 from typing import Any
 
 import psycopg
+from psycopg.rows import tuple_row
 from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
@@ -69,7 +70,7 @@ from pgsieve.platform.models import (
 )
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SubscriptionState, SyncState
-from pgsieve.spark.session import job_group_report
+from pgsieve.spark.session import LazySpark, job_group_report
 from pgsieve.spark.sync import (
     CopyFailed,
     CopyPartition,
@@ -79,6 +80,7 @@ from pgsieve.spark.sync import (
     copy_partitions,
     ensure_marker_table,
     forget_markers,
+    local_task_slots,
     task_slots,
     warm_up,
 )
@@ -103,6 +105,7 @@ from pgsieve.sync.syncplan import (
     drop_indexes,
     empty_target,
     freeze_allowed,
+    may_copy_in_parallel,
     plan_partitions,
     read_source_tables,
     read_target_table,
@@ -431,7 +434,7 @@ class SyncJobRunner:
         if ctx.kind == "resync":
             self._wait_for_apply_to_notice(ctx)
         pending = self._pending_tables(ctx)
-        if pending:
+        if pending and self._may_need_spark(ctx, pending):
             self._warm_up_spark()
         if ctx.kind == "initial_sync" and pending:
             snap = self._main_snapshot(ctx)
@@ -568,6 +571,22 @@ class SyncJobRunner:
         self._warming = threading.Thread(target=warm, name="pgsieve-sync-warm-up", daemon=True)
         self._warming.start()
 
+    def _may_need_spark(self, ctx: _Context, tables: list[str]) -> bool:
+        """Whether the copy may run a Spark job (a table cut into several partitions),
+        guessed from the catalog's sizes now. A table copied as one partition is piped by
+        this process alone, so a sync of small tables never starts a JVM (seconds of CPU
+        on the cores the two servers need). A cluster's task slots are known only to its
+        session: there, always."""
+        if local_task_slots(self.settings.spark_master) is None:
+            return True
+        try:
+            with pgserver.connect(ctx.source_dsn, row_factory=tuple_row,
+                                  connect_timeout=self.settings.connect_timeout) as conn:
+                return may_copy_in_parallel(conn, tables,
+                                            int(ctx.partition_bytes or self.partition_bytes))
+        except Exception:
+            return True  # (the snapshot's connection reports the source's problem)
+
     def _pending_tables(self, ctx: _Context) -> list[str]:
         with self._owned() as (session, _):
             tables = self._tables(session, ctx)
@@ -691,8 +710,8 @@ class SyncJobRunner:
         if self._warming is not None:
             with self._timed("spark_start"):
                 self._warming.join()
-        spark = self._spark_factory()
-        parallelism = task_slots(spark)
+        spark = LazySpark(self._spark_factory)  # started by a copy of several partitions
+        parallelism = local_task_slots(self.settings.spark_master) or task_slots(spark)
         copies: dict[str, TableCopy] = {}
         targets: dict[str, TargetTable] = {}
         with psycopg.connect(secure_conninfo(ctx.target_dsn, purpose=Purpose.STREAM),
@@ -721,7 +740,8 @@ class SyncJobRunner:
             except CopyFailed as exc:
                 raise _Retry(f"copy failed: {exc}") from None
             finally:
-                self._record_spark(spark)
+                if spark.started:
+                    self._record_spark(spark)
             fault_point("sync.after_copy")
             for name in names:
                 self._finish_table(ctx, snap, sources[name], targets[name], tgt,

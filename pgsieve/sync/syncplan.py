@@ -103,6 +103,25 @@ ORDER BY 1
 _BLOCKS = "SELECT pg_relation_size(%s::regclass) / current_setting('block_size')::int"
 
 
+_COPY_SIZE = """
+SELECT count(*) FILTER (WHERE t.isleaf), coalesce(sum(pg_relation_size(t.relid)), 0)
+FROM pg_partition_tree(pg_catalog.to_regclass(%s)) t
+"""
+
+
+def may_copy_in_parallel(conn: psycopg.Connection[Any], tables: Sequence[str],
+                         partition_bytes: int) -> bool:
+    """Whether any of ``tables`` may be cut into several partitions: several leaves (a
+    partition tree published via its root), or more than one partition's bytes. Read
+    from the catalog before the snapshot exists — a guess, good enough to start Spark
+    early for a copy that will likely need it."""
+    for name in tables:
+        row = conn.execute(_COPY_SIZE, (canonical(name),)).fetchone()
+        if row is not None and (int(row[0]) > 1 or int(row[1]) > partition_bytes):
+            return True
+    return False
+
+
 def read_source_tables(
     conn: psycopg.Connection[Any], publications: Sequence[str], tables: Sequence[str]
 ) -> dict[str, SourceTable]:
