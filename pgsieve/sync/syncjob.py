@@ -571,6 +571,22 @@ class SyncJobRunner:
         self._warming = threading.Thread(target=warm, name="pgsieve-sync-warm-up", daemon=True)
         self._warming.start()
 
+    def _unless_being_deleted(self, ctx: _Context) -> None:
+        """After a failed slot creation: ``_Lost`` if the subscription is being deleted.
+        Its delete disables it (committed), then ends the creation of its slots, then
+        removes it — so a creation that failed while the subscription is disabled waits
+        for that removal a while (a retry would only find the job gone) before it counts
+        as an ordinary failure."""
+        deadline = time.monotonic() + self.lease.total_seconds()
+        while True:
+            with self._owned() as (session, _):  # (_Lost once the job went with it)
+                sub = session.get(Subscription, ctx.subscription_id)
+                if sub is None:
+                    raise _Lost("the subscription was deleted")
+                if sub.enabled or time.monotonic() > deadline:
+                    return
+            time.sleep(0.2)
+
     def _may_need_spark(self, ctx: _Context, tables: list[str]) -> bool:
         """Whether the copy may run a Spark job (a table cut into several partitions),
         guessed from the catalog's sizes now. A table copied as one partition is piped by
@@ -616,6 +632,7 @@ class SyncJobRunner:
         except SnapshotError as exc:
             if exc.code == "slot_exists":
                 raise SyncError(str(exc), code=ErrorCode.SLOT_EXISTS) from None
+            self._unless_being_deleted(ctx)
             raise _Retry(f"cannot create slot {slot}: {exc}{report.explain()}") from None
         finally:
             with contextlib.suppress(_Lost):

@@ -226,11 +226,18 @@ def test_a_change_that_deadlocks_with_the_sources_writers_is_made_again(
     def change() -> None:
         try:
             with src.connect(autocommit=True) as conn:
-                outcome["result"] = apply_publication(conn, new, create=False, before_ddl=lock)
+                # The victim is the backend whose deadlock check finds the cycle: the
+                # change's, once the writer waits too — if its check waits that long.
+                # (At the default 1 s a stalled writer began to wait after it, and was
+                # made the victim itself.) The lock timeout outlasts that check.
+                conn.execute("SET deadlock_timeout = '3s'")
+                outcome["result"] = apply_publication(conn, new, create=False, before_ddl=lock,
+                                                      lock_timeout_ms=30_000)
         except Exception as exc:  # surfaced below
             outcome["error"] = exc
 
     with src.connect(autocommit=False) as writer, caplog.at_level("INFO"):
+        writer.execute("SET deadlock_timeout = '60s'")  # (never the one to check first)
         writer.execute("INSERT INTO t3 VALUES (1, 1)")  # holds t3
         changing = threading.Thread(target=change)
         changing.start()

@@ -48,9 +48,10 @@ def _confirmed(db: Database) -> Lsn:
 
 def test_a_keepalive_in_the_middle_of_a_transaction_confirms_nothing_unapplied(
         source_db: Database) -> None:
-    # The server asks for a reply after 3 s without one (half of wal_sender_timeout), and
-    # ends the session after 6 s.
-    source_db.execute(f'ALTER DATABASE "{source_db.name}" SET wal_sender_timeout = 6000')
+    # The server asks for a reply after 7 s without one (half of wal_sender_timeout), and
+    # ends the session after 14 s: the reader, back after 7.8 s, has 6 s to read what was
+    # queued before that request (at 6 s, a run on a loaded machine once ran out of time).
+    source_db.execute(f'ALTER DATABASE "{source_db.name}" SET wal_sender_timeout = 14000')
     source_db.execute("CREATE TABLE a (id int PRIMARY KEY, pad text); "
                       "CREATE PUBLICATION pub FOR TABLE a")
     source_db.execute("SELECT pg_create_logical_replication_slot('fb', 'pgoutput')")
@@ -70,9 +71,9 @@ def test_a_keepalive_in_the_middle_of_a_transaction_confirms_nothing_unapplied(
         t2 = _next_transaction(items)  # read, not applied, not confirmed
         assert t2.end_lsn > t1.end_lsn
         # The walsender now writes the long transaction to a reader that has stopped;
-        # three seconds after the last reply it asks for one, queued behind the changes
+        # seven seconds after the last reply it asks for one, queued behind the changes
         # sent so far.
-        time.sleep(3.8)
+        time.sleep(7.8)
         big = _next_transaction(items)
         assert len(big.changes) == 100_000
         for txn in (t1, t2, big):
