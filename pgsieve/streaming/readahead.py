@@ -131,17 +131,36 @@ class ReadAheadTransport:
         self._idle: Lsn | None = None
         self._window: ResumableWindow | None = None
         """The window being read, across sessions."""
-        self.continues_previous = False
-        """The session just yielded goes on with the window the previous one left at its
-        deadline: the consumer keeps its splitter (see SlotConsumer)."""
-        self.carries_over = False
-        """The session that just ended left its window part-way, to be continued."""
+        self._continues_previous = False
+        self._carries_over = False
         self._released = False
         self.windows = 0
         self.waited = 0.0
         """Seconds this process waited for (and copied in) the child's frames."""
         self._proc: subprocess.Popen[bytes] | None = None
         self._start(dsn, buffer_bytes)
+
+    @property
+    def continues_previous(self) -> bool:
+        """The session just yielded goes on with the window the previous one left at its
+        deadline: the consumer keeps its splitter (see SlotConsumer). Once fallen back,
+        the inner transport's: its SQL windows are cut across turns too, and a splitter
+        started afresh mid-window would not know the relations sent before the cut."""
+        return self._inner.continues_previous if self._proc is None else self._continues_previous
+
+    @continues_previous.setter
+    def continues_previous(self, value: bool) -> None:
+        self._continues_previous = value
+
+    @property
+    def carries_over(self) -> bool:
+        """The session that just ended left its window part-way, to be continued (once
+        fallen back: the inner transport's window)."""
+        return self._inner.carries_over if self._proc is None else self._carries_over
+
+    @carries_over.setter
+    def carries_over(self, value: bool) -> None:
+        self._carries_over = value
 
     @property
     def reached_end(self) -> bool:

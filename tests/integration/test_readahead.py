@@ -49,16 +49,19 @@ def read_ahead(db: Database, window: int = 256 << 10) -> ReadAheadTransport:
 class Turns:
     """Turns as the scheduler takes them: one session, confirm what it gave."""
 
-    def __init__(self, consumer: SlotConsumer) -> None:
+    def __init__(self, consumer: SlotConsumer, *, decode: bool = False) -> None:
         self.consumer = consumer
         self.ends: list[Lsn] = []
         self.sizes: list[int] = []
+        self.decode = decode
+        """Decode every row (against the relations the splitter knows), as the apply does."""
 
     def turn(self, seconds: float = 1.0) -> None:
         for item in self.consumer.items(time.monotonic() + seconds, quiet=True):
             if isinstance(item, Transaction):
                 self.ends.append(item.end_lsn)
-                self.sizes.append(len(item.changes))
+                self.sizes.append(sum(1 for _ in item.changes) if self.decode
+                                  else len(item.changes))
                 item.close()
             elif isinstance(item, IdleProgress | Quiet):
                 break
@@ -212,6 +215,35 @@ def test_read_ahead_process_killed_mid_backlog_loses_and_repeats_nothing(
     while slots(source_db) != ["s"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert slots(source_db) == ["s"]
+    consumer.close()
+
+
+def test_after_the_read_ahead_process_died_windows_cut_between_turns_keep_their_relations(
+        source_db: Database):
+    """Fallen back to this process's SQL windows, turns with no time to spare cut those
+    windows too: the consumer must carry its splitter across the cuts there as well. (It
+    asked the read-ahead transport, which answered for its dead child: a splitter started
+    afresh mid-window knew none of the relations sent before the cut, and the next row
+    was of an unknown relation — a worker stopped with a KeyError, under load.)"""
+    setup(source_db)
+    commit_ends(source_db, 0, 600, size=5_000)
+    inner = SqlTransport(source_db.dsn, "s", OPTIONS, window_bytes=256 << 10, split_bytes=0,
+                         chunk_messages=64, max_window_bytes=8 << 20, resumable_windows=True)
+    transport = read_ahead_or(inner, source_db.dsn, min_bytes=1, processes=4,
+                              buffer_bytes=1 << 20)
+    assert isinstance(transport, ReadAheadTransport)
+    OPENED.append(transport)
+    consumer = SlotConsumer(transport, proto_version=2)
+    turns = Turns(consumer, decode=True)
+    turns.until(lambda: len(turns.ends) >= 50, seconds=0.005)
+    child = transport.child_pid
+    assert child is not None
+    os.kill(child, signal.SIGKILL)
+    continued = consumer.stats.continued
+    turns.until(lambda: len(turns.ends) >= 600, seconds=0.005)
+    assert not transport.reading_ahead
+    assert consumer.stats.continued > continued, "the fallback's windows were cut between turns"
+    assert len(turns.ends) == 600 and turns.ends == sorted(set(turns.ends))
     consumer.close()
 
 
