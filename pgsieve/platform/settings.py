@@ -75,6 +75,13 @@ class Settings(BaseSettings):
         "task slots (more than this machine has cores) from the measured crossover on "
         "(see pgsieve/spark/apply.py choose_apply_path)",
     )
+    spark_copy_min_mb: int = Field(
+        default=64, ge=0,
+        description="an initial copy (local Spark master) of no more partitions than task "
+        "slots and less than this many MB in all is piped by the worker itself, its "
+        "partitions in parallel threads: a Spark job for it costs a JVM's start (seconds of "
+        "CPU) and parallelises nothing more; 0: Spark for every copy of several partitions",
+    )
     diff_spark_min_rows: int | Literal["auto"] = Field(
         default="auto",
         description="a whole-table diff (mode diff) of a table with at least this many "

@@ -481,16 +481,20 @@ def copy_partitions(
     on_progress: Callable[[dict[tuple[str, int], int]], None] | None = None,
     poll_seconds: float = 1.0,
     job_group: str | None = None,
+    in_process: bool = False,
 ) -> list[PartitionResult]:
     """Copy ``request.partitions`` in parallel Spark tasks; calls ``on_progress`` with
     every partition committed so far (from the target's markers) while the job runs.
     Raises :class:`CopyFailed` with the first failure's message (finished partitions
     stay committed and are skipped when the same request runs again).
 
-    A request of one partition is piped by this process itself, in a thread: a Spark job
-    of one task parallelises nothing and costs a JVM round trip and a Python worker
-    hand-off (measured: ~0.4 s of JVM CPU per job, on the cores the two servers need).
-    If ``on_progress`` raises (the job was lost), that copy is cancelled and rolls back."""
+    A request of one partition, or one the caller says is small (``in_process``), is
+    piped by this process itself, a thread per partition: a Spark job of one task
+    parallelises nothing and costs a JVM round trip and a Python worker hand-off
+    (measured: ~0.4 s of JVM CPU per job, on the cores the two servers need), and a
+    session not started yet costs a JVM's start. ``spark`` is then never touched.
+    If ``on_progress`` raises (the job was lost), those copies are cancelled and roll
+    back."""
     if not request.partitions:
         return []
     with _connect(request.target_dsn, request.connect_timeout) as conn:
@@ -501,8 +505,8 @@ def copy_partitions(
 
     def run() -> None:
         try:
-            if len(request.partitions) == 1:
-                outcome["results"] = [task(request.partitions[0], cancel)]
+            if len(request.partitions) == 1 or in_process:
+                outcome["results"] = _copy_in_threads(task, request.partitions, cancel)
                 return
             sc = spark.sparkContext
             if job_group:
@@ -530,11 +534,39 @@ def copy_partitions(
         on_progress(copied)
     if "error" in outcome:
         error = outcome["error"]
-        message = (spark_error_message(error) if len(request.partitions) > 1
+        message = (spark_error_message(error) if len(request.partitions) > 1 and not in_process
                    else _own_message(error))
         raise CopyFailed(message, copied)
     results: list[PartitionResult] = outcome["results"]
     return results
+
+
+def _copy_in_threads(task: Callable[[CopyPartition, threading.Event], PartitionResult],
+                     partitions: Sequence[CopyPartition], cancel: threading.Event
+                     ) -> list[PartitionResult]:
+    """Each partition piped in a thread of its own (the pipes wait on the two servers,
+    not on this process's GIL); the first failure cancels the others and is raised."""
+    if len(partitions) == 1:
+        return [task(partitions[0], cancel)]
+    results: dict[int, PartitionResult] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int, part: CopyPartition) -> None:
+        try:
+            results[i] = task(part, cancel)
+        except BaseException as exc:
+            errors.append(exc)
+            cancel.set()
+
+    threads = [threading.Thread(target=one, args=(i, p), name=f"pgsieve-sync-copy-{i}",
+                                daemon=True) for i, p in enumerate(partitions)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [results[i] for i in range(len(partitions))]
 
 
 @contextlib.contextmanager

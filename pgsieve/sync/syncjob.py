@@ -101,11 +101,11 @@ from pgsieve.sync.syncplan import (
     SourceTable,
     SyncError,
     TargetTable,
+    catalog_sizes,
     deferrable_indexes,
     drop_indexes,
     empty_target,
     freeze_allowed,
-    may_copy_in_parallel,
     plan_partitions,
     read_source_tables,
     read_target_table,
@@ -588,20 +588,31 @@ class SyncJobRunner:
             time.sleep(0.2)
 
     def _may_need_spark(self, ctx: _Context, tables: list[str]) -> bool:
-        """Whether the copy may run a Spark job (a table cut into several partitions),
-        guessed from the catalog's sizes now. A table copied as one partition is piped by
-        this process alone, so a sync of small tables never starts a JVM (seconds of CPU
-        on the cores the two servers need). A cluster's task slots are known only to its
-        session: there, always."""
-        if local_task_slots(self.settings.spark_master) is None:
+        """Whether the copy may run a Spark job (:meth:`_copies_in_process`), guessed
+        from the catalog's sizes now: a sync of small tables never starts a JVM (seconds
+        of CPU on the cores the two servers need). A cluster's task slots are known only
+        to its session: there, always."""
+        slots = local_task_slots(self.settings.spark_master)
+        if slots is None:
             return True
         try:
             with pgserver.connect(ctx.source_dsn, row_factory=tuple_row,
                                   connect_timeout=self.settings.connect_timeout) as conn:
-                return may_copy_in_parallel(conn, tables,
-                                            int(ctx.partition_bytes or self.partition_bytes))
+                sizes = catalog_sizes(conn, tables)
         except Exception:
             return True  # (the snapshot's connection reports the source's problem)
+        size = int(ctx.partition_bytes or self.partition_bytes)
+        partitions = sum(max(leaves, -(-nbytes // size), 1) for leaves, nbytes in sizes)
+        return not self._copies_in_process(partitions, sum(b for _, b in sizes))
+
+    def _copies_in_process(self, partitions: int, nbytes: int) -> bool:
+        """A copy of one partition, or (local master) of no more partitions than task
+        slots and less than ``spark_copy_min_mb`` in all, is piped by this process — a
+        Spark job would start a JVM to parallelise nothing more."""
+        slots = local_task_slots(self.settings.spark_master)
+        return partitions <= 1 or (
+            slots is not None and partitions <= slots
+            and nbytes < self.settings.spark_copy_min_mb << 20)
 
     def _pending_tables(self, ctx: _Context) -> list[str]:
         with self._owned() as (session, _):
@@ -751,9 +762,11 @@ class SyncJobRunner:
             self._recorded = None
             self._record_copied(ctx, names, done)
             try:
+                in_process = self._copies_in_process(
+                    len(partitions), sum(sources[n].blocks for n in names) * BLOCK_SIZE)
                 with self._timed("copy"):
                     copy_partitions(spark, request, on_progress=lambda c: self._record_copied(
-                        ctx, names, c), job_group=self._group)
+                        ctx, names, c), job_group=self._group, in_process=in_process)
             except CopyFailed as exc:
                 raise _Retry(f"copy failed: {exc}") from None
             finally:

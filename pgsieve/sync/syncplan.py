@@ -109,17 +109,16 @@ FROM pg_partition_tree(pg_catalog.to_regclass(%s)) t
 """
 
 
-def may_copy_in_parallel(conn: psycopg.Connection[Any], tables: Sequence[str],
-                         partition_bytes: int) -> bool:
-    """Whether any of ``tables`` may be cut into several partitions: several leaves (a
-    partition tree published via its root), or more than one partition's bytes. Read
-    from the catalog before the snapshot exists — a guess, good enough to start Spark
-    early for a copy that will likely need it."""
+def catalog_sizes(conn: psycopg.Connection[Any], tables: Sequence[str]
+                  ) -> list[tuple[int, int]]:
+    """Each table's leaves (several: a partition tree published via its root) and bytes,
+    read from the catalog now — before a snapshot exists, a guess of what its copy
+    will be (used to start Spark early for a copy that will likely need it)."""
+    out = []
     for name in tables:
         row = conn.execute(_COPY_SIZE, (canonical(name),)).fetchone()
-        if row is not None and (int(row[0]) > 1 or int(row[1]) > partition_bytes):
-            return True
-    return False
+        out.append((int(row[0]), int(row[1])) if row is not None else (0, 0))
+    return out
 
 
 def read_source_tables(
