@@ -105,11 +105,16 @@ class PipelineEnv:
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str,
                env: PipelineEnv | None = None, interval: float = 0.5) -> None:
+    """Poll ``predicate`` until it holds: soon at first (most conditions hold within a
+    fraction of a second), then every ``interval`` (predicates that compare tables cost
+    the servers' CPU)."""
     deadline = time.monotonic() + timeout
+    pause = min(interval, 0.05)
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(interval)
+        time.sleep(pause)
+        pause = min(interval, pause * 1.5)
     logs = env.logs() if env is not None else ""
     pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
 
