@@ -469,7 +469,9 @@ def test_tail_cli(source_db: Database):
     assert first.stdout == ""
     source_db.execute("INSERT INTO acct VALUES (2, 'bob', 2); UPDATE acct SET owner = 'ann2' "
                       "WHERE id = 1; DELETE FROM acct WHERE id = 2")
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False,
+    # (Three changes: --limit ends the run as they are printed, no idle wait.)
+    three = [*cmd[:-1], "30", "--limit", "3"]
+    out = subprocess.run(three, capture_output=True, text=True, timeout=60, check=False,
                          env=_tail_env()).stdout
     lines = [json.loads(x) for x in out.splitlines()]
     assert [(r["op"], r["table"]) for r in lines] == [
@@ -479,12 +481,12 @@ def test_tail_cli(source_db: Database):
     assert {"lsn", "xid", "commit_lsn", "table", "op", "new", "old"} <= set(lines[0])
     assert Lsn.parse(lines[0]["commit_lsn"]) == Lsn.parse(lines[2]["commit_lsn"])
     # Without --confirm the slot did not move: the same changes print again.
-    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False,
+    again = subprocess.run(three, capture_output=True, text=True, timeout=60, check=False,
                            env=_tail_env()).stdout
     assert again == out
     # With --confirm they are consumed.
-    subprocess.run([*cmd, "--confirm"], capture_output=True, text=True, timeout=60, check=True,
-                   env=_tail_env())
+    subprocess.run([*three, "--confirm"], capture_output=True, text=True, timeout=60,
+                   check=True, env=_tail_env())
     after = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False,
                            env=_tail_env()).stdout
     assert after == ""
@@ -507,7 +509,7 @@ def test_tail_cli_dsn_from_environment_or_file(source_db: Database, tmp_path):
     """The DSN (and its password) need not be on the command line, where `ps` shows it."""
     source_db.execute(SETUP)
     base = [sys.executable, "-m", "pgsieve.cli", "tail", "--slot", "t9", "--publication", "pub",
-            "--create-slot", "--timeout", "1"]
+            "--create-slot", "--timeout", "0.2"]  # (connected, the slot made: enough here)
     r = subprocess.run(base, capture_output=True, text=True, timeout=60, check=False,
                        env=_tail_env(PGSIEVE_TAIL_DSN=source_db.dsn))
     assert r.returncode == 0, r.stderr
