@@ -77,10 +77,10 @@ class Settings(BaseSettings):
     )
     spark_copy_min_mb: int = Field(
         default=64, ge=0,
-        description="an initial copy (local Spark master) of no more partitions than task "
-        "slots and less than this many MB in all is piped by the worker itself, its "
-        "partitions in parallel threads: a Spark job for it costs a JVM's start (seconds of "
-        "CPU) and parallelises nothing more; 0: Spark for every copy of several partitions",
+        description="an initial copy (local Spark master) of less than this many MB in all "
+        "is piped by the worker itself, as many partitions at once as Spark has task slots: "
+        "a Spark job for it costs a JVM's start (seconds of CPU) and parallelises nothing "
+        "more; 0: Spark for every copy of several partitions",
     )
     diff_spark_min_rows: int | Literal["auto"] = Field(
         default="auto",

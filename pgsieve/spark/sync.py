@@ -481,15 +481,15 @@ def copy_partitions(
     on_progress: Callable[[dict[tuple[str, int], int]], None] | None = None,
     poll_seconds: float = 1.0,
     job_group: str | None = None,
-    in_process: bool = False,
+    in_process: int = 0,
 ) -> list[PartitionResult]:
     """Copy ``request.partitions`` in parallel Spark tasks; calls ``on_progress`` with
     every partition committed so far (from the target's markers) while the job runs.
     Raises :class:`CopyFailed` with the first failure's message (finished partitions
     stay committed and are skipped when the same request runs again).
 
-    A request of one partition, or one the caller says is small (``in_process``), is
-    piped by this process itself, a thread per partition: a Spark job of one task
+    A request of one partition, or one the caller says is small (``in_process``: that
+    many partitions at once), is piped by this process itself: a Spark job of one task
     parallelises nothing and costs a JVM round trip and a Python worker hand-off
     (measured: ~0.4 s of JVM CPU per job, on the cores the two servers need), and a
     session not started yet costs a JVM's start. ``spark`` is then never touched.
@@ -506,7 +506,8 @@ def copy_partitions(
     def run() -> None:
         try:
             if len(request.partitions) == 1 or in_process:
-                outcome["results"] = _copy_in_threads(task, request.partitions, cancel)
+                outcome["results"] = _copy_in_threads(task, request.partitions, cancel,
+                                                      max(1, in_process))
                 return
             sc = spark.sparkContext
             if job_group:
@@ -542,24 +543,32 @@ def copy_partitions(
 
 
 def _copy_in_threads(task: Callable[[CopyPartition, threading.Event], PartitionResult],
-                     partitions: Sequence[CopyPartition], cancel: threading.Event
-                     ) -> list[PartitionResult]:
-    """Each partition piped in a thread of its own (the pipes wait on the two servers,
-    not on this process's GIL); the first failure cancels the others and is raised."""
+                     partitions: Sequence[CopyPartition], cancel: threading.Event,
+                     at_once: int) -> list[PartitionResult]:
+    """The partitions piped by ``at_once`` threads, in order (the pipes wait on the two
+    servers, not on this process's GIL); the first failure stops the others (their
+    copies roll back) and is raised."""
     if len(partitions) == 1:
         return [task(partitions[0], cancel)]
     results: dict[int, PartitionResult] = {}
     errors: list[BaseException] = []
+    todo = iter(enumerate(partitions))
+    lock = threading.Lock()
 
-    def one(i: int, part: CopyPartition) -> None:
-        try:
-            results[i] = task(part, cancel)
-        except BaseException as exc:
-            errors.append(exc)
-            cancel.set()
+    def work() -> None:
+        while not errors:
+            with lock:
+                nxt = next(todo, None)
+            if nxt is None:
+                return
+            try:
+                results[nxt[0]] = task(nxt[1], cancel)
+            except BaseException as exc:
+                errors.append(exc)
+                cancel.set()
 
-    threads = [threading.Thread(target=one, args=(i, p), name=f"pgsieve-sync-copy-{i}",
-                                daemon=True) for i, p in enumerate(partitions)]
+    threads = [threading.Thread(target=work, name=f"pgsieve-sync-copy-{i}", daemon=True)
+               for i in range(min(at_once, len(partitions)))]
     for t in threads:
         t.start()
     for t in threads:

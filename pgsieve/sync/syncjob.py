@@ -606,13 +606,12 @@ class SyncJobRunner:
         return not self._copies_in_process(partitions, sum(b for _, b in sizes))
 
     def _copies_in_process(self, partitions: int, nbytes: int) -> bool:
-        """A copy of one partition, or (local master) of no more partitions than task
-        slots and less than ``spark_copy_min_mb`` in all, is piped by this process — a
-        Spark job would start a JVM to parallelise nothing more."""
+        """A copy of one partition, or (local master) of less than ``spark_copy_min_mb``
+        in all, is piped by this process, as many partitions at once as Spark would run
+        — a Spark job would start a JVM to parallelise nothing more."""
         slots = local_task_slots(self.settings.spark_master)
         return partitions <= 1 or (
-            slots is not None and partitions <= slots
-            and nbytes < self.settings.spark_copy_min_mb << 20)
+            slots is not None and nbytes < self.settings.spark_copy_min_mb << 20)
 
     def _pending_tables(self, ctx: _Context) -> list[str]:
         with self._owned() as (session, _):
@@ -766,7 +765,8 @@ class SyncJobRunner:
                     len(partitions), sum(sources[n].blocks for n in names) * BLOCK_SIZE)
                 with self._timed("copy"):
                     copy_partitions(spark, request, on_progress=lambda c: self._record_copied(
-                        ctx, names, c), job_group=self._group, in_process=in_process)
+                        ctx, names, c), job_group=self._group,
+                        in_process=parallelism if in_process else 0)
             except CopyFailed as exc:
                 raise _Retry(f"copy failed: {exc}") from None
             finally:

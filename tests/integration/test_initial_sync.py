@@ -70,6 +70,31 @@ def test_several_publications_are_ored_and_a_missing_filter_makes_them_moot(
     assert all(t["state"] == "catchup" for t in job["tables"])
 
 
+@pytest.mark.parametrize("copy_min_mb", [64, 0])
+def test_a_small_copy_of_several_tables_starts_no_spark_job_unless_told_to(
+        tmp_path, source_db, target_db, native_db, copy_min_mb):
+    """Three small tables (four partitions: more than the two task slots) under the
+    default ``PGSIEVE_SPARK_COPY_MIN_MB`` are piped by the worker itself — no Spark job,
+    so a cold worker starts no JVM for them; with 0, a Spark job copies them. The rows
+    are native's either way."""
+    source_db.execute(EXAMPLE + EXAMPLE_DATA + EXAMPLE_PUBS)
+    target_db.execute(EXAMPLE)
+    native_db.execute(EXAMPLE)
+    pubs = ["p1", "p2", "p3", "p_ins"]
+    with sync_env(tmp_path, spark_copy_min_mb=copy_min_mb) as env:
+        _, job_id = env.subscribe(source_db, target_db, pubs)
+        assert env.run_job(job_id, partition_bytes=8192).outcome == "done"
+        job = env.job(job_id)
+    assert sum(t["partitions_total"] for t in job["tables"]) > 2
+    if copy_min_mb:
+        assert not job.get("spark"), job.get("spark")
+    else:
+        assert job["spark"]["jobs"] and job["spark"]["task_failures"] == 0
+    native_copy(source_db, native_db, "nat_small", pubs)
+    for table in ("t1", "t2", "t3"):
+        assert rows(target_db, table) == rows(native_db, table), table
+
+
 def test_slot_starts_exactly_at_the_snapshot(tmp_path, source_db, target_db):
     """Rows committed before the slot's consistent point are in the copy, later ones in the
     stream: the slot is created by the sync with the snapshot it exported."""
