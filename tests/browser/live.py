@@ -107,6 +107,9 @@ def live_deployment(tmp: Path) -> Iterator[LiveDeployment]:
         "PGSIEVE_BROKER_URL": broker, "PGSIEVE_API_TOKEN": TOKEN, "PGSIEVE_SECRET_KEY": SECRET,
         "PGSIEVE_CELERY_QUEUE": queue, "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1",
         "PGSIEVE_SPARK_MASTER": os.environ.get("PGSIEVE_SPARK_MASTER", "local[2]"),
+        # As pipeline_env: batches this small apply in the driver, copies this small are
+        # piped by the worker; a JVM warmed up per worker start would only cost CPU.
+        "PGSIEVE_SPARK_WARMUP": "false",
         **{f"PGSIEVE_{k.upper()}": str(v) for k, v in KNOBS.items()},
     })
     port = free_port()
