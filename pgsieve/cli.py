@@ -197,7 +197,7 @@ def tail(
         dsn = _read_dsn(dsn, dsn_file)
         parse_dsn(dsn)
         start = Lsn.parse(from_lsn) if from_lsn else None
-        dsn = check_dsn(dsn, get_settings().connection_policy())
+        check_dsn(dsn, get_settings().connection_policy())  # refused before anything runs
     except (InvalidDsn, InvalidLsn, ConnectionNotAllowed, _BadDsnSource) as exc:
         typer.echo(f"pgsieve tail: {exc}", err=True)
         raise typer.Exit(2) from None

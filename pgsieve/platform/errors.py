@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     :class:`pgsieve.rowfilter.IssueCode`.
     """
 
+    AUDIT_UNAVAILABLE = "audit_unavailable"
     BAD_REQUEST = "bad_request"
     COLUMN_LIST_NOT_COVERING_REPLICA_IDENTITY = "column_list_not_covering_replica_identity"
     COLUMN_NOT_PUBLISHED = "column_not_published"
@@ -138,6 +139,19 @@ class Unprocessable(PgsieveError):
     status = 422
     code = ErrorCode.VALIDATION_ERROR
     title = "Unprocessable request"
+
+
+class TooManyRequests(PgsieveError):
+    """A limit on concurrent work was reached; the client may try again after
+    ``retry_after`` seconds (the API sends it as ``Retry-After``)."""
+
+    status = 429
+    code = ErrorCode.TOO_MANY_REQUESTS
+    title = "Too many requests"
+
+    def __init__(self, detail: str, *, retry_after: int = 1, **extra: Any) -> None:
+        super().__init__(detail, **extra)
+        self.retry_after = retry_after
 
 
 class Unreachable(PgsieveError):

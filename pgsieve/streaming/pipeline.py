@@ -44,7 +44,7 @@ from pgsieve.apply.batch import (
 )
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
 from pgsieve.apply.target import TargetWriter
-from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.connpolicy import ConnectionNotAllowed, Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import lock_rows, locked, session_factory
 from pgsieve.platform.errors import describe_error
@@ -63,6 +63,7 @@ from pgsieve.platform.spread import spread
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.spark.apply import apply_batch
 from pgsieve.spark.mergebehind import MergeBehind, MergedBehind, MergesFailed
+from pgsieve.streaming.allowed import record_refused
 from pgsieve.streaming.appliednotes import (
     AppliedProgress,
     ImageTrims,
@@ -233,6 +234,8 @@ class ConsumeCycle:
                 advisory = AdvisoryLocks(source_dsn, self.settings.connect_timeout)
             except psycopg.OperationalError as exc:
                 return self._transient(f"source unreachable: {exc}")
+            except ConnectionNotAllowed as exc:
+                return self.refused(exc)
             try:
                 if not advisory.try_lock(slot):
                     self._bump_stat("lock_refusals")
@@ -263,6 +266,8 @@ class ConsumeCycle:
             return opened.run.stream(time.monotonic() + self.cycle_seconds)
         except (psycopg.OperationalError, TransportError) as exc:
             return self.outcome_of(exc)
+        except ConnectionNotAllowed as exc:
+            return self.refused(exc)
         finally:
             opened.close()
 
@@ -295,6 +300,8 @@ class ConsumeCycle:
                                   connect_timeout=self.settings.connect_timeout)
         except psycopg.OperationalError as exc:
             return self._transient(f"target unreachable: {exc}")
+        except ConnectionNotAllowed as exc:
+            return self.refused(exc)
         try:
             writer.ensure_schema()
             applied = writer.applied_lsn()
@@ -320,6 +327,9 @@ class ConsumeCycle:
         except (psycopg.OperationalError, TransportError) as exc:
             writer.close()
             return self.outcome_of(exc)
+        except ConnectionNotAllowed as exc:
+            writer.close()
+            return self.refused(exc)
         except BaseException:
             writer.close()
             raise
@@ -340,6 +350,12 @@ class ConsumeCycle:
                 return self._fail(f"the replication slot is gone: {exc}")
             return self._fail(str(exc))
         return self._transient(str(exc))
+
+    def refused(self, exc: ConnectionNotAllowed) -> CycleOutcome:
+        """The connection policy refuses the source or the target now: stopped with
+        ``connection_not_allowed`` until it allows them again (:mod:`.allowed`)."""
+        record_refused(self.sessions, self.subscription_id, exc.detail)
+        return CycleOutcome("error", f"connection not allowed: {exc.detail}")
 
     # -- helpers -------------------------------------------------------------------------
     def _spill_dir(self) -> str:
@@ -448,7 +464,7 @@ class ConsumeCycle:
             sub = locked(session, Subscription, self.subscription_id)
             if sub is not None:
                 sub.state = SubscriptionState.ERROR
-                sub.error = detail
+                sub.error, sub.error_code = detail, None
                 stats = dict(sub.stats)
                 if conflict is not None:
                     stats["last_conflict"] = conflict

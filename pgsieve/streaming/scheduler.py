@@ -64,6 +64,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.apply import hotpath
 from pgsieve.platform import dispatch
+from pgsieve.platform.connpolicy import ConnectionNotAllowed, policy_in_force
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import in_chunks, session_factory
 from pgsieve.platform.locks import AdvisoryLocks, release, renew_owned, touch, try_acquire
@@ -78,6 +79,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.platform.threadnames import named
 from pgsieve.spark.session import get_spark
+from pgsieve.streaming.allowed import refusal, resume_allowed
 from pgsieve.streaming.appliednotes import ProgressBook, record_applied
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up_many
 from pgsieve.streaming.pipeline import (
@@ -223,6 +225,7 @@ class Scheduler:
                                      use_compiled=hotpath.active is not None)
         self._pushed_fallback = max(self.settings.idle_poll_seconds,
                                     self.settings.consumer_heartbeat_seconds)
+        self._box = settings.secret_box()
 
     # -- life cycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -377,6 +380,8 @@ class Scheduler:
         except psycopg.OperationalError as exc:
             self._retry_at[subscription_id] = time.monotonic() + RETRY_AFTER
             return cycle.outcome_of(exc).outcome
+        except ConnectionNotAllowed as exc:
+            return cycle.refused(exc).outcome
         if not got:
             cycle._bump_stat("lock_refusals")
             return "locked"
@@ -582,6 +587,11 @@ class Scheduler:
             with held.turn_mutex:
                 if held.stream is None:  # let go of meanwhile
                     return
+                # Its sessions stay open between turns: the policy is checked again before
+                # each (a name now resolving elsewhere, a tightened allow-list).
+                refused = refusal(held.source_dsn, held.stream.writer.dsn, policy_in_force())
+                if refused is not None:
+                    raise refused
                 worked = held.stream.run.turn(started + self.settings.turn_seconds)
             self._durations.append((started, time.monotonic() - started, worked))
         except _Stop as stop:
@@ -668,6 +678,8 @@ class Scheduler:
         """What a turn's failure means (recorded on the subscription): the slot gone
         stops it; connections, deadlocks and the rest are retried after a pause."""
         try:
+            if isinstance(exc, ConnectionNotAllowed):
+                return held.cycle.refused(exc)
             if isinstance(exc, psycopg.OperationalError | TransportError):
                 return held.cycle.outcome_of(exc)
             if not isinstance(exc, psycopg.errors.TransactionRollback):
@@ -765,6 +777,7 @@ class Scheduler:
         while not self._stopping.is_set():
             self._wait_quiet(QUIET_WAIT_SECONDS)
             try:
+                resume_allowed(self.sessions, self._box, policy_in_force())
                 orphans = self.orphans()
                 if orphans:
                     # Adopting is mostly connecting (target, slot): a few at once, so a
