@@ -26,7 +26,7 @@ def _stored(engine: Engine) -> int:
 
 
 def _create(client: TestClient, dsn: str) -> list[Any]:
-    out = []
+    out: list[Any] = []
     for path, extra in (("/api/v1/sources", {}), ("/api/v1/targets", {"kind": "postgres"})):
         out.append(client.post(path, json={"name": f"n{len(out)}", "dsn": dsn, **extra}))
     return out
