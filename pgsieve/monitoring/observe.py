@@ -150,6 +150,7 @@ def observe_subscription(
         "state": sub.state,
         "enabled": sub.enabled,
         "error": sub.error,
+        "error_code": sub.error_code,
         "observed_at": _iso(now),
         "source_reachable": source_error is None,
         "source_error": source_error,

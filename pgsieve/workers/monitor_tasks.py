@@ -13,15 +13,19 @@ from typing import Any
 from celery import Task
 
 from pgsieve.monitoring.observe import sample_all
+from pgsieve.platform.connpolicy import ConnectionScope, connection_scope
 from pgsieve.platform.db import session_scope
 from pgsieve.platform.settings import Settings
 from pgsieve.workers.celery_app import celery_app
 
 
 def run_sampler(settings: Settings) -> dict[str, int]:
-    """One sampling round (also callable without Celery: tests, the CLI)."""
+    """One sampling round (also callable without Celery: tests, the CLI). Its connections
+    obey these settings' connection policy (a source it now refuses is sampled as an
+    error, and nothing is sent to it)."""
     box = settings.secret_box()
-    with session_scope(settings.effective_database_url) as session:
+    with connection_scope(ConnectionScope(settings.connection_policy())), \
+            session_scope(settings.effective_database_url) as session:
         return sample_all(session, box, connect_timeout=settings.connect_timeout,
                           lease=timedelta(seconds=settings.consumer_lease_seconds))
 

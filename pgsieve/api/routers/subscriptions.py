@@ -43,6 +43,7 @@ def subscription_out(session: Session, sub: Subscription, settings: Settings
         "name": sub.name,
         "state": sub.state,
         "error": sub.error,
+        "error_code": sub.error_code,
         "source_id": sub.source_id,
         "target_id": sub.target_id,
         "publications": list(sub.publications),

@@ -100,6 +100,10 @@ class SubscriptionOut(BaseModel):
     name: str
     state: SubscriptionState
     error: str | None
+    error_code: str | None = Field(
+        default=None, description="the stable code of error when it has one: "
+        "connection_not_allowed (the connection policy refuses the source or target now; "
+        "the subscription resumes by itself once it allows them), sync_failed")
     source_id: str
     target_id: str
     publications: list[str]
