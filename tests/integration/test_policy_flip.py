@@ -42,12 +42,12 @@ def allowed_hosts(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 def _rows(db: Database) -> int:
-    return int(db.query("SELECT count(*) FROM t")[0][0])
+    return int(str(db.query("SELECT count(*) FROM t")[0][0]))
 
 
 def _stopped_by_policy(env: PipelineEnv, sub: str) -> bool:
     body = env.subscription(sub)
-    return body["state"] == "error" and body["error_code"] == "connection_not_allowed"
+    return bool(body["state"] == "error" and body["error_code"] == "connection_not_allowed")
 
 
 def test_a_refused_source_stops_its_stream_and_resumes_when_allowed(
