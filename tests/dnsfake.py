@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,7 +25,7 @@ except ImportError:  # the code before issue 54 (the regression tests run agains
 class FakeDns:
     def __init__(self) -> None:
         self.answers: dict[str, list[str]] = {}
-        self.delays: dict[str, float] = {}
+        self.held: dict[str, threading.Event] = {}
         self.asked: list[str] = []
         self._mutex = threading.Lock()
 
@@ -37,13 +36,24 @@ class FakeDns:
         if RESOLVER is not None:
             RESOLVER.forget()
 
-    def lookup(self, host: str) -> list[str]:
+    def hold(self, name: str) -> threading.Event:
+        """Lookups of ``name`` hang until the event returned is set (a DNS server that
+        does not answer)."""
+        with self._mutex:
+            event = self.held[name] = threading.Event()
+        return event
+
+    def _wait(self, host: str) -> None:
         with self._mutex:
             self.asked.append(host)
+            held = self.held.get(host)
+        if held is not None:
+            held.wait(60)
+
+    def lookup(self, host: str) -> list[str]:
+        self._wait(host)
+        with self._mutex:
             answer = self.answers.get(host)
-            delay = self.delays.get(host, 0.0)
-        if delay:
-            time.sleep(delay)
         if answer is None:
             return system_lookup(host)
         if not answer:
@@ -61,6 +71,7 @@ def fake_dns(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDns]:
             answer = dns.answers.get(host) if isinstance(host, str) else None
         if answer is None:
             return real(host, *args, **kwargs)
+        dns._wait(host)
         if not answer:
             raise socket.gaierror(socket.EAI_NONAME, "no such host")
         port = args[0] if args else kwargs.get("port")

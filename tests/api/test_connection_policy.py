@@ -5,6 +5,7 @@ errors do not map what is listening where."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -236,6 +237,10 @@ class _Listener:
                     pass
 
     def close(self) -> None:
+        # shutdown first: a close alone leaves the socket listening under the thread
+        # blocked in accept(), which then takes (and holds) the next connection
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         for c in self.conns:
             c.close()
