@@ -17,8 +17,12 @@ pruned (:func:`prune`, by beat every hour).
 
 from __future__ import annotations
 
+import getpass
 import logging
+import os
+import socket
 import threading
+import uuid
 from collections import Counter
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -94,6 +98,21 @@ def _event(record: AuditRecord) -> AuditEvent:
 def record(session: Session, entry: AuditRecord) -> None:
     """Add ``entry`` to the session's transaction (committed with the change it records)."""
     session.add(_event(entry))
+
+
+def cli_record(command: str, resource_type: str | None, resource_id: str | None,
+               status: int) -> AuditRecord:
+    """A record of a ``pgsieve`` command run on this host: the actor is ``cli:<OS user>``
+    (the command line needs no token: it holds the metadata store's URL), the method
+    ``CLI``, the route the command (never its arguments), the client the host name."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    return AuditRecord(
+        actor=f"cli:{user}"[:63], role=None, method="CLI", route=f"pgsieve {command}",
+        path=f"pgsieve {command}", resource_type=resource_type, resource_id=resource_id,
+        request_id=uuid.uuid4().hex, status=status, client=socket.gethostname()[:64])
 
 
 def begin(factory: sessionmaker[Session], entry: AuditRecord) -> int:
