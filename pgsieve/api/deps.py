@@ -85,7 +85,8 @@ require_token = authorize  # the name routers were wired with before roles exist
 
 
 def may_see_rows(principal: Principal) -> bool:
-    """Sample rows (row data) are for operators and admins."""
+    """Row data — sample rows, keys, PostgreSQL's messages about rows — is for operators
+    and admins (what a viewer's answers leave out: :mod:`pgsieve.api.rowdata`)."""
     return principal.role >= Role.operator
 
 

@@ -13,7 +13,8 @@ from fastapi import APIRouter, Query, Response, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
+from pgsieve.api import rowdata
+from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
 from pgsieve.api.schemas.subscriptions import (
     SkipRequest,
     SubscriptionCreate,
@@ -25,6 +26,7 @@ from pgsieve.platform.lookups import load_subscription
 from pgsieve.platform.models import Subscription
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
+from pgsieve.security.tokens import Principal
 from pgsieve.subscriptions import service
 from pgsieve.wire.lsn import format_lsn
 
@@ -97,16 +99,25 @@ def create_subscription(
     return subscription_out(session, sub, settings)
 
 
+def _as_seen_by(principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    return body if may_see_rows(principal) else rowdata.subscription(body)
+
+
 @router.get("", response_model=list[SubscriptionOut])
-def list_subscriptions(session: SessionDep, settings: SettingsDep) -> list[dict[str, Any]]:
+def list_subscriptions(session: SessionDep, settings: SettingsDep, principal: PrincipalDep
+                       ) -> list[dict[str, Any]]:
+    """Every subscription; a viewer token gets no row data (errors, conflict and missing
+    rows' keys withheld)."""
     subs = session.scalars(select(Subscription).order_by(Subscription.created_at))
-    return [subscription_out(session, s, settings) for s in subs]
+    return [_as_seen_by(principal, subscription_out(session, s, settings)) for s in subs]
 
 
 @router.get("/{subscription_id}", response_model=SubscriptionOut)
-def get_subscription(subscription_id: str, session: SessionDep, settings: SettingsDep
-                     ) -> dict[str, Any]:
-    return subscription_out(session, load_subscription(session, subscription_id), settings)
+def get_subscription(subscription_id: str, session: SessionDep, settings: SettingsDep,
+                     principal: PrincipalDep) -> dict[str, Any]:
+    """The subscription; a viewer token gets no row data (see the list)."""
+    return _as_seen_by(principal, subscription_out(
+        session, load_subscription(session, subscription_id), settings))
 
 
 @router.patch("/{subscription_id}", response_model=SubscriptionOut)

@@ -89,8 +89,9 @@ class SubscriptionTableOut(BaseModel):
 
 class MissingRowOut(BaseModel):
     op: Literal["update", "delete"]
-    key: dict[str, Any] = Field(description="the row's key as text (REPLICA IDENTITY FULL "
-                                "without a target key: the old row)")
+    key: dict[str, Any] | None = Field(
+        description="the row's key as text (REPLICA IDENTITY FULL without a target key: the "
+        "old row); null for a viewer token (row data)")
     lsn: str = Field(description="commit LSN of the transaction the change belongs to")
     at: str = Field(description="when it was skipped")
 
@@ -121,7 +122,8 @@ class SubscriptionOut(BaseModel):
         description="the live consumer (owner, heartbeat), None when none runs"
     )
     conflict: dict[str, Any] | None = Field(
-        description="the conflict that stopped the pipeline: table, kind, key, commit_lsn"
+        description="the conflict that stopped the pipeline: table, kind, key, commit_lsn, "
+        "detail (key null and detail withheld for a viewer token: row data)"
     )
     tables: list[SubscriptionTableOut]
     missing_skipped: int = Field(description="sum of the tables' missing_skipped")
