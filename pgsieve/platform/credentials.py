@@ -201,12 +201,13 @@ def _key_pattern(word: str) -> str:
     return "".join(f"(?:{re.escape(c)}|%{ord(c):02x})" for c in word)
 
 
-# Where a secret may start: a URI's "://" (its userinfo may hold a password) or a
-# password parameter's "=" (key=value, or a URI query). Possessive quantifiers: the
+# Where a secret may start: a URI's "://" (its userinfo may hold a password), a password
+# parameter's "=" (key=value, a URI query, the PGPASSWORD environment variable), or a
+# quoted password key's ":" (a Python dict's repr, JSON). Possessive quantifiers: the
 # pattern never backtracks, so finding every anchor is one pass over the text.
 _ANCHOR = re.compile(
-    r"://|(?<![a-z0-9_%])(?:" + _key_pattern("ssl") + ")?" + _key_pattern("password")
-    + r"\s*+=\s*+",
+    r"://|(?<![a-z0-9_%])(?:pg)?(?:" + _key_pattern("ssl") + ")?" + _key_pattern("password")
+    + r"\s*+=\s*+|(?P<quote>['\"])(?:ssl)?password(?P=quote)\s*+:\s*+",
     re.IGNORECASE,
 )
 _SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
@@ -257,15 +258,17 @@ def _scrub(text: str) -> str:
             out.append(MASK)
             pos = at
             continue
-        # a password parameter: the value is quoted ('…' with \ escapes) or a bare word
-        if end < len(text) and text[end] == "'":
+        # a password parameter: the value is quoted ('…' or "…", with \ escapes) or a
+        # bare word
+        if end < len(text) and text[end] in "'\"":
+            quote = text[end]
             i = end + 1
             while i < len(text):
                 c = text[i]
                 if c == "\\":
                     i += 2
                     continue
-                if c == "'":
+                if c == quote:
                     i += 1
                     break
                 i += 1

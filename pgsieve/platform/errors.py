@@ -65,6 +65,7 @@ class ErrorCode(StrEnum):
     SLOT_IN_USE = "slot_in_use"
     SLOT_LIMIT_REACHED = "slot_limit_reached"
     SLOT_NOT_FOUND = "slot_not_found"
+    SLOT_NOT_MANAGED = "slot_not_managed"
     SLOT_PLUGIN_MISMATCH = "slot_plugin_mismatch"
     SNAPSHOT_FAILED = "snapshot_failed"
     SOURCE_IN_USE = "source_in_use"

@@ -495,7 +495,7 @@ class _StreamRun:
         self.writer = writer
         self.source_dsn = source_dsn
         self.keeper = keeper
-        self.batcher = MicroBatcher(BatchLimits(
+        self.batcher = MicroBatcher(BatchLimits.bounded(
             max_changes=int(options.get("batch_max_changes", 200_000)),
             max_bytes=int(options.get("batch_max_bytes", 128 << 20)),
             max_wait=int(options.get("batch_max_wait_ms", 500)) / 1000.0,

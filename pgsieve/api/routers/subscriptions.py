@@ -22,6 +22,7 @@ from pgsieve.api.schemas.subscriptions import (
     SubscriptionOut,
     SubscriptionPatch,
 )
+from pgsieve.apply.batcher import MAX_BATCH_BYTES, MAX_BATCH_CHANGES
 from pgsieve.platform.lookups import load_subscription
 from pgsieve.platform.models import Subscription
 from pgsieve.platform.settings import Settings
@@ -129,7 +130,12 @@ def patch_subscription(
     next cycle; an errored pipeline still needs ``…/enable``."""
     sub = load_subscription(session, subscription_id)
     changes = body.options.model_dump(exclude_none=True)
-    sub.options = SubscriptionOptions(**{**sub.options, **changes}).model_dump()
+    stored = {**sub.options}  # (values stored before the bounds: clamped, as streams do)
+    for key, bound in (("batch_max_changes", MAX_BATCH_CHANGES),
+                       ("batch_max_bytes", MAX_BATCH_BYTES)):
+        if key in stored:
+            stored[key] = min(int(stored[key]), bound)
+    sub.options = SubscriptionOptions(**{**stored, **changes}).model_dump()
     session.commit()
     return subscription_out(session, sub, settings)
 
