@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pgsieve.platform.credentials import SecretBox
 from pgsieve.platform.hostpolicy import ConnectionPolicy
+from pgsieve.platform.keyring import credential_box
 
 #: The shortest PGSIEVE_API_TOKEN / PGSIEVE_SECRET_KEY `pgsieve api` and `worker` accept.
 MIN_SECRET_LENGTH = 16
@@ -309,8 +310,10 @@ class Settings(BaseSettings):
                 if k.strip()]
 
     def secret_box(self) -> SecretBox:
-        """Encrypts with PGSIEVE_SECRET_KEY; decrypts with it and the previous keys."""
-        return SecretBox(self.effective_secret_key(), self.previous_secret_keys())
+        """Encrypts with PGSIEVE_SECRET_KEY; decrypts with it and the previous keys (and
+        the keys of earlier versions until ``pgsieve secrets rotate``). Reads the
+        deployment's salt from the metadata store (:mod:`.keyring`)."""
+        return credential_box(self)
 
     def secret_problems(self) -> list[str]:
         """Why these settings must not serve production (empty: they may). The demo
