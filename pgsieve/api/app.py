@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessionmaker = session_factory(settings.effective_database_url)
-    app.state.secret_box = settings.secret_box()
+    app.state.secret_box = None  # made at the first request that needs it (deps.py)
     app.state.api_token = settings.effective_api_token()
     install_problem_handlers(app)
     install_docs(app)

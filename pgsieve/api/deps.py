@@ -41,7 +41,12 @@ def get_session(request: Request) -> Iterator[Session]:
 
 
 def get_secret_box(request: Request) -> SecretBox:
-    box: SecretBox = request.app.state.secret_box
+    """The app's credential box, made on first use: it reads the deployment's salt from
+    the metadata store, which need not be migrated yet when the API starts."""
+    box: SecretBox | None = request.app.state.secret_box
+    if box is None:
+        settings: Settings = request.app.state.settings
+        box = request.app.state.secret_box = settings.secret_box()
     return box
 
 

@@ -15,6 +15,7 @@ and sets those the policy allows back to streaming, where the same sweep adopts 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -56,10 +57,10 @@ def record_refused(sessions: sessionmaker[Session], subscription_id: str,
             session.commit()
 
 
-def resume_allowed(sessions: sessionmaker[Session], box: SecretBox,
+def resume_allowed(sessions: sessionmaker[Session], credentials: Callable[[], SecretBox],
                    policy: ConnectionPolicy) -> list[str]:
     """Subscriptions stopped by the policy that it allows again: back to streaming.
-    Returns their ids."""
+    Returns their ids (``credentials`` is called only when some are stopped)."""
     with sessions() as session:
         stopped = session.execute(
             select(Subscription.id, Source.dsn_encrypted, Target.dsn_encrypted)
@@ -68,6 +69,9 @@ def resume_allowed(sessions: sessionmaker[Session], box: SecretBox,
             .where(Subscription.enabled.is_(True),
                    Subscription.state == SubscriptionState.ERROR,
                    Subscription.error_code == ErrorCode.CONNECTION_NOT_ALLOWED)).all()
+    if not stopped:
+        return []
+    box = credentials()
     allowed = [sid for sid, src, tgt in stopped
                if refusal(box.decrypt(src), box.decrypt(tgt), policy) is None]
     resumed: list[str] = []

@@ -44,7 +44,12 @@ from pgsieve.apply.batch import (
 )
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
 from pgsieve.apply.target import TargetWriter
-from pgsieve.platform.connpolicy import ConnectionNotAllowed, Purpose, secure_conninfo
+from pgsieve.platform.connpolicy import (
+    ConnectionNotAllowed,
+    Purpose,
+    policy_in_force,
+    secure_conninfo,
+)
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import lock_rows, locked, session_factory
 from pgsieve.platform.errors import describe_error
@@ -63,7 +68,7 @@ from pgsieve.platform.spread import spread
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.spark.apply import apply_batch
 from pgsieve.spark.mergebehind import MergeBehind, MergedBehind, MergesFailed
-from pgsieve.streaming.allowed import record_refused
+from pgsieve.streaming.allowed import record_refused, refusal
 from pgsieve.streaming.appliednotes import (
     AppliedProgress,
     ImageTrims,
@@ -581,7 +586,14 @@ class _StreamRun:
         reading a backlog holds every transaction it read until its batch is applied,
         and the collector's passes over them were a sixth of a one-row backlog's Python
         time (bench/RESULTS.md, twentieth session). A turn longer than the pauses' bound
-        (``PGSIEVE_TURN_SECONDS`` raised past it) runs with the collector on."""
+        (``PGSIEVE_TURN_SECONDS`` raised past it) runs with the collector on.
+
+        The stream's sessions stay open between turns: the connection policy is checked
+        again before each (a name now resolving elsewhere, a tightened allow-list), and
+        :class:`ConnectionNotAllowed` ends it (:mod:`.allowed`)."""
+        refused = refusal(self.source_dsn, self.writer.dsn, policy_in_force())
+        if refused is not None:
+            raise refused
         if deadline - time.monotonic() > hotpath.PAUSE_LIMIT_SECONDS:
             return self._turn(deadline)
         with hotpath.gc_paused():

@@ -65,7 +65,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from pgsieve.apply import hotpath
 from pgsieve.platform import dispatch
 from pgsieve.platform.connpolicy import ConnectionNotAllowed, policy_in_force
-from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.credentials import SecretBox, scrub_secrets
 from pgsieve.platform.db import in_chunks, session_factory
 from pgsieve.platform.locks import AdvisoryLocks, release, renew_owned, touch, try_acquire
 from pgsieve.platform.models import (
@@ -79,7 +79,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.platform.threadnames import named
 from pgsieve.spark.session import get_spark
-from pgsieve.streaming.allowed import refusal, resume_allowed
+from pgsieve.streaming.allowed import resume_allowed
 from pgsieve.streaming.appliednotes import ProgressBook, record_applied
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up_many
 from pgsieve.streaming.pipeline import (
@@ -225,7 +225,8 @@ class Scheduler:
                                      use_compiled=hotpath.active is not None)
         self._pushed_fallback = max(self.settings.idle_poll_seconds,
                                     self.settings.consumer_heartbeat_seconds)
-        self._box = settings.secret_box()
+        self._box: SecretBox | None = None
+        """Made when first needed (a policy-stopped subscription to check again)."""
 
     # -- life cycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -587,11 +588,6 @@ class Scheduler:
             with held.turn_mutex:
                 if held.stream is None:  # let go of meanwhile
                     return
-                # Its sessions stay open between turns: the policy is checked again before
-                # each (a name now resolving elsewhere, a tightened allow-list).
-                refused = refusal(held.source_dsn, held.stream.writer.dsn, policy_in_force())
-                if refused is not None:
-                    raise refused
                 worked = held.stream.run.turn(started + self.settings.turn_seconds)
             self._durations.append((started, time.monotonic() - started, worked))
         except _Stop as stop:
@@ -777,7 +773,7 @@ class Scheduler:
         while not self._stopping.is_set():
             self._wait_quiet(QUIET_WAIT_SECONDS)
             try:
-                resume_allowed(self.sessions, self._box, policy_in_force())
+                resume_allowed(self.sessions, self._credentials, policy_in_force())
                 orphans = self.orphans()
                 if orphans:
                     # Adopting is mostly connecting (target, slot): a few at once, so a
@@ -794,6 +790,11 @@ class Scheduler:
                             scrub_secrets(str(exc)))
             if self._stopping.wait(every):
                 return
+
+    def _credentials(self) -> SecretBox:
+        if self._box is None:
+            self._box = self.settings.secret_box()
+        return self._box
 
     def _adopt_unless_stopping(self, subscription_id: str) -> str:
         return "stopping" if self._stopping.is_set() else self.adopt(subscription_id)
