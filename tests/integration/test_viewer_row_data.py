@@ -4,7 +4,8 @@ PostgreSQL's ``DETAIL: Key (nick)=(…) already exists``.
 
 Two subscriptions on real clusters, streamed by a scheduler in this process: ``a``
 (``on_conflict: error``) meets a row its target has already; ``b`` (``native``) skips an
-UPDATE of a row its target lost, then fails on a unique index only its target has.
+UPDATE of a row its target lost, records an UPDATE's images (the UPDATE preview's
+examples), then fails on a unique index only its target has.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tests.integration.pipeline_env import PipelineEnv, pipeline_env, wait_until
 CONFLICTING = "conflict-row@example.com"
 MISSING = "missing-row@example.com"
 DUPLICATE = "dup-nick-7c1f"
+IMAGED = "updated-nick-90ab"  # in an UPDATE image the pipeline records
 
 
 def _get(env: PipelineEnv, token: str, path: str) -> str:
@@ -60,6 +62,11 @@ def test_row_values_reach_operators_and_never_a_viewer(
             source_db.execute("UPDATE b SET nick = 'second'")
             wait_until(lambda: _missing(env, subs["b"]) is not None, 60, "the skipped UPDATE",
                        env)
+            source_db.execute("INSERT INTO b VALUES ('imaged@example.com', 'before')")
+            source_db.execute(f"UPDATE b SET nick = '{IMAGED}' WHERE nick = 'before'")
+            wait_until(lambda: target_db.query(
+                f"SELECT count(*) FROM b WHERE nick = '{IMAGED}'")[0][0] == 1, 60,
+                "the recorded UPDATE", env)
             source_db.execute(f"INSERT INTO b VALUES ('one@example.com', '{DUPLICATE}'), "
                               f"('two@example.com', '{DUPLICATE}')")
             wait_until(lambda: all(_state(env, s) == "error" for s in subs.values()), 60,
@@ -77,6 +84,19 @@ def test_row_values_reach_operators_and_never_a_viewer(
         for value in (CONFLICTING, MISSING, DUPLICATE):
             assert value in operator, value  # (so the viewer's check below can fail)
             assert value not in viewer, value
+        # the UPDATE images, through the preview of the stored publication's filter
+        env.api("POST", f"/sources/{src}/publications/import", json={"names": ["pub_b"]})
+        preview = {"table": "public.b", "publication": "pub_b",
+                   "subscription_id": subs["b"]}
+
+        def previewed(role: str) -> str:
+            r = env.client.post(f"/api/v1/sources/{src}/filter-preview", json=preview,
+                                headers={"Authorization": f"Bearer {tokens[role]}"})
+            assert r.status_code == 200, r.text
+            return str(r.text)
+
+        wait_until(lambda: IMAGED in previewed("operator"), 30, "the recorded images", env)
+        assert IMAGED not in previewed("viewer")
         seen: dict[str, Any] = dict(env.client.get(
             f"/api/v1/subscriptions/{subs['a']}",
             headers={"Authorization": f"Bearer {tokens['viewer']}"}).json())
