@@ -15,6 +15,7 @@ and sets those the policy allows back to streaming, where the same sweep adopts 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from sqlalchemy import select
@@ -25,21 +26,40 @@ from pgsieve.platform.credentials import SecretBox, scrub_secrets
 from pgsieve.platform.db import locked
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.models import Source, Subscription, Target
+from pgsieve.platform.resolver import RESOLVER
 from pgsieve.platform.states import SubscriptionState
 
 log = logging.getLogger(__name__)
+
+
+#: (source DSN, target DSN, policy) -> (checked at, refusal): a stream's turn asks every
+#: half second or so, and a check costs ~0.1 ms of the GIL; answers are reused as long as
+#: the resolver reuses its own (so a changed answer is seen within that time).
+_CHECKED: dict[tuple[str, str, ConnectionPolicy],
+               tuple[float, ConnectionNotAllowed | None]] = {}
+_CHECKED_MAX = 4096
 
 
 def refusal(source_dsn: str, target_dsn: str,
             policy: ConnectionPolicy) -> ConnectionNotAllowed | None:
     """Why the policy refuses the subscription's source or target now (None: it allows
     both). Resolves their names; connects to nothing."""
+    key = (source_dsn, target_dsn, policy)
+    now = time.monotonic()
+    kept = _CHECKED.get(key)
+    if kept is not None and now - kept[0] < RESOLVER.ttl:
+        return kept[1]
+    found: ConnectionNotAllowed | None = None
     for what, dsn in (("source", source_dsn), ("target", target_dsn)):
         try:
             check_dsn(dsn, policy)
         except ConnectionNotAllowed as exc:
-            return ConnectionNotAllowed(f"the {what}: {exc.detail}")
-    return None
+            found = ConnectionNotAllowed(f"the {what}: {exc.detail}")
+            break
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED[key] = (now, found)
+    return found
 
 
 def record_refused(sessions: sessionmaker[Session], subscription_id: str,
