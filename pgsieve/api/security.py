@@ -213,10 +213,11 @@ class SecurityMiddleware:
         address = str(client[0]) if client else ""
         retry_after = self.failed_auth.note(address, time.time())
         route = API_PREFIX + UNKNOWN_ROUTE if matched is None else matched[0]
-        self.failed_log.note(audit.AuditRecord(
-            actor=None, role=None, method=scope["method"], route=route, path=route,
-            resource_type=None, resource_id=None, request_id=request_id, status=401,
-            client=address or None))
+        if self.failed_log.note(audit.AuditRecord(
+                actor=None, role=None, method=scope["method"], route=route, path=route,
+                resource_type=None, resource_id=None, request_id=request_id, status=401,
+                client=address or None)):
+            await anyio.to_thread.run_sync(self.failed_log.flush)
         if retry_after is not None:
             await problem(
                 429, ErrorCode.TOO_MANY_REQUESTS, "Too many requests",

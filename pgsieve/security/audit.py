@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, replace
@@ -161,8 +162,10 @@ def write(factory: sessionmaker[Session], entry: AuditRecord) -> None:
 
 class FailedAuthLog:
     """Failed authentications as one record per (minute, method, route, client) with a
-    count: noted in memory, written (an upsert adding the count) at most once per
-    :data:`FAILED_AUTH_FLUSH_SECONDS` per record, however many arrive."""
+    count: noted in memory and written (an upsert adding the count) at most once per
+    :data:`FAILED_AUTH_FLUSH_SECONDS`, however many arrive — the first after a quiet
+    second at once (the caller flushes: a lone failure is in the log when its 401 is
+    sent), the rest of a burst by a timer."""
 
     def __init__(self, factory: sessionmaker[Session]) -> None:
         self.factory = factory
@@ -170,17 +173,25 @@ class FailedAuthLog:
         self._pending: Counter[str] = Counter()
         self._entries: dict[str, AuditRecord] = {}
         self._timer: threading.Timer | None = None
+        self._flushed_at = float("-inf")
 
-    def note(self, entry: AuditRecord, at: datetime | None = None) -> None:
+    def note(self, entry: AuditRecord, at: datetime | None = None) -> bool:
+        """Count one failure; True when the caller should :meth:`flush` now (nothing
+        was written for a second), else a timer will."""
         minute = (at or utcnow()).strftime("%Y-%m-%dT%H:%M")
         key = f"{minute}|{entry.method}|{entry.route}|{entry.client or ''}"
+        now = time.monotonic()
         with self._mutex:
             self._pending[key] += 1
             self._entries.setdefault(key, entry)
+            if now - self._flushed_at >= FAILED_AUTH_FLUSH_SECONDS:
+                self._flushed_at = now
+                return True
             if self._timer is None:
                 self._timer = threading.Timer(FAILED_AUTH_FLUSH_SECONDS, self.flush)
                 self._timer.daemon = True
                 self._timer.start()
+            return False
 
     def flush(self) -> None:
         """Write what was noted (tests call it rather than wait for the timer)."""
@@ -188,6 +199,7 @@ class FailedAuthLog:
             pending, self._pending = self._pending, Counter()
             entries, self._entries = self._entries, {}
             self._timer = None
+            self._flushed_at = time.monotonic()
         if not pending:
             return
         try:
