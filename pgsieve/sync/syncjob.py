@@ -51,7 +51,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform import dispatch, pgserver
-from pgsieve.platform.connpolicy import Purpose, policy_in_force, secure_conninfo
+from pgsieve.platform.connpolicy import (
+    ConnectionNotAllowed,
+    Purpose,
+    policy_in_force,
+    secure_conninfo,
+)
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import locked, session_factory
 from pgsieve.platform.errors import ErrorCode
@@ -329,6 +334,10 @@ class SyncJobRunner:
             except SyncError as exc:
                 message = scrub_secrets(str(exc))
                 self._fail(message, exc.code)
+                return RunOutcome("failed", message)
+            except ConnectionNotAllowed as exc:  # the policy refuses the source or target
+                message = scrub_secrets(exc.detail)
+                self._fail(message, ErrorCode.CONNECTION_NOT_ALLOWED)
                 return RunOutcome("failed", message)
             except Exception as exc:
                 message = scrub_secrets(str(exc).strip()) or type(exc).__name__
