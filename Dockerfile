@@ -10,14 +10,17 @@ RUN apt-get update \
  && useradd --system --create-home --home-dir /var/lib/pgsieve --shell /usr/sbin/nologin pgsieve \
  && chmod 0700 /var/lib/pgsieve
 WORKDIR /app
-COPY requirements-runtime.lock pyproject.toml README.md ./
+COPY requirements-runtime.lock requirements-uv.lock pyproject.toml README.md ./
 # uv lives outside the venv: `uv pip sync` leaves the venv exactly as the lock says.
-RUN pip install --no-cache-dir uv==0.13.8 \
+# Every file is checked against the locks' sha256 (--require-hashes), uv's too.
+RUN pip install --no-cache-dir --require-hashes --no-deps --only-binary=:all: \
+      -r requirements-uv.lock \
  && python -m venv /app/.venv \
- && uv pip sync --python /app/.venv/bin/python requirements-runtime.lock
+ && uv pip sync --require-hashes --python /app/.venv/bin/python requirements-runtime.lock
 COPY . .
 # The compiled hot path (Cython → C, built with gcc, which leaves the image afterwards).
-RUN uv pip install --python /app/.venv/bin/python --no-deps -e . \
+# pgsieve itself without build isolation: its build backend is the locked setuptools.
+RUN uv pip install --python /app/.venv/bin/python --no-deps --no-build-isolation -e . \
  && apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && /app/.venv/bin/python scripts/build_compiled.py \
  && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* build

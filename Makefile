@@ -40,11 +40,14 @@ test: deps
 test-slow: deps
 	PGSIEVE_TEST_CHAOS_RUNS=24 $(BIN)/pytest tests/integration/test_pipeline_faults.py
 
-# Re-resolve the lock after changing pyproject.toml's pins.
-# requirements-runtime.lock (no dev extra) is what the production image installs.
+# Re-resolve the lock after changing pyproject.toml's pins (or scripts/uv.in's).
+# requirements-runtime.lock (no dev extra) is what the production image installs. Every
+# lock carries the sha256 of each file it may install, and every install checks them
+# (--require-hashes: scripts/bootstrap.sh, the Dockerfile).
 lock:
-	$(BIN)/uv pip compile pyproject.toml --extra dev -o requirements.lock --python $(BIN)/python
-	$(BIN)/uv pip compile pyproject.toml -o requirements-runtime.lock --python $(BIN)/python
+	$(BIN)/uv pip compile pyproject.toml --extra dev --generate-hashes -o requirements.lock --python $(BIN)/python
+	$(BIN)/uv pip compile pyproject.toml --generate-hashes -o requirements-runtime.lock --python $(BIN)/python
+	$(BIN)/uv pip compile scripts/uv.in --generate-hashes -o requirements-uv.lock --python $(BIN)/python
 
 bench: deps
 	$(BIN)/python -m bench

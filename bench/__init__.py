@@ -3,3 +3,10 @@
 Each ``bench/<name>.py`` prints figures and ratios from one run; results are recorded in
 ``bench/RESULTS.md`` with the command that produced them. ``python -m bench`` lists them.
 """
+
+import os
+
+# Every connection checks the connection policy (issue 54), in-process ones too: the
+# benchmarks' clusters are on 127.0.0.1, and PGSIEVE_ALLOWED_HOSTS allows no host by
+# default.
+os.environ.setdefault("PGSIEVE_ALLOWED_HOSTS", "127.0.0.1")

@@ -64,7 +64,6 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from pgsieve.api.app import create_app
-from pgsieve.platform.credentials import SecretBox
 from pgsieve.platform.db import session_factory, session_scope
 from pgsieve.platform.migrate import upgrade
 from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable, Target
@@ -162,7 +161,7 @@ def _read(dsn: str, rows: int, stop: Any, ready: Any, slowest: Any) -> None:
 
 def pgsieve(settings: Settings, source: LocalCluster, target: LocalCluster, n: int,
             mode: str) -> tuple[float, dict[str, Any]]:
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     with session_scope(settings.effective_database_url) as session:
         src = Source(name=f"src{n}", dsn_encrypted=box.encrypt(source.dsn("bench")),
                      server_version="15", server_version_num=150000, wal_level="logical")

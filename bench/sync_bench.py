@@ -40,7 +40,6 @@ from pathlib import Path
 
 import psycopg
 
-from pgsieve.platform.credentials import SecretBox
 from pgsieve.platform.db import session_scope
 from pgsieve.platform.migrate import upgrade
 from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable, Target
@@ -131,7 +130,7 @@ def native(source: LocalCluster, target: LocalCluster) -> float:
 def pgsieve(settings: Settings, source: LocalCluster, target: LocalCluster, n: int,
             defer_indexes: bool, freeze: bool = True, partition_mb: int | None = None
             ) -> float:
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     with session_scope(settings.effective_database_url) as session:
         src = Source(name=f"src{n}", dsn_encrypted=box.encrypt(source.dsn("bench")),
                      server_version="15", server_version_num=150000, wal_level="logical")

@@ -22,6 +22,13 @@ const NAV = [["#/subscriptions", "Subscriptions"], ["#/sources", "Sources & slot
 
 const main = document.getElementById("main");
 const nav = document.getElementById("nav");
+const noticeBox = document.getElementById("notice");
+
+/** A line above the view saying what happened to the tab's session (null: none). */
+function notice(text) {
+  noticeBox.textContent = text || "";
+  noticeBox.hidden = !text;
+}
 let current = null;
 
 class ViewContext {
@@ -60,7 +67,7 @@ function renderNav(loggedIn) {
     nav.append(h("a", { href, class: href === here ? "active" : null }, label));
   }
   nav.append(h("button", { type: "button", class: "link", "data-test": "logout",
-    onclick: () => { setToken(null); route(); } }, "Log out"));
+    onclick: () => { setToken(null); notice(null); route(); } }, "Log out"));
 }
 
 function loginView() {
@@ -88,12 +95,22 @@ function loginView() {
 }
 
 // `make run` prints a URL with the token in the fragment (never sent to the server):
-// take it, keep it for this tab, drop it from the address bar, and open `next`.
+// take it, keep it for this tab, drop it from the address bar, and open `next` — only in
+// a tab that is not signed in yet. A link can be anyone's: in a signed-in tab it must not
+// swap the session for a token its author chose (the person would then work, and type
+// DSNs, in the author's session); and where it is taken, the tab says so.
 function takeTokenFromUrl() {
   const match = location.hash.match(/^#token=([^&]+)(?:&next=(\/[\w/-]*))?/);
   if (!match) return;
-  setToken(decodeURIComponent(match[1]));
   history.replaceState(null, "", `${location.pathname}#${match[2] || "/subscriptions"}`);
+  if (getToken()) {
+    notice("This tab is signed in already: the token in the link you opened was ignored. " +
+      "Log out first to use another token.");
+    return;
+  }
+  setToken(decodeURIComponent(match[1]));
+  notice("Signed in with the token from the link you opened. If you did not expect " +
+    "that, log out.");
 }
 
 export function route() {

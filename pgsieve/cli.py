@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from sqlalchemy.exc import SQLAlchemyError
 
 from pgsieve.platform.credentials import install_log_scrubber
 from pgsieve.platform.settings import get_settings
+from pgsieve.security import audit
 
 app = typer.Typer(
     help="pgsieve: PostgreSQL logical replication with row filters, run over HTTP.",
@@ -197,7 +199,7 @@ def tail(
         dsn = _read_dsn(dsn, dsn_file)
         parse_dsn(dsn)
         start = Lsn.parse(from_lsn) if from_lsn else None
-        dsn = check_dsn(dsn, get_settings().connection_policy())
+        check_dsn(dsn, get_settings().connection_policy())  # refused before anything runs
     except (InvalidDsn, InvalidLsn, ConnectionNotAllowed, _BadDsnSource) as exc:
         typer.echo(f"pgsieve tail: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -253,6 +255,15 @@ def sync(
     raise typer.Exit(code)
 
 
+def _audit_failure(command: str, resource_id: str | None, status: int) -> None:
+    """A refused command's record (its own transaction; a failure is logged)."""
+    from pgsieve.platform.db import session_factory
+
+    kind = "secrets" if command.startswith("secrets") else "tokens"
+    audit.write(session_factory(get_settings().effective_database_url),
+                audit.cli_record(command, kind, resource_id, status))
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: Annotated[str, typer.Argument()] = "head") -> None:
     """Apply Alembic migrations to PGSIEVE_DATABASE_URL."""
@@ -279,7 +290,7 @@ def token_create(
     role: Annotated[str, typer.Option(help="viewer, operator or admin")],
 ) -> None:
     """Create a token; it is printed alone on the last line, this once (only its hash is
-    stored)."""
+    stored). Audited (actor ``cli:<OS user>``), in the same transaction."""
     from pgsieve.platform.db import session_scope
     from pgsieve.platform.errors import PgsieveError
     from pgsieve.security.tokens import create_token
@@ -287,9 +298,15 @@ def token_create(
     _logging()
     try:
         with session_scope(get_settings().effective_database_url) as session:
-            row, token = create_token(session, name, role)
+            row, token = create_token(session, name, role, audited=audit.cli_record(
+                "token create", "tokens", name, 201))
     except PgsieveError as exc:
+        _audit_failure("token create", name, exc.status)
         typer.echo(f"pgsieve token create: {exc.detail}", err=True)
+        raise typer.Exit(1) from None
+    except SQLAlchemyError as exc:
+        typer.echo(f"pgsieve token create: the metadata store refused the change and its "
+                   f"audit record ({type(exc).__name__}); nothing was created", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"created token '{row.name}' with role {row.role}; it is shown only now:")
     typer.echo(token)
@@ -314,7 +331,7 @@ def token_list() -> None:
 
 @token_app.command("revoke")
 def token_revoke(name: Annotated[str, typer.Argument(help="the token's name")]) -> None:
-    """Revoke a token: it stops working at once."""
+    """Revoke a token: it stops working at once. Audited, in the same transaction."""
     from pgsieve.platform.db import session_scope
     from pgsieve.platform.errors import PgsieveError
     from pgsieve.security.tokens import revoke_token
@@ -322,9 +339,15 @@ def token_revoke(name: Annotated[str, typer.Argument(help="the token's name")]) 
     _logging()
     try:
         with session_scope(get_settings().effective_database_url) as session:
-            revoke_token(session, name)
+            revoke_token(session, name, audited=audit.cli_record(
+                "token revoke", "tokens", name, 204))
     except PgsieveError as exc:
+        _audit_failure("token revoke", name, exc.status)
         typer.echo(f"pgsieve token revoke: {exc.detail}", err=True)
+        raise typer.Exit(1) from None
+    except SQLAlchemyError as exc:
+        typer.echo(f"pgsieve token revoke: the metadata store refused the change and its "
+                   f"audit record ({type(exc).__name__}); the token still works", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"revoked token '{name}'")
 
@@ -342,8 +365,14 @@ def secrets_rotate() -> None:
     try:
         with session_scope(settings.effective_database_url) as session:
             changed, total = rotate_credentials(session, settings.secret_box())
+            audit.record(session, audit.cli_record("secrets rotate", "secrets", None, 200))
     except CredentialError as exc:
+        _audit_failure("secrets rotate", None, 409)
         typer.echo(f"pgsieve secrets rotate: {exc}; nothing was changed", err=True)
+        raise typer.Exit(1) from None
+    except SQLAlchemyError as exc:
+        typer.echo(f"pgsieve secrets rotate: the metadata store refused the change and its "
+                   f"audit record ({type(exc).__name__}); nothing was changed", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"re-encrypted {changed} of {total} stored credentials with the current key")
 

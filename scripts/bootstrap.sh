@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Creates .venv and installs exactly what requirements.lock pins (plus pgsieve itself).
+# Creates .venv and installs exactly what requirements.lock pins (plus pgsieve itself),
+# every file checked against the lock's sha256 (--require-hashes; uv itself too, from
+# requirements-uv.lock). pgsieve is installed from this checkout without build isolation,
+# so its build backend is the locked setuptools, not one fetched unchecked.
 # Checks the two things pip cannot install: Java 17+ (Spark) and PostgreSQL >= 15 server
 # binaries (local clusters for the demo and the tests).
 set -euo pipefail
@@ -58,13 +61,17 @@ if ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev
 fi
 
 stamp=.venv/.pgsieve-installed
-if ! { [ -f "$stamp" ] && [ "$stamp" -nt requirements.lock ] && [ "$stamp" -nt pyproject.toml ]; }; then
+if ! { [ -f "$stamp" ] && [ "$stamp" -nt requirements.lock ] && [ "$stamp" -nt pyproject.toml ] \
+       && [ "$stamp" -nt requirements-uv.lock ]; }; then
   [ -x .venv/bin/python ] || python3 -m venv .venv
-  .venv/bin/python -m pip install --quiet --disable-pip-version-check uv==0.13.8
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --require-hashes \
+    --no-deps --only-binary=:all: -r requirements-uv.lock
   # Bytecode compiled once here: with PYTHONDONTWRITEBYTECODE set (as on CI machines)
   # every worker and test process would otherwise compile each import from source.
-  .venv/bin/uv pip sync --quiet --compile-bytecode --python .venv/bin/python requirements.lock
-  .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps -e .
+  .venv/bin/uv pip sync --quiet --require-hashes --compile-bytecode \
+    --python .venv/bin/python requirements.lock
+  .venv/bin/uv pip install --quiet --python .venv/bin/python --no-deps \
+    --no-build-isolation -e .
   touch "$stamp"
 fi
 # The compiled hot path (Cython + gcc; a no-op when up to date). Not fatal: without it

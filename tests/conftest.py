@@ -30,6 +30,11 @@ ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 # Tests only: production keeps the JVM's default tiered compilation.
 os.environ.setdefault("JAVA_TOOL_OPTIONS", "-XX:TieredStopAtLevel=1")
 
+# Every connection re-checks the connection policy; code the tests run in this process
+# outside an API request (workers' parts, sync jobs, Spark tasks) obeys the process's
+# settings, whose default allows no host: the test clusters listen on 127.0.0.1.
+os.environ.setdefault("PGSIEVE_ALLOWED_HOSTS", "127.0.0.1")
+
 
 def _tmp_root() -> Path:
     root = Path(tempfile.mkdtemp(prefix="pgsieve-test-"))
@@ -123,7 +128,9 @@ def _session_cluster(root: Path, name: str, **settings: str) -> LocalCluster:
 @pytest.fixture(scope="session")
 def publisher(cluster_root: Path) -> Iterator[LocalCluster]:
     """The source cluster (wal_level=logical) for the whole test session."""
-    cluster = _session_cluster(cluster_root, "publisher", logical_decoding_work_mem="64kB")
+    # Also on 127.0.0.2 and 127.0.0.3: the allow-list tests allow one and try the other.
+    cluster = _session_cluster(cluster_root, "publisher", logical_decoding_work_mem="64kB",
+                               listen_addresses="'127.0.0.1,127.0.0.2,127.0.0.3'")
     yield cluster
     cluster.destroy()
 

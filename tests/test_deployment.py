@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -136,3 +137,31 @@ def test_compose_refuses_the_deployment_while_a_secret_is_unset(tmp_path: Path, 
     done = _compose_config(tmp_path, secrets)
     assert done.returncode != 0
     assert f"set {missing} in .env" in done.stderr + done.stdout
+
+
+def _commands(path: str) -> list[str]:
+    """The shell commands of a script or Dockerfile, continuation lines joined."""
+    text = (ROOT / path).read_text().replace("\\\n", " ")
+    return [" ".join(part.split()) for line in text.splitlines()
+            for part in line.split("&&") if not line.lstrip().startswith("#")]
+
+
+def test_every_install_checks_the_locks_hashes():
+    """Issue 54: every lock carries a sha256 for each file it may install, and every
+    install — uv itself included — is made with --require-hashes; pgsieve's own
+    editable install takes no dependency and builds with the locked setuptools."""
+    for lock in ("requirements.lock", "requirements-runtime.lock", "requirements-uv.lock"):
+        text = (ROOT / lock).read_text()
+        pins = re.findall(r"^([A-Za-z0-9_.-]+==\S+)((?: \\\n +--hash=sha256:[0-9a-f]{64})*)",
+                          text, re.MULTILINE)
+        assert pins, lock
+        assert all(hashes for _, hashes in pins), [p for p, h in pins if not h]
+    installs = [c for path in ("scripts/bootstrap.sh", "Dockerfile") for c in _commands(path)
+                if re.search(r"\bpip (install|sync)\b", c)]
+    assert len(installs) >= 6, installs
+    for command in installs:
+        if " -e ." in command:
+            assert "--no-deps" in command and "--no-build-isolation" in command, command
+        else:
+            assert "--require-hashes" in command, command
+            assert re.search(r"(-r|sync .*) \S+\.lock\b", command), command

@@ -17,9 +17,11 @@ export async function auditView(root, ctx) {
   const row = (e) => h("tr", { "data-test": "audit-event" },
     h("td", {}, fmt.time(e.at)),
     h("td", {}, e.actor || h("span", { class: "muted" }, "(no valid token)")),
-    h("td", { class: "mono" }, `${e.method} ${e.route}`),
+    h("td", { class: "mono" }, `${e.method} ${e.route}`,
+      e.count > 1 ? h("span", { class: "muted" }, ` ×${e.count}`) : null),
     h("td", { class: "mono" }, e.resource_id || "—"),
-    h("td", { class: e.status >= 400 ? "num error-text" : "num" }, String(e.status)),
+    h("td", { class: e.status >= 400 ? "num error-text" : "num" },
+      e.status == null ? "?" : String(e.status)),
     h("td", { class: "mono muted" }, e.request_id));
 
   const load = async (append) => {

@@ -41,8 +41,10 @@ export async function subscriptionsView(root, ctx) {
       if (ctx.active) fill(status, errorBox(err));
       return;
     }
-    const progress = await Promise.all(subs.map((s) =>
-      get(`/subscriptions/${s.id}/progress`, { signal: ctx.signal }).catch(() => null)));
+    // Two at a time: the API gives a token a few places on the databases at once
+    // (PGSIEVE_API_CONCURRENCY_PER_TOKEN); more in parallel would be refused with 429.
+    const progress = await inTurns(subs, 2, (s) =>
+      get(`/subscriptions/${s.id}/progress`, { signal: ctx.signal }).catch(() => null));
     if (!ctx.active) return;
     fill(tbody, ...subs.map((s, i) => {
       const p = progress[i];
@@ -417,4 +419,18 @@ export async function subscriptionDetail(root, ctx, id) {
   ctx.poll(loadJobs, 2000);
   ctx.poll(loadHistory, 10000);
   return progress;
+}
+
+/** fn over items, at most `width` at once; the results in the items' order. */
+async function inTurns(items, width, fn) {
+  const out = new Array(items.length);
+  let next = 0;
+  const lane = async () => {
+    while (next < items.length) {
+      const i = next++;
+      out[i] = await fn(items[i]);
+    }
+  };
+  await Promise.all(Array.from({ length: Math.min(width, items.length) }, lane));
+  return out;
 }

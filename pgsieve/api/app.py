@@ -11,6 +11,7 @@ from fastapi.staticfiles import StaticFiles
 
 from pgsieve.api.deps import authorize
 from pgsieve.api.docs import install_docs
+from pgsieve.api.limits import ConnectionLimits, FailedAuthLimiter
 from pgsieve.api.problems import install_problem_handlers
 from pgsieve.api.routers import (
     audit,
@@ -25,10 +26,11 @@ from pgsieve.api.routers import (
     targets,
     tokens,
 )
-from pgsieve.api.security import SecurityMiddleware
+from pgsieve.api.security import RouteTable, SecurityMiddleware
 from pgsieve.platform.credentials import install_log_scrubber
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.settings import Settings, get_settings
+from pgsieve.security.audit import FailedAuthLog
 
 FRONTEND = Path(__file__).resolve().parents[2] / "frontend"
 
@@ -50,7 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.sessionmaker = session_factory(settings.effective_database_url)
-    app.state.secret_box = settings.secret_box()
+    app.state.secret_box = None  # made at the first request that needs it (deps.py)
     app.state.api_token = settings.effective_api_token()
     install_problem_handlers(app)
     install_docs(app)
@@ -76,7 +78,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         def root() -> Response:
             return RedirectResponse("/docs")
 
+    app.state.failed_auth_log = FailedAuthLog(app.state.sessionmaker)
+    app.state.connection_limits = ConnectionLimits(settings.api_concurrency_per_token,
+                                                   settings.api_concurrency_per_database)
     app.add_middleware(SecurityMiddleware, sessions=app.state.sessionmaker,
                        bootstrap_token=app.state.api_token,
-                       max_body_bytes=settings.max_body_bytes)
+                       max_body_bytes=settings.max_body_bytes, routes=RouteTable(app),
+                       policy=settings.connection_policy(),
+                       limits=app.state.connection_limits,
+                       failed_auth=FailedAuthLimiter(settings.failed_auth_per_minute),
+                       failed_log=app.state.failed_auth_log)
     return app

@@ -41,7 +41,12 @@ def get_session(request: Request) -> Iterator[Session]:
 
 
 def get_secret_box(request: Request) -> SecretBox:
-    box: SecretBox = request.app.state.secret_box
+    """The app's credential box, made on first use: it reads the deployment's salt from
+    the metadata store, which need not be migrated yet when the API starts."""
+    box: SecretBox | None = request.app.state.secret_box
+    if box is None:
+        settings: Settings = request.app.state.settings
+        box = request.app.state.secret_box = settings.secret_box()
     return box
 
 
@@ -85,7 +90,8 @@ require_token = authorize  # the name routers were wired with before roles exist
 
 
 def may_see_rows(principal: Principal) -> bool:
-    """Sample rows (row data) are for operators and admins."""
+    """Row data — sample rows, keys, PostgreSQL's messages about rows — is for operators
+    and admins (what a viewer's answers leave out: :mod:`pgsieve.api.rowdata`)."""
     return principal.role >= Role.operator
 
 

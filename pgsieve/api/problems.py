@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pgsieve.platform.credentials import CredentialError, InvalidDsn, scrub_secrets
-from pgsieve.platform.errors import ErrorCode, PgsieveError
+from pgsieve.platform.errors import ErrorCode, PgsieveError, TooManyRequests
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ async def _on_validation(request: Request, exc: Exception) -> JSONResponse:
 async def _on_domain(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PgsieveError)
     headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    if isinstance(exc, TooManyRequests):
+        headers = {"Retry-After": str(exc.retry_after)}
     return problem(
         exc.status, exc.code, exc.title, exc.detail, request.url.path, headers=headers, **exc.extra
     )

@@ -1,15 +1,23 @@
-"""The API's outer layer, a pure ASGI middleware: request ids, authentication before the
-body is read, the request-body cap, security headers, and the audit log.
+"""The API's outer layer, a pure ASGI middleware: request ids, authentication and the
+role check before the body is read, the request-body cap, security headers, the
+connection scope of the request, and the audit log.
 
 Order of checks for a request to ``/api/v1/…`` or ``/metrics`` (``/healthz`` is open):
 
 1. the bearer token is resolved to a :class:`~pgsieve.security.tokens.Principal`; without a
-   valid one the answer is 401 ``unauthorized`` and the body is never read;
-2. a body over ``PGSIEVE_MAX_BODY_BYTES`` (by ``Content-Length``, or counted while it is
+   valid one the answer is 401 ``unauthorized`` (429 ``too_many_requests`` past
+   ``PGSIEVE_FAILED_AUTH_PER_MINUTE`` from one client) and the body is never read;
+2. the route's role (:data:`~pgsieve.api.roles.ROLE_MATRIX`) is checked: 403 ``forbidden``
+   before the body is parsed, so a viewer's malformed POST to an admin route is a 403,
+   not a 400/422 that would tell it about the route's input (``authorize`` checks again);
+3. a body over ``PGSIEVE_MAX_BODY_BYTES`` (by ``Content-Length``, or counted while it is
    read) is refused with 413 ``payload_too_large``;
-3. the route's :func:`~pgsieve.api.deps.authorize` dependency checks the role (403);
-4. afterwards every control-plane change (any method but GET/HEAD/OPTIONS, whatever its
-   outcome) and every 401/403 is written to the audit log.
+4. a change (any method but GET/HEAD/OPTIONS) is recorded in the audit log *before* the
+   app runs — 503 ``audit_unavailable`` and nothing done when that write fails — and its
+   outcome after; every 403 gets a record, failed authentications are counted per route,
+   client and minute (:class:`~pgsieve.security.audit.FailedAuthLog`);
+5. the app runs in a :class:`~pgsieve.platform.connpolicy.ConnectionScope`: this app's
+   connection policy, and the token's and database's places (:mod:`.limits`).
 """
 
 from __future__ import annotations
@@ -17,16 +25,22 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 import traceback
 import uuid
 from typing import Any
 
 import anyio.to_thread
+from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.routing import compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from pgsieve.api.limits import ConnectionLimits, FailedAuthLimiter
 from pgsieve.api.problems import problem
+from pgsieve.api.roles import required_role
+from pgsieve.platform.connpolicy import ConnectionPolicy, ConnectionScope, connection_scope
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.security import audit
@@ -36,8 +50,10 @@ log = logging.getLogger(__name__)
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz", "/api/v1/healthz"})
+API_PREFIX = "/api/v1"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CAPTURE_LIMIT = 64 * 1024  # a create's answer, read for the new resource's id
+UNKNOWN_ROUTE = "(no such route)"
 
 #: The dashboard loads only its own files; nothing may frame it.
 APP_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -52,7 +68,34 @@ DOCS_CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inl
 def is_protected(path: str) -> bool:
     if path in OPEN_PATHS:
         return False
-    return path == "/api/v1" or path.startswith("/api/v1/") or path == "/metrics"
+    return path == API_PREFIX or path.startswith(API_PREFIX + "/") or path == "/metrics"
+
+
+class RouteTable:
+    """The app's route templates (from its OpenAPI schema), matched before routing: the
+    role check and the audit record need the template before the body is read."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self._app = app
+        self._routes: list[tuple[Any, frozenset[str], str]] | None = None
+
+    def match(self, method: str, path: str) -> tuple[str, dict[str, str]] | None:
+        """The template of the route ``method path`` reaches and its path parameters."""
+        if self._routes is None:
+            routes = []
+            for template, item in self._app.openapi()["paths"].items():
+                regex, _, _ = compile_path(template)
+                methods = frozenset(m.upper() for m in item)
+                routes.append((regex, methods, template))
+            # the most specific first (".../publications/import" before ".../{name}")
+            routes.sort(key=lambda r: (r[2].count("{"), -len(r[2])))
+            self._routes = routes
+        method = "GET" if method == "HEAD" else method
+        for regex, methods, template in self._routes:
+            found = regex.match(path)
+            if found and method in methods:
+                return template, dict(found.groupdict())
+        return None
 
 
 class _BodyTooLarge(Exception):
@@ -61,11 +104,18 @@ class _BodyTooLarge(Exception):
 
 class SecurityMiddleware:
     def __init__(self, app: ASGIApp, *, sessions: sessionmaker[Session], bootstrap_token: str,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, routes: RouteTable, policy: ConnectionPolicy,
+                 limits: ConnectionLimits, failed_auth: FailedAuthLimiter,
+                 failed_log: audit.FailedAuthLog) -> None:
         self.app = app
         self.sessions = sessions
         self.bootstrap_token = bootstrap_token
         self.max_body_bytes = max_body_bytes
+        self.routes = routes
+        self.policy = policy
+        self.limits = limits
+        self.failed_auth = failed_auth
+        self.failed_log = failed_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -99,18 +149,30 @@ class SecurityMiddleware:
                 outcome["body"] += message.get("body", b"")
             await send(message)
 
-        principal: Principal | None = None
+        if not protected:
+            with connection_scope(ConnectionScope(self.policy)):
+                await self.app(scope, receive, send_with_headers)
+            return
+        matched = self.routes.match(method, path)
+        principal = await self._authenticate(headers)
+        if principal is None:
+            await self._unauthenticated(scope, receive, send_with_headers, matched,
+                                        request_id)
+            return
+        state["principal"] = principal
+        event_id: int | None = None
+        places = self.limits.for_request(principal.name)
         try:
-            if protected:
-                principal = await self._authenticate(headers)
-                if principal is None:
+            if matched is not None:
+                needed = required_role(method, matched[0].removeprefix(API_PREFIX))
+                if principal.role < needed:
                     await problem(
-                        401, "unauthorized", "Unauthorized",
-                        "a valid 'Authorization: Bearer <token>' header is required", path,
-                        headers={"WWW-Authenticate": "Bearer", "Connection": "close"},
+                        403, ErrorCode.FORBIDDEN, "Forbidden",
+                        f"this needs the '{needed.name}' role; token '{principal.name}' "
+                        f"has '{principal.role.name}'", path,
+                        required_role=needed.name, role=principal.role.name,
                     )(scope, receive, send_with_headers)
                     return
-                state["principal"] = principal
             declared = headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
                 await self._too_large(scope, receive, send_with_headers)
@@ -120,12 +182,55 @@ class SecurityMiddleware:
             except _BodyTooLarge:
                 await self._too_large(scope, receive, send_with_headers)
                 return
-            await self.app(scope, replay, send_with_headers)
+            if mutating:
+                try:
+                    event_id = await anyio.to_thread.run_sync(
+                        audit.begin, self.sessions,
+                        self._record(scope, principal, request_id, matched, None))
+                except audit.AuditUnavailable as exc:
+                    await problem(exc.status, exc.code, exc.title, exc.detail, path,
+                                  headers={"Retry-After": "5"})(
+                        scope, receive, send_with_headers)
+                    return
+            with connection_scope(ConnectionScope(self.policy, places.admit)):
+                await self.app(scope, replay, send_with_headers)
         finally:
-            if protected and (mutating or outcome["status"] in (401, 403)):
+            places.release()
+            record = self._record(scope, principal, request_id, matched, outcome)
+            if event_id is not None:
                 await anyio.to_thread.run_sync(
-                    audit.write, self.sessions,
-                    self._record(scope, principal, request_id, outcome))
+                    audit.finish, self.sessions, event_id, int(outcome["status"]),
+                    record.resource_type, record.resource_id)
+            elif mutating or outcome["status"] == 403:
+                await anyio.to_thread.run_sync(audit.write, self.sessions, record)
+
+    async def _unauthenticated(self, scope: Scope, receive: Receive, send: Send,
+                               matched: tuple[str, dict[str, str]] | None,
+                               request_id: str) -> None:
+        """401, or 429 past the client's failures this minute; counted, not one record
+        each (a flood of them would fill the audit log)."""
+        client = scope.get("client")
+        address = str(client[0]) if client else ""
+        retry_after = self.failed_auth.note(address, time.time())
+        route = API_PREFIX + UNKNOWN_ROUTE if matched is None else matched[0]
+        if self.failed_log.note(audit.AuditRecord(
+                actor=None, role=None, method=scope["method"], route=route, path=route,
+                resource_type=None, resource_id=None, request_id=request_id, status=401,
+                client=address or None)):
+            await anyio.to_thread.run_sync(self.failed_log.flush)
+        if retry_after is not None:
+            await problem(
+                429, ErrorCode.TOO_MANY_REQUESTS, "Too many requests",
+                "too many failed authentications from this address; try again later",
+                scope["path"], headers={"Retry-After": str(retry_after),
+                                        "Connection": "close"},
+            )(scope, receive, send)
+            return
+        await problem(
+            401, "unauthorized", "Unauthorized",
+            "a valid 'Authorization: Bearer <token>' header is required", scope["path"],
+            headers={"WWW-Authenticate": "Bearer", "Connection": "close"},
+        )(scope, receive, send)
 
     async def _authenticate(self, headers: Headers) -> Principal | None:
         scheme, _, given = headers.get("authorization", "").partition(" ")
@@ -168,27 +273,21 @@ class SecurityMiddleware:
         )(scope, receive, send)
 
     @staticmethod
-    def _record(scope: Scope, principal: Principal | None, request_id: str,
-                outcome: dict[str, Any]) -> audit.AuditRecord:
+    def _record(scope: Scope, principal: Principal, request_id: str,
+                matched: tuple[str, dict[str, str]] | None,
+                outcome: dict[str, Any] | None) -> audit.AuditRecord:
         path: str = scope["path"]
-        route_obj = scope.get("route")
-        template = getattr(route_obj, "path", None)
-        if isinstance(template, str):
-            prefix = "/api/v1" if path.startswith("/api/v1/") else ""
-            route = prefix + template
-            params = {k: str(v) for k, v in (scope.get("path_params") or {}).items()}
-        else:
-            route, params = path, {}
+        route, params = matched if matched is not None else (path, {})
+        status = None if outcome is None else int(outcome["status"])
         created = None
-        if outcome["status"] == 201 and outcome["body"]:
+        if outcome is not None and status == 201 and outcome["body"]:
             created = _created_id(outcome["body"])
         kind, resource_id = audit.resource_of(route, params, created)
         client = scope.get("client")
         return audit.AuditRecord(
-            actor=principal.name if principal else None,
-            role=principal.role.name if principal else None,
-            method=scope["method"], route=route, path=path, resource_type=kind,
-            resource_id=resource_id, request_id=request_id, status=int(outcome["status"]),
+            actor=principal.name, role=principal.role.name, method=scope["method"],
+            route=route, path=path, resource_type=kind, resource_id=resource_id,
+            request_id=request_id, status=status,
             client=str(client[0]) if client else None)
 
 

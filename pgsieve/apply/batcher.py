@@ -33,11 +33,26 @@ def transaction_bytes(txn: Transaction) -> int:
     return len(changes) * _BYTES_PER_CHANGE_GUESS
 
 
+#: A batch is held in a worker's memory whole (decoded: several times its WAL size) while
+#: it is planned and applied, and a worker runs several turns at once: a subscription's
+#: options may not ask for more than this (the API refuses larger ones, and a stream
+#: clamps values stored before these bounds).
+MAX_BATCH_CHANGES = 1_000_000
+MAX_BATCH_BYTES = 512 << 20
+
+
 @dataclass(frozen=True, slots=True)
 class BatchLimits:
     max_changes: int = 200_000
     max_bytes: int = 128 << 20
     max_wait: float = 0.5
+
+    @classmethod
+    def bounded(cls, max_changes: int, max_bytes: int, max_wait: float) -> BatchLimits:
+        """Limits a stream uses: a subscription's options, within the bounds (options
+        stored before the bounds existed may be larger)."""
+        return cls(min(max_changes, MAX_BATCH_CHANGES), min(max_bytes, MAX_BATCH_BYTES),
+                   max_wait)
 
     def __post_init__(self) -> None:
         if self.max_changes < 1 or self.max_bytes < 1 or self.max_wait < 0:

@@ -29,7 +29,7 @@ from pgsieve.monitoring.progress import (
 )
 from pgsieve.platform import pgserver
 from pgsieve.platform.credentials import SecretBox, scrub_secrets
-from pgsieve.platform.errors import PgsieveError
+from pgsieve.platform.errors import PgsieveError, TooManyRequests
 from pgsieve.platform.locks import CONSUMER_LEASE, consumer_alive
 from pgsieve.platform.metrics import scheduler_report
 from pgsieve.platform.models import (
@@ -131,6 +131,8 @@ def observe_subscription(
             assert source is not None
             with _source_conn(source, box, connect_timeout) as c:
                 look(c)
+    except TooManyRequests:
+        raise  # the API's limits: 429, not "unreachable"
     except (PgsieveError, psycopg.Error) as exc:
         source_error = _error_text(exc)
 
@@ -150,6 +152,7 @@ def observe_subscription(
         "state": sub.state,
         "enabled": sub.enabled,
         "error": sub.error,
+        "error_code": sub.error_code,
         "observed_at": _iso(now),
         "source_reachable": source_error is None,
         "source_error": source_error,
@@ -329,6 +332,8 @@ def source_health(
     try:
         with _source_conn(source, box, connect_timeout) as conn:
             slots, facts = slots_with_health(session, source, conn, lease)
+    except TooManyRequests:
+        raise  # the API's limits: 429, not "unreachable"
     except (PgsieveError, psycopg.Error) as exc:
         return {**base, "reachable": False, "error": _error_text(exc), "health": "critical",
                 "wal_lsn": None, "wal_rate_bytes_per_second": None,
@@ -355,6 +360,8 @@ def _sample_source(session: Session, source: Source, box: SecretBox, now: dateti
                 for s in pgserver.list_slots(conn) if not s["name"].startswith("pgsieve_peek_")
             ]
         session.add(SourceSample(source_id=source.id, sampled_at=now, wal_lsn=wal, slots=slots))
+    except TooManyRequests:
+        raise  # the API's limits: 429, not "unreachable"
     except (PgsieveError, psycopg.Error) as exc:
         session.add(SourceSample(source_id=source.id, sampled_at=now, wal_lsn=None, slots=[],
                                  error=_error_text(exc)))

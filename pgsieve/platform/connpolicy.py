@@ -5,21 +5,26 @@ identity (an OS user, ``~/.pgpass``, ``PGPASSWORD``, a Kerberos ticket, client
 certificates in ``~/.postgresql``, a local server reachable through a Unix socket). Two
 things keep a DSN from borrowing that identity or reaching places it should not:
 
-* :func:`check_dsn` — the *policy*, applied where a DSN enters pgsieve (``POST /sources``,
-  ``POST /targets``, ``pgsieve tail``) and on every API connection to a stored DSN: the
-  hosts must be on ``PGSIEVE_ALLOWED_HOSTS`` (names, IP addresses or CIDRs, optionally with
-  ``:port``), checked against the addresses the names resolve to; the connection is then
-  pinned to those checked addresses (``hostaddr``) so a second DNS answer cannot send it
-  elsewhere. Unix sockets, ``hostaddr``, ``passfile``, ``service``, SSL key/certificate/CA
-  file paths and GSS (Kerberos) are refused unless ``PGSIEVE_DSN_ALLOW`` names them.
+* :func:`check_dsn` (:mod:`.dsnpolicy`) — the *policy*, applied where a DSN enters pgsieve
+  (``POST /sources``, ``POST /targets``, ``pgsieve tail``) and again before every
+  connection, in every process (in the policy of the caller's
+  :class:`ConnectionScope`, else this process's settings): only the conninfo keywords on
+  an allow-list (:data:`DSN_KEYWORDS`); the hosts
+  must be on ``PGSIEVE_ALLOWED_HOSTS`` (names, IP addresses or CIDRs, optionally with
+  ``:port``), checked against the addresses the names resolve to now
+  (:mod:`.resolver`); the connection is then pinned to those checked addresses
+  (``hostaddr``) so a second DNS answer cannot send it elsewhere. Unix sockets,
+  ``hostaddr``, ``passfile``, ``service``, SSL key/certificate/CA file paths and GSS
+  (Kerberos) are refused unless ``PGSIEVE_DSN_ALLOW`` names them.
 * :func:`secure_conninfo` — the *session*, for every connection (API, workers, Spark
-  tasks, CLI): nothing comes from the environment (every parameter libpq would read from
-  ``PG*`` variables is set explicitly, the password file is an empty one, GSS is off), a
-  bounded ``connect_timeout``, ``client_encoding=UTF8``, and through ``options`` (so they
-  hold from the first statement, whatever the database or role settings say):
-  ``standard_conforming_strings=on`` (a filter's ``'x\\'`` cannot end a string early),
-  ``search_path=pg_catalog,pg_temp`` (no user schema can shadow a function or operator;
-  every name pgsieve sends is schema-qualified) and a ``statement_timeout``.
+  tasks, CLI), after the policy: nothing comes from the environment (every parameter
+  libpq would read from ``PG*`` variables is set explicitly, the password file is an
+  empty one, GSS is off), a bounded ``connect_timeout``, ``client_encoding=UTF8``, and
+  through ``options`` (so they hold from the first statement, whatever the database or
+  role settings say): ``standard_conforming_strings=on`` (a filter's ``'x\\'`` cannot end
+  a string early), ``search_path=pg_catalog,pg_temp`` (no user schema can shadow a
+  function or operator; every name pgsieve sends is schema-qualified) and a
+  ``statement_timeout``.
 
 The statement timeout depends on what the session is for (:class:`Purpose`): control-plane
 sessions get ``PGSIEVE_STATEMENT_TIMEOUT_MS``; streaming sessions (the initial sync's COPY,
@@ -29,20 +34,22 @@ default cannot kill a long COPY either — and bound their work in other ways.
 
 from __future__ import annotations
 
-import concurrent.futures
-import ipaddress
 import os
-import socket
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from enum import StrEnum
 
 from psycopg.conninfo import make_conninfo
 
 from pgsieve.platform.credentials import parse_dsn
-from pgsieve.platform.errors import ErrorCode, Unprocessable
+from pgsieve.platform.dsnpolicy import ConnectionNotAllowed, check_dsn, target_of, uses_gss
 from pgsieve.platform.hostpolicy import (
     DSN_FEATURES,
+    DSN_KEYWORDS,
     MAX_CONNECT_TIMEOUT,
     MAX_HOSTS,
     ConnectionPolicy,
@@ -51,18 +58,19 @@ from pgsieve.platform.settings import get_settings
 
 __all__ = [
     "DSN_FEATURES",
+    "DSN_KEYWORDS",
     "MAX_CONNECT_TIMEOUT",
     "MAX_HOSTS",
     "ConnectionNotAllowed",
     "ConnectionPolicy",
+    "ConnectionScope",
     "Purpose",
     "check_dsn",
+    "connection_scope",
+    "policy_in_force",
     "secure_conninfo",
     "session_options",
 ]
-
-# Parameters a DSN may not carry at all: pgsieve decides these per session.
-_NEVER = frozenset({"replication", "client_encoding"})
 
 
 class Purpose(StrEnum):
@@ -74,159 +82,40 @@ class Purpose(StrEnum):
     """COPY streams, decoding, replication, applying batches: no statement timeout."""
 
 
-class ConnectionNotAllowed(Unprocessable):
-    """A DSN names a place or a credential source the connection policy refuses."""
-
-    code = ErrorCode.CONNECTION_NOT_ALLOWED
-    title = "Connection not allowed"
+# -- whose policy ----------------------------------------------------------------------------
 
 
-def _refuse(message: str) -> ConnectionNotAllowed:
-    return ConnectionNotAllowed(message)
+@dataclass(frozen=True)
+class ConnectionScope:
+    """The policy (and an admission check) of the work running in this context: the API
+    sets one per request from its own settings (:mod:`pgsieve.api.limits`), so every
+    connection a request opens, however deep in the domain code, obeys that app's
+    policy and counts against its limits."""
+
+    policy: ConnectionPolicy
+    admit: Callable[[str], None] | None = None
+    """Called with the database a connection goes to (``host:port/dbname``) before it
+    is opened; raises to refuse it (429 ``too_many_requests``)."""
 
 
-def _is_socket(host: str) -> bool:
-    return host == "" or host.startswith(("/", "@"))
+_SCOPE: ContextVar[ConnectionScope | None] = ContextVar("pgsieve_connection_scope",
+                                                        default=None)
 
 
-def _uses_gss(params: dict[str, str]) -> bool:
-    """Whether a DSN asks for GSS encryption, delegation or authentication."""
-    if params.get("gssencmode", "disable") != "disable" or params.get("gssdelegation", "0") != "0":
-        return True
-    if params.keys() & {"krbsrvname", "gsslib"}:
-        return True
-    methods = [m.strip() for m in params.get("require_auth", "").split(",")]
-    return any(m in ("gss", "sspi") for m in methods)
-
-
-def _structural_checks(params: dict[str, str], features: frozenset[str],
-                       max_hosts: int = MAX_HOSTS) -> list[str]:
-    """The hosts of a DSN after refusing what the policy does not allow (no DNS here)."""
-    for key in sorted(_NEVER & params.keys()):
-        raise _refuse(f"the DSN may not set '{key}': pgsieve sets it for each session")
-    for feature, keys in DSN_FEATURES.items():
-        present = sorted(keys & params.keys())
-        if not present or feature in features:
-            continue
-        if feature == "ssl_files" and present == ["sslrootcert"] \
-                and params["sslrootcert"] == "system":
-            continue  # the system's trusted CAs, not a file the caller picks
-        if feature == "gss" and not _uses_gss(params):
-            continue
-        raise _refuse(
-            f"the DSN sets {', '.join(present)}: reading files, services or Kerberos "
-            f"credentials of the pgsieve host is not allowed here (PGSIEVE_DSN_ALLOW: "
-            f"{feature})")
-    if _uses_gss(params) and "gss" not in features:
-        raise _refuse("the DSN asks for GSS (Kerberos) authentication: it would use the "
-                      "pgsieve host's tickets (PGSIEVE_DSN_ALLOW: gss)")
-    if "host" not in params or not params["host"].strip():
-        if "unix_socket" not in features:
-            raise _refuse("the DSN must name a host: connections through local Unix sockets "
-                          "are not allowed (the server would see pgsieve's OS user; "
-                          "PGSIEVE_DSN_ALLOW: unix_socket)")
-        return []
-    hosts = [h.strip() for h in params["host"].split(",")]
-    if len(hosts) > max_hosts:
-        raise _refuse(f"the DSN names {len(hosts)} hosts; at most {max_hosts} are allowed")
-    if any(_is_socket(h) for h in hosts) and "unix_socket" not in features:
-        raise _refuse("the DSN names a Unix socket: connections through local sockets are "
-                      "not allowed (the server would see pgsieve's OS user; "
-                      "PGSIEVE_DSN_ALLOW: unix_socket)")
-    if "user" not in params or not params["user"].strip():
-        raise _refuse("the DSN must name a user: falling back to pgsieve's own OS user name "
-                      "or to PGUSER is not allowed")
-    return hosts
-
-
-def _ports(params: dict[str, str], count: int) -> list[int]:
-    texts = [p.strip() for p in params.get("port", "").split(",")] if "port" in params else []
-    if len(texts) not in (0, 1, count):
-        raise _refuse("the DSN's port list does not match its host list")
+@contextmanager
+def connection_scope(scope: ConnectionScope) -> Iterator[ConnectionScope]:
+    token = _SCOPE.set(scope)
     try:
-        values = [int(t) if t else 5432 for t in texts] or [5432]
-    except ValueError:
-        raise _refuse("the DSN's port is not a number") from None
-    return values * count if len(values) == 1 else values
+        yield scope
+    finally:
+        _SCOPE.reset(token)
 
 
-_RESOLVER = concurrent.futures.ThreadPoolExecutor(max_workers=4,
-                                                  thread_name_prefix="pgsieve-resolve")
-
-
-def _resolve(host: str, port: int, timeout: float) -> list[str]:
-    """The addresses of ``host`` (an IP address resolves to itself), in bounded time."""
-    try:
-        return [str(ipaddress.ip_address(host))]
-    except ValueError:
-        pass
-    future = _RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
-    try:
-        infos = future.result(timeout=timeout)
-    except (OSError, UnicodeError, concurrent.futures.TimeoutError):
-        return []
-    seen: list[str] = []
-    for info in infos:
-        address = str(info[4][0]).split("%", 1)[0]
-        if address not in seen:
-            seen.append(address)
-    return seen
-
-
-def check_dsn(dsn: str, policy: ConnectionPolicy) -> str:
-    """Refuse a DSN the policy does not allow; return the DSN pinned to checked addresses.
-
-    The returned conninfo adds ``hostaddr`` (the addresses that passed the check) so that
-    libpq does not resolve the names a second time. A name that does not resolve is
-    refused with the same message as one outside the list: the answer must not tell a
-    caller which names exist inside the network.
-    """
-    params = parse_dsn(dsn)
-    hosts = _structural_checks(params, policy.features)
-    if not hosts:  # a socket, allowed by PGSIEVE_DSN_ALLOW
-        return dsn
-    ports = _ports(params, len(hosts))
-    if "hostaddr" in params:  # allowed by PGSIEVE_DSN_ALLOW: check those addresses
-        addrs = [a.strip() for a in params["hostaddr"].split(",")]
-        for host, addr, port in zip(hosts, addrs, ports, strict=False):
-            if not policy.allows(addr, [addr], port):
-                raise _not_listed(host or addr, port)
-        return dsn
-    pinned_hosts: list[str] = []
-    pinned_addrs: list[str] = []
-    pinned_ports: list[str] = []
-    for host, port in zip(hosts, ports, strict=True):
-        if _is_socket(host):  # allowed by PGSIEVE_DSN_ALLOW (checked above)
-            pinned_hosts.append(host)
-            pinned_addrs.append("")
-            pinned_ports.append(str(port))
-            continue
-        addresses = _resolve(host, port, policy.connect_timeout)
-        if policy.allow_any_host and not addresses:
-            # No address: let libpq report "no such host" in its uniform way.
-            pinned_hosts.append(host)
-            pinned_addrs.append("")
-            pinned_ports.append(str(port))
-            continue
-        if not addresses or not policy.allows(host, addresses, port):
-            raise _not_listed(host, port)
-        # libpq would try each address of the name: keep them all, one entry each.
-        for address in addresses:
-            pinned_hosts.append(host)
-            pinned_addrs.append(address)
-            pinned_ports.append(str(port))
-    if len(pinned_hosts) > MAX_HOSTS * 2:
-        raise _refuse(f"the DSN's hosts resolve to {len(pinned_hosts)} addresses; at most "
-                      f"{MAX_HOSTS * 2} are allowed")
-    if all(not a for a in pinned_addrs):
-        return dsn
-    return make_conninfo(dsn, host=",".join(pinned_hosts), hostaddr=",".join(pinned_addrs),
-                         port=",".join(pinned_ports))
-
-
-def _not_listed(host: str, port: int) -> ConnectionNotAllowed:
-    return _refuse(f"{host}:{port} is not on the connection allow-list "
-                   "(PGSIEVE_ALLOWED_HOSTS), or the name does not resolve")
+def policy_in_force() -> ConnectionPolicy:
+    """The policy connections opened here obey: the scope's, else this process's
+    settings (``PGSIEVE_ALLOWED_HOSTS``, ``PGSIEVE_DSN_ALLOW``)."""
+    scope = _SCOPE.get()
+    return scope.policy if scope is not None else get_settings().connection_policy()
 
 
 # -- the session ---------------------------------------------------------------------------
@@ -278,11 +167,6 @@ def _forget_unoverridable_environment() -> None:
         os.environ.pop(name, None)
 
 
-def _session_features() -> frozenset[str]:
-    """``PGSIEVE_DSN_ALLOW`` of this process."""
-    return get_settings().connection_policy().features
-
-
 def secure_conninfo(
     dsn: str,
     *,
@@ -290,24 +174,26 @@ def secure_conninfo(
     statement_timeout_ms: int = 15_000,
     connect_timeout: int = 5,
     application_name: str = "pgsieve",
-    features: frozenset[str] | None = None,
+    policy: ConnectionPolicy | None = None,
 ) -> str:
-    """The conninfo pgsieve really connects with (see the module docstring); raises
-    :class:`ConnectionNotAllowed` for a DSN that breaks the policy's structural rules
-    (sockets, password/service/key files, GSS — unless ``features``, by default this
-    process's ``PGSIEVE_DSN_ALLOW``, allows them).
+    """The conninfo pgsieve really connects with (see the module docstring): the DSN
+    checked against ``policy`` (by default :func:`policy_in_force`) and pinned to the
+    addresses checked — every connection of every process, so a stored DSN whose name
+    now resolves elsewhere, or a tightened ``PGSIEVE_ALLOWED_HOSTS``, is refused
+    (:class:`ConnectionNotAllowed`) — then admitted by the scope's limits, if any.
 
     Only absent parameters are filled in (a DSN's own ``sslmode`` or password stays), with
     three exceptions pgsieve always decides: the session settings in ``options`` (appended
     after the DSN's own, so they win), ``client_encoding`` and the connect timeout (the
     DSN's own value is kept only when it is smaller).
     """
+    scope = _SCOPE.get()
+    if policy is None:
+        policy = scope.policy if scope is not None else get_settings().connection_policy()
+    dsn = check_dsn(dsn, policy)
+    if scope is not None and scope.admit is not None:
+        scope.admit(target_of(dsn))
     params = parse_dsn(dsn)
-    # A DSN stored before the policy (or under a looser one) cannot open a socket or read
-    # the host's files either. hostaddr is fine here: check_dsn pins connections with it,
-    # and with no password file or PG* variables it can no longer carry credentials.
-    allowed = _session_features() if features is None else features
-    _structural_checks(params, allowed | {"hostaddr"}, max_hosts=MAX_HOSTS * 2)
     _forget_unoverridable_environment()
     bound = min(max(1, int(connect_timeout)), MAX_CONNECT_TIMEOUT)
     try:
@@ -338,7 +224,7 @@ def secure_conninfo(
         "ssl_min_protocol_version": "TLSv1.2",
         "load_balance_hosts": "disable",
         # GSS/SSPI authentication would use the service's Kerberos ticket
-        "require_auth": "" if _uses_gss(params) else "!gss,!sspi",
+        "require_auth": "" if uses_gss(params) else "!gss,!sspi",
     }
     if not params.get("host"):
         fills.pop("host")  # leave libpq's own default (a socket), allowed by the policy

@@ -130,17 +130,20 @@ def to_uri(dsn: str) -> str:
 
 
 #: scrypt parameters for the credential key (about 16 MiB and tens of milliseconds, once
-#: per process and key: derivations are cached). The salt is fixed so that every process
-#: of a deployment derives the same key from PGSIEVE_SECRET_KEY alone.
+#: per process and key: derivations are cached).
 SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
-_KDF_SALT = b"pgsieve-credentials-v2"
+#: The salt of pgsieve from 0007 to 0008: the same in every deployment, so one guess at a
+#: weak PGSIEVE_SECRET_KEY served every stolen store. Since 0009 each deployment has its
+#: own (``installation.kdf_salt``, made by the migration); this one only decrypts, until
+#: ``pgsieve secrets rotate``.
+FIXED_SALT = b"pgsieve-credentials-v2"
 
 
 @functools.lru_cache(maxsize=16)
-def derive_key(secret_key: str) -> bytes:
+def derive_key(secret_key: str, salt: bytes = FIXED_SALT) -> bytes:
     """The Fernet key for ``secret_key``: scrypt (memory-hard), so a weak secret is slow
-    to guess from a stolen metadata store."""
-    raw = Scrypt(salt=_KDF_SALT, length=32, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P).derive(
+    to guess from a stolen metadata store, with this deployment's ``salt``."""
+    raw = Scrypt(salt=salt, length=32, n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P).derive(
         secret_key.encode())
     return base64.urlsafe_b64encode(raw)
 
@@ -154,20 +157,23 @@ def legacy_key(secret_key: str) -> bytes:
 
 class SecretBox:
     """Symmetric encryption of credentials (Fernet: AES-128-CBC + HMAC-SHA256) with a key
-    derived from ``PGSIEVE_SECRET_KEY`` by scrypt.
+    derived from ``PGSIEVE_SECRET_KEY`` by scrypt with the deployment's ``salt``.
 
-    Decryption also accepts the keys of ``previous`` secret keys (rotation) and the legacy
-    SHA-256 derivation of every key (credentials stored before the KDF); encryption
-    always uses the current key. :meth:`rotate` re-encrypts a token with the current key.
+    Decryption also accepts the keys of ``previous`` secret keys (rotation) and, while
+    ``legacy`` (until ``pgsieve secrets rotate`` re-encrypted everything), the keys of
+    earlier versions: scrypt with :data:`FIXED_SALT`, and one SHA-256 before that.
+    Encryption always uses the current key. :meth:`rotate` re-encrypts a token with it.
     """
 
-    def __init__(self, secret_key: str, previous: Sequence[str] = ()) -> None:
-        keys = [derive_key(secret_key)]
-        for old in previous:
-            if old and old != secret_key:
-                keys.append(derive_key(old))
-        keys.append(legacy_key(secret_key))
-        keys += [legacy_key(old) for old in previous if old and old != secret_key]
+    def __init__(self, secret_key: str, previous: Sequence[str] = (), *,
+                 salt: bytes = FIXED_SALT, legacy: bool = True) -> None:
+        olds = [old for old in previous if old and old != secret_key]
+        keys = [derive_key(secret_key, salt), *(derive_key(old, salt) for old in olds)]
+        if legacy:
+            if salt != FIXED_SALT:
+                keys += [derive_key(k) for k in (secret_key, *olds)]
+            keys += [legacy_key(k) for k in (secret_key, *olds)]
+        self.legacy = legacy
         self._primary = Fernet(keys[0])
         self._fernet = MultiFernet([Fernet(k) for k in keys])
 
@@ -201,12 +207,13 @@ def _key_pattern(word: str) -> str:
     return "".join(f"(?:{re.escape(c)}|%{ord(c):02x})" for c in word)
 
 
-# Where a secret may start: a URI's "://" (its userinfo may hold a password) or a
-# password parameter's "=" (key=value, or a URI query). Possessive quantifiers: the
+# Where a secret may start: a URI's "://" (its userinfo may hold a password), a password
+# parameter's "=" (key=value, a URI query, the PGPASSWORD environment variable), or a
+# quoted password key's ":" (a Python dict's repr, JSON). Possessive quantifiers: the
 # pattern never backtracks, so finding every anchor is one pass over the text.
 _ANCHOR = re.compile(
-    r"://|(?<![a-z0-9_%])(?:" + _key_pattern("ssl") + ")?" + _key_pattern("password")
-    + r"\s*+=\s*+",
+    r"://|(?<![a-z0-9_%])(?:pg)?(?:" + _key_pattern("ssl") + ")?" + _key_pattern("password")
+    + r"\s*+=\s*+|(?P<quote>['\"])(?:ssl)?password(?P=quote)\s*+:\s*+",
     re.IGNORECASE,
 )
 _SCHEME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+.-")
@@ -257,15 +264,17 @@ def _scrub(text: str) -> str:
             out.append(MASK)
             pos = at
             continue
-        # a password parameter: the value is quoted ('…' with \ escapes) or a bare word
-        if end < len(text) and text[end] == "'":
+        # a password parameter: the value is quoted ('…' or "…", with \ escapes) or a
+        # bare word
+        if end < len(text) and text[end] in "'\"":
+            quote = text[end]
             i = end + 1
             while i < len(text):
                 c = text[i]
                 if c == "\\":
                     i += 2
                     continue
-                if c == "'":
+                if c == quote:
                     i += 1
                     break
                 i += 1

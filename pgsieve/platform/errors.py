@@ -21,6 +21,7 @@ class ErrorCode(StrEnum):
     :class:`pgsieve.rowfilter.IssueCode`.
     """
 
+    AUDIT_UNAVAILABLE = "audit_unavailable"
     BAD_REQUEST = "bad_request"
     COLUMN_LIST_NOT_COVERING_REPLICA_IDENTITY = "column_list_not_covering_replica_identity"
     COLUMN_NOT_PUBLISHED = "column_not_published"
@@ -64,6 +65,7 @@ class ErrorCode(StrEnum):
     SLOT_IN_USE = "slot_in_use"
     SLOT_LIMIT_REACHED = "slot_limit_reached"
     SLOT_NOT_FOUND = "slot_not_found"
+    SLOT_NOT_MANAGED = "slot_not_managed"
     SLOT_PLUGIN_MISMATCH = "slot_plugin_mismatch"
     SNAPSHOT_FAILED = "snapshot_failed"
     SOURCE_IN_USE = "source_in_use"
@@ -138,6 +140,19 @@ class Unprocessable(PgsieveError):
     status = 422
     code = ErrorCode.VALIDATION_ERROR
     title = "Unprocessable request"
+
+
+class TooManyRequests(PgsieveError):
+    """A limit on concurrent work was reached; the client may try again after
+    ``retry_after`` seconds (the API sends it as ``Retry-After``)."""
+
+    status = 429
+    code = ErrorCode.TOO_MANY_REQUESTS
+    title = "Too many requests"
+
+    def __init__(self, detail: str, *, retry_after: int = 1, **extra: Any) -> None:
+        super().__init__(detail, **extra)
+        self.retry_after = retry_after
 
 
 class Unreachable(PgsieveError):

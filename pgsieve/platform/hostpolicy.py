@@ -8,6 +8,7 @@ that the settings can build one without importing the code that reads the settin
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from dataclasses import dataclass, field
 
@@ -19,14 +20,35 @@ MAX_CONNECT_TIMEOUT = 30
 #: timeout: more hosts than this multiply the time a request can hang.
 MAX_HOSTS = 4
 
-#: What ``PGSIEVE_DSN_ALLOW`` can switch on, and the DSN parameters each one covers.
+#: Every conninfo keyword a DSN may carry: ``None`` — always; a name — only when
+#: ``PGSIEVE_DSN_ALLOW`` lists that feature. Anything else is refused, including every
+#: keyword a future libpq adds (libpq 18 already knows ``sslkeylogfile``, which appends
+#: TLS secrets to any file the service can write, ``oauth_*`` and ``scram_*_key``).
+#: Values are checked further in :mod:`.connpolicy` (``sslrootcert=system`` needs no
+#: feature, ``gssencmode`` other than ``disable`` and ``require_auth=gss`` need ``gss``).
+DSN_KEYWORDS: dict[str, str | None] = {
+    # where and as whom
+    "host": None, "port": None, "dbname": None, "user": None, "password": None,
+    "hostaddr": "hostaddr", "requirepeer": "unix_socket",
+    "passfile": "passfile", "service": "service", "servicefile": "service",
+    # the session
+    "options": None, "application_name": None, "connect_timeout": None,
+    "target_session_attrs": None, "load_balance_hosts": None,
+    "keepalives": None, "keepalives_idle": None, "keepalives_interval": None,
+    "keepalives_count": None, "tcp_user_timeout": None,
+    # TLS and authentication
+    "sslmode": None, "sslrootcert": None, "sslsni": None, "sslnegotiation": None,
+    "ssl_min_protocol_version": None, "ssl_max_protocol_version": None,
+    "channel_binding": None, "require_auth": None, "gssencmode": None,
+    "sslcert": "ssl_files", "sslkey": "ssl_files", "sslpassword": "ssl_files",
+    "sslcrl": "ssl_files", "sslcrldir": "ssl_files", "sslcertmode": "ssl_files",
+    "gssdelegation": "gss", "krbsrvname": "gss", "gsslib": "gss",
+}
+
+#: What ``PGSIEVE_DSN_ALLOW`` can switch on, and the DSN keywords each one admits.
 DSN_FEATURES: dict[str, frozenset[str]] = {
-    "unix_socket": frozenset({"requirepeer"}),
-    "hostaddr": frozenset({"hostaddr"}),
-    "passfile": frozenset({"passfile"}),
-    "service": frozenset({"service", "servicefile"}),
-    "ssl_files": frozenset({"sslkey", "sslcert", "sslrootcert", "sslcrl", "sslcrldir"}),
-    "gss": frozenset({"gssencmode", "gssdelegation", "krbsrvname", "gsslib"}),
+    feature: frozenset(k for k, f in DSN_KEYWORDS.items() if f == feature)
+    for feature in ("unix_socket", "hostaddr", "passfile", "service", "ssl_files", "gss")
 }
 
 
@@ -53,10 +75,13 @@ def _parse_ports(text: str, entry: str) -> tuple[int, int]:
 
 def _parse_rule(entry: str) -> _Rule:
     text, ports = entry.strip(), None
-    if text.startswith("["):  # [v6addr or v6cidr]:port
+    if text.startswith("["):  # [v6addr]:port, [v6cidr]:port or [v6addr]/len:port
         inner, closed, rest = text[1:].partition("]")
         if not closed:
             raise ValueError(f"PGSIEVE_ALLOWED_HOSTS: unclosed '[' in {entry!r}")
+        if rest.startswith("/"):  # the documented form [fd00::]/8
+            length, colon, port_text = rest[1:].partition(":")
+            inner, rest = f"{inner}/{length}", colon + port_text
         if rest.startswith(":"):
             ports = _parse_ports(rest[1:], entry)
         elif rest:
@@ -87,6 +112,13 @@ class ConnectionPolicy:
     @classmethod
     def parse(cls, allowed_hosts: str, dsn_allow: str = "",
               connect_timeout: int = 5) -> ConnectionPolicy:
+        """The policy these settings describe (ValueError when unreadable); parsed once
+        per distinct text (every connection asks for it)."""
+        return _parse(allowed_hosts, dsn_allow, connect_timeout)
+
+    @classmethod
+    def _parse(cls, allowed_hosts: str, dsn_allow: str,
+               connect_timeout: int) -> ConnectionPolicy:
         entries = [e.strip() for e in (allowed_hosts or "").split(",") if e.strip()]
         features = frozenset(f.strip() for f in (dsn_allow or "").split(",") if f.strip())
         unknown = features - DSN_FEATURES.keys()
@@ -99,6 +131,18 @@ class ConnectionPolicy:
             features=features,
             connect_timeout=min(max(1, connect_timeout), MAX_CONNECT_TIMEOUT),
         )
+
+    def allows_address(self, address: str, port: int) -> bool:
+        """An IP address (a DSN's own ``hostaddr``) against the listed IPs and CIDRs
+        (a listed *name* does not cover an address given beside it)."""
+        if self.allow_any_host:
+            return True
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(r.network is not None and r.port_ok(port) and ip in r.network
+                   for r in self.rules)
 
     def allows(self, host: str, addresses: list[str], port: int) -> bool:
         """A host name (as written) and every address it resolved to, against the rules."""
@@ -114,3 +158,8 @@ class ConnectionPolicy:
                 and ipaddress.ip_address(a) in r.network for r in self.rules)
             for a in addresses
         )
+
+
+@functools.lru_cache(maxsize=32)
+def _parse(allowed_hosts: str, dsn_allow: str, connect_timeout: int) -> ConnectionPolicy:
+    return ConnectionPolicy._parse(allowed_hosts, dsn_allow, connect_timeout)

@@ -198,6 +198,9 @@ class Subscription(Base):
     state: Mapped[SubscriptionState] = mapped_column(
         StateColumn(SubscriptionState), default=SubscriptionState.INITIALIZING)
     error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """The stable code of ``error`` when it has one (``connection_not_allowed``: stopped
+    by the connection policy, resumed by itself once it allows the connections again)."""
     options: Mapped[dict[str, Any]] = mapped_column(default=dict)
     received_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     applied_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
@@ -436,5 +439,27 @@ class AuditEvent(Base):
     resource_type: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True)
     resource_id: Mapped[str | None] = mapped_column(String(300), nullable=True, index=True)
     request_id: Mapped[str] = mapped_column(String(64))
-    status: Mapped[int] = mapped_column(Integer)
+    status: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    """The answer's status; None while the request runs (a change is recorded *before*
+    it is made: an outcome that could not be written afterwards stays None)."""
     client: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    """Requests this record stands for: failed authentications are kept as one record
+    per route, client and minute (``aggregate_key``) with their number."""
+    aggregate_key: Mapped[str | None] = mapped_column(String(400), nullable=True,
+                                                      unique=True)
+
+
+class Installation(Base):
+    """This deployment's own values, one row (``id`` 1): the salt its credential key is
+    derived with, and whether the keys of earlier pgsieve versions (a fixed salt, and
+    before that one SHA-256) still decrypt — only until ``pgsieve secrets rotate`` has
+    re-encrypted everything."""
+
+    __tablename__ = "installation"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kdf_salt: Mapped[str] = mapped_column(String(64))
+    """32 random bytes, hex."""
+    legacy_keys_retired_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -227,11 +227,13 @@ class LocalCluster:
         text = main_conf.read_text()
         if "include_if_exists = 'pgsieve.conf'" not in text:
             main_conf.write_text(text + "\ninclude_if_exists = 'pgsieve.conf'\n")
-        hba = [f"host all {role} 127.0.0.1/32 scram-sha-256" for role in self.password_roles]
+        # Loopback only (127.0.0.0/8: a cluster may listen on more than 127.0.0.1, as the
+        # tests' allow-list checks do with 127.0.0.2 and 127.0.0.3).
+        hba = [f"host all {role} 127.0.0.0/8 scram-sha-256" for role in self.password_roles]
         hba += [
             "local all all trust",
-            "host all all 127.0.0.1/32 trust",
-            "host replication all 127.0.0.1/32 trust",
+            "host all all 127.0.0.0/8 trust",
+            "host replication all 127.0.0.0/8 trust",
             "local replication all trust",
         ]
         (self.datadir / "pg_hba.conf").write_text("\n".join(hba) + "\n")

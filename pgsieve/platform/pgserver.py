@@ -18,7 +18,7 @@ from typing import Any
 import psycopg
 from psycopg.rows import dict_row
 
-from pgsieve.platform.connpolicy import ConnectionPolicy, Purpose, check_dsn, secure_conninfo
+from pgsieve.platform.connpolicy import ConnectionPolicy, Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.errors import (
     Conflict,
@@ -84,18 +84,15 @@ def connect(
 ) -> Iterator[psycopg.Connection[Any]]:
     """Open a connection or raise a 4xx error with ``unreachable_code``.
 
-    With a ``policy`` the DSN is checked against it first (``connection_not_allowed``) and
-    the connection pinned to the addresses checked; every session is opened by
-    :func:`secure_conninfo` (settings pinned, nothing taken from the environment).
+    Every session is opened by :func:`secure_conninfo`: the DSN checked against
+    ``policy`` (by default the one in force here; ``connection_not_allowed``), pinned to
+    the addresses checked, settings pinned, nothing taken from the environment.
     """
-    if policy is not None:
-        dsn = check_dsn(dsn, policy)
     if statement_timeout_ms is None:
         statement_timeout_ms = get_settings().statement_timeout_ms
     conninfo = secure_conninfo(dsn, purpose=purpose, statement_timeout_ms=statement_timeout_ms,
                                connect_timeout=connect_timeout,
-                               application_name=application_name,
-                               features=None if policy is None else policy.features)
+                               application_name=application_name, policy=policy)
     try:
         conn = psycopg.connect(conninfo, autocommit=autocommit, row_factory=row_factory, **kwargs)
     except psycopg.Error as exc:

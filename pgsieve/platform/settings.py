@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pgsieve.platform.credentials import SecretBox
 from pgsieve.platform.hostpolicy import ConnectionPolicy
+from pgsieve.platform.keyring import credential_box
 
 #: The shortest PGSIEVE_API_TOKEN / PGSIEVE_SECRET_KEY `pgsieve api` and `worker` accept.
 MIN_SECRET_LENGTH = 16
@@ -141,6 +142,26 @@ class Settings(BaseSettings):
         default="",
         description="DSN features refused unless listed here (comma-separated): "
         "unix_socket, hostaddr, passfile, service, ssl_files, gss",
+    )
+    api_concurrency_per_token: int = Field(
+        default=4, ge=1, le=1000,
+        description="API requests one token may have using databases (sources, targets) "
+        "at once; more get 429 too_many_requests with Retry-After",
+    )
+    api_concurrency_per_database: int = Field(
+        default=8, ge=1, le=1000,
+        description="API requests that may use one source or target database at once, "
+        "all tokens together; more get 429 too_many_requests with Retry-After",
+    )
+    failed_auth_per_minute: int = Field(
+        default=30, ge=1, le=100_000,
+        description="failed authentications one client address gets answered with 401 in "
+        "a minute; the rest of that minute 429 too_many_requests (all are counted in the "
+        "audit log, one record per route, client and minute)",
+    )
+    audit_retention_days: int = Field(
+        default=365, ge=1, le=36_500,
+        description="audit records older than this many days are deleted (beat, hourly)",
     )
     preview_exact_row_limit: int = Field(
         default=2_000_000, ge=0,
@@ -296,8 +317,10 @@ class Settings(BaseSettings):
                 if k.strip()]
 
     def secret_box(self) -> SecretBox:
-        """Encrypts with PGSIEVE_SECRET_KEY; decrypts with it and the previous keys."""
-        return SecretBox(self.effective_secret_key(), self.previous_secret_keys())
+        """Encrypts with PGSIEVE_SECRET_KEY; decrypts with it and the previous keys (and
+        the keys of earlier versions until ``pgsieve secrets rotate``). Reads the
+        deployment's salt from the metadata store (:mod:`.keyring`)."""
+        return credential_box(self)
 
     def secret_problems(self) -> list[str]:
         """Why these settings must not serve production (empty: they may). The demo

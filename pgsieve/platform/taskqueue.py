@@ -23,6 +23,7 @@ from pgsieve.platform.settings import Settings, get_settings, private_dir
 HEARTBEAT_EVERY = timedelta(seconds=10)
 SAMPLE_PROGRESS_EVERY = timedelta(seconds=10)
 SYNC_SLOT_CLEANUP_EVERY = timedelta(seconds=60)
+PRUNE_AUDIT_EVERY = timedelta(hours=1)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -54,6 +55,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                 "task": "pgsieve.sync_slot_cleanup",
                 "schedule": SYNC_SLOT_CLEANUP_EVERY.total_seconds(),
                 "options": {"expires": SYNC_SLOT_CLEANUP_EVERY.total_seconds() * 2},
+            },
+            "prune-audit": {
+                "task": "pgsieve.prune_audit",
+                "schedule": PRUNE_AUDIT_EVERY.total_seconds(),
+                "options": {"expires": PRUNE_AUDIT_EVERY.total_seconds()},
             },
             "sample-progress": {
                 "task": "pgsieve.sample_progress",

@@ -727,11 +727,14 @@ def validate_filter(
     *,
     statement_timeout_ms: int = DEFAULT_STATEMENT_TIMEOUT_MS,
     lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
+    dry_run: bool = True,
 ) -> FilterValidation:
     """Decide whether ``where_text`` can be the row filter of ``table`` in a publication.
 
     ``publish`` defaults to PostgreSQL's default (all operations). The connection is left
-    as it was found: all work is rolled back. Raises only :class:`SourceConnectionError`.
+    as it was found: all work is rolled back. Without ``dry_run`` PostgreSQL's own check
+    (a ``CREATE PUBLICATION`` rolled back) is skipped: for a filter a stored publication
+    has already, which a viewer previews. Raises only :class:`SourceConnectionError`.
     """
     errors: list[FilterIssue] = []
     warnings: list[FilterIssue] = []
@@ -777,7 +780,7 @@ def validate_filter(
             )
             if not errors:
                 errors += _resolve(probe, facts, parsed)
-            if not errors:
+            if not errors and dry_run:
                 member = sql.SQL("{} WHERE ({})").format(
                     sql.Identifier(facts.schema, facts.name),
                     sql.SQL(parsed.normalized),

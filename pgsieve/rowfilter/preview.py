@@ -108,16 +108,19 @@ def preview_filter(
     sample_rows: int = 200_000,
     sample_timeout_ms: int = SAMPLE_COUNT_TIMEOUT_MS,
     columns: Sequence[str] | None = None,
+    dry_run: bool = True,
 ) -> FilterPreview:
     """Validate ``where_text`` for ``table`` and, if valid — or refused only for the
-    replica identity — measure it on the data.
+    replica identity — measure it on the data (``dry_run``: see
+    :func:`~.catalog.validate_filter`).
 
     ``publish_via_partition_root`` is the publication option the filter is meant for
     (a partitioned table's own filter needs it true; the counts then cover every
     partition). Raises only :class:`SourceConnectionError` (the connection was lost)."""
-    validation = validate_filter(conn, table, where_text, publish, publish_via_partition_root)
+    validation = validate_filter(conn, table, where_text, publish, publish_via_partition_root,
+                                 dry_run=dry_run)
     measurable = _measurable(conn, table, where_text, publish, publish_via_partition_root,
-                             validation)
+                             validation, dry_run)
     if measurable is not validation and measurable is not None:
         if measurable.valid:
             # the verdict stays the requested publication's; the expression's own
@@ -164,6 +167,7 @@ def _measurable(
     publish: Iterable[str] | str | None,
     publish_via_partition_root: bool,
     validation: FilterValidation,
+    dry_run: bool = True,
 ) -> FilterValidation | None:
     """The validation of the expression to run on the rows: ``validation`` itself; for a
     filter refused only for its replica identity, the same filter validated for the
@@ -178,7 +182,7 @@ def _measurable(
     ops, _ = normalize_publish(publish)
     without_identity = sorted(ops - {"update", "delete"}) or ["insert"]
     return validate_filter(conn, table, where_text, without_identity,
-                           publish_via_partition_root)
+                           publish_via_partition_root, dry_run=dry_run)
 
 
 def _remaining_ms(deadline: float) -> int:

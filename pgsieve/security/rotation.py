@@ -6,12 +6,16 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.keyring import retire_legacy_keys
 from pgsieve.platform.models import Source, Target
 
 
 def rotate_credentials(session: Session, box: SecretBox) -> tuple[int, int]:
     """``(re-encrypted, total)``; all or nothing: a credential no key decrypts raises
-    CredentialError before anything is written (the caller's transaction rolls back)."""
+    CredentialError before anything is written (the caller's transaction rolls back).
+    Once every DSN is under the current (salted) key, the keys of earlier versions stop
+    decrypting, in the same transaction (:func:`~pgsieve.platform.keyring.
+    retire_legacy_keys`)."""
     changed = total = 0
     rows: list[Source | Target] = [*session.scalars(select(Source)),
                                    *session.scalars(select(Target))]
@@ -21,4 +25,5 @@ def rotate_credentials(session: Session, box: SecretBox) -> tuple[int, int]:
             row.dsn_encrypted = box.rotate(row.dsn_encrypted)
             changed += 1
     session.flush()
+    retire_legacy_keys(session)
     return changed, total

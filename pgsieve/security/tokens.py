@@ -20,6 +20,8 @@ from sqlalchemy.orm import Session
 
 from pgsieve.platform.errors import Conflict, ErrorCode, NotFound, Unprocessable
 from pgsieve.platform.models import ApiToken, utcnow
+from pgsieve.security import audit
+from pgsieve.security.audit import AuditRecord
 
 BOOTSTRAP_NAME = "bootstrap"
 TOKEN_PREFIX = "pgs_"  # noqa: S105 - a prefix, not a secret
@@ -71,13 +73,17 @@ def check_name(name: str) -> str:
     return name
 
 
-def create_token(session: Session, name: str, role: str | Role) -> tuple[ApiToken, str]:
-    """Store a new token (committed); returns the row and the token, shown this once."""
+def create_token(session: Session, name: str, role: str | Role,
+                 audited: AuditRecord | None = None) -> tuple[ApiToken, str]:
+    """Store a new token (committed, with ``audited`` in the same transaction); returns
+    the row and the token, shown this once."""
     check_name(name)
     parsed = role if isinstance(role, Role) else Role.parse(role)
     token = new_token()
     row = ApiToken(name=name, role=parsed.name, token_hash=hash_token(token))
     session.add(row)
+    if audited is not None:
+        audit.record(session, audited)
     try:
         session.commit()
     except IntegrityError:
@@ -90,11 +96,14 @@ def list_tokens(session: Session) -> list[ApiToken]:
     return list(session.scalars(select(ApiToken).order_by(ApiToken.name)))
 
 
-def revoke_token(session: Session, name: str) -> None:
+def revoke_token(session: Session, name: str, audited: AuditRecord | None = None) -> None:
+    """Delete the token (committed, with ``audited`` in the same transaction)."""
     row = session.get(ApiToken, name)
     if row is None:
         raise NotFound(f"no token named '{name}'", code=ErrorCode.TOKEN_NOT_FOUND)
     session.delete(row)
+    if audited is not None:
+        audit.record(session, audited)
     session.commit()
 
 

@@ -15,6 +15,7 @@ when the tasks run, and the table is out of the stream while it is diffed.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
@@ -23,7 +24,13 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.connpolicy import (
+    ConnectionPolicy,
+    ConnectionScope,
+    Purpose,
+    connection_scope,
+    secure_conninfo,
+)
 from pgsieve.spark.sync import read_copies_together, spark_error_message
 
 RANGE = "/*pgsieve:key-range*/ true"
@@ -46,6 +53,8 @@ class KeyRangeRequest:
     """Session settings both ends render values with alike (the diff's own)."""
     ranges: tuple[tuple[int, int], ...] = ()
     connect_timeout: int = 10
+    policy: ConnectionPolicy | None = None
+    """The driver's connection policy, which a task's connections obey."""
 
 
 def key_ranges(low: int, high: int, pieces: int) -> list[tuple[int, int]]:
@@ -75,7 +84,9 @@ def compare_range(request: KeyRangeRequest,
     """One task: both ends' key/hash streams for ``[lo, hi)``, compared."""
     lo, hi = bounds
     copy_out = "COPY ({}) TO STDOUT (FORMAT binary)"
-    with _connect(request.target_dsn, request.connect_timeout) as tgt, \
+    scope = (contextlib.nullcontext() if request.policy is None
+             else connection_scope(ConnectionScope(request.policy)))
+    with scope, _connect(request.target_dsn, request.connect_timeout) as tgt, \
             _connect(request.source_dsn, request.connect_timeout) as src:
         where = sql.SQL("({k} >= {lo} AND {k} < {hi})").format(
             k=sql.Identifier(request.key), lo=sql.Literal(lo),

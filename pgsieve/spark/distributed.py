@@ -40,6 +40,7 @@ from pgsieve.apply.plan import (
 )
 from pgsieve.apply.staging import StageEncoder, StageSummary
 from pgsieve.apply.target import TargetWriter
+from pgsieve.platform.connpolicy import ConnectionScope, connection_scope, policy_in_force
 from pgsieve.platform.faults import fault_point
 from pgsieve.spark.session import job_group_report
 from pgsieve.wire.assembler import Change
@@ -274,18 +275,21 @@ def stage_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatc
                 del name
                 _feed(builder, items, relations, proto)
             plan = builder.build()
-            writer = TargetWriter(job["target_dsn"], job["subscription_id"],
-                                  source_dsn=job["source_dsn"])
-            out: dict[str, Any] = {}
-            try:
-                fetched = fetch_pending(writer, plan)
-                for name, tp in plan.tables.items():
-                    out[name] = _stage_table(writer, tp, job["staging"].get(name))
-                    out[name]["fetched"] = [[key_text(k), m, lsn]
-                                            for k, (m, lsn) in tp.fetched.items()]
-                writer.conn.commit()
-            finally:
-                writer.close()
+            # every connection of the task (target, and the source for unchanged TOAST
+            # values) is checked and pinned with the driver's policy
+            with connection_scope(ConnectionScope(job["policy"])):
+                writer = TargetWriter(job["target_dsn"], job["subscription_id"],
+                                      source_dsn=job["source_dsn"])
+                out: dict[str, Any] = {}
+                try:
+                    fetched = fetch_pending(writer, plan)
+                    for name, tp in plan.tables.items():
+                        out[name] = _stage_table(writer, tp, job["staging"].get(name))
+                        out[name]["fetched"] = [[key_text(k), m, lsn]
+                                                for k, (m, lsn) in tp.fetched.items()]
+                    writer.conn.commit()
+                finally:
+                    writer.close()
             # The crash tests kill the whole worker here, in the middle of the Spark job.
             fault_point("spark.task_staged", group=True)
             yield pa.RecordBatch.from_pydict({"result": [json.dumps({
@@ -371,6 +375,8 @@ def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | N
         "staging": staging,
         "target_dsn": writer.dsn,
         "source_dsn": writer.source_dsn,
+        # the executor checks and pins with the driver's policy, not its own environment
+        "policy": policy_in_force(),
     }
     payloads = []
     for tables in splitter.parts:

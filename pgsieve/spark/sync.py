@@ -35,7 +35,13 @@ from typing import Any
 import psycopg
 from psycopg import pq, sql
 
-from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.connpolicy import (
+    ConnectionPolicy,
+    ConnectionScope,
+    Purpose,
+    connection_scope,
+    secure_conninfo,
+)
 from pgsieve.platform.faults import fault_point
 
 MARKER_SCHEMA = "pgsieve"
@@ -101,6 +107,9 @@ class CopyRequest:
     replica_role: bool = True
     """Write as ``session_replication_role = replica`` when allowed (what native
     tablesync does: no ordinary triggers, no foreign-key checks between partitions)."""
+    policy: ConnectionPolicy | None = None
+    """The driver's connection policy: an executor checks and pins both DSNs with it
+    (an executor's own environment need not carry ``PGSIEVE_ALLOWED_HOSTS``)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +198,13 @@ def forget_markers(conn: psycopg.Connection[Any], subscription_id: str, table: s
 # -- one partition (runs in a Spark task) --------------------------------------------------
 
 
+def _driver_policy(policy: ConnectionPolicy | None) -> contextlib.AbstractContextManager[Any]:
+    """The driver's policy for what a task connects to (none shipped: this process's)."""
+    if policy is None:
+        return contextlib.nullcontext()
+    return connection_scope(ConnectionScope(policy))
+
+
 def _connect(dsn: str, timeout: int) -> psycopg.Connection[Any]:
     return psycopg.connect(secure_conninfo(dsn, purpose=Purpose.STREAM), autocommit=True,
                            connect_timeout=timeout,
@@ -203,7 +219,8 @@ def copy_partition(request: CopyRequest, part: CopyPartition,
     started = time.monotonic()
     table = request.tables[part.table]
     key = (request.subscription_id, part.table, request.attempt, part.partition_no)
-    with _connect(request.target_dsn, request.connect_timeout) as tgt, \
+    with _driver_policy(request.policy), \
+            _connect(request.target_dsn, request.connect_timeout) as tgt, \
             _connect(request.source_dsn, request.connect_timeout) as src:
         tgt.execute("SET statement_timeout = 0")
         if request.replica_role:

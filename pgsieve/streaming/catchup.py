@@ -178,6 +178,7 @@ def _stop(sessions: sessionmaker[Session], subscription_id: str, table_name: str
         if sub is None:
             return
         sub.state, sub.error = SubscriptionState.ERROR, f"catch-up of {table_name}: {detail}"
+        sub.error_code = None
         for t in sub.tables:
             if t.table_name == table_name:
                 t.error = detail

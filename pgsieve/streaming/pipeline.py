@@ -44,7 +44,12 @@ from pgsieve.apply.batch import (
 )
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
 from pgsieve.apply.target import TargetWriter
-from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.connpolicy import (
+    ConnectionNotAllowed,
+    Purpose,
+    policy_in_force,
+    secure_conninfo,
+)
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import lock_rows, locked, session_factory
 from pgsieve.platform.errors import describe_error
@@ -63,6 +68,7 @@ from pgsieve.platform.spread import spread
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.spark.apply import apply_batch
 from pgsieve.spark.mergebehind import MergeBehind, MergedBehind, MergesFailed
+from pgsieve.streaming.allowed import record_refused, refusal
 from pgsieve.streaming.appliednotes import (
     AppliedProgress,
     ImageTrims,
@@ -233,6 +239,8 @@ class ConsumeCycle:
                 advisory = AdvisoryLocks(source_dsn, self.settings.connect_timeout)
             except psycopg.OperationalError as exc:
                 return self._transient(f"source unreachable: {exc}")
+            except ConnectionNotAllowed as exc:
+                return self.refused(exc)
             try:
                 if not advisory.try_lock(slot):
                     self._bump_stat("lock_refusals")
@@ -263,6 +271,8 @@ class ConsumeCycle:
             return opened.run.stream(time.monotonic() + self.cycle_seconds)
         except (psycopg.OperationalError, TransportError) as exc:
             return self.outcome_of(exc)
+        except ConnectionNotAllowed as exc:
+            return self.refused(exc)
         finally:
             opened.close()
 
@@ -295,6 +305,8 @@ class ConsumeCycle:
                                   connect_timeout=self.settings.connect_timeout)
         except psycopg.OperationalError as exc:
             return self._transient(f"target unreachable: {exc}")
+        except ConnectionNotAllowed as exc:
+            return self.refused(exc)
         try:
             writer.ensure_schema()
             applied = writer.applied_lsn()
@@ -320,6 +332,9 @@ class ConsumeCycle:
         except (psycopg.OperationalError, TransportError) as exc:
             writer.close()
             return self.outcome_of(exc)
+        except ConnectionNotAllowed as exc:
+            writer.close()
+            return self.refused(exc)
         except BaseException:
             writer.close()
             raise
@@ -340,6 +355,12 @@ class ConsumeCycle:
                 return self._fail(f"the replication slot is gone: {exc}")
             return self._fail(str(exc))
         return self._transient(str(exc))
+
+    def refused(self, exc: ConnectionNotAllowed) -> CycleOutcome:
+        """The connection policy refuses the source or the target now: stopped with
+        ``connection_not_allowed`` until it allows them again (:mod:`.allowed`)."""
+        record_refused(self.sessions, self.subscription_id, exc.detail)
+        return CycleOutcome("error", f"connection not allowed: {exc.detail}")
 
     # -- helpers -------------------------------------------------------------------------
     def _spill_dir(self) -> str:
@@ -448,7 +469,7 @@ class ConsumeCycle:
             sub = locked(session, Subscription, self.subscription_id)
             if sub is not None:
                 sub.state = SubscriptionState.ERROR
-                sub.error = detail
+                sub.error, sub.error_code = detail, None
                 stats = dict(sub.stats)
                 if conflict is not None:
                     stats["last_conflict"] = conflict
@@ -479,7 +500,7 @@ class _StreamRun:
         self.writer = writer
         self.source_dsn = source_dsn
         self.keeper = keeper
-        self.batcher = MicroBatcher(BatchLimits(
+        self.batcher = MicroBatcher(BatchLimits.bounded(
             max_changes=int(options.get("batch_max_changes", 200_000)),
             max_bytes=int(options.get("batch_max_bytes", 128 << 20)),
             max_wait=int(options.get("batch_max_wait_ms", 500)) / 1000.0,
@@ -565,7 +586,14 @@ class _StreamRun:
         reading a backlog holds every transaction it read until its batch is applied,
         and the collector's passes over them were a sixth of a one-row backlog's Python
         time (bench/RESULTS.md, twentieth session). A turn longer than the pauses' bound
-        (``PGSIEVE_TURN_SECONDS`` raised past it) runs with the collector on."""
+        (``PGSIEVE_TURN_SECONDS`` raised past it) runs with the collector on.
+
+        The stream's sessions stay open between turns: the connection policy is checked
+        again before each (a name now resolving elsewhere, a tightened allow-list), and
+        :class:`ConnectionNotAllowed` ends it (:mod:`.allowed`)."""
+        refused = refusal(self.source_dsn, self.writer.dsn, policy_in_force())
+        if refused is not None:
+            raise refused
         if deadline - time.monotonic() > hotpath.PAUSE_LIMIT_SECONDS:
             return self._turn(deadline)
         with hotpath.gc_paused():

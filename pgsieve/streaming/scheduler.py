@@ -64,7 +64,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.apply import hotpath
 from pgsieve.platform import dispatch
-from pgsieve.platform.credentials import scrub_secrets
+from pgsieve.platform.connpolicy import ConnectionNotAllowed, policy_in_force
+from pgsieve.platform.credentials import SecretBox, scrub_secrets
 from pgsieve.platform.db import in_chunks, session_factory
 from pgsieve.platform.locks import AdvisoryLocks, release, renew_owned, touch, try_acquire
 from pgsieve.platform.models import (
@@ -78,6 +79,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.platform.threadnames import named
 from pgsieve.spark.session import get_spark
+from pgsieve.streaming.allowed import resume_allowed
 from pgsieve.streaming.appliednotes import ProgressBook, record_applied
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up_many
 from pgsieve.streaming.pipeline import (
@@ -223,6 +225,8 @@ class Scheduler:
                                      use_compiled=hotpath.active is not None)
         self._pushed_fallback = max(self.settings.idle_poll_seconds,
                                     self.settings.consumer_heartbeat_seconds)
+        self._box: SecretBox | None = None
+        """Made when first needed (a policy-stopped subscription to check again)."""
 
     # -- life cycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -377,6 +381,8 @@ class Scheduler:
         except psycopg.OperationalError as exc:
             self._retry_at[subscription_id] = time.monotonic() + RETRY_AFTER
             return cycle.outcome_of(exc).outcome
+        except ConnectionNotAllowed as exc:
+            return cycle.refused(exc).outcome
         if not got:
             cycle._bump_stat("lock_refusals")
             return "locked"
@@ -668,6 +674,8 @@ class Scheduler:
         """What a turn's failure means (recorded on the subscription): the slot gone
         stops it; connections, deadlocks and the rest are retried after a pause."""
         try:
+            if isinstance(exc, ConnectionNotAllowed):
+                return held.cycle.refused(exc)
             if isinstance(exc, psycopg.OperationalError | TransportError):
                 return held.cycle.outcome_of(exc)
             if not isinstance(exc, psycopg.errors.TransactionRollback):
@@ -765,6 +773,7 @@ class Scheduler:
         while not self._stopping.is_set():
             self._wait_quiet(QUIET_WAIT_SECONDS)
             try:
+                resume_allowed(self.sessions, self._credentials, policy_in_force())
                 orphans = self.orphans()
                 if orphans:
                     # Adopting is mostly connecting (target, slot): a few at once, so a
@@ -781,6 +790,11 @@ class Scheduler:
                             scrub_secrets(str(exc)))
             if self._stopping.wait(every):
                 return
+
+    def _credentials(self) -> SecretBox:
+        if self._box is None:
+            self._box = self.settings.secret_box()
+        return self._box
 
     def _adopt_unless_stopping(self, subscription_id: str) -> str:
         return "stopping" if self._stopping.is_set() else self.adopt(subscription_id)

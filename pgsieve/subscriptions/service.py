@@ -204,7 +204,7 @@ def enable_subscription(session: Session, settings: Settings, sub: Subscription)
         if sub.state == SubscriptionState.ERROR:
             clear_stream_errors(sub)
         sub.state = resume_state(sub)
-        sub.error = None
+        sub.error = sub.error_code = None
     session.commit()
     if sub.state == SubscriptionState.STREAMING:
         dispatch.consume_cycle(settings, sub.id)
@@ -236,7 +236,7 @@ def skip_transaction(session: Session, settings: Settings, sub: Subscription,
     if sub.state == SubscriptionState.ERROR and sub.enabled:
         clear_stream_errors(sub)
         sub.state = resume_state(sub)
-        sub.error = None
+        sub.error = sub.error_code = None
     session.commit()
     if sub.state == SubscriptionState.STREAMING and sub.enabled:
         dispatch.consume_cycle(settings, sub.id)

@@ -15,6 +15,7 @@ import numpy as np
 import psycopg
 from psycopg import sql
 
+from pgsieve.platform.connpolicy import policy_in_force
 from pgsieve.spark.diff import RANGE, KeyRangeRequest, compare_key_ranges, key_ranges
 from pgsieve.spark.sync import (
     CopyPartition,
@@ -312,7 +313,7 @@ class DiffRun:
             snapshot=ranged.snapshot, source_query=source_ranged.as_string(self.src),
             target_query=target_ranged.as_string(self.tgt), key=self.key[0],
             settings=ranged.settings, ranges=tuple(ranges),
-            connect_timeout=ranged.connect_timeout)
+            connect_timeout=ranged.connect_timeout, policy=policy_in_force())
         parts = compare_key_ranges(ranged.spark, request, diff_streams,
                                    job_group=ranged.job_group)
         self.lap("diff_stage")

@@ -31,6 +31,7 @@ syncing) the full diff runs instead: see :func:`moved_table`.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -318,7 +319,8 @@ def reconcile_connections(source_dsn: str, target_dsn: str, connect_timeout: int
                                autocommit=True)
 
     with ThreadPoolExecutor(1, thread_name_prefix="pgsieve-connect") as pool:
-        opening = pool.submit(connect, source_dsn)
+        # (in this context: the connection policy in force here applies to it too)
+        opening = pool.submit(contextvars.copy_context().run, connect, source_dsn)
         try:
             tgt = connect(target_dsn)
         except BaseException:

@@ -52,7 +52,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform import dispatch, pgserver
-from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.connpolicy import (
+    ConnectionNotAllowed,
+    Purpose,
+    policy_in_force,
+    secure_conninfo,
+)
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import locked, session_factory
 from pgsieve.platform.errors import ErrorCode
@@ -333,6 +338,10 @@ class SyncJobRunner:
                 message = scrub_secrets(str(exc))
                 self._fail(message, exc.code)
                 return RunOutcome("failed", message)
+            except ConnectionNotAllowed as exc:  # the policy refuses the source or target
+                message = scrub_secrets(exc.detail)
+                self._fail(message, ErrorCode.CONNECTION_NOT_ALLOWED)
+                return RunOutcome("failed", message)
             except Exception as exc:
                 message = scrub_secrets(str(exc).strip()) or type(exc).__name__
                 # Scrubbed, and no traceback: it would repeat the raw message.
@@ -421,7 +430,7 @@ class SyncJobRunner:
             sub = session.get(Subscription, ctx.subscription_id)
             assert sub is not None
             if ctx.kind == "initial_sync" and sub.state in ("initializing", "error"):
-                sub.state, sub.error = SubscriptionState.SYNCING, None
+                sub.state, sub.error, sub.error_code = SubscriptionState.SYNCING, None, None
             if ctx.kind == "resync":
                 changed = False
                 for t in tables.values():
@@ -757,6 +766,7 @@ class SyncJobRunner:
                 source_dsn=ctx.source_dsn, target_dsn=ctx.target_dsn, snapshot=snap.name,
                 attempt=snap.attempt, subscription_id=ctx.subscription_id, tables=copies,
                 partitions=tuple(partitions), connect_timeout=self.settings.connect_timeout,
+                policy=policy_in_force(),
             )
             self._recorded = None
             self._record_copied(ctx, names, done)
@@ -1081,6 +1091,7 @@ class SyncJobRunner:
             if (sub is not None and job.kind == "initial_sync"
                     and sub.state in (SubscriptionState.INITIALIZING, SubscriptionState.SYNCING)):
                 sub.state, sub.error = SubscriptionState.ERROR, f"initial sync failed: {message}"
+                sub.error_code = ErrorCode.SYNC_FAILED
         if self._reconciles():
             moved.audit_reconcile_end(self.sessions, self.job_id, done=False)
         self._restore_deferred_indexes()

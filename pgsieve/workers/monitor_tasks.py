@@ -1,4 +1,5 @@
-"""Beat task: sample every subscription's progress and every source's WAL and slots.
+"""Beat tasks: sample every subscription's progress and every source's WAL and slots;
+keep the audit log to its retention.
 
 The samples are the lag history (``/subscriptions/{id}/progress/history``, the dashboard's
 chart), the WAL rate slot health projects invalidation from, and what ``/metrics`` reads.
@@ -13,17 +14,34 @@ from typing import Any
 from celery import Task
 
 from pgsieve.monitoring.observe import sample_all
+from pgsieve.platform.connpolicy import ConnectionScope, connection_scope
 from pgsieve.platform.db import session_scope
 from pgsieve.platform.settings import Settings
+from pgsieve.security import audit
 from pgsieve.workers.celery_app import celery_app
 
 
 def run_sampler(settings: Settings) -> dict[str, int]:
-    """One sampling round (also callable without Celery: tests, the CLI)."""
+    """One sampling round (also callable without Celery: tests, the CLI). Its connections
+    obey these settings' connection policy (a source it now refuses is sampled as an
+    error, and nothing is sent to it)."""
     box = settings.secret_box()
-    with session_scope(settings.effective_database_url) as session:
+    with connection_scope(ConnectionScope(settings.connection_policy())), \
+            session_scope(settings.effective_database_url) as session:
         return sample_all(session, box, connect_timeout=settings.connect_timeout,
                           lease=timedelta(seconds=settings.consumer_lease_seconds))
+
+
+def prune_audit_log(settings: Settings) -> int:
+    """Audit records older than ``PGSIEVE_AUDIT_RETENTION_DAYS`` deleted; how many."""
+    with session_scope(settings.effective_database_url) as session:
+        return audit.prune(session, timedelta(days=settings.audit_retention_days))
+
+
+@celery_app.task(name="pgsieve.prune_audit", bind=True, acks_late=True, expires=3600)
+def prune_audit(self: Task[Any, Any]) -> int:
+    """Hourly (beat): the audit log kept to its retention."""
+    return prune_audit_log(self.app.conf.pgsieve_settings)
 
 
 @celery_app.task(name="pgsieve.sample_progress", bind=True, acks_late=True,

@@ -128,9 +128,11 @@ def test_every_mutating_route_leaves_one_record_and_no_secret(
     r = anon_client.post("/api/v1/sources", json={"name": "x", "dsn": "host=x"},
                          headers={"Authorization": "Bearer pgs_wrong"})
     assert r.status_code == 401
+    anon_client.app.state.failed_auth_log.flush()  # (written within a second anyway)
     assert _count(metadata_engine) == before + 1
     event = _last(metadata_engine)
     assert (event.actor, event.status, event.method) == (None, 401, "POST")
+    assert (event.route, event.count) == ("/api/v1/sources", 1)
     r = anon_client.post("/api/v1/subscriptions/x/enable",
                          headers={"Authorization": f"Bearer {tokens['viewer']}"})
     assert r.status_code == 403

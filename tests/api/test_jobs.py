@@ -264,10 +264,9 @@ def test_refresh_checks_everything_before_it_writes(client, sub, metadata_engine
     assert_problem(client.post(base), 422, "target_column_mismatch")
     assert _tables(client, sub["id"]) == before and _jobs(metadata_engine) == 0
     # An unreachable source: nothing changes either (and no password in the answer).
-    from pgsieve.platform.credentials import SecretBox
     from pgsieve.platform.models import Source
 
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     with Session(metadata_engine) as session:
         source = session.get(Source, sub["source_id"])
         assert source is not None

@@ -13,7 +13,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session
 
 from pgsieve.monitoring.observe import sample_all
-from pgsieve.platform.credentials import SecretBox
 from pgsieve.platform.metrics import record_batch
 from pgsieve.platform.models import (
     ConsumerLock,
@@ -85,7 +84,7 @@ def world(client, source_db: Database, target_db: Database, metadata_engine,
         for seconds, changes in ((0.03, 1), (0.3, 50), (3.0, 900), (200.0, 283)):
             record_batch(session, sub.id, seconds, changes)
             session.commit()
-        assert sample_all(session, SecretBox(settings.effective_secret_key())) == {
+        assert sample_all(session, settings.secret_box()) == {
             "sources": 1, "subscriptions": 1, "pruned": 0}
         progress = session.query(ProgressSample).one()
         source_sample = session.query(SourceSample).one()

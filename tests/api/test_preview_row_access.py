@@ -73,11 +73,17 @@ def test_column_choices_that_are_refused(client, source_id):
         assert SSN not in r.text
 
 
-def test_a_viewer_gets_counts_without_rows(anon_client, source_id, metadata_engine):
+def test_a_viewer_gets_counts_without_rows(client, anon_client, source_id, metadata_engine):
+    """Issue 54 narrowed this: a viewer previews only what a stored publication publishes
+    (tests/api/test_viewer_row_data.py); its counts, still without rows."""
     tokens = make_tokens(metadata_engine)
+    stored = client.post(f"/api/v1/sources/{source_id}/publications", json={
+        "name": "pub_eu", "tables": [{"table": "public.people", "where": "region = 'eu'"}],
+        "publish": ["insert"]})
+    assert stored.status_code == 201, stored.text
     for role, rows in (("viewer", 0), ("operator", 4), ("admin", 4)):
         r = _preview(anon_client, source_id, {"Authorization": f"Bearer {tokens[role]}"},
-                     **EU, sample_size=4)
+                     table="public.people", publication="pub_eu", sample_size=4)
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["matching_rows"] == 25, role
@@ -86,3 +92,7 @@ def test_a_viewer_gets_counts_without_rows(anon_client, source_id, metadata_engi
         assert withheld is (role == "viewer")
         if role == "viewer":
             assert SSN not in r.text
+    # a filter of its own choosing is an operator's
+    r = _preview(anon_client, source_id, {"Authorization": f"Bearer {tokens['viewer']}"},
+                 **EU)
+    assert_problem(r, 403, "forbidden")

@@ -16,7 +16,6 @@ from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from pgsieve.monitoring.observe import sample_all
-from pgsieve.platform.credentials import SecretBox
 from pgsieve.platform.models import (
     ConsumerLock,
     ProgressSample,
@@ -243,7 +242,7 @@ def test_counters_and_sync_state_per_table(client, sub, metadata_engine):
 
 
 def test_unreachable_source_is_reported_in_the_body(client, settings, sub, metadata_engine):
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     dead = f"postgresql://pgsieve_pw:s3cret-pw@127.0.0.1:{free_port()}/nowhere"
     with Session(metadata_engine) as session:
         session.execute(update(Source).values(dsn_encrypted=box.encrypt(dead)))
@@ -269,7 +268,7 @@ def test_unknown_subscription(client):
 
 def test_history_is_sampled_bounded_and_pruned(client, settings, sub, source_db,
                                                metadata_engine):
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     old = datetime.now(UTC) - timedelta(hours=25)
     with Session(metadata_engine) as session:
         session.add(ProgressSample(subscription_id=sub["id"], sampled_at=old, lag_bytes=1,

@@ -16,7 +16,6 @@ import pytest
 from sqlalchemy.orm import Session
 
 from pgsieve.monitoring.observe import sample_all
-from pgsieve.platform.credentials import SecretBox
 from pgsieve.platform.models import (
     ConsumerLock,
     Job,
@@ -151,7 +150,7 @@ def test_a_slot_used_between_reads_is_not_reported_inactive(
 
 
 def test_health_of_an_unreachable_source(client, settings, source_id, metadata_engine):
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     with Session(metadata_engine) as session:
         source = session.get(Source, source_id)
         assert source is not None
@@ -214,7 +213,7 @@ def test_projection_warnings_and_invalidation(client, settings, tight_wal, metad
     assert [w["code"] for w in fresh["warnings"]] == ["slot_orphaned"]
 
     # Two samples with WAL written between them give the recent WAL rate.
-    box = SecretBox(settings.effective_secret_key())
+    box = settings.secret_box()
     with Session(metadata_engine) as session:
         sample_all(session, box, force=True)
         _write_wal(db, 4)

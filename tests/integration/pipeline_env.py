@@ -128,19 +128,20 @@ def pipeline_env(tmp: Path, *, metadata_url: str | None = None,
     # A queue of its own: suites running side by side on one Redis never share tasks.
     queue = f"pgsieve-test-{uuid.uuid4().hex[:12]}"
     db_url = metadata_url or migrated_sqlite(tmp / "meta.db")
+    allowed_hosts = str(settings_over.pop("allowed_hosts", "127.0.0.1"))
     knobs = {"consume_cycle_seconds": 8.0, "consumer_lease_seconds": 6.0,
              "consumer_heartbeat_seconds": 1.0, "restart_pipelines_seconds": 2.0,
              **settings_over}
     settings = Settings(home=tmp / "home", database_url=db_url, broker_url=broker,
                         api_token=TOKEN, secret_key="pipeline-test-secret",
-                        allowed_hosts="127.0.0.1",
+                        allowed_hosts=allowed_hosts,
                         celery_queue=queue, **knobs)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGSIEVE_")}
     env.update({
         "PGSIEVE_HOME": str(tmp / "home"), "PGSIEVE_DATABASE_URL": db_url,
         "PGSIEVE_BROKER_URL": broker, "PGSIEVE_API_TOKEN": TOKEN,
         "PGSIEVE_SECRET_KEY": "pipeline-test-secret", "PGSIEVE_CELERY_QUEUE": queue,
-        "PGSIEVE_ALLOWED_HOSTS": "127.0.0.1",
+        "PGSIEVE_ALLOWED_HOSTS": allowed_hosts,
         "PGSIEVE_SPARK_MASTER": os.environ.get("PGSIEVE_SPARK_MASTER", "local[2]"),
         # Small batches apply in the driver; a JVM per worker start would only cost CPU.
         "PGSIEVE_SPARK_WARMUP": "false",

@@ -16,8 +16,12 @@ from pgsieve.platform.connpolicy import (
     secure_conninfo,
 )
 
+#: Any host, so that the session's own settings can be read without a name resolving.
+ANY = ConnectionPolicy.parse("*")
+
 
 def _params(dsn: str, purpose: Purpose = Purpose.CONTROL, **kw: object) -> dict[str, str]:
+    kw.setdefault("policy", ANY)
     info = secure_conninfo(dsn, purpose=purpose, **kw)  # type: ignore[arg-type]
     return {k: str(v) for k, v in conninfo_to_dict(info).items()}
 
@@ -86,8 +90,9 @@ def test_sessions_refuse_what_the_policy_refuses_even_for_stored_dsns() -> None:
                 "host=h user=u sslkey=/k", "host=h user=u gssencmode=require", "host=h"):
         for purpose in Purpose:
             with pytest.raises(ConnectionNotAllowed):
-                secure_conninfo(dsn, purpose=purpose)
-    # allowed explicitly; and the hostaddr pinning check_dsn adds is fine
+                secure_conninfo(dsn, purpose=purpose, policy=ANY)
+    # allowed explicitly
     assert secure_conninfo("host=/tmp user=u", purpose=Purpose.STREAM,
-                           features=frozenset({"unix_socket"}))
-    assert secure_conninfo("host=h hostaddr=10.0.0.1 user=u", purpose=Purpose.STREAM)
+                           policy=ConnectionPolicy.parse("*", "unix_socket"))
+    assert secure_conninfo("host=h hostaddr=10.0.0.1 user=u", purpose=Purpose.STREAM,
+                           policy=ConnectionPolicy.parse("10.0.0.0/8", "hostaddr"))

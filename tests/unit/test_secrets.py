@@ -38,15 +38,19 @@ def test_credentials_stored_before_the_kdf_still_decrypt():
     assert box.is_current(box.rotate(legacy))
 
 
-def test_previous_keys_decrypt_and_only_the_current_one_encrypts():
-    old_token = SecretBox(OLD).encrypt(DSN)
+def test_previous_keys_decrypt_and_only_the_current_one_encrypts(tmp_path: Path):
+    url = f"sqlite:///{tmp_path / 'meta.db'}"
+    upgrade(url)
+    old_box = Settings(secret_key=OLD, database_url=url).secret_box()
+    old_token = old_box.encrypt(DSN)
     with pytest.raises(CredentialError):
-        SecretBox(NEW).decrypt(old_token)
-    settings = Settings(secret_key=NEW, secret_key_previous=f"unrelated-key-xxxxxxx, {OLD}")
+        Settings(secret_key=NEW, database_url=url).secret_box().decrypt(old_token)
+    settings = Settings(secret_key=NEW, secret_key_previous=f"unrelated-key-xxxxxxx, {OLD}",
+                        database_url=url)
     box = settings.secret_box()
     assert box.decrypt(old_token) == DSN
     with pytest.raises(CredentialError):
-        SecretBox(OLD).decrypt(box.encrypt(DSN))
+        old_box.decrypt(box.encrypt(DSN))
 
 
 def _store(url: str, box: SecretBox) -> None:
@@ -60,8 +64,9 @@ def _store(url: str, box: SecretBox) -> None:
 
 def test_secrets_rotate_re_encrypts_every_dsn(tmp_path: Path, monkeypatch):
     url = f"sqlite:///{tmp_path / 'meta.db'}"
-    upgrade(url)
+    upgrade(url, "0008")  # credentials stored before the per-install salt
     _store(url, SecretBox(OLD))
+    upgrade(url)
     monkeypatch.setenv("PGSIEVE_DATABASE_URL", url)
     monkeypatch.setenv("PGSIEVE_SECRET_KEY", NEW)
     runner = CliRunner()
@@ -80,7 +85,7 @@ def test_secrets_rotate_re_encrypts_every_dsn(tmp_path: Path, monkeypatch):
         assert "re-encrypted 0 of 2" in r.output
     finally:
         get_settings.cache_clear()
-    only_new = SecretBox(NEW)
+    only_new = Settings(secret_key=NEW, database_url=url).secret_box()
     with Session(engine_for(url)) as session:
         rows = [*session.query(Source), *session.query(Target)]
         assert [only_new.decrypt(r.dsn_encrypted) for r in rows] == [DSN, DSN]

@@ -17,7 +17,7 @@ router = APIRouter(prefix="/audit", tags=["audit"])
 def _out(event: AuditEvent) -> dict[str, Any]:
     return {c: getattr(event, c) for c in (
         "id", "at", "actor", "role", "method", "route", "path", "resource_type",
-        "resource_id", "request_id", "status", "client")}
+        "resource_id", "request_id", "status", "client", "count")}
 
 
 @router.get("", response_model=AuditPage)

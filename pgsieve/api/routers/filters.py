@@ -13,6 +13,7 @@ from psycopg.rows import tuple_row
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from pgsieve.api import rowdata
 from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
 from pgsieve.api.schemas.filters import (
     IMAGES_KEPT_PER_TABLE,
@@ -20,9 +21,9 @@ from pgsieve.api.schemas.filters import (
     FilterPreviewResponse,
 )
 from pgsieve.api.schemas.publications import AnyPublicationName
-from pgsieve.platform.errors import ErrorCode, Unprocessable, Unreachable
+from pgsieve.platform.errors import ErrorCode, PgsieveError, Unprocessable, Unreachable
 from pgsieve.platform.lookups import load_source, load_subscription, source_connection
-from pgsieve.platform.models import Subscription, UpdateImage
+from pgsieve.platform.models import Publication, Subscription, UpdateImage
 from pgsieve.publications.catalog import (
     catalog_snapshot,
     read_live_publications,
@@ -31,7 +32,13 @@ from pgsieve.publications.catalog import (
 )
 from pgsieve.rowfilter.catalog import SourceConnectionError, read_table_facts
 from pgsieve.rowfilter.effective import effective_filters
-from pgsieve.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
+from pgsieve.rowfilter.parse import (
+    FilterParseError,
+    TableNameError,
+    parse_filter,
+    parse_table_name,
+    quote_qualified,
+)
 from pgsieve.rowfilter.preview import (
     SAMPLE_COUNT_TIMEOUT_MS,
     FilterPreview,
@@ -39,6 +46,7 @@ from pgsieve.rowfilter.preview import (
 )
 from pgsieve.rowfilter.rules import normalize_publish
 from pgsieve.rowfilter.updates import RowImages, evaluate_updates
+from pgsieve.security.tokens import Principal
 
 router = APIRouter(tags=["row filters"])
 
@@ -182,6 +190,68 @@ def _sample_columns(conn: psycopg.Connection[Any], body: FilterPreviewRequest) -
     return list(dict.fromkeys(body.columns))
 
 
+def _needs_operator(principal: Principal, why: str) -> PgsieveError:
+    return PgsieveError(
+        f"{why}: that needs the 'operator' role; token '{principal.name}' has "
+        f"'{principal.role.name}'. A viewer may preview what a stored publication publishes: "
+        "name it in `publication` and leave `where` out",
+        code=ErrorCode.FORBIDDEN, status=403, title="Forbidden", required_role="operator",
+        role=principal.role.name)
+
+
+def _with_stored_filter(session: Session, source_id: str, body: FilterPreviewRequest,
+                        principal: Principal) -> FilterPreviewRequest:
+    """The request to run: as given (operator and up, with ``where``), or with the filter,
+    ``publish`` and ``publish_via_partition_root`` of the publication pgsieve stores for
+    the source under ``publication`` — the only preview a viewer may run: what is
+    published already, not a filter of its choosing (which could read any column of any
+    table, a comparison at a time)."""
+    viewer = not may_see_rows(principal)
+    if body.where is not None and not viewer:
+        return body
+    if body.publication is None:
+        if viewer:
+            raise _needs_operator(principal, "previewing a new filter")
+        raise Unprocessable("give `where`, or name a stored publication in `publication`",
+                            code=ErrorCode.VALIDATION_ERROR, field="where")
+    pub = session.scalar(select(Publication).where(Publication.source_id == source_id,
+                                                   Publication.name == body.publication))
+    if pub is None:
+        raise Unprocessable(f"pgsieve stores no publication '{body.publication}' for this "
+                            "source", code=ErrorCode.PUBLICATION_NOT_FOUND, field="publication")
+    try:
+        wanted = quote_qualified(*parse_table_name(body.table))
+    except TableNameError as exc:
+        raise Unprocessable(str(exc), code=ErrorCode.INVALID_TABLE_NAME, field="table") from None
+    entry = next((t for t in pub.tables if _canonical(t.table_name) == wanted), None)
+    if entry is None and not (pub.all_tables or parse_table_name(body.table)[0] in pub.schemas):
+        raise Unprocessable(f"publication '{pub.name}' does not publish {body.table}",
+                            code=ErrorCode.TABLE_NOT_IN_PUBLICATION, field="table")
+    stored = entry.where if entry is not None else None
+    if viewer and body.where is not None and not _same_filter(body.where, stored):
+        raise _needs_operator(principal, "previewing a filter the publication does not have")
+    return body.model_copy(update={
+        "where": stored or "true", "publish": list(pub.publish),
+        "publish_via_partition_root": pub.publish_via_partition_root})
+
+
+def _same_filter(given: str, stored: str | None) -> bool:
+    """Whether ``given`` is ``stored`` as PostgreSQL's grammar reads them."""
+    if stored is None:
+        return False
+    try:
+        return parse_filter(given).normalized == parse_filter(stored).normalized
+    except FilterParseError:
+        return False
+
+
+def _canonical(name: str) -> str | None:
+    try:
+        return quote_qualified(*parse_table_name(name))
+    except TableNameError:
+        return None
+
+
 def _only(columns: list[str] | None, image: Any) -> Any:
     if columns is None or not isinstance(image, dict):
         return image
@@ -204,14 +274,19 @@ def filter_preview(
     warning. With ``subscription_id``: ``update_transformations``, Table 31.1 over the
     subscription's recent UPDATEs of the table, evaluated by PostgreSQL. Read-only.
 
-    Row data (``sample``, the UPDATE examples) is for operator and admin tokens; a viewer
-    gets the counts and a ``sample_withheld`` warning. With ``publication`` (or
-    ``columns``) the rows carry only the published (or named) columns; without either,
-    every column, as a publication without a column list would send them."""
+    A filter of the caller's choosing (``where``) needs an operator or admin token. A
+    viewer may preview only a stored publication's own filter for a table it publishes
+    (``publication``, no ``where``), and gets its counts alone: no sample rows, no UPDATE
+    examples (a ``sample_withheld`` warning says so), no PostgreSQL message that could
+    quote a value, and no dry run on the source. With ``publication`` (or ``columns``)
+    the rows carry only the published (or named) columns; without either, every column,
+    as a publication without a column list would send them."""
     rows_allowed = may_see_rows(principal)
+    source = load_source(session, source_id)
+    body = _with_stored_filter(session, source.id, body, principal)
     if not rows_allowed:
         body = body.model_copy(update={"sample_size": 0, "examples": 0})
-    source = load_source(session, source_id)
+    assert body.where is not None
     sub: Subscription | None = None
     if body.subscription_id is not None:
         sub = load_subscription(session, body.subscription_id)
@@ -221,7 +296,7 @@ def filter_preview(
                 code=ErrorCode.SUBSCRIPTION_SOURCE_MISMATCH)
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         try:
-            columns = _sample_columns(conn, body)
+            columns = _sample_columns(conn, body) if rows_allowed else None
             preview = preview_filter(
                 conn,
                 body.table,
@@ -235,6 +310,7 @@ def filter_preview(
                 count_timeout_ms=min(1500, settings.statement_timeout_ms),
                 sample_timeout_ms=min(SAMPLE_COUNT_TIMEOUT_MS, settings.statement_timeout_ms),
                 columns=columns,
+                dry_run=rows_allowed,
             )
             updates = (_update_transformations(conn, session, sub, body, preview)
                        if sub is not None else None)
@@ -250,6 +326,7 @@ def filter_preview(
     out = {**preview.as_dict(), "update_transformations": updates,
            "sample_columns": columns}
     if not rows_allowed:
+        out = rowdata.preview(out)
         out["warnings"] = [*out["warnings"], {
             "code": "sample_withheld",
             "message": f"sample rows are shown to operator and admin tokens; token "

@@ -25,7 +25,8 @@ from psycopg.rows import tuple_row
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
+from pgsieve.api import rowdata
+from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
 from pgsieve.api.schemas.jobs import (
     JobOut,
     RefreshRequest,
@@ -41,6 +42,7 @@ from pgsieve.platform.models import Job, Subscription, SubscriptionTable, SyncPa
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SyncState
 from pgsieve.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
+from pgsieve.security.tokens import Principal
 from pgsieve.subscriptions.service import published_relations
 from pgsieve.sync.syncjob import active_sync_job, add_sync_job, initial_sync_pending
 from pgsieve.sync.tablesync import drop_sync_slot
@@ -240,21 +242,27 @@ def _drop_sync_slots(settings: Settings, source_dsn: str, slots: list[str]) -> N
         drop_sync_slot(source_dsn, slot, settings, wait=0)
 
 
+def _as_seen_by(principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    return body if may_see_rows(principal) else rowdata.job(body)
+
+
 @router.get("/jobs", response_model=list[JobOut])
-def list_jobs(session: SessionDep,
+def list_jobs(session: SessionDep, principal: PrincipalDep,
               subscription_id: str | None = Query(default=None, max_length=64)
               ) -> list[dict[str, Any]]:
+    """The newest 200 jobs; a viewer token gets no row data (errors and checksums
+    withheld)."""
     query = select(Job).order_by(Job.created_at.desc()).limit(200)
     if subscription_id is not None:
         query = query.where(Job.subscription_id == subscription_id)
-    return [job_out(session, j) for j in session.scalars(query)]
+    return [_as_seen_by(principal, job_out(session, j)) for j in session.scalars(query)]
 
 
 @router.get("/jobs/{job_id}", response_model=JobOut)
-def get_job(job_id: str, session: SessionDep) -> dict[str, Any]:
+def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """State, rows done / estimated total per table (as partitions finish), the verify
-    result when asked for."""
+    result when asked for; a viewer token gets no row data (see the list)."""
     job = session.get(Job, job_id)
     if job is None:
         raise NotFound(f"no job with id '{job_id}'", code=ErrorCode.JOB_NOT_FOUND)
-    return job_out(session, job)
+    return _as_seen_by(principal, job_out(session, job))

@@ -7,7 +7,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
+from pgsieve.api import rowdata
+from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
 from pgsieve.api.schemas.progress import ProgressHistory, ProgressOut, SourceHealthOut
 from pgsieve.monitoring import observe
 from pgsieve.monitoring.progress import HISTORY_RESOLUTION, HISTORY_RETENTION
@@ -22,15 +23,18 @@ MAX_POINTS = int(HISTORY_RETENTION / HISTORY_RESOLUTION) * 2
 
 @router.get("/subscriptions/{subscription_id}/progress", response_model=ProgressOut)
 def subscription_progress(
-    subscription_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+    subscription_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep,
+    principal: PrincipalDep,
 ) -> dict[str, Any]:
     """Source (live), received and applied LSNs, lag in bytes and seconds, per-table
     counters and sync state, and whether a consumer is running. A source that cannot be
-    reached is reported in the body (``source_reachable: false``), not as an error."""
+    reached is reported in the body (``source_reachable: false``), not as an error. A
+    viewer token gets no row data (errors and missing rows' keys withheld)."""
     sub = load_subscription(session, subscription_id)
-    return observe.observe_subscription(
+    body = observe.observe_subscription(
         session, sub, box, connect_timeout=settings.connect_timeout,
         lease=timedelta(seconds=settings.consumer_lease_seconds))
+    return body if may_see_rows(principal) else rowdata.progress(body)
 
 
 @router.get("/subscriptions/{subscription_id}/progress/history",

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response, status
-from sqlalchemy import delete
+from fastapi import APIRouter, Query, Response, status
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
 
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
 from pgsieve.api.schemas.progress import SlotHealthOut
 from pgsieve.api.schemas.slots import SlotCreate, SlotOut
 from pgsieve.monitoring import observe
 from pgsieve.platform import pgserver
-from pgsieve.platform.errors import ErrorCode, NotFound
+from pgsieve.platform.errors import Conflict, ErrorCode, NotFound
 from pgsieve.platform.lookups import load_source, source_connection
-from pgsieve.platform.models import Slot
+from pgsieve.platform.models import Slot, Subscription, SubscriptionTable
 from pgsieve.platform.settings import Settings
 
 router = APIRouter(prefix="/sources/{source_id}/slots", tags=["slots"])
@@ -76,12 +77,46 @@ def create_slot(
     return {**slot, "managed": True}
 
 
+def _user_of(session: Session, source_id: str, name: str) -> str | None:
+    """The subscription whose stream or table sync reads slot ``name``, if any."""
+    stream = session.scalar(select(Subscription.name).where(
+        Subscription.source_id == source_id, Subscription.slot_name == name))
+    if stream is not None:
+        return stream
+    return session.scalar(
+        select(Subscription.name).join(SubscriptionTable,
+                                       SubscriptionTable.subscription_id == Subscription.id)
+        .where(Subscription.source_id == source_id, SubscriptionTable.sync_slot == name))
+
+
 @router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
 def drop_slot(
-    source_id: str, name: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+    source_id: str, name: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep,
+    force: Annotated[bool, Query(
+        description="drop it even though pgsieve does not manage it (another tool's slot) "
+                    "or a subscription reads it (a disabled one's, say): that tool or "
+                    "subscription then cannot resume from where it was")] = False,
 ) -> Response:
+    """Drop a slot pgsieve created through this API and no subscription reads. Anything
+    else — a slot another tool made, one a subscription (enabled or not) reads — is
+    refused (409 ``slot_not_managed`` / ``slot_in_use``) unless ``force``: dropping it
+    would lose the WAL its owner has not consumed."""
     source = load_source(session, source_id)
     with source_connection(source, settings, box) as conn:
+        if pgserver.get_slot(conn, name) is None:
+            raise NotFound(f"no replication slot named '{name}'", code=ErrorCode.SLOT_NOT_FOUND)
+        if not force:
+            user = _user_of(session, source.id, name)
+            if user is not None:
+                raise Conflict(f"replication slot '{name}' is read by subscription '{user}'; "
+                               "delete the subscription, or pass force=true",
+                               code=ErrorCode.SLOT_IN_USE, subscription=user)
+            managed = session.scalar(select(Slot.id).where(Slot.source_id == source.id,
+                                                            Slot.name == name))
+            if managed is None:
+                raise Conflict(f"pgsieve did not create replication slot '{name}' (another "
+                               "tool's?); pass force=true to drop it anyway",
+                               code=ErrorCode.SLOT_NOT_MANAGED)
         pgserver.drop_slot(conn, name)
     session.execute(delete(Slot).where(Slot.source_id == source.id, Slot.name == name))
     session.commit()

@@ -13,7 +13,8 @@ from fastapi import APIRouter, Query, Response, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
+from pgsieve.api import rowdata
+from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
 from pgsieve.api.schemas.subscriptions import (
     SkipRequest,
     SubscriptionCreate,
@@ -21,10 +22,12 @@ from pgsieve.api.schemas.subscriptions import (
     SubscriptionOut,
     SubscriptionPatch,
 )
+from pgsieve.apply.batcher import MAX_BATCH_BYTES, MAX_BATCH_CHANGES
 from pgsieve.platform.lookups import load_subscription
 from pgsieve.platform.models import Subscription
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
+from pgsieve.security.tokens import Principal
 from pgsieve.subscriptions import service
 from pgsieve.wire.lsn import format_lsn
 
@@ -43,6 +46,7 @@ def subscription_out(session: Session, sub: Subscription, settings: Settings
         "name": sub.name,
         "state": sub.state,
         "error": sub.error,
+        "error_code": sub.error_code,
         "source_id": sub.source_id,
         "target_id": sub.target_id,
         "publications": list(sub.publications),
@@ -96,16 +100,25 @@ def create_subscription(
     return subscription_out(session, sub, settings)
 
 
+def _as_seen_by(principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
+    return body if may_see_rows(principal) else rowdata.subscription(body)
+
+
 @router.get("", response_model=list[SubscriptionOut])
-def list_subscriptions(session: SessionDep, settings: SettingsDep) -> list[dict[str, Any]]:
+def list_subscriptions(session: SessionDep, settings: SettingsDep, principal: PrincipalDep
+                       ) -> list[dict[str, Any]]:
+    """Every subscription; a viewer token gets no row data (errors, conflict and missing
+    rows' keys withheld)."""
     subs = session.scalars(select(Subscription).order_by(Subscription.created_at))
-    return [subscription_out(session, s, settings) for s in subs]
+    return [_as_seen_by(principal, subscription_out(session, s, settings)) for s in subs]
 
 
 @router.get("/{subscription_id}", response_model=SubscriptionOut)
-def get_subscription(subscription_id: str, session: SessionDep, settings: SettingsDep
-                     ) -> dict[str, Any]:
-    return subscription_out(session, load_subscription(session, subscription_id), settings)
+def get_subscription(subscription_id: str, session: SessionDep, settings: SettingsDep,
+                     principal: PrincipalDep) -> dict[str, Any]:
+    """The subscription; a viewer token gets no row data (see the list)."""
+    return _as_seen_by(principal, subscription_out(
+        session, load_subscription(session, subscription_id), settings))
 
 
 @router.patch("/{subscription_id}", response_model=SubscriptionOut)
@@ -117,7 +130,12 @@ def patch_subscription(
     next cycle; an errored pipeline still needs ``…/enable``."""
     sub = load_subscription(session, subscription_id)
     changes = body.options.model_dump(exclude_none=True)
-    sub.options = SubscriptionOptions(**{**sub.options, **changes}).model_dump()
+    stored = {**sub.options}  # (values stored before the bounds: clamped, as streams do)
+    for key, bound in (("batch_max_changes", MAX_BATCH_CHANGES),
+                       ("batch_max_bytes", MAX_BATCH_BYTES)):
+        if key in stored:
+            stored[key] = min(int(stored[key]), bound)
+    sub.options = SubscriptionOptions(**{**stored, **changes}).model_dump()
     session.commit()
     return subscription_out(session, sub, settings)
 

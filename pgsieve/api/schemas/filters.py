@@ -19,8 +19,11 @@ IMAGES_KEPT_PER_TABLE = UPDATE_IMAGE_WINDOW
 
 class FilterPreviewRequest(StrictModel):
     table: Annotated[str, NoNul] = Field(min_length=1, max_length=300, description="schema.name")
-    where: Annotated[str, NoNul] = Field(max_length=65536,
-                                         description="the candidate WHERE expression")
+    where: Annotated[str, NoNul] | None = Field(
+        default=None, max_length=65536,
+        description="the candidate WHERE expression (operator and admin tokens); omitted: "
+                    "the filter the stored publication named in `publication` has for the "
+                    "table — all a viewer token may preview")
     publish: list[Operation] | None = Field(
         default=None, description="published operations (default: all four)"
     )
@@ -36,7 +39,9 @@ class FilterPreviewRequest(StrictModel):
     publication: Annotated[str, NoNul] | None = Field(
         default=None, min_length=1, max_length=63,
         description="a publication on the source that publishes the table: the sample shows "
-                    "only the columns it publishes (its column list)")
+                    "only the columns it publishes (its column list). Without `where`, a "
+                    "publication pgsieve stores for the source, whose filter (and publish "
+                    "list) for the table is the one previewed")
     columns: list[Annotated[str, NoNul]] | None = Field(
         default=None, min_length=1, max_length=1600,
         description="show only these columns in the sample (within the publication's "

@@ -51,6 +51,7 @@ class ProgressOut(BaseModel):
     state: str
     enabled: bool
     error: str | None
+    error_code: str | None = None
     observed_at: str
     source_reachable: bool
     source_error: str | None = Field(description="why the source's live position is missing")

@@ -41,8 +41,13 @@ class AuditEventOut(BaseModel):
     resource_type: str | None
     resource_id: str | None
     request_id: str
-    status: int
+    status: int | None = Field(
+        description="the answer's status; null: the change was recorded before it was made "
+                    "and its outcome could not be written")
     client: str | None
+    count: int = Field(
+        default=1, description="requests this record stands for: failed authentications "
+                               "are one record per route, client and minute")
 
 
 class AuditPage(BaseModel):

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pgsieve.api.schemas.common import Name, StrictModel
+from pgsieve.apply.batcher import MAX_BATCH_BYTES, MAX_BATCH_CHANGES
 from pgsieve.platform.states import SubscriptionState, SyncState
 
 PublicationName = Field(min_length=1, max_length=63)
@@ -22,8 +23,13 @@ class SubscriptionOptions(StrictModel):
         "native (as PostgreSQL: skip and count a missing row, pause on a duplicate key), "
         "error (pause the pipeline on both), skip the change, or upsert",
     )
-    batch_max_changes: int = Field(default=200_000, ge=1, le=10_000_000)
-    batch_max_bytes: int = Field(default=128 << 20, ge=1 << 10, le=4 << 30)
+    batch_max_changes: int = Field(
+        default=200_000, ge=1, le=MAX_BATCH_CHANGES,
+        description="changes a batch holds at most (a batch is held in the worker's memory)")
+    batch_max_bytes: int = Field(
+        default=128 << 20, ge=1 << 10, le=MAX_BATCH_BYTES,
+        description="WAL bytes a batch holds at most (decoded, several times this in the "
+                    "worker's memory)")
     batch_max_wait_ms: int = Field(default=500, ge=0, le=600_000)
     transport: Literal["auto", "sql", "walsender"] = Field(
         default="auto",
@@ -50,8 +56,8 @@ class SubscriptionOptionsPatch(StrictModel):
     """Options to change; those left out keep their value."""
 
     on_conflict: Literal["native", "error", "skip", "upsert"] | None = None
-    batch_max_changes: int | None = Field(default=None, ge=1, le=10_000_000)
-    batch_max_bytes: int | None = Field(default=None, ge=1 << 10, le=4 << 30)
+    batch_max_changes: int | None = Field(default=None, ge=1, le=MAX_BATCH_CHANGES)
+    batch_max_bytes: int | None = Field(default=None, ge=1 << 10, le=MAX_BATCH_BYTES)
     batch_max_wait_ms: int | None = Field(default=None, ge=0, le=600_000)
     transport: Literal["auto", "sql", "walsender"] | None = None
     binary: bool | None = None
@@ -89,8 +95,9 @@ class SubscriptionTableOut(BaseModel):
 
 class MissingRowOut(BaseModel):
     op: Literal["update", "delete"]
-    key: dict[str, Any] = Field(description="the row's key as text (REPLICA IDENTITY FULL "
-                                "without a target key: the old row)")
+    key: dict[str, Any] | None = Field(
+        description="the row's key as text (REPLICA IDENTITY FULL without a target key: the "
+        "old row); null for a viewer token (row data)")
     lsn: str = Field(description="commit LSN of the transaction the change belongs to")
     at: str = Field(description="when it was skipped")
 
@@ -100,6 +107,10 @@ class SubscriptionOut(BaseModel):
     name: str
     state: SubscriptionState
     error: str | None
+    error_code: str | None = Field(
+        default=None, description="the stable code of error when it has one: "
+        "connection_not_allowed (the connection policy refuses the source or target now; "
+        "the subscription resumes by itself once it allows them), sync_failed")
     source_id: str
     target_id: str
     publications: list[str]
@@ -117,7 +128,8 @@ class SubscriptionOut(BaseModel):
         description="the live consumer (owner, heartbeat), None when none runs"
     )
     conflict: dict[str, Any] | None = Field(
-        description="the conflict that stopped the pipeline: table, kind, key, commit_lsn"
+        description="the conflict that stopped the pipeline: table, kind, key, commit_lsn, "
+        "detail (key null and detail withheld for a viewer token: row data)"
     )
     tables: list[SubscriptionTableOut]
     missing_skipped: int = Field(description="sum of the tables' missing_skipped")
