@@ -146,6 +146,41 @@ def get_spark(settings: Settings) -> SparkSession:
         return session
 
 
+SPARK_GONE = (
+    "SparkContext was shut down",
+    "stopped SparkContext",
+    "SparkContext has been shutdown",
+    "Master removed our application",
+    "ExecutorLostFailure",
+)
+"""What Spark says when it is Spark that failed — its context stopped (a worker's warm
+shutdown stops the JVM, its shutdown hook the context, under a running job), the master
+removed the application, its executors were lost — rather than a batch's own data."""
+
+
+def spark_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is Spark itself failing, not
+    the work given to it: a later attempt — on a SparkSession started again, or on
+    another worker — gets past it, so a stream must retry rather than stop the
+    subscription with an error nobody can fix (issue 55: a warm shutdown of a worker in
+    the middle of a Spark apply left its subscription in ``error``)."""
+    try:
+        from py4j.protocol import Py4JNetworkError
+    except ImportError:  # pragma: no cover - pyspark brings py4j
+        return False
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, Py4JNetworkError):
+            return True
+        text = str(current)
+        if any(marker in text for marker in SPARK_GONE):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def _alive(session: SparkSession) -> bool:
     try:
         jsc = getattr(session.sparkContext, "_jsc", None)
