@@ -26,6 +26,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from pgsieve.platform.settings import Settings
@@ -179,6 +180,41 @@ def spark_unavailable(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+EXECUTOR_POLL_SECONDS = 0.25
+
+
+def executors_ready(spark: Any, wait: float = 0.0) -> bool:
+    """Whether the SparkSession's application has an executor to run tasks on, waiting
+    up to ``wait`` seconds for one. Local mode (tasks run in the driver's JVM) and Spark
+    Connect (the server's business) always have.
+
+    Why: Spark waits for executors without end — "Initial job has not accepted any
+    resources" — and a standalone master gives each application every core unless
+    ``spark.cores.max`` says otherwise, so the application of a second worker on the
+    same cluster gets none while the first lives (measured: its jobs still waiting after
+    90 s, the master showing it ``WAITING`` with 0 cores). A stream's apply or a sync's
+    copy sent to Spark then waited as long — issue 55: a resync waited on a stream
+    whose turn never ended. Callers ask first and do the work without Spark when no
+    executor comes."""
+    try:
+        sc = spark.sparkContext
+        if str(sc.master).startswith("local"):
+            return True
+        tracker = sc.statusTracker()
+    except Exception:  # Spark Connect: no SparkContext here
+        return True
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if len(tracker.getExecutorInfos()) > 1:  # (the driver is one of them)
+                return True
+        except Exception:  # a stopped context: the callers' own error says so
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(EXECUTOR_POLL_SECONDS)
 
 
 def _alive(session: SparkSession) -> bool:

@@ -69,7 +69,7 @@ from pgsieve.platform.models import (
 )
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SubscriptionState, SyncState
-from pgsieve.spark.session import job_group_report
+from pgsieve.spark.session import executors_ready, job_group_report
 from pgsieve.spark.sync import (
     CopyFailed,
     CopyPartition,
@@ -79,6 +79,7 @@ from pgsieve.spark.sync import (
     copy_partitions,
     ensure_marker_table,
     forget_markers,
+    local_task_slots,
     task_slots,
     warm_up,
 )
@@ -241,13 +242,19 @@ def claim(sessions: sessionmaker[Session], job_id: str, owner: str, lease: timed
 
 
 def renew_job(sessions: sessionmaker[Session], job_id: str, owner: str) -> bool:
-    """Heartbeat of a running job; False when it is no longer ours (or not running)."""
+    """Heartbeat of a running job; False when it is no longer ours (or not running) —
+    except when this runner ended it itself (its keeper's last beat may come after the
+    end): nothing to renew, nothing lost."""
     with sessions() as session:
         count = rowcount(session, update(Job).where(
             Job.id == job_id, Job.owner == owner, Job.state == "running")
             .values(heartbeat_at=utcnow()))
         session.commit()
-    return count == 1
+        if count == 1:
+            return True
+        ended = session.scalar(select(Job.id).where(
+            Job.id == job_id, Job.owner == owner, Job.state.not_in(ACTIVE_STATES)))
+    return ended is not None
 
 
 # -- the runner -----------------------------------------------------------------------------
@@ -757,15 +764,34 @@ class SyncJobRunner:
         started: list[Any] = []
 
         def spark() -> Any:
-            """The SparkSession, waited for only when something needs it: a resumed job
-            whose partitions left are one stream each (a table loaded by one ``COPY …
-            FREEZE``, piped by this process) copies again without waiting for a JVM."""
+            """The SparkSession (its JVM started, not its executors), waited for only
+            when something needs it: the ranges are piped by this process until Spark is
+            ready (``spark_when_ready``), and a local master's plan needs no JVM."""
             if not started:
-                if self._warming is not None:
-                    with self._timed("spark_start"):
-                        self._warming.join()
-                started.append(self._spark_factory())
+                with self._timed("spark_start"):
+                    started.append(self._spark_factory())
             return started[0]
+
+        def spark_when_ready() -> Any:
+            """Spark, once its warm-up is over and its application has an executor; None
+            until then (the ranges are piped by this process meanwhile)."""
+            if self._warming is not None and self._warming.is_alive():
+                return None
+            session = spark()
+            return session if executors_ready(session) else None
+
+        def slots() -> int:
+            """Task slots the ranges are planned for: a local master says it without a
+            JVM (a job's first copy starts at once), a cluster's Spark tells — once its
+            executors registered, ``PGSIEVE_SPARK_EXECUTOR_WAIT_SECONDS`` at most (an
+            application that gets none plans for what Spark says then)."""
+            local = local_task_slots(self.settings.spark_master)
+            if local is not None:
+                return local
+            session = spark()
+            with self._timed("spark_start"):
+                executors_ready(session, self.settings.spark_executor_wait_seconds)
+            return task_slots(session)
 
         copies: dict[str, TableCopy] = {}
         targets: dict[str, TargetTable] = {}
@@ -778,7 +804,7 @@ class SyncJobRunner:
                 copies[name] = table_copy(sources[name], targets[name])
                 with self._timed("prepare"):
                     freeze = self._prepare(ctx, snap, sources[name], targets[name], tgt,
-                                           lambda: task_slots(spark()))
+                                           slots)
                 copies[name] = replace(copies[name], freeze=freeze)
             partitions, done = self._partitions_to_copy(ctx, snap, names, tgt)
             request = CopyRequest(
@@ -790,10 +816,12 @@ class SyncJobRunner:
             self._record_copied(ctx, names, done)
             try:
                 with self._timed("copy"):
-                    # (one partition is piped by this process: no Spark job)
-                    copy_partitions(spark() if len(partitions) > 1 else None, request,
+                    # Piped by this process until Spark is ready, the ranges left then
+                    # by Spark's tasks (one partition: always here, no Spark job).
+                    copy_partitions(spark_when_ready(), request,
                                     on_progress=lambda c: self._record_copied(ctx, names, c),
-                                    job_group=self._group)
+                                    job_group=self._group,
+                                    spark_when_ready=spark_when_ready)
             except CopyFailed as exc:
                 raise _Retry(f"copy failed: {exc}") from None
             finally:
@@ -862,7 +890,8 @@ class SyncJobRunner:
         min_rows = IN_WORKER_MAX_ROWS if setting == "auto" else int(setting)
         if min_rows <= 0:
             return None
-        return SparkRanges(self._spark_factory, min_rows, self._group)
+        return SparkRanges(self._spark_factory, min_rows, self._group,
+                           self.settings.spark_executor_wait_seconds)
 
     def _diff_progress(self, ctx: _Context, name: str, staged: int) -> None:
         """Rows of the source compared so far (staged at the target), shown as the
