@@ -83,7 +83,7 @@ class Settings(BaseSettings):
         "itself (20,000,000 rows)",
     )
     spark_executor_wait_seconds: float = Field(
-        default=60.0, ge=0.0, le=3600.0,
+        default=15.0, ge=0.0, le=3600.0,
         description="a diff's Spark key ranges, and a copy's plan on a cluster (its task "
         "slots), wait this long for the worker's Spark application (its start, an "
         "executor), then compare at the target / plan for what Spark says; a copy's "

@@ -156,7 +156,7 @@ class SparkRanges:
     spark: Callable[[], Any]
     min_rows: int
     job_group: str | None = None
-    executor_wait: float = 60.0
+    executor_wait: float = 15.0
     """How long to wait for the application to have an executor; then the table is
     compared at the target instead (:func:`~pgsieve.spark.session.executors_ready`)."""
 

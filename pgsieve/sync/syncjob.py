@@ -365,6 +365,10 @@ class SyncJobRunner:
                 return RunOutcome("lost", str(exc))
             except _Retry as exc:
                 return self._retry(str(exc))
+            except psycopg.OperationalError as exc:
+                # A source or target that went away (restarted, a network cut): retried
+                # with a growing delay, as a failed copy is, not failed for good.
+                return self._retry(f"{type(exc).__name__}: {str(exc).strip()}")
             except SyncError as exc:
                 message = scrub_secrets(str(exc))
                 self._fail(message, exc.code)
