@@ -144,7 +144,7 @@ def one_seed(seed: int, dep: Deployment, client: TestClient, source: LocalCluste
         conn.execute(f"CREATE DATABASE {tgt_db}")
     with psycopg.connect(source.dsn(src_db), autocommit=True) as conn:
         conn.execute(SCHEMA)
-        conn.execute("INSERT INTO big SELECT n, n % 10, md5(n::text) "
+        conn.execute("INSERT INTO big SELECT n, n %% 10, md5(n::text) "
                      "FROM generate_series(1, %s) n", (args.rows,))
         conn.execute("CREATE PUBLICATION pk FOR TABLE big WHERE (grp < 5)")
     with psycopg.connect(target.dsn(tgt_db), autocommit=True) as conn:

@@ -17,10 +17,12 @@ the rows, and resumes after it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
 
+import psycopg
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -105,7 +107,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
         # refused from then on (RoutesChanged) — it never waits for this catch-up to end.
         epoch = writer.read_routes_epoch()
         if not _still_catching_up(sessions, subscription_id, table_name, slot):
-            writer.close()
+            _let_go(writer)
             return
         consumer = SlotConsumer(transport, proto_version=proto, resume_after=writer.applied_lsn())
         pending: list[Transaction] = []
@@ -147,7 +149,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
         _stop(sessions, subscription_id, table_name, str(exc))
         return
     except RoutesChanged:
-        writer.close()
+        _let_go(writer)
         log.info("subscription %s: %s left catchup during its catch-up (a resync)",
                  subscription_id, table_name)
         return
@@ -160,6 +162,17 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
     _mark_ready(sessions, subscription_id, table_name, slot, upto, settings, source_dsn)
     try:
         writer.forget()
+    finally:
+        writer.close()
+
+
+def _let_go(writer: TargetWriter) -> None:
+    """A catch-up that stopped because its table left ``catchup`` (a resync): its record
+    goes (the table's next catch-up, from another sync slot, starts from nothing), then
+    its connection."""
+    try:
+        with contextlib.suppress(psycopg.Error):
+            writer.forget()
     finally:
         writer.close()
 
