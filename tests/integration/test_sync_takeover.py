@@ -134,6 +134,13 @@ def _partitions(env: PipelineEnv, job_id: str) -> dict[int, tuple[str, Any]]:
                                         SyncPartition.table_name == "public.big"))}
 
 
+def _markers(target: Database) -> int:
+    """Ranges committed at the target (each with its marker row)."""
+    if target.query("SELECT to_regclass('pgsieve.sync_copied')")[0][0] is None:
+        return 0
+    return int(str(target.query("SELECT count(*) FROM pgsieve.sync_copied")[0][0]))
+
+
 def _sync_backends(target: Database) -> set[int]:
     """Target sessions copying rows in (a range's or a one-stream copy's COPY FROM STDIN)."""
     return {int(str(r[0])) for r in target.query(
@@ -159,7 +166,13 @@ def _watch_recovery(env: PipelineEnv, job_id: str, name: str, killed_at: float,
                     dead_owner: str | None, target: Database, stale: set[int],
                     worker: subprocess.Popen[bytes]) -> Recovery:
     """From the kill: when the new worker is up, when its runner holds the job (or the
-    job ended), when rows flow into the target again (a COPY of its own)."""
+    job ended), when rows flow into the target again (a COPY of its own, or a range
+    committed since the kill)."""
+    # The killed worker's last COPYs end (rolled back, or committed if their COMMIT was
+    # already sent) before the ranges committed are counted.
+    wait_until(lambda: not _sync_backends(target) & stale, 10,
+               "the killed worker's COPYs to end", env, interval=0.02)
+    committed = _markers(target)
     wait_until(lambda: _ready(env, name) or worker.poll() is not None, 120,
                f"worker {name} to be up", env, interval=0.05)
     recovery = Recovery(killed_at, time.monotonic())
@@ -173,7 +186,8 @@ def _watch_recovery(env: PipelineEnv, job_id: str, name: str, killed_at: float,
                 or (job.owner is not None and job.owner != dead_owner
                     and job.state == "running")):
             recovery.taken_at = now
-        if recovery.copying_at is None and _sync_backends(target) - stale:
+        if recovery.copying_at is None and (_sync_backends(target) - stale
+                                            or _markers(target) > committed):
             recovery.copying_at = now
         if job.state in ("done", "failed") or worker.poll() is not None:
             break
