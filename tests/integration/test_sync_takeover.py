@@ -168,11 +168,7 @@ def _watch_recovery(env: PipelineEnv, job_id: str, name: str, killed_at: float,
     """From the kill: when the new worker is up, when its runner holds the job (or the
     job ended), when rows flow into the target again (a COPY of its own, or a range
     committed since the kill)."""
-    # The killed worker's last COPYs end (rolled back, or committed if their COMMIT was
-    # already sent) before the ranges committed are counted.
-    wait_until(lambda: not _sync_backends(target) & stale, 10,
-               "the killed worker's COPYs to end", env, interval=0.02)
-    committed = _markers(target)
+    committed = 0
     wait_until(lambda: _ready(env, name) or worker.poll() is not None, 120,
                f"worker {name} to be up", env, interval=0.05)
     recovery = Recovery(killed_at, time.monotonic())
@@ -186,8 +182,12 @@ def _watch_recovery(env: PipelineEnv, job_id: str, name: str, killed_at: float,
                 or (job.owner is not None and job.owner != dead_owner
                     and job.state == "running")):
             recovery.taken_at = now
-        if recovery.copying_at is None and (_sync_backends(target) - stale
-                                            or _markers(target) > committed):
+            committed = _markers(target)
+        # Only the new runner's copying: the killed worker's Spark Python workers sit in
+        # a process group of their own (PySpark's daemon) and may commit the range they
+        # were copying after the kill (its marker makes it copied once all the same).
+        if recovery.copying_at is None and recovery.taken_at is not None and (
+                _sync_backends(target) - stale or _markers(target) > committed):
             recovery.copying_at = now
         if job.state in ("done", "failed") or worker.poll() is not None:
             break
