@@ -12,8 +12,9 @@ never finished. Two causes, both here:
   makes that happen on purpose: another application holds the cluster's cores).
 
 Each case ends with the target equal to a native subscription's (``copy_data`` for the
-resynced table, streaming for the other). Why ~2 minutes: a cluster, a worker and its
-Spark application per case, and a 300,000-row table copied under a steady workload.
+resynced table, streaming for the other). Why ~80 s (two minutes and more on a loaded
+machine): a cluster, a worker and its Spark application per case, and a 300,000-row
+table copied under a steady workload.
 """
 
 from __future__ import annotations

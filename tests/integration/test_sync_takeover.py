@@ -11,8 +11,9 @@ same snapshot where it survived, no partition copied twice.
 Each seed picks the moment (:class:`Plan`); the seed is in the test id, so a failure
 replays. ``make test`` runs two seeds (a kill in the Spark ranges, one at the hand-over,
 beat killed and replaced too); ``make test-slow`` runs ``PGSIEVE_TEST_CHAOS_RUNS`` of them.
-Why two seeds cost ~90 s: each starts two or three workers, each a Spark JVM, around a
-150,000-row copy under writes — the faults this file is about are in that copy.
+Why two seeds cost ~50 s (twice that on a loaded machine): each starts two or three
+workers, each a Spark JVM, around a 150,000-row copy under writes — the faults this file
+is about are in that copy.
 ``bench/sync_kill_bench.py`` measures the recovery these tests only bound loosely.
 """
 
