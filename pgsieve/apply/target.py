@@ -290,22 +290,25 @@ class TargetWriter:
         ensure_applied_schema(self.conn)
         self._drop_staging(others_only=True)
 
-    def read_routes_epoch(self) -> int:
-        """The routes epoch of this writer's record, read *before* the routes are read
-        from the metadata store (a batch carries it, :attr:`ApplyBatch.routes_epoch`).
-        The record is created first if missing: a fence must find it to move it, or a
-        record created later would start at an epoch the fence never moved."""
+    def read_routes_epoch(self, *, create: bool = False) -> int:
+        """The routes epoch of this writer's record (0 while it has none), read *before*
+        the routes are read from the metadata store (a batch carries it,
+        :attr:`ApplyBatch.routes_epoch`). A stream's record needs no creating: the fence
+        creates it when missing (:func:`fence_routes`), and a merge that created it
+        before committed before the fence. A table catch-up's record (``create``) is
+        created here, before its table's state is read: the fence moves only the
+        catch-up records it finds, and one created after it would start at an epoch the
+        fence never moved."""
         query = (f"SELECT routes_epoch FROM {SCHEMA}.{APPLIED_TABLE} "
                  "WHERE subscription_id = %s")
         row = self.conn.execute(query, (self.subscription_id,)).fetchone()
-        if row is None:
+        if row is None and create:
             self.conn.execute(
                 f"INSERT INTO {SCHEMA}.{APPLIED_TABLE} (subscription_id, end_lsn) "
                 "VALUES (%s, '0/0') ON CONFLICT (subscription_id) DO NOTHING",
                 (self.subscription_id,))
             row = self.conn.execute(query, (self.subscription_id,)).fetchone()
-        assert row is not None
-        return int(row[0])
+        return 0 if row is None else int(row[0])
 
     def applied_lsn(self) -> Lsn | None:
         """The end LSN of the last transaction applied for this subscription (None: none),

@@ -105,7 +105,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
         # The epoch first, then the table's state again: a resync that takes the table
         # out of catchup meanwhile fences this writer's record too, and its batches are
         # refused from then on (RoutesChanged) — it never waits for this catch-up to end.
-        epoch = writer.read_routes_epoch()
+        epoch = writer.read_routes_epoch(create=True)
         if not _still_catching_up(sessions, subscription_id, table_name, slot):
             _let_go(writer)
             return
