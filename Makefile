@@ -36,9 +36,11 @@ test: deps
 	$(BIN)/mypy
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
-# The randomized fault-injection runs at full size (make test runs 6 chosen seeds).
+# The randomized fault-injection runs at full size (make test runs 6 chosen seeds of the
+# pipeline's, 2 of the initial copy's kills).
 test-slow: deps
 	PGSIEVE_TEST_CHAOS_RUNS=24 $(BIN)/pytest tests/integration/test_pipeline_faults.py
+	PGSIEVE_TEST_CHAOS_RUNS=16 $(BIN)/pytest tests/integration/test_sync_takeover.py
 
 # Re-resolve the lock after changing pyproject.toml's pins (or scripts/uv.in's).
 # requirements-runtime.lock (no dev extra) is what the production image installs. Every

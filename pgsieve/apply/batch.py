@@ -63,6 +63,12 @@ class ApplyBatch:
     """By source table; changes of tables without a route are skipped (and counted)."""
     on_conflict: ConflictPolicy = DEFAULT_CONFLICT_POLICY
     skip_lsn: Lsn | None = None
+    routes_epoch: int | None = None
+    """The target's routes epoch (``pgsieve.applied.routes_epoch``) read before
+    ``routes`` were: the merge commits only while the target's record still holds it, so
+    a batch planned before a resync took a table out of the stream is never committed
+    after that resync's fence (:class:`RoutesChanged`). None: not checked (callers that
+    do not read routes from the metadata store)."""
 
     @property
     def end_lsn(self) -> Lsn:
@@ -189,6 +195,20 @@ class ApplyFenced(RuntimeError):
         super().__init__(
             f"subscription {subscription_id}: the target's applied LSN is {found}, not "
             f"{expected} as when this batch was planned — another consumer applied it")
+        self.expected = expected
+        self.found = found
+
+
+class RoutesChanged(RuntimeError):
+    """The subscription's routes changed after this batch's were read: a sync job took a
+    table out of the stream and fenced the target (it moved the record's routes epoch,
+    :func:`pgsieve.apply.target.fence_routes`). Nothing was committed; read the routes
+    again and apply the batch under them."""
+
+    def __init__(self, subscription_id: str, expected: int | None, found: int | None) -> None:
+        super().__init__(
+            f"subscription {subscription_id}: the target's routes epoch is {found}, not "
+            f"{expected} as when this batch's routes were read — a sync job changed them")
         self.expected = expected
         self.found = found
 

@@ -23,7 +23,8 @@ for that COMMIT's round trip (the target's backend woken on a machine busy decod
 flush), a quarter of a turn, and each of the worker's two runner threads runs ~20 turns
 of a burst one after another (bench/RESULTS.md, thirty-first session).
 
-Anything unexpected ends as the direct path's does: the fence moved → ``ApplyFenced``;
+Anything unexpected ends as the direct path's does: the fence moved → ``ApplyFenced``
+(its routes epoch moved → ``RoutesChanged``);
 a row missing or present, a value the target refuses → :class:`.direct.DirectMismatch`
 after the ROLLBACK (the batch is merged again through staging, which judges it); any
 other error → ROLLBACK and the error. So this changes how many round trips and Python
@@ -42,7 +43,7 @@ from psycopg import errors, generators
 from psycopg.pq import DiagnosticField, ExecStatus
 from psycopg.pq.abc import PGresult
 
-from pgsieve.apply.batch import ApplyBatch, ApplyFenced
+from pgsieve.apply.batch import ApplyBatch, ApplyFenced, RoutesChanged
 from pgsieve.apply.direct import DirectMismatch, DirectTable
 from pgsieve.apply.net_effect import mask_positions
 from pgsieve.apply.plan import BatchPlan, TablePlan
@@ -233,7 +234,12 @@ def merge_as_script(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
             continue
         except _FenceMoved:
             _rollback(conn)
-            raise ApplyFenced(batch.subscription_id, expected, writer.applied_lsn()) from None
+            found, epoch = writer.routes_record()
+            if found == expected and batch.routes_epoch is not None \
+                    and epoch != batch.routes_epoch:
+                raise RoutesChanged(batch.subscription_id, batch.routes_epoch,
+                                    epoch) from None
+            raise ApplyFenced(batch.subscription_id, expected, found) from None
         except BaseException:
             _rollback(conn)
             raise
@@ -251,14 +257,17 @@ def _build(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
         commit_lsn = "NULL" if batch.commit_lsn is None else literal(str(batch.commit_lsn))
         commit_time = ("NULL" if batch.commit_time is None
                        else literal(batch.commit_time.isoformat()))
+        epoch = "NULL" if batch.routes_epoch is None else str(int(batch.routes_epoch))
         script.add(f"EXECUTE {writer.record_statement()}({literal(str(expected))}, "
-                   f"{literal(str(batch.end_lsn))}, {commit_lsn}, {commit_time})")
+                   f"{literal(str(batch.end_lsn))}, {commit_lsn}, {commit_time}, {epoch})")
         recorded = batch.end_lsn
     else:
+        same_routes = ("" if batch.routes_epoch is None
+                       else f" AND routes_epoch = {int(batch.routes_epoch)}")
         script.add(expect_rows(
             f"SELECT 1 FROM {SCHEMA}.{APPLIED_TABLE} "
             f"WHERE subscription_id = {literal(writer.subscription_id)} "
-            f"AND end_lsn = {literal(str(expected))} FOR UPDATE", 1))
+            f"AND end_lsn = {literal(str(expected))}{same_routes} FOR UPDATE", 1))
     if writer.replica_role_per_transaction():
         script.add("SET LOCAL session_replication_role = replica")
     written = 0

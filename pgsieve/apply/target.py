@@ -76,12 +76,63 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.{APPLIED_TABLE} (
     end_lsn pg_lsn NOT NULL,
     commit_lsn pg_lsn,
     commit_time timestamptz,
-    updated_at timestamptz NOT NULL DEFAULT now()
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    routes_epoch bigint NOT NULL DEFAULT 0
 );
 COMMENT ON TABLE {SCHEMA}.{APPLIED_TABLE} IS
     'pgsieve: per subscription, the end LSN of the last source transaction this database holds';
 {FETCHED_DDL}
 """
+
+_HAS_EPOCH = f"""
+SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = '{SCHEMA}.{APPLIED_TABLE}'::regclass
+               AND attname = 'routes_epoch' AND NOT attisdropped)
+"""
+_ADD_EPOCH = (f"ALTER TABLE {SCHEMA}.{APPLIED_TABLE} "
+              "ADD COLUMN IF NOT EXISTS routes_epoch bigint NOT NULL DEFAULT 0")
+"""A target set up by an earlier version has no ``routes_epoch``: added once (looked up
+first: an ALTER TABLE takes its lock even when the column exists, and every stream's
+start would then queue behind the merges of the target's other subscriptions)."""
+
+
+def ensure_applied_schema(conn: psycopg.Connection[Any]) -> None:
+    """Schema ``pgsieve`` with the applied-position table (idempotent, safe when several
+    sessions start at once; ``conn`` in autocommit)."""
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext('pgsieve.ensure_schema'))")
+        conn.execute(_DDL.encode())
+        row = conn.execute(_HAS_EPOCH).fetchone()
+        if row is None or not row[0]:
+            conn.execute(_ADD_EPOCH)
+
+
+def fence_routes(conn: psycopg.Connection[Any], subscription_id: str,
+                 lock_timeout_ms: int = 0) -> int:
+    """Move the subscription's routes epoch forward at the target — on its stream's
+    record and on every table catch-up's (``<subscription>:sync:<table id>``) — and
+    return the new epoch. Call it after the metadata store committed a table's leaving
+    the stream (``ready``/``catchup`` → ``init``): from the moment this commits, no merge
+    of a batch whose routes were read before it can commit (each locks its record and
+    compares the epoch, :class:`~pgsieve.apply.batch.RoutesChanged`). It waits only for a
+    merge that holds the record now — never for the stream to end a turn, however busy
+    (issue 55: a resync waited for a stream applying a 120,000-change batch through a
+    cold Spark cluster, minutes). ``lock_timeout_ms``: give up that wait after this long
+    (``LockNotAvailable``; 0: wait). ``conn`` in autocommit."""
+    ensure_applied_schema(conn)
+    with conn.transaction():
+        if lock_timeout_ms:
+            conn.execute(f"SET LOCAL lock_timeout = {int(lock_timeout_ms)}")
+        row = conn.execute(
+            f"INSERT INTO {SCHEMA}.{APPLIED_TABLE} AS a (subscription_id, end_lsn, "
+            "routes_epoch) VALUES (%s, '0/0', 1) ON CONFLICT (subscription_id) DO UPDATE "
+            "SET routes_epoch = a.routes_epoch + 1 RETURNING routes_epoch",
+            (subscription_id,)).fetchone()
+        conn.execute(
+            f"UPDATE {SCHEMA}.{APPLIED_TABLE} SET routes_epoch = routes_epoch + 1 "
+            "WHERE starts_with(subscription_id, %s)", (f"{subscription_id}:sync:",))
+    assert row is not None
+    return int(row[0])
+
 
 _FINGERPRINT = """
 concat_ws('/', c.xmin::text, n.nspname, c.relname, c.relreplident::text,
@@ -212,6 +263,8 @@ class TargetWriter:
         """The session's prepared row statements (:mod:`.prepared`)."""
         self._applied: Lsn | None = None
         self._applied_known = False
+        self.locked_epoch = 0
+        """The routes epoch :meth:`lock_applied` found (the merge compares it)."""
         self._staging_in_transaction: list[int] = []
         if self.conn.pgconn.parameter_status(b"is_superuser") == b"on":
             self._replica_session()
@@ -234,10 +287,28 @@ class TargetWriter:
         """Create schema ``pgsieve`` and the applied-position table (idempotent, safe
         when several writers start at once), and drop this subscription's staging tables
         left by writers that are gone."""
-        with self.conn.transaction():
-            self.conn.execute("SELECT pg_advisory_xact_lock(hashtext('pgsieve.ensure_schema'))")
-            self.conn.execute(_DDL.encode())
+        ensure_applied_schema(self.conn)
         self._drop_staging(others_only=True)
+
+    def read_routes_epoch(self, *, create: bool = False) -> int:
+        """The routes epoch of this writer's record (0 while it has none), read *before*
+        the routes are read from the metadata store (a batch carries it,
+        :attr:`ApplyBatch.routes_epoch`). A stream's record needs no creating: the fence
+        creates it when missing (:func:`fence_routes`), and a merge that created it
+        before committed before the fence. A table catch-up's record (``create``) is
+        created here, before its table's state is read: the fence moves only the
+        catch-up records it finds, and one created after it would start at an epoch the
+        fence never moved."""
+        query = (f"SELECT routes_epoch FROM {SCHEMA}.{APPLIED_TABLE} "
+                 "WHERE subscription_id = %s")
+        row = self.conn.execute(query, (self.subscription_id,)).fetchone()
+        if row is None and create:
+            self.conn.execute(
+                f"INSERT INTO {SCHEMA}.{APPLIED_TABLE} (subscription_id, end_lsn) "
+                "VALUES (%s, '0/0') ON CONFLICT (subscription_id) DO NOTHING",
+                (self.subscription_id,))
+            row = self.conn.execute(query, (self.subscription_id,)).fetchone()
+        return 0 if row is None else int(row[0])
 
     def applied_lsn(self) -> Lsn | None:
         """The end LSN of the last transaction applied for this subscription (None: none),
@@ -286,7 +357,7 @@ class TargetWriter:
         first use), return it. ``nowait``: raise ``LockNotAvailable`` at once if another
         transaction holds it (a reconciliation job merging for a stream waiting at its
         marker, :mod:`pgsieve.sync.parked_merge`)."""
-        lock = (f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} "
+        lock = (f"SELECT end_lsn::text, routes_epoch FROM {SCHEMA}.{APPLIED_TABLE} "
                 "WHERE subscription_id = %s FOR UPDATE" + (" NOWAIT" if nowait else ""))
         row = conn.execute(lock, (self.subscription_id,)).fetchone()
         if row is None:
@@ -296,8 +367,20 @@ class TargetWriter:
                 (self.subscription_id,))
             row = conn.execute(lock, (self.subscription_id,)).fetchone()
         assert row is not None
+        self.locked_epoch = int(row[1])
         lsn = Lsn.parse(row[0])
         return None if lsn.value == 0 else lsn
+
+    def routes_record(self) -> tuple[Lsn | None, int]:
+        """The record's applied LSN and routes epoch now (after a fence refused a
+        batch: which of the two moved)."""
+        row = self.conn.execute(
+            f"SELECT end_lsn::text, routes_epoch FROM {SCHEMA}.{APPLIED_TABLE} "
+            "WHERE subscription_id = %s", (self.subscription_id,)).fetchone()
+        if row is None:
+            return None, 0
+        lsn = Lsn.parse(row[0])
+        return (None if lsn.value == 0 else lsn), int(row[1])
 
     def record_statement(self) -> str:
         """The name of this connection's prepared statement that moves the record from
@@ -305,15 +388,17 @@ class TargetWriter:
         commit time) only if the record still holds that first one: the fence, the row
         lock and the record in one statement (prepared the first time it is asked for).
         It fails with ``division_by_zero`` where it updated no row: another writer moved
-        the record (or it is gone). Prepared again after :meth:`prepared_lost`."""
+        the record (or it is gone), or a sync job moved its routes epoch away from ``$5``
+        (NULL: not compared). Prepared again after :meth:`prepared_lost`."""
         if not self._record_prepared:
             self.conn.execute(sql.SQL(
-                f"PREPARE {RECORD_STATEMENT} (pg_lsn, pg_lsn, pg_lsn, timestamptz) AS "
-                + expect_rows(
+                f"PREPARE {RECORD_STATEMENT} (pg_lsn, pg_lsn, pg_lsn, timestamptz, bigint) "
+                "AS " + expect_rows(
                     f"UPDATE {SCHEMA}.{APPLIED_TABLE} SET end_lsn = $2, "
                     "commit_lsn = COALESCE($3, commit_lsn), "
                     "commit_time = COALESCE($4, commit_time), updated_at = now() "
-                    "WHERE subscription_id = {} AND end_lsn = $1 RETURNING 1", 1)).format(
+                    "WHERE subscription_id = {} AND end_lsn = $1 "
+                    "AND ($5 IS NULL OR routes_epoch = $5) RETURNING 1", 1)).format(
                     sql.Literal(self.subscription_id)))
             self._record_prepared = True
         return RECORD_STATEMENT

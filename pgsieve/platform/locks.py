@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any, Self, cast
@@ -44,6 +45,7 @@ def consumer_alive(heartbeat_at: datetime | None, now: datetime,
 
 
 HEARTBEAT_EVERY = 5.0
+LOCK_RETRY_SECONDS = 0.05
 
 
 def rowcount(session: Session, statement: Any) -> int:
@@ -108,15 +110,19 @@ def release(sessions: sessionmaker[Session], subscription_id: str, owner: str) -
 
 class LeaseKeeper:
     """Renews a lease in a background thread while work holds it; :attr:`lost` is set when
-    ``renew`` says it was taken away, or when it cannot be renewed for longer than half the
-    lease (a metadata store that is down), so the work stops before it writes anything."""
+    ``renew`` says it was taken away, when it cannot be renewed for longer than half the
+    lease (a metadata store that is down), or when ``alive`` says the lock that makes the
+    work's ownership die with its process is gone (its connection broke: another runner
+    may take the work over), so the work stops before it writes anything."""
 
     def __init__(self, renew: Callable[[], bool], what: str, every: float = HEARTBEAT_EVERY,
-                 lease: timedelta = CONSUMER_LEASE) -> None:
+                 lease: timedelta = CONSUMER_LEASE,
+                 alive: Callable[[], bool] | None = None) -> None:
         self.renew = renew
         self.what = what
         self.every = every
         self.lease = lease
+        self.alive = alive
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease-{what}", daemon=True)
@@ -132,6 +138,11 @@ class LeaseKeeper:
     def _run(self) -> None:
         last_ok = utcnow()
         while not self._stop.wait(self.every):
+            if self.alive is not None and not self.alive():
+                log.warning("the lock of %s on its source is gone (its connection broke)",
+                            self.what)
+                self.lost.set()
+                return
             try:
                 if not self.renew():
                     log.warning("the lease of %s was taken over", self.what)
@@ -174,26 +185,21 @@ def renew_owned(session: Session, owner: str, held: set[str]) -> set[str]:
     return held - still
 
 
-def touch(sessions: sessionmaker[Session], subscription_id: str, owner: str) -> None:
-    """Move ``acquired_at`` to now: the holder loaded the subscription's routes afresh
-    (a resync waits for a consumer that has seen its table leave ``ready``)."""
-    with sessions() as session:
-        session.execute(update(ConsumerLock)
-                        .where(ConsumerLock.subscription_id == subscription_id,
-                               ConsumerLock.owner == owner)
-                        .values(acquired_at=utcnow())
-                        .execution_options(synchronize_session=False))
-        session.commit()
+CONSUMER_NAMESPACE = "pgsieve.consumer"
+"""Advisory locks of slot consumers (keyed by slot name)."""
+SYNC_JOB_NAMESPACE = "pgsieve.sync_job"
+"""Advisory locks of sync jobs' runners (keyed by job id), on the job's source."""
 
 
-def advisory_key(slot: str) -> tuple[str, str]:
-    """The two texts whose ``hashtext`` make the slot's advisory-lock key: a namespace of
-    pgsieve's own and the slot name (unique per source database)."""
-    return ("pgsieve.consumer", slot)
+def advisory_key(name: str, namespace: str = CONSUMER_NAMESPACE) -> tuple[str, str]:
+    """The two texts whose ``hashtext`` make an advisory-lock key: a namespace of
+    pgsieve's own and the name (a slot name, unique per source database; a job id)."""
+    return (namespace, name)
 
 
 class AdvisoryLocks:
-    """Session-level advisory locks on a source, one per slot, held on one connection.
+    """Session-level advisory locks on a source, one per slot (or per sync job, with
+    ``namespace`` :data:`SYNC_JOB_NAMESPACE`), held on one connection.
 
     Why: the metadata lease can only *age* — after a kill -9 nobody may consume until its
     heartbeat is old enough. PostgreSQL releases a session's advisory locks the moment its
@@ -203,12 +209,15 @@ class AdvisoryLocks:
     holds it. One connection per worker and source carries all the worker's locks there;
     when it breaks, they are all gone and their subscriptions must stop (see
     :meth:`alive`). Not on the ``pgsieve-consumer`` application name: it reads nothing.
+    A sync job's runner holds its job's lock the same way, for the same reason
+    (:mod:`pgsieve.sync.syncjob`).
     """
 
-    def __init__(self, dsn: str, connect_timeout: int = 5) -> None:
+    def __init__(self, dsn: str, connect_timeout: int = 5,
+                 namespace: str = CONSUMER_NAMESPACE) -> None:
         import psycopg
 
-
+        self.namespace = namespace
         # Pinned like every session on a source (connection policy, no credentials from
         # the environment); no statement timeout: it only ever takes and frees locks.
         self._conn = psycopg.connect(
@@ -221,20 +230,25 @@ class AdvisoryLocks:
     def backend_pid(self) -> int:
         return int(self._conn.info.backend_pid)
 
-    def try_lock(self, slot: str) -> bool:
+    def try_lock(self, slot: str, wait: float = 0.0) -> bool:
         """Take the slot's lock; False when anyone holds it — this worker too: two streams
         of one slot must not overlap, and the first one's unlock would free the second's
-        (session-level locks are counted, ``slots`` is not)."""
-        with self._mutex:
-            if slot in self.slots:
+        (session-level locks are counted, ``slots`` is not). ``wait``: try again for up
+        to this many seconds (a watchdog's probe holds a free lock for a moment)."""
+        deadline = time.monotonic() + wait
+        while True:
+            with self._mutex:
+                if slot in self.slots:
+                    return False
+                row = self._conn.execute(
+                    "SELECT pg_try_advisory_lock(hashtext(%s), hashtext(%s))",
+                    advisory_key(slot, self.namespace)).fetchone()
+                if row is not None and row[0]:
+                    self.slots.add(slot)
+                    return True
+            if time.monotonic() >= deadline:
                 return False
-            row = self._conn.execute(
-                "SELECT pg_try_advisory_lock(hashtext(%s), hashtext(%s))",
-                advisory_key(slot)).fetchone()
-            if row is not None and row[0]:
-                self.slots.add(slot)
-                return True
-            return False
+            time.sleep(LOCK_RETRY_SECONDS)
 
     def unlock(self, slot: str) -> None:
         with self._mutex:
@@ -243,7 +257,7 @@ class AdvisoryLocks:
             self.slots.discard(slot)
             try:
                 self._conn.execute("SELECT pg_advisory_unlock(hashtext(%s), hashtext(%s))",
-                                   advisory_key(slot))
+                                   advisory_key(slot, self.namespace))
             except Exception as exc:  # the connection is gone, and the lock with it
                 log.debug("unlocking %s: %s", slot, exc)
 

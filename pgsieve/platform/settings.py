@@ -90,6 +90,16 @@ class Settings(BaseSettings):
         "from the size above which the worker would not hold both ends' keys and hashes "
         "itself (20,000,000 rows)",
     )
+    spark_executor_wait_seconds: float = Field(
+        default=15.0, ge=0.0, le=3600.0,
+        description="a diff's Spark key ranges, and a copy's plan on a cluster (its task "
+        "slots), wait this long for the worker's Spark application (its start, an "
+        "executor), then compare at the target / plan for what Spark says; a copy's "
+        "ranges never wait (the worker pipes them until Spark is ready), nor does a "
+        "stream's batch (without an executor it applies in the driver). A standalone "
+        "cluster gives an application every core unless spark.cores.max is set, and a "
+        "second worker's application then gets none",
+    )
     reconcile_merge_while_reading: bool = Field(
         default=True,
         description="a moved-rows reconciliation whose stream waits at the change's marker "
@@ -168,7 +178,8 @@ class Settings(BaseSettings):
         description="filter preview counts exactly up to this many (estimated) rows",
     )
     spark_warmup: bool = Field(
-        default=True, description="start each worker's SparkSession when the worker starts",
+        default=True, description="start each worker's SparkSession and its Python workers "
+        "when the worker starts",
     )
     spark_nice: int = Field(
         default=10, ge=0, le=19,

@@ -39,7 +39,7 @@ from pgsieve.apply.plan import BatchPlan, TablePlan, build_plan
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings
 from pgsieve.spark.distributed import plan_and_stage
-from pgsieve.spark.session import cluster_task_slots
+from pgsieve.spark.session import cluster_task_slots, executors_ready
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ def choose_apply_path(spark: Any, changes: int) -> tuple[bool, str]:
         if not setting:
             return False, "PGSIEVE_SPARK_APPLY_MIN_CHANGES=0 (never)"
         if changes >= setting:
-            return True, f"{changes} changes >= PGSIEVE_SPARK_APPLY_MIN_CHANGES={setting}"
+            return _with_executors(
+                spark, f"{changes} changes >= PGSIEVE_SPARK_APPLY_MIN_CHANGES={setting}")
         return False, f"{changes} changes < PGSIEVE_SPARK_APPLY_MIN_CHANGES={setting}"
     if settings.spark_master.startswith("local"):
         return False, "auto: local mode shares this machine's cores with the driver"
@@ -84,7 +85,17 @@ def choose_apply_path(spark: Any, changes: int) -> tuple[bool, str]:
                        "(below that the driver is faster at every batch size)")
     if changes < AUTO_SPARK_MIN_CHANGES:
         return False, f"auto: {changes} changes < {AUTO_SPARK_MIN_CHANGES} (crossover)"
-    return True, f"auto: {changes} changes on {slots} task slots"
+    return _with_executors(spark, f"auto: {changes} changes on {slots} task slots")
+
+
+def _with_executors(spark: Any, why: str) -> tuple[bool, str]:
+    """Spark tasks only if the application has an executor now: a batch never waits for
+    one (a stream's turn would wait as long — without end for an application that gets
+    no cores, :func:`~pgsieve.spark.session.executors_ready`); the driver applies it."""
+    if executors_ready(spark):
+        return True, why
+    return False, (f"{why}, but the Spark application has no executor (starting, or the "
+                   "cluster's cores are held by another application: spark.cores.max)")
 
 
 def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,

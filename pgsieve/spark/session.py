@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+import time
 from typing import TYPE_CHECKING, Any
 
 from pgsieve.platform.settings import Settings
@@ -117,30 +117,6 @@ def cluster_task_slots(spark: Any) -> int:
         return 0
 
 
-class LazySpark:
-    """Stands in for the SparkSession; the first attribute access starts (or reuses) it.
-
-    Work that may not need Spark at all (a sync whose tables are each copied as one
-    stream by the worker itself) holds one of these: a cold JVM costs seconds of CPU on
-    the cores the two servers need, for nothing when no Spark job runs."""
-
-    __slots__ = ("_provider", "_session")
-
-    def __init__(self, provider: Callable[[], Any]) -> None:
-        self._provider = provider
-        self._session: Any = None
-
-    @property
-    def started(self) -> bool:
-        """Whether anything asked for the session yet."""
-        return self._session is not None
-
-    def __getattr__(self, name: str) -> Any:
-        if self._session is None:
-            self._session = self._provider()
-        return getattr(self._session, name)
-
-
 def get_spark(settings: Settings) -> SparkSession:
     """The process's SparkSession for ``settings`` (created on first call; later calls
     return the same one; a stopped session is replaced)."""
@@ -169,6 +145,76 @@ def get_spark(settings: Settings) -> SparkSession:
         _session, _key = session, key
         log.info("SparkSession started (master %s)", settings.spark_master)
         return session
+
+
+SPARK_GONE = (
+    "SparkContext was shut down",
+    "stopped SparkContext",
+    "SparkContext has been shutdown",
+    "Master removed our application",
+    "ExecutorLostFailure",
+)
+"""What Spark says when it is Spark that failed — its context stopped (a worker's warm
+shutdown stops the JVM, its shutdown hook the context, under a running job), the master
+removed the application, its executors were lost — rather than a batch's own data."""
+
+
+def spark_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is Spark itself failing, not
+    the work given to it: a later attempt — on a SparkSession started again, or on
+    another worker — gets past it, so a stream must retry rather than stop the
+    subscription with an error nobody can fix (issue 55: a warm shutdown of a worker in
+    the middle of a Spark apply left its subscription in ``error``)."""
+    try:
+        from py4j.protocol import Py4JNetworkError
+    except ImportError:  # pragma: no cover - pyspark brings py4j
+        return False
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, Py4JNetworkError):
+            return True
+        text = str(current)
+        if any(marker in text for marker in SPARK_GONE):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+EXECUTOR_POLL_SECONDS = 0.25
+
+
+def executors_ready(spark: Any, wait: float = 0.0) -> bool:
+    """Whether the SparkSession's application has an executor to run tasks on, waiting
+    up to ``wait`` seconds for one. Local mode (tasks run in the driver's JVM) and Spark
+    Connect (the server's business) always have.
+
+    Why: Spark waits for executors without end — "Initial job has not accepted any
+    resources" — and a standalone master gives each application every core unless
+    ``spark.cores.max`` says otherwise, so the application of a second worker on the
+    same cluster gets none while the first lives (measured: its jobs still waiting after
+    90 s, the master showing it ``WAITING`` with 0 cores). A stream's apply or a sync's
+    copy sent to Spark then waited as long — issue 55: a resync waited on a stream
+    whose turn never ended. Callers ask first and do the work without Spark when no
+    executor comes."""
+    try:
+        sc = spark.sparkContext
+        if str(sc.master).startswith("local"):
+            return True
+        tracker = sc.statusTracker()
+    except Exception:  # Spark Connect: no SparkContext here
+        return True
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if len(tracker.getExecutorInfos()) > 1:  # (the driver is one of them)
+                return True
+        except Exception:  # a stopped context: the callers' own error says so
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(EXECUTOR_POLL_SECONDS)
 
 
 def _alive(session: SparkSession) -> bool:

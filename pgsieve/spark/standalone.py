@@ -65,10 +65,20 @@ class SparkCluster:
         }
 
     def executor_pids(self) -> list[int]:
-        """PIDs of the running executor JVMs (CoarseGrainedExecutorBackend)."""
+        """PIDs of this cluster's running executor JVMs (CoarseGrainedExecutorBackend
+        processes whose working directory is under this cluster's ``work_dir``: other
+        clusters on the machine — another test run's — are not this one's to kill)."""
         out = subprocess.run(["pgrep", "-f", "CoarseGrainedExecutorBackend"],
                              capture_output=True, text=True, check=False).stdout
-        return [int(x) for x in out.split()]
+        mine = []
+        for pid in (int(x) for x in out.split()):
+            try:
+                cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
+            except OSError:  # gone meanwhile, or not ours to look at
+                continue
+            if cwd.is_relative_to(self.work_dir.resolve()):
+                mine.append(pid)
+        return mine
 
 
 def _spark_class(cls: str, args: list[str], env: dict[str, str], log: Path

@@ -22,11 +22,13 @@ report progress while the job runs, and a resumed job reads them to know what is
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import select
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -43,6 +45,8 @@ from pgsieve.platform.connpolicy import (
     secure_conninfo,
 )
 from pgsieve.platform.faults import fault_point
+
+log = logging.getLogger(__name__)
 
 MARKER_SCHEMA = "pgsieve"
 MARKER_TABLE = "sync_copied"
@@ -344,6 +348,10 @@ def _pipe(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
     return int(done.command_tuples or 0)
 
 
+LOCAL_THREADS = 2
+"""Partitions a worker pipes at once when it copies them itself (no Spark executor): each
+is two servers at work and a loop of libpq calls here."""
+
 ROWS_PER_TURN = 20_000
 """Rows :func:`read_copies_together` takes from one COPY before looking at the next."""
 
@@ -457,8 +465,8 @@ def _ready(_: object) -> bool:
 
 
 def local_task_slots(master: str) -> int | None:
-    """The tasks ``local``, ``local[N]`` or ``local[*]`` runs at once, read off the master
-    URL (no session needed); None for a cluster, whose executors decide."""
+    """Task slots of a local master (``local``, ``local[N]``, ``local[*]``) from its URL
+    alone; None for a cluster's (ask its SparkSession: :func:`task_slots`)."""
     found = re.match(r"local\[(\d+|\*)", master)
     if found:
         cores = os.cpu_count() or 1
@@ -498,101 +506,152 @@ def copy_partitions(
     on_progress: Callable[[dict[tuple[str, int], int]], None] | None = None,
     poll_seconds: float = 1.0,
     job_group: str | None = None,
-    in_process: int = 0,
+    local_threads: int = LOCAL_THREADS,
+    spark_when_ready: Callable[[], Any] | None = None,
 ) -> list[PartitionResult]:
     """Copy ``request.partitions`` in parallel Spark tasks; calls ``on_progress`` with
     every partition committed so far (from the target's markers) while the job runs.
     Raises :class:`CopyFailed` with the first failure's message (finished partitions
     stay committed and are skipped when the same request runs again).
 
-    A request of one partition, or one the caller says is small (``in_process``: that
-    many partitions at once), is piped by this process itself: a Spark job of one task
-    parallelises nothing and costs a JVM round trip and a Python worker hand-off
-    (measured: ~0.4 s of JVM CPU per job, on the cores the two servers need), and a
-    session not started yet costs a JVM's start. ``spark`` is then never touched.
-    If ``on_progress`` raises (the job was lost), those copies are cancelled and roll
-    back."""
+    A request of one partition is piped by this process itself, in a thread: a Spark job
+    of one task parallelises nothing and costs a JVM round trip and a Python worker
+    hand-off (measured: ~0.4 s of JVM CPU per job, on the cores the two servers need).
+    So are the partitions when ``spark`` is None, ``local_threads`` at a time — and with
+    ``spark_when_ready`` (asked at every progress poll: a SparkSession whose application
+    has an executor, or None yet), those not started when it answers go to Spark as one
+    job. Why: a worker that has just taken a job over (or started one) has no Spark yet
+    — a JVM start is 10–20 s on a small host, and an application may get no executor at
+    all (:func:`~pgsieve.spark.session.executors_ready`) — and the copy goes on from its
+    first second; a partition's marker makes it copied once, whoever copies it.
+    If ``on_progress`` raises (the job was lost), the copy is cancelled and rolls back."""
     if not request.partitions:
         return []
     with _connect(request.target_dsn, request.connect_timeout) as conn:
         ensure_marker_table(conn)
     task = partial(copy_partition, replace(request, partitions=()))
-    outcome: dict[str, Any] = {}
-    cancel = threading.Event()
-
-    def run() -> None:
-        try:
-            if len(request.partitions) == 1 or in_process:
-                outcome["results"] = _copy_in_threads(task, request.partitions, cancel,
-                                                      max(1, in_process))
-                return
-            sc = spark.sparkContext
-            if job_group:
-                sc.setJobGroup(job_group, f"pgsieve sync {request.subscription_id}", True)
-            rdd = sc.parallelize(list(request.partitions), len(request.partitions))
-            outcome["results"] = rdd.map(task).collect()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    runner = threading.Thread(target=run, name="pgsieve-sync-copy", daemon=True)
-    runner.start()
+    copy = _Copy(task, job_group, request.subscription_id)
+    if spark is not None and len(request.partitions) > 1:
+        log.info("sync copy of %s: %d ranges go to Spark's tasks", request.subscription_id,
+                 len(request.partitions))
+        copy.to_spark(spark, list(request.partitions))
+    else:
+        copy.locally(list(request.partitions),
+                     local_threads if len(request.partitions) > 1 else 1)
+        if len(request.partitions) == 1:
+            spark_when_ready = None
     try:
         with _progress_reader(request) as read:
-            while runner.is_alive():
-                runner.join(poll_seconds)
-                if on_progress is not None and runner.is_alive():
+            while copy.running():
+                copy.wait(poll_seconds)
+                if spark_when_ready is not None and copy.waiting_locally():
+                    session = spark_when_ready()
+                    if session is not None:
+                        copy.hand_the_rest_to(session)
+                        spark_when_ready = None
+                if on_progress is not None and copy.running():
                     copied = read()
                     if copied is not None:
                         on_progress(copied)
             copied = read() or {}
     except BaseException:
-        cancel.set()
+        copy.cancel.set()
         raise
     if on_progress is not None:
         on_progress(copied)
-    if "error" in outcome:
-        error = outcome["error"]
-        message = (spark_error_message(error) if len(request.partitions) > 1 and not in_process
-                   else _own_message(error))
-        raise CopyFailed(message, copied)
-    results: list[PartitionResult] = outcome["results"]
-    return results
+    failure = copy.failure()
+    if failure is not None:
+        error, in_spark = failure
+        raise CopyFailed(spark_error_message(error) if in_spark else _own_message(error),
+                         copied)
+    return copy.results
 
 
-def _copy_in_threads(task: Callable[[CopyPartition, threading.Event], PartitionResult],
-                     partitions: Sequence[CopyPartition], cancel: threading.Event,
-                     at_once: int) -> list[PartitionResult]:
-    """The partitions piped by ``at_once`` threads, in order (the pipes wait on the two
-    servers, not on this process's GIL); the first failure stops the others (their
-    copies roll back) and is raised."""
-    if len(partitions) == 1:
-        return [task(partitions[0], cancel)]
-    results: dict[int, PartitionResult] = {}
-    errors: list[BaseException] = []
-    todo = iter(enumerate(partitions))
-    lock = threading.Lock()
+class _Copy:
+    """The partitions of one :func:`copy_partitions` call: piped by threads of this
+    process, or copied by one Spark job, or first the one then the other."""
 
-    def work() -> None:
-        while not errors:
-            with lock:
-                nxt = next(todo, None)
-            if nxt is None:
-                return
+    def __init__(self, task: Callable[..., PartitionResult], job_group: str | None,
+                 subscription_id: str) -> None:
+        self.task = task
+        self.job_group = job_group
+        self.subscription_id = subscription_id
+        self.cancel = threading.Event()
+        self.results: list[PartitionResult] = []
+        self._pending: deque[CopyPartition] = deque()
+        self._mutex = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._errors: list[tuple[BaseException, bool]] = []
+
+    def locally(self, partitions: list[CopyPartition], threads: int) -> None:
+        self._pending.extend(partitions)
+        for i in range(max(1, min(threads, len(partitions)))):
+            self._start(self._pipe, f"pgsieve-copy-{i}")
+
+    def to_spark(self, spark: Any, partitions: list[CopyPartition]) -> None:
+        self._start(lambda: self._spark_job(spark, partitions), "pgsieve-sync-copy")
+
+    def waiting_locally(self) -> bool:
+        """Partitions queued here that no thread has started yet."""
+        with self._mutex:
+            return bool(self._pending)
+
+    def hand_the_rest_to(self, spark: Any) -> None:
+        """The partitions no thread here started go to Spark (those started finish here)."""
+        with self._mutex:
+            rest, self._pending = list(self._pending), deque()
+        if rest and not self.cancel.is_set():
+            log.info("sync copy of %s: Spark is ready, %d ranges go to Spark's tasks",
+                     self.subscription_id, len(rest))
+            self.to_spark(spark, rest)
+
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self._threads)
+
+    def wait(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        for thread in list(self._threads):
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def failure(self) -> tuple[BaseException, bool] | None:
+        """The first failure (not the cancellations it caused), and whether in Spark."""
+        errors = list(self._errors)
+        first = next((e for e in errors if not isinstance(e[0], CopyCancelled)), None)
+        return first or (errors[0] if errors else None)
+
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _pipe(self) -> None:
+        while not self.cancel.is_set():
+            with self._mutex:
+                if not self._pending:
+                    return
+                part = self._pending.popleft()
             try:
-                results[nxt[0]] = task(nxt[1], cancel)
+                result = self.task(part, self.cancel)
             except BaseException as exc:
-                errors.append(exc)
-                cancel.set()
+                self._errors.append((exc, False))
+                self.cancel.set()  # the others stop too (they roll back)
+                return
+            with self._mutex:
+                self.results.append(result)
 
-    threads = [threading.Thread(target=work, name=f"pgsieve-sync-copy-{i}", daemon=True)
-               for i in range(min(at_once, len(partitions)))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [results[i] for i in range(len(partitions))]
+    def _spark_job(self, spark: Any, partitions: list[CopyPartition]) -> None:
+        try:
+            sc = spark.sparkContext
+            if self.job_group:
+                sc.setJobGroup(self.job_group, f"pgsieve sync {self.subscription_id}", True)
+            rdd = sc.parallelize(partitions, len(partitions))
+            results = rdd.map(self.task).collect()
+        except BaseException as exc:
+            self._errors.append((exc, True))
+            self.cancel.set()
+            return
+        with self._mutex:
+            self.results.extend(results)
 
 
 @contextlib.contextmanager

@@ -17,10 +17,12 @@ the rows, and resumes after it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
 
+import psycopg
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -28,6 +30,7 @@ from pgsieve.apply.batch import (
     DEFAULT_CONFLICT_POLICY,
     ApplyBatch,
     ApplyConflict,
+    RoutesChanged,
     TableRoute,
     TableStopped,
 )
@@ -99,6 +102,13 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
         binary=bool(options.get("binary", False)), streaming=True))
     try:
         writer.ensure_schema()
+        # The epoch first, then the table's state again: a resync that takes the table
+        # out of catchup meanwhile fences this writer's record too, and its batches are
+        # refused from then on (RoutesChanged) — it never waits for this catch-up to end.
+        epoch = writer.read_routes_epoch(create=True)
+        if not _still_catching_up(sessions, subscription_id, table_name, slot):
+            _let_go(writer)
+            return
         consumer = SlotConsumer(transport, proto_version=proto, resume_after=writer.applied_lsn())
         pending: list[Transaction] = []
 
@@ -108,7 +118,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
             batch = ApplyBatch(subscription_id=subscription_id, transactions=list(pending),
                                routes=routes,
                                on_conflict=str(options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),  # type: ignore[arg-type]
-                               skip_lsn=skip_lsn)
+                               skip_lsn=skip_lsn, routes_epoch=epoch)
             try:
                 result = apply_batch(spark, batch, writer)
             finally:
@@ -135,8 +145,17 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
                     break
             flush()
     except (ApplyConflict, TableStopped) as exc:
+        writer.close()
         _stop(sessions, subscription_id, table_name, str(exc))
         return
+    except RoutesChanged:
+        _let_go(writer)
+        log.info("subscription %s: %s left catchup during its catch-up (a resync)",
+                 subscription_id, table_name)
+        return
+    except BaseException:
+        writer.close()
+        raise
     finally:
         transport.close()
     writer.hand_over_marks(subscription_id)  # before the stream takes the table over
@@ -145,6 +164,27 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
         writer.forget()
     finally:
         writer.close()
+
+
+def _let_go(writer: TargetWriter) -> None:
+    """A catch-up that stopped because its table left ``catchup`` (a resync): its record
+    goes (the table's next catch-up, from another sync slot, starts from nothing), then
+    its connection."""
+    try:
+        with contextlib.suppress(psycopg.Error):
+            writer.forget()
+    finally:
+        writer.close()
+
+
+def _still_catching_up(sessions: sessionmaker[Session], subscription_id: str,
+                       table_name: str, slot: str | None) -> bool:
+    with sessions() as session:
+        table = session.scalar(select(SubscriptionTable).where(
+            SubscriptionTable.subscription_id == subscription_id,
+            SubscriptionTable.table_name == table_name))
+        return (table is not None and table.sync_state == SyncState.CATCHUP
+                and table.sync_slot == slot)
 
 
 def _slot_exists(dsn: str, slot: str, settings: Settings) -> bool:

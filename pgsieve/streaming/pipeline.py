@@ -39,6 +39,7 @@ from pgsieve.apply.batch import (
     ApplyConflict,
     ApplyFenced,
     ApplyResult,
+    RoutesChanged,
     TableRoute,
     TableStopped,
 )
@@ -68,6 +69,7 @@ from pgsieve.platform.spread import spread
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.spark.apply import apply_batch
 from pgsieve.spark.mergebehind import MergeBehind, MergedBehind, MergesFailed
+from pgsieve.spark.session import spark_unavailable
 from pgsieve.streaming.allowed import record_refused, refusal
 from pgsieve.streaming.appliednotes import (
     AppliedProgress,
@@ -105,6 +107,10 @@ CONTROL_SAFETY_EVERY = 30.0
 """A scheduler's stream re-reads its subscription at least this often (see
 ``_StreamRun.control_on_request``; each period drawn between half of it and all of it, so
 that a worker's streams do not re-read together: :mod:`pgsieve.platform.spread`)."""
+ROUTES_RETRIES = 3
+"""A batch refused for routes older than a sync job's fence is applied again under the
+routes read then, this many times before the last try's error stands (each fence moves
+the epoch once: more than one in a row means resyncs starting back to back)."""
 MARKER_RETRY_SECONDS = 1.0
 """A stream stopped before a reconciliation marker whose rows are not staged yet is
 taken up again this soon."""
@@ -279,7 +285,6 @@ class ConsumeCycle:
     def open_stream(self, keeper: LeaseHolder, *, window_bytes: int | None = None,
                     control_every: float = CONTROL_EVERY,
                     source_lsn: Callable[[], Lsn | None] | None = None,
-                    on_routes_changed: Callable[[], None] | None = None,
                     ) -> OpenStream | CycleOutcome:
         """Connect to the target and the slot and resume after the target's recorded LSN:
         what a consume cycle (or a scheduler holding the subscription) streams with.
@@ -343,8 +348,7 @@ class ConsumeCycle:
         reader = None if window_bytes is None else TurnReader(
             consumer, kind, make, max_push_backlog=self.settings.push_max_backlog_bytes)
         run = _StreamRun(self, consumer, writer, source_dsn, options, keeper,
-                         control_every=control_every, source_lsn=source_lsn,
-                         on_routes_changed=on_routes_changed, reader=reader)
+                         control_every=control_every, source_lsn=source_lsn, reader=reader)
         return OpenStream(writer, run)
 
     def outcome_of(self, exc: psycopg.OperationalError | TransportError) -> CycleOutcome:
@@ -489,13 +493,11 @@ class _StreamRun:
                  source_dsn: str, options: dict[str, Any], keeper: LeaseHolder, *,
                  control_every: float = CONTROL_EVERY,
                  source_lsn: Callable[[], Lsn | None] | None = None,
-                 on_routes_changed: Callable[[], None] | None = None,
                  reader: TurnReader | None = None) -> None:
         self.cycle = cycle
         self.reader = reader
         self.control_every = control_every
         self._read_source_lsn = source_lsn
-        self._on_routes_changed = on_routes_changed
         self.consumer = consumer
         self.writer = writer
         self.source_dsn = source_dsn
@@ -505,6 +507,7 @@ class _StreamRun:
             max_bytes=int(options.get("batch_max_bytes", 128 << 20)),
             max_wait=int(options.get("batch_max_wait_ms", 500)) / 1000.0,
         ))
+        self.routes_epoch = writer.read_routes_epoch()  # (before the routes: see _control)
         self.routes, self.enabled, self.on_conflict, self.skip_lsn, _ = cycle.load_routes()
         self.batches = 0
         self.changes = 0
@@ -698,7 +701,13 @@ class _StreamRun:
     def _control(self, now: float) -> None:
         self._control_at = now
         self._control_safety = spread(CONTROL_SAFETY_EVERY)  # (pgsieve.platform.spread)
+        # The target's routes epoch first, then the routes: a sync job commits a table's
+        # leaving the stream before it moves the epoch (apply.target.fence_routes), so
+        # routes read after an epoch are never older than it; batches carry the epoch and
+        # the merge refuses one whose epoch moved (RoutesChanged).
+        epoch = self.writer.read_routes_epoch()
         routes, enabled, on_conflict, skip_lsn, catchup = self.cycle.load_routes()
+        self.routes_epoch = epoch
         # A table waiting for its catch-up is looked at again every turn until done.
         self._control_requested = self._control_requested or catchup
         self.enabled, self.on_conflict, self.skip_lsn = enabled, on_conflict, skip_lsn
@@ -712,9 +721,6 @@ class _StreamRun:
             # A table's catch-up may have handed its marks over (catchup.hand_over_marks).
             self.writer.fetch_marks.invalidate()
         self.routes = routes
-        if changed and self._on_routes_changed is not None:
-            # Batches from now on use the new routes: say so (a resync waits for it).
-            self._on_routes_changed()
 
     def _current_source_lsn(self, now: float) -> Lsn | None:
         if self._read_source_lsn is not None:
@@ -794,6 +800,7 @@ class _StreamRun:
             routes=self.routes,
             on_conflict=self.on_conflict,  # type: ignore[arg-type]
             skip_lsn=self.skip_lsn,
+            routes_epoch=self.routes_epoch,
         )
         if behind_ok and self.cycle.settings.merge_behind_changes:
             self._merge_behind(batch)
@@ -821,13 +828,13 @@ class _StreamRun:
         try:
             try:
                 try:
-                    result = apply_batch(self.cycle.spark(), batch, self.writer)
+                    batch, result = self._apply_under_current_routes(batch)
                 except ApplyConflict:
                     fresh = self._changed_routes()
                     if fresh is None:
                         raise
-                    batch = replace(batch, routes=fresh)
-                    result = apply_batch(self.cycle.spark(), batch, self.writer)
+                    batch = replace(batch, routes=fresh, routes_epoch=self.routes_epoch)
+                    batch, result = self._apply_under_current_routes(batch)
             except ApplyConflict as conflict:
                 # Nothing of the batch was committed. Apply the transactions before the
                 # poisoned one, so the target stops exactly where native replication would.
@@ -877,6 +884,30 @@ class _StreamRun:
         self.batches += 1
         self.changes += result.changes
         self._after_apply(result, elapsed)
+
+    def _apply_under_current_routes(self, batch: ApplyBatch
+                                    ) -> tuple[ApplyBatch, ApplyResult]:
+        """Apply ``batch``; one the target refused because its routes are older than a
+        sync job's fence (:class:`RoutesChanged`: nothing committed) is applied again
+        under the routes read now. Returns the batch as applied, and its result."""
+        for _ in range(ROUTES_RETRIES):
+            try:
+                return batch, apply_batch(self.cycle.spark(), batch, self.writer)
+            except RoutesChanged as changed:
+                log.info("%s; applying the batch again under the routes read now", changed)
+                batch = self._under_fresh_routes(batch)
+        return batch, apply_batch(self.cycle.spark(), batch, self.writer)
+
+    def _under_fresh_routes(self, batch: ApplyBatch) -> ApplyBatch:
+        """``batch`` under the routes (and epoch) read now; the next turn re-reads the
+        rest of the subscription (a catch-up to start, a table handed over)."""
+        self.routes_epoch = self.writer.read_routes_epoch()
+        fresh = self.cycle.load_routes()[0]
+        if fresh != self.routes:
+            self.writer.fetch_marks.invalidate()  # (as in _control)
+            self.routes = fresh
+        self._control_requested = True
+        return replace(batch, routes=fresh, routes_epoch=self.routes_epoch)
 
     # -- merges behind the reading (.spark.mergebehind) -----------------------------------
     def _merge_behind(self, batch: ApplyBatch) -> None:
@@ -975,9 +1006,6 @@ class _StreamRun:
             return None
         self.routes = fresh
         self.writer.fetch_marks.invalidate()  # (as in _control)
-        if self._on_routes_changed is not None:
-            # Batches from now on use the new routes: say so (a resync waits for it).
-            self._on_routes_changed()
         return fresh
 
     def _isolate_failure(self, batch: ApplyBatch, error: Exception
@@ -998,7 +1026,7 @@ class _StreamRun:
             except (ApplyConflict, TableStopped) as stopped:
                 return stopped.commit_lsn, stopped
             except Exception as exc:
-                if _transient(exc) or isinstance(exc, ApplyFenced):
+                if _transient(exc) or isinstance(exc, ApplyFenced | RoutesChanged):
                     raise
                 return txn.commit_lsn, exc
             self.consumer.confirm(result.end_lsn)
@@ -1018,7 +1046,7 @@ class _StreamRun:
         try:
             result = apply_batch(self.cycle.spark(), replace(batch, transactions=prefix),
                                  self.writer)
-        except (ApplyConflict, TableStopped, ApplyFenced) as exc:
+        except (ApplyConflict, TableStopped, ApplyFenced, RoutesChanged) as exc:
             log.warning("subscription %s: the transactions before the failing one did not "
                         "apply either: %s", self.cycle.subscription_id, exc)
             return
@@ -1099,9 +1127,10 @@ def _close(batch: ApplyBatch) -> None:
 
 def _transient(exc: BaseException) -> bool:
     """Errors a later attempt can get past by itself: the connection, the server going
-    away, deadlocks and serialization failures."""
+    away, deadlocks and serialization failures, Spark's own failures (its context shut
+    down, its executors lost: :func:`~pgsieve.spark.session.spark_unavailable`)."""
     return isinstance(exc, psycopg.OperationalError | psycopg.errors.TransactionRollback |
-                      TransportError)
+                      TransportError) or spark_unavailable(exc)
 
 
 def _error_table(exc: BaseException) -> str | None:

@@ -67,7 +67,7 @@ from pgsieve.platform import dispatch
 from pgsieve.platform.connpolicy import ConnectionNotAllowed, policy_in_force
 from pgsieve.platform.credentials import SecretBox, scrub_secrets
 from pgsieve.platform.db import in_chunks, session_factory
-from pgsieve.platform.locks import AdvisoryLocks, release, renew_owned, touch, try_acquire
+from pgsieve.platform.locks import AdvisoryLocks, release, renew_owned, try_acquire
 from pgsieve.platform.models import (
     ConsumerLock,
     Subscription,
@@ -403,8 +403,7 @@ class Scheduler:
             opened = cycle.open_stream(
                 held, window_bytes=self.settings.turn_window_bytes,
                 control_every=max(1.0, self.settings.consumer_heartbeat_seconds),
-                source_lsn=lambda: self._source_lsn(source_dsn),
-                on_routes_changed=lambda: touch(self.sessions, subscription_id, self.owner))
+                source_lsn=lambda: self._source_lsn(source_dsn))
         except BaseException:
             self._let_go(held)
             raise

@@ -52,6 +52,7 @@ from pgsieve.apply.target import IDENTITY_SQL
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
+from pgsieve.spark.session import executors_ready
 from pgsieve.spark.sync import TableCopy, task_slots
 from pgsieve.sync.diffrun import (
     IN_WORKER_MAX_ROWS,
@@ -155,6 +156,9 @@ class SparkRanges:
     spark: Callable[[], Any]
     min_rows: int
     job_group: str | None = None
+    executor_wait: float = 15.0
+    """How long to wait for the application to have an executor; then the table is
+    compared at the target instead (:func:`~pgsieve.spark.session.executors_ready`)."""
 
 
 def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTable,
@@ -214,8 +218,8 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
             if not same_types:
                 method, counts = "whole_rows", run.whole_rows()
             elif (integer_key and spark_ranges is not None and spark_ranges.min_rows > 0
-                  and rows >= spark_ranges.min_rows):
-                spark = spark_ranges.spark()
+                  and rows >= spark_ranges.min_rows and executors_ready(
+                      spark := spark_ranges.spark(), spark_ranges.executor_wait)):
                 pieces = max(2 * task_slots(spark), -(-int(rows) // RANGE_ROWS))
                 run.ranged = RangedCompare(
                     spark, source_dsn, target_dsn, snapshot, pieces, _SAME_TEXT,

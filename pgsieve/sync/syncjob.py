@@ -51,6 +51,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.apply.target import fence_routes
 from pgsieve.platform import dispatch, pgserver
 from pgsieve.platform.connpolicy import (
     ConnectionNotAllowed,
@@ -62,9 +63,8 @@ from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import locked, session_factory
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
-from pgsieve.platform.locks import LeaseKeeper, rowcount
+from pgsieve.platform.locks import SYNC_JOB_NAMESPACE, AdvisoryLocks, LeaseKeeper, rowcount
 from pgsieve.platform.models import (
-    ConsumerLock,
     Job,
     Source,
     Subscription,
@@ -75,8 +75,9 @@ from pgsieve.platform.models import (
 )
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SubscriptionState, SyncState
-from pgsieve.spark.session import LazySpark, job_group_report
+from pgsieve.spark.session import executors_ready, job_group_report
 from pgsieve.spark.sync import (
+    LOCAL_THREADS,
     CopyFailed,
     CopyPartition,
     CopyRequest,
@@ -126,6 +127,13 @@ log = logging.getLogger(__name__)
 SYNC_KINDS = ("initial_sync", "resync")
 ACTIVE_STATES = ("queued", "running")
 MAX_ATTEMPTS = 5
+FENCE_LOCK_TIMEOUT_MS = 2000
+FENCE_MAX_SECONDS = 600.0
+"""A resync's fence waits for a merge holding the stream's record at the target at most
+this long (a merge is one target transaction: seconds, a huge batch's minutes)."""
+LOCK_WAIT_SECONDS = 2.0
+"""How long a runner tries for its job's lock on the source (a watchdog's probe of a
+free lock holds it for a moment)."""
 MOVED_WAIT_SECONDS = 10.0
 """How long a moved-rows reconciliation's runner waits for the stream to merge what it
 staged before it lets the job be (the stream ends it when it reaches the marker)."""
@@ -212,15 +220,20 @@ class _Retry(Exception):
 # -- the lease ------------------------------------------------------------------------------
 
 
-def claim(sessions: sessionmaker[Session], job_id: str, owner: str, lease: timedelta) -> bool:
-    """Become the job's runner if it has none, or its runner stopped heart-beating."""
+def claim(sessions: sessionmaker[Session], job_id: str, owner: str, lease: timedelta,
+          takeover: timedelta | None = None) -> bool:
+    """Become the job's runner if it has none, or its runner stopped heart-beating: for
+    the lease, or — ``takeover`` given, which only a caller holding the job's lock on its
+    source may give (:class:`~pgsieve.platform.locks.AdvisoryLocks`) — for ``takeover``:
+    the lock being free says that runner's connection, and so its process, is gone."""
     with sessions() as session:
         job = session.get(Job, job_id)
         if job is None or job.state not in ACTIVE_STATES:
             return False
         now = utcnow()
+        patience = lease if takeover is None else min(lease, takeover)
         if (job.owner not in (None, owner) and job.heartbeat_at is not None
-                and now - job.heartbeat_at < lease):
+                and now - job.heartbeat_at < patience):
             return False
         same_owner = Job.owner.is_(None) if job.owner is None else Job.owner == job.owner
         same_beat = (Job.heartbeat_at.is_(None) if job.heartbeat_at is None
@@ -229,17 +242,27 @@ def claim(sessions: sessionmaker[Session], job_id: str, owner: str, lease: timed
                          .values(owner=owner, heartbeat_at=now, state="running",
                                  started_at=job.started_at or now))
         session.commit()
+        if taken == 1 and job.owner not in (None, owner):
+            log.info("sync job %s: taken over from %s (its lock on the source was free, "
+                     "its heartbeat %.1f s old)", job_id, job.owner,
+                     (now - job.heartbeat_at).total_seconds() if job.heartbeat_at else -1)
         return taken == 1
 
 
 def renew_job(sessions: sessionmaker[Session], job_id: str, owner: str) -> bool:
-    """Heartbeat of a running job; False when it is no longer ours (or not running)."""
+    """Heartbeat of a running job; False when it is no longer ours (or not running) —
+    except when this runner ended it itself (its keeper's last beat may come after the
+    end): nothing to renew, nothing lost."""
     with sessions() as session:
         count = rowcount(session, update(Job).where(
             Job.id == job_id, Job.owner == owner, Job.state == "running")
             .values(heartbeat_at=utcnow()))
         session.commit()
-    return count == 1
+        if count == 1:
+            return True
+        ended = session.scalar(select(Job.id).where(
+            Job.id == job_id, Job.owner == owner, Job.state.not_in(ACTIVE_STATES)))
+    return ended is not None
 
 
 # -- the runner -----------------------------------------------------------------------------
@@ -312,7 +335,21 @@ class SyncJobRunner:
             moves_rows = job is not None and job.details.get("scope") == moved.SCOPE
         if not moves_rows:  # a moved-rows job reads under the change's snapshot
             prestart_helper()  # a no-op when an earlier job left a spare ready
-        if not claim(self.sessions, self.job_id, self.owner, self.lease):
+        lock, unreachable = self._lock_job()
+        if lock is None and unreachable is None and self._source_dsn() is not None:
+            return RunOutcome("busy", "another runner holds the job's lock on its source")
+        try:
+            return self._run_claimed(lock, unreachable, moves_rows)
+        finally:
+            if lock is not None:
+                # Only now, every write of this run committed: the next runner may come.
+                lock.close()
+
+    def _run_claimed(self, lock: AdvisoryLocks | None, unreachable: str | None,
+                     moves_rows: bool) -> RunOutcome:
+        takeover = (timedelta(seconds=self.settings.consumer_takeover_seconds)
+                    if lock is not None else None)
+        if not claim(self.sessions, self.job_id, self.owner, self.lease, takeover):
             with self.sessions() as session:
                 job = session.get(Job, self.job_id)
                 if job is None:
@@ -322,9 +359,11 @@ class SyncJobRunner:
             return RunOutcome("busy", "another runner holds the job")
         with LeaseKeeper(lambda: renew_job(self.sessions, self.job_id, self.owner),
                          f"sync job {self.job_id}", self.settings.consumer_heartbeat_seconds,
-                         self.lease) as keeper:
+                         self.lease, alive=None if lock is None else lock.alive) as keeper:
             self._keeper = keeper
             try:
+                if unreachable is not None:
+                    raise _Retry(unreachable)
                 self._run()
                 return RunOutcome("done")
             except _Lost as exc:
@@ -334,6 +373,10 @@ class SyncJobRunner:
                 return RunOutcome("lost", str(exc))
             except _Retry as exc:
                 return self._retry(str(exc))
+            except psycopg.OperationalError as exc:
+                # A source or target that went away (restarted, a network cut): retried
+                # with a growing delay, as a failed copy is, not failed for good.
+                return self._retry(f"{type(exc).__name__}: {str(exc).strip()}")
             except SyncError as exc:
                 message = scrub_secrets(str(exc))
                 self._fail(message, exc.code)
@@ -354,6 +397,40 @@ class SyncJobRunner:
                 # interpreter does not take CPU from this job's copy.
                 if not moves_rows:
                     prestart_helper()
+
+    def _source_dsn(self) -> str | None:
+        """The DSN of the job's source (decrypted); None when the job or its
+        subscription is gone."""
+        with self.sessions() as session:
+            job = session.get(Job, self.job_id)
+            sub = (session.get(Subscription, job.subscription_id)
+                   if job is not None and job.subscription_id else None)
+            source = session.get(Source, sub.source_id) if sub is not None else None
+            return None if source is None else self._box.decrypt(source.dsn_encrypted)
+
+    def _lock_job(self) -> tuple[AdvisoryLocks | None, str | None]:
+        """The job's advisory lock on its source, held on a connection of this runner
+        for as long as it runs the job: PostgreSQL frees it the moment that connection
+        ends — with this process, whatever kills it — so a runner that died is taken
+        over as soon as its lock is free (ADR 0019), not after a lease ran out.
+        Returns (the lock, None); (None, None) when another runner holds it or the job
+        is gone; (None, why) when the source cannot be reached (the job is claimed
+        under the lease alone, and retried)."""
+        dsn = self._source_dsn()
+        if dsn is None:
+            return None, None
+        try:
+            lock = AdvisoryLocks(dsn, self.settings.connect_timeout, namespace=SYNC_JOB_NAMESPACE)
+        except psycopg.Error as exc:
+            return None, f"source unreachable: {scrub_secrets(str(exc).strip())}"
+        try:
+            if lock.try_lock(self.job_id, wait=LOCK_WAIT_SECONDS):
+                return lock, None
+        except psycopg.Error as exc:
+            lock.close()
+            return None, f"source unreachable: {scrub_secrets(str(exc).strip())}"
+        lock.close()
+        return None, None
 
     # -- metadata helpers -----------------------------------------------------------------
     @contextlib.contextmanager
@@ -441,7 +518,7 @@ class SyncJobRunner:
                 if changed or "routes_changed_at" not in job.details:
                     job.details = {**job.details, "routes_changed_at": utcnow().isoformat()}
         if ctx.kind == "resync":
-            self._wait_for_apply_to_notice(ctx)
+            self._fence_stream(ctx)
         pending = self._pending_tables(ctx)
         if pending and self._may_need_spark(ctx, pending):
             self._warm_up_spark()
@@ -743,11 +820,42 @@ class SyncJobRunner:
         with self._timed("plan"), snapshot_transaction(
                 ctx.source_dsn, snap.name, self.settings.connect_timeout) as src:
             sources = read_source_tables(src, ctx.publications, names)
-        if self._warming is not None:
+        started: list[Any] = []
+
+        def spark() -> Any:
+            """The SparkSession (its JVM started, not its executors), waited for only
+            when something needs it: the ranges are piped by this process until Spark is
+            ready (``spark_when_ready``), and a local master's plan needs no JVM."""
+            if not started:
+                with self._timed("spark_start"):
+                    started.append(self._spark_factory())
+            return started[0]
+
+        def spark_when_ready() -> Any:
+            """Spark, once its warm-up is over and its application has an executor; None
+            until then (the ranges are piped by this process meanwhile). A copy the
+            catalog's sizes did not foresee (no warm-up yet) starts one now."""
+            if self._warming is None:
+                self._warm_up_spark()
+            assert self._warming is not None
+            if self._warming.is_alive():
+                return None
+            session = spark()
+            return session if executors_ready(session) else None
+
+        def slots() -> int:
+            """Task slots the ranges are planned for: a local master says it without a
+            JVM (a job's first copy starts at once), a cluster's Spark tells — once its
+            executors registered, ``PGSIEVE_SPARK_EXECUTOR_WAIT_SECONDS`` at most (an
+            application that gets none plans for what Spark says then)."""
+            local = local_task_slots(self.settings.spark_master)
+            if local is not None:
+                return local
+            session = spark()
             with self._timed("spark_start"):
-                self._warming.join()
-        spark = LazySpark(self._spark_factory)  # started by a copy of several partitions
-        parallelism = local_task_slots(self.settings.spark_master) or task_slots(spark)
+                executors_ready(session, self.settings.spark_executor_wait_seconds)
+            return task_slots(session)
+
         copies: dict[str, TableCopy] = {}
         targets: dict[str, TargetTable] = {}
         with psycopg.connect(secure_conninfo(ctx.target_dsn, purpose=Purpose.STREAM),
@@ -759,7 +867,7 @@ class SyncJobRunner:
                 copies[name] = table_copy(sources[name], targets[name])
                 with self._timed("prepare"):
                     freeze = self._prepare(ctx, snap, sources[name], targets[name], tgt,
-                                           parallelism)
+                                           slots)
                 copies[name] = replace(copies[name], freeze=freeze)
             partitions, done = self._partitions_to_copy(ctx, snap, names, tgt)
             request = CopyRequest(
@@ -774,14 +882,20 @@ class SyncJobRunner:
                 in_process = self._copies_in_process(
                     len(partitions), sum(sources[n].blocks for n in names) * BLOCK_SIZE)
                 with self._timed("copy"):
-                    copy_partitions(spark, request, on_progress=lambda c: self._record_copied(
-                        ctx, names, c), job_group=self._group,
-                        in_process=parallelism if in_process else 0)
+                    # Piped by this process until Spark is ready, the ranges left then
+                    # by Spark's tasks (one partition, or a small copy: always here, no
+                    # Spark job, no JVM started for it).
+                    copy_partitions(None if in_process else spark_when_ready(), request,
+                                    on_progress=lambda c: self._record_copied(ctx, names, c),
+                                    job_group=self._group,
+                                    local_threads=local_task_slots(
+                                        self.settings.spark_master) or LOCAL_THREADS,
+                                    spark_when_ready=None if in_process else spark_when_ready)
             except CopyFailed as exc:
                 raise _Retry(f"copy failed: {exc}") from None
             finally:
-                if spark.started:
-                    self._record_spark(spark)
+                if started:
+                    self._record_spark(started[0])
             fault_point("sync.after_copy")
             for name in names:
                 self._finish_table(ctx, snap, sources[name], targets[name], tgt,
@@ -845,7 +959,8 @@ class SyncJobRunner:
         min_rows = IN_WORKER_MAX_ROWS if setting == "auto" else int(setting)
         if min_rows <= 0:
             return None
-        return SparkRanges(self._spark_factory, min_rows, self._group)
+        return SparkRanges(self._spark_factory, min_rows, self._group,
+                           self.settings.spark_executor_wait_seconds)
 
     def _diff_progress(self, ctx: _Context, name: str, staged: int) -> None:
         """Rows of the source compared so far (staged at the target), shown as the
@@ -878,7 +993,8 @@ class SyncJobRunner:
             job.details = {**job.details, "spark": report}
 
     def _prepare(self, ctx: _Context, snap: ExportedSnapshot, source: SourceTable,
-                 target: TargetTable, tgt: psycopg.Connection[Any], parallelism: int) -> bool:
+                 target: TargetTable, tgt: psycopg.Connection[Any],
+                 parallelism: Callable[[], int]) -> bool:
         """Start the table's copy under ``snap`` unless it already started: record the
         plan (and the indexes it defers) first, then empty the table and drop them.
         Whether the copy is one ``COPY … FREEZE`` stream (as recorded: a resumed job keeps
@@ -890,6 +1006,10 @@ class SyncJobRunner:
             if (table.sync_state == SyncState.COPY and state.get("attempt") == snap.attempt
                     and state.get("prepared")):
                 return bool(state.get("freeze", False))
+        slots = parallelism()  # (may wait for Spark: not inside a metadata transaction)
+        with self._owned() as (session, job):
+            table = self._tables(session, ctx)[name]
+            state = self._table_state(job, name)
             deferred = list(state.get("deferred_indexes") or [])
             if ctx.defer_indexes:
                 known = {d["index"] for d in deferred}
@@ -897,10 +1017,10 @@ class SyncJobRunner:
                              if d["index"] not in known]
             size = int(ctx.partition_bytes or self.partition_bytes)
             freeze = (ctx.freeze and freeze_allowed(tgt, target) and single_stream(
-                source, partition_blocks=size // BLOCK_SIZE, parallelism=parallelism))
+                source, partition_blocks=size // BLOCK_SIZE, parallelism=slots))
             parts = ([CopyPartition(name, source.leaves[0][0], 0)] if freeze else
                      plan_partitions(source, partition_blocks=size // BLOCK_SIZE,
-                                     parallelism=parallelism))
+                                     parallelism=slots))
             session.execute(delete(SyncPartition).where(SyncPartition.job_id == self.job_id,
                                                         SyncPartition.table_name == name))
             for p in parts:
@@ -1009,30 +1129,46 @@ class SyncJobRunner:
                 results[name] = verify
                 job.details = {**job.details, "verify_results": results}
             self._update_totals(session, job, ctx)
+        # Crash tests: the table is the stream's (catchup), its markers and the job's end
+        # not yet written.
+        fault_point("sync.table_handed_over")
         forget_markers(tgt, ctx.subscription_id, name)
 
-    # -- resync: let the stream stop applying first -----------------------------------------
-    def _wait_for_apply_to_notice(self, ctx: _Context) -> None:
-        """A consume cycle that loaded the table's route before it left ``ready`` could
-        still write it; the copy starts only once no cycle that old is running (no lock, a
-        stale lock, or a lock taken after the change)."""
-        with self._owned() as (_, job):
-            since = job.details["routes_changed_at"]
-        from datetime import datetime
+    # -- resync: fence the stream off the tables first ---------------------------------------
+    def _fence_stream(self, ctx: _Context) -> None:
+        """The tables left the stream (``init``, committed): from now on no batch whose
+        routes were read before may commit at the target. The target's record of the
+        subscription gets a new routes epoch (:func:`~pgsieve.apply.target.fence_routes`);
+        every merge locks that record and compares the epoch its batch's routes were read
+        under, so a batch planned with the table still ``ready`` is refused (and applied
+        again under the new routes) instead of writing the table under the copy.
 
-        changed = datetime.fromisoformat(since)
-        limit = self.settings.consume_cycle_seconds + 2 * self.settings.consumer_lease_seconds
-        deadline = time.monotonic() + limit
-        while time.monotonic() < deadline:
-            with self.sessions() as session:
-                lock = session.get(ConsumerLock, ctx.subscription_id)
-                if (lock is None or utcnow() - lock.heartbeat_at > self.lease
-                        or lock.acquired_at > changed):
-                    return
-            if self._keeper is not None and self._keeper.lost.is_set():
-                raise _Lost("lost the job's lease")
-            time.sleep(0.5)
-        raise _Retry("the subscription's consumer did not start a new cycle in time")
+        Why a fence at the target and not a wait for the stream to say it read the new
+        routes (the design until issue 55): that wait ended only when the stream started
+        its next turn, and a turn is as long as its apply — a stream applying a
+        120,000-change batch through a Spark cluster whose executors were still
+        starting kept a resync waiting minutes, and past 120 s its attempt failed, again
+        and again. The fence waits only for a merge that holds the record at that moment
+        (one target transaction); a stream that is busy, stuck or not running at all
+        holds the copy up no longer."""
+        deadline = time.monotonic() + FENCE_MAX_SECONDS
+        with psycopg.connect(secure_conninfo(ctx.target_dsn, purpose=Purpose.STREAM),
+                             autocommit=True,
+                             connect_timeout=self.settings.connect_timeout) as tgt:
+            while True:
+                try:
+                    epoch = fence_routes(tgt, ctx.subscription_id,
+                                         lock_timeout_ms=FENCE_LOCK_TIMEOUT_MS)
+                    break
+                except psycopg.errors.LockNotAvailable:
+                    # A merge holds the record: it ends with its transaction.
+                    if self._keeper is not None and self._keeper.lost.is_set():
+                        raise _Lost("lost the job's lease") from None
+                    if time.monotonic() >= deadline:
+                        raise _Retry("a merge of the subscription's stream held its record "
+                                     f"at the target for {FENCE_MAX_SECONDS:.0f} s") from None
+        with self._owned() as (_, job):
+            job.details = {**job.details, "routes_epoch": epoch}
 
     # -- the end -----------------------------------------------------------------------------
     def _finish(self, ctx: _Context) -> None:
@@ -1058,6 +1194,9 @@ class SyncJobRunner:
                 job.details = {**job.details, "verify_result": {
                     "ok": not differences, "tables": list(results.values()),
                     "differences": differences}}
+        # Crash tests: the job is done, its stream not told to start (a worker's sweep
+        # adopts it: it is enabled, streaming and held by nobody).
+        fault_point("sync.done")
         if start_stream:
             dispatch.consume_cycle(self.settings, ctx.subscription_id)
         if self._reconciles():

@@ -21,6 +21,7 @@ from pgsieve.platform import dispatch, pgserver
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.errors import PgsieveError
+from pgsieve.platform.locks import SYNC_JOB_NAMESPACE, AdvisoryLocks, rowcount
 from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable, utcnow
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SyncState
@@ -197,25 +198,81 @@ def retry_table_syncs(settings: Settings, sessions: sessionmaker[Session] | None
 
 def stale_sync_jobs(settings: Settings,
                     sessions: sessionmaker[Session] | None = None) -> list[str]:
-    """Sync jobs whose runner stopped heart-beating (or that never started) for longer
-    than the lease: released (no owner) so the next runner may claim them at once."""
+    """Sync jobs nobody runs any more, released (no owner) so that the next runner may
+    claim them at once; their ids, committed (the caller enqueues them).
+
+    * A job whose runner holds the job's lock on its source is never released: that
+      runner's connection, and so its process, lives (however late its heartbeat).
+    * A job whose runner's heartbeat is older than ``PGSIEVE_CONSUMER_TAKEOVER_SECONDS``
+      and whose lock is free — its process died, or its connection to the source broke
+      (it then stops by itself, :class:`~pgsieve.platform.locks.LeaseKeeper`) — is
+      released while the lock is held for the check, then freed for the new runner.
+    * A job with no owner (never started, or a moved-rows job waiting for its stream)
+      or whose source cannot be asked: released once its heartbeat is older than the
+      lease, as before there were locks.
+
+    Why the lock and not the lease alone: a lease can only age, so a worker killed in
+    the middle of a copy left its job for the lease (30 s) plus the watchdog's period;
+    the lock is free the moment the process is gone (ADR 0019)."""
 
     sessions = sessions or session_factory(settings.effective_database_url)
     lease = timedelta(seconds=settings.consumer_lease_seconds)
+    takeover = timedelta(seconds=settings.consumer_takeover_seconds)
     now = utcnow()
-    stale: list[str] = []
+    box = settings.secret_box()
     with sessions() as session:
-        jobs = session.scalars(select(Job).where(Job.kind.in_(SYNC_KINDS),
-                                                 Job.state.in_(ACTIVE_STATES))).all()
-        for job in jobs:
-            beat = job.heartbeat_at or job.created_at
-            if now - beat < lease:
-                continue
-            same_beat = (Job.heartbeat_at.is_(None) if job.heartbeat_at is None
-                         else Job.heartbeat_at == job.heartbeat_at)
-            session.execute(update(Job).where(Job.id == job.id, same_beat)
-                            .values(owner=None, heartbeat_at=now)
-                            .execution_options(synchronize_session=False))
-            stale.append(job.id)
-        session.commit()
+        rows = session.execute(
+            select(Job.id, Job.owner, Job.heartbeat_at, Job.created_at,
+                   Source.dsn_encrypted)
+            .join(Subscription, Subscription.id == Job.subscription_id)
+            .join(Source, Source.id == Subscription.source_id)
+            .where(Job.kind.in_(SYNC_KINDS), Job.state.in_(ACTIVE_STATES))).all()
+    by_lease: list[tuple[str, datetime | None]] = []
+    by_lock: dict[str, list[tuple[str, str, datetime | None]]] = {}
+    for job_id, owner, heartbeat_at, created_at, dsn in rows:
+        age = now - (heartbeat_at or created_at)
+        if owner is not None and age >= takeover:
+            by_lock.setdefault(dsn, []).append((job_id, owner, heartbeat_at))
+        elif age >= lease:
+            by_lease.append((job_id, heartbeat_at))
+    stale = [job_id for job_id, beat in by_lease if _release(sessions, job_id, None, beat)]
+    for encrypted, jobs in by_lock.items():
+        try:
+            locks = AdvisoryLocks(box.decrypt(encrypted), settings.connect_timeout,
+                                  namespace=SYNC_JOB_NAMESPACE)
+        except Exception as exc:  # the source is unreachable: the lease decides
+            log.info("sync watchdog: cannot ask a source for its jobs' locks: %s",
+                     scrub_secrets(str(exc)))
+            stale += [job_id for job_id, _, beat in jobs
+                      if now - (beat or now) >= lease and _release(sessions, job_id, None,
+                                                                   beat)]
+            continue
+        try:
+            for job_id, owner, beat in jobs:
+                if not locks.try_lock(job_id):
+                    continue  # its runner's connection lives
+                try:
+                    if _release(sessions, job_id, owner, beat):
+                        log.info("sync job %s: its runner %s is gone (its lock on the "
+                                 "source is free); handed to a new runner", job_id, owner)
+                        stale.append(job_id)
+                finally:
+                    locks.unlock(job_id)
+        finally:
+            locks.close()
     return stale
+
+
+def _release(sessions: sessionmaker[Session], job_id: str, owner: str | None,
+             beat: datetime | None) -> bool:
+    """Compare-and-swap: no owner, heartbeat now — unless the job moved meanwhile
+    (renewed, taken, finished): then False. ``owner`` None: whatever its owner."""
+    same_beat = Job.heartbeat_at.is_(None) if beat is None else Job.heartbeat_at == beat
+    conditions = [Job.id == job_id, same_beat, Job.state.in_(ACTIVE_STATES)]
+    if owner is not None:
+        conditions.append(Job.owner == owner)
+    with sessions() as session:
+        released = rowcount(session, update(Job).where(*conditions)
+                            .values(owner=None, heartbeat_at=utcnow()))
+        session.commit()
+    return released == 1

@@ -138,8 +138,9 @@ def restart_pipelines(self: Task[Any, Any]) -> list[str]:
 
 @worker_ready.connect
 def warm_up_spark(sender: Any = None, **_: Any) -> None:
-    """Start this worker's SparkSession in the background as soon as the worker is up, so
-    the first batch big enough for Spark finds a warm JVM (small batches never wait)."""
+    """Start this worker's SparkSession and its Python workers in the background as soon
+    as the worker is up, so the first batch big enough for Spark finds a warm JVM (small
+    batches never wait) and the first copy's ranges go to Spark's tasks at once."""
     import threading
 
     settings: Settings = celery_app.conf.pgsieve_settings
@@ -149,6 +150,7 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
 
     def start() -> None:
         from pgsieve.spark.session import get_spark
+        from pgsieve.spark.sync import warm_up
 
         if settings.spark_nice:
             # Linux keeps a nice value per thread, and the JVM forked from this one
@@ -157,10 +159,20 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), settings.spark_nice)
         try:
-            get_spark(settings)
+            spark = get_spark(settings)
         except Exception as exc:  # reported again, with context, when a job needs it
             log.warning("Spark warm-up failed: %s", exc)
+            return
         freeze_startup_heap()  # and what Spark and py4j brought
+        try:
+            # Its Python workers too, where the copy's tasks run: a fresh worker's first
+            # sync gives its ranges to Spark at once (until then the worker pipes them,
+            # pgsieve.spark.sync.copy_partitions). On a cluster that gives this
+            # application no executor this waits — here, in the background, only.
+            warm_up(spark)
+            log.info("Spark is warm: its Python workers run")
+        except Exception as exc:
+            log.warning("Spark's Python workers did not start: %s", exc)
 
     threading.Thread(target=start, name="spark-warmup", daemon=True).start()
 

@@ -5,17 +5,19 @@ a crash before the COMMIT) the target is left as before the batch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import psycopg
 import pytest
 
 from pgsieve.apply import script
-from pgsieve.apply.batch import ApplyConflict, ApplyFenced
+from pgsieve.apply.batch import ApplyConflict, ApplyFenced, RoutesChanged
 from pgsieve.apply.script import insert_chunks
+from pgsieve.apply.target import fence_routes
 from pgsieve.spark.apply import apply_batch
 from tests.integration import test_apply as harness
-from tests.integration.test_apply import Pair
+from tests.integration.test_apply import Pair, staging_only
 
 native_db = harness.native_db
 pair = harness.pair
@@ -305,3 +307,33 @@ def test_inserts_go_as_the_fewest_chunks_of_the_prepared_sizes() -> None:
     for n in range(70):
         chunks = insert_chunks(n)
         assert [i for c in chunks for i in range(c.start, c.stop)] == list(range(n))
+
+
+def test_a_batch_read_before_a_resync_fence_commits_nothing_on_either_path(pair: Pair):
+    """A resync moves the routes epoch at the target (``fence_routes``) once its tables
+    left the stream: a batch whose routes were read before that is refused whichever way
+    it merges — the one-round-trip script, or the staged transaction — with nothing of
+    it committed, and the applied position untouched (issue 55: the resync no longer
+    waits for the stream to notice)."""
+    pair.setup(SOURCE, tables=["public.q", "public.k2"])
+    pair.run("INSERT INTO q (id, v) VALUES (1, 'one'), (2, 'two')")
+    assert _scripts(pair.apply(1)) == 1  # the first batch learns the replica role
+    epoch = pair.writer.read_routes_epoch()
+    applied = pair.writer.applied_lsn()
+    pair.run("INSERT INTO q (id, v) VALUES (3, 'three')",
+             "INSERT INTO q (id, v) VALUES (4, 'four')")
+    small, big = pair.batches(pair.read(), 1)[:2]
+    small, big = replace(small, routes_epoch=epoch), replace(big, routes_epoch=epoch)
+    with pair.target.connect() as conn:
+        assert fence_routes(conn, pair.subscription_id) == epoch + 1
+    with pytest.raises(RoutesChanged):
+        apply_batch(None, small, pair.writer, distributed=False)  # a script
+    with staging_only(), pytest.raises(RoutesChanged):  # the staged transaction
+        apply_batch(None, big, pair.writer, distributed=False)
+    assert pair.target.query("SELECT id FROM q ORDER BY id") == [(1,), (2,)]
+    assert pair.writer.applied_lsn() == applied
+    # Under the epoch read now, the same batches commit.
+    fresh = pair.writer.read_routes_epoch()
+    for batch in (small, big):
+        apply_batch(None, replace(batch, routes_epoch=fresh), pair.writer, distributed=False)
+    assert pair.target.query("SELECT id FROM q ORDER BY id") == [(1,), (2,), (3,), (4,)]

@@ -18,6 +18,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.spark import apply as spark_apply
 from pgsieve.spark.session import InsecureSparkCluster, get_spark, spark_properties, stop_spark
 from pgsieve.spark.standalone import SparkCluster, spark_cluster
+from pgsieve.spark.sync import warm_up
 from pgsieve.sync.syncjob import RunOutcome
 from tests.integration import test_apply as harness
 from tests.integration.sync_env import native_copy, rows, sync_env
@@ -47,10 +48,13 @@ def cluster_settings(cluster: SparkCluster, **over: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def cluster_spark(cluster: SparkCluster) -> Iterator[Any]:
     """This process's SparkSession, on the cluster (the local one stopped before, and
-    again after, so the rest of the suite gets its own back)."""
+    again after, so the rest of the suite gets its own back), warm — its executor up, its
+    Python workers started — as a worker's is after its warm-up: a copy's ranges go to
+    its tasks from the start (a cold one's are piped by the process until it is warm)."""
     stop_spark()
     settings = Settings(_env_file=None, **cluster_settings(cluster))
     session = get_spark(settings)
+    warm_up(session)
     yield session
     stop_spark()
 
