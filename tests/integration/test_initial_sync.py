@@ -7,6 +7,7 @@ and the subscription's slot starts exactly at the copy's snapshot."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import pytest
 
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.models import Subscription, SyncPartition
+from pgsieve.spark.session import get_spark
+from pgsieve.sync.syncjob import SyncJobRunner
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 from tests.integration.sync_env import native_copy, rows, slots, sync_env
@@ -71,25 +74,31 @@ def test_several_publications_are_ored_and_a_missing_filter_makes_them_moot(
 
 
 @pytest.mark.parametrize("copy_min_mb", [64, 0])
-def test_a_small_copy_of_several_tables_starts_no_spark_job_unless_told_to(
+def test_a_small_copy_of_several_tables_asks_for_no_spark_unless_told_to(
         tmp_path, source_db, target_db, native_db, copy_min_mb):
     """Three small tables (four partitions: more than the two task slots) under the
-    default ``PGSIEVE_SPARK_COPY_MIN_MB`` are piped by the worker itself — no Spark job,
-    so a cold worker starts no JVM for them; with 0, a Spark job copies them. The rows
-    are native's either way."""
+    default ``PGSIEVE_SPARK_COPY_MIN_MB`` are piped by the worker itself: Spark is never
+    asked for, so a cold worker starts no JVM for them. With 0, Spark is started for the
+    copy (its ranges go to Spark once it is ready). The rows are native's either way."""
     source_db.execute(EXAMPLE + EXAMPLE_DATA + EXAMPLE_PUBS)
     target_db.execute(EXAMPLE)
     native_db.execute(EXAMPLE)
     pubs = ["p1", "p2", "p3", "p_ins"]
+    asked: list[float] = []
+
     with sync_env(tmp_path, spark_copy_min_mb=copy_min_mb) as env:
+        def spark() -> Any:
+            asked.append(time.monotonic())
+            return get_spark(env.settings)
+
         _, job_id = env.subscribe(source_db, target_db, pubs)
-        assert env.run_job(job_id, partition_bytes=8192).outcome == "done"
+        runner = SyncJobRunner(env.settings, job_id, spark=spark, partition_bytes=8192)
+        assert runner.run().outcome == "done"
         job = env.job(job_id)
     assert sum(t["partitions_total"] for t in job["tables"]) > 2
+    assert bool(asked) == (copy_min_mb == 0), asked
     if copy_min_mb:
         assert not job.get("spark"), job.get("spark")
-    else:
-        assert job["spark"]["jobs"] and job["spark"]["task_failures"] == 0
     native_copy(source_db, native_db, "nat_small", pubs)
     for table in ("t1", "t2", "t3"):
         assert rows(target_db, table) == rows(native_db, table), table

@@ -58,8 +58,11 @@ TAKEOVER_BOUND = 30.0
 loaded 2-core machine stalls for seconds; the design's figure is the takeover time, 4 s,
 plus a sweep, 2 s — the benchmark reports the measured one)."""
 
-WARM = {"PGSIEVE_SPARK_WARMUP": "true"}
-"""Workers start their Spark at once, as in production."""
+WARM = {"PGSIEVE_SPARK_WARMUP": "true", "PGSIEVE_SPARK_COPY_MIN_MB": "0"}
+"""Workers start their Spark at once, as in production, and give Spark every copy of more
+than one range: the table here (~20 MB) is under the default ``PGSIEVE_SPARK_COPY_MIN_MB``,
+below which a worker pipes the copy itself and the Spark ranges this file kills in would
+never run."""
 KINDS = ("ranges", "handover", "mid_copy", "after_main_slot", "lost_snapshot", "frozen",
          "after_copy", "stream_start")
 """What each seed kills, in turn (seed % len): an external kill -9 while the Spark ranges
