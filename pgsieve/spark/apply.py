@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,9 @@ from pgsieve.wire.lsn import Lsn
 log = logging.getLogger(__name__)
 
 _last_path: str | None = None
+_reasons_logged: dict[str, float] = {}
+"""Each reason's shape (its numbers left out) → when it was last logged at INFO."""
+REASON_RELOG_SECONDS = 300.0
 """The path of this process's previous batch (log noise: see apply_batch)."""
 
 AUTO_SPARK_MIN_CHANGES = 200_000
@@ -131,6 +135,24 @@ def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
                                          writer.expected_applied()))
 
 
+def _log_apply_path(changes: int, distributed: bool, why: str) -> None:
+    """Each batch's path and reason is logged: at INFO when the path changes, or for a
+    reason not logged at INFO in the last five minutes (the driver applying because the
+    application has no executor must be seen even when smaller batches went to the
+    driver before); else at DEBUG (a caught-up stream applies a batch every poll)."""
+    global _last_path
+    path = "Spark tasks" if distributed else "the driver"
+    shape = f"{path}: {re.sub(r'[0-9]+', '#', why)}"
+    now = time.monotonic()
+    seen = _reasons_logged.get(shape)
+    loud = path != _last_path or seen is None or now - seen >= REASON_RELOG_SECONDS
+    if loud:
+        _reasons_logged[shape] = now
+    log.log(logging.INFO if loud else logging.DEBUG,
+            "batch of %d changes applies through %s: %s", changes, path, why)
+    _last_path = path
+
+
 @dataclass
 class PreparedBatch:
     """A batch planned and staged on ``writer``'s connection, its merge not started."""
@@ -158,13 +180,7 @@ def prepare_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
     started = t = time.perf_counter()
     if distributed is None:
         distributed, why = choose_apply_path(spark, batch.change_count)
-        global _last_path
-        path = "Spark tasks" if distributed else "the driver"
-        # Each batch's path and reason is logged; at INFO when it changes, else DEBUG (a
-        # caught-up stream applies a batch every poll).
-        log.log(logging.INFO if path != _last_path else logging.DEBUG,
-                "batch of %d changes applies through %s: %s", batch.change_count, path, why)
-        _last_path = path
+        _log_apply_path(batch.change_count, distributed, why)
     if distributed:
 
         plan, staged, fetched, spark_report = plan_and_stage(spark, batch, writer, expected,
