@@ -6,6 +6,7 @@ application on a shared cluster was invisible at INFO before)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -41,7 +42,7 @@ def test_a_reason_is_logged_again_after_five_minutes(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(spark_apply, "_reasons_logged", {})
     caplog.set_level(logging.DEBUG, logger=spark_apply.__name__)
     clock = [1000.0]
-    monkeypatch.setattr(spark_apply.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     spark_apply._log_apply_path(1500, False, STARVED)
     clock[0] += spark_apply.REASON_RELOG_SECONDS - 1
     spark_apply._log_apply_path(1500, False, STARVED)
