@@ -41,6 +41,7 @@ from typing import Any
 
 import psycopg
 
+from bench import report as bench_report
 from pgsieve.apply import hotpath
 from pgsieve.apply.batch import ApplyBatch, ApplyResult, TableRoute
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
@@ -619,7 +620,29 @@ def report_limits(workloads: list[Workload]) -> None:
           "the native run is this process idling while it waits.)")
 
 
-def compare_paths(spark: Any, sizes: list[int]) -> None:
+def write_report(workloads: list[Workload], args: argparse.Namespace,
+                 peak_mib: float) -> None:
+    """The catch-up's JSON report: per workload native's and each mode's seconds, the
+    floors; ratios × native (native's time over the mode's: higher is faster) and
+    × decode floor (the mode's time over the server's decode on one backend)."""
+    figures: dict[str, float] = {"peak_rss_mib": peak_mib}
+    ratios: dict[str, float] = {}
+    for wl in workloads:
+        r = wl.result
+        figures[f"{wl.name}.native_s"] = r["native_s"]
+        figures[f"{wl.name}.decode_floor_s"] = r["decode_s"]
+        figures[f"{wl.name}.reading_alone_s"] = r["read_s"]
+        for m in r["modes"]:
+            figures[f"{wl.name}.{m}_s"] = r[f"{m}_s"]
+            ratios[f"{wl.name}.{m}_x_native"] = r["native_s"] / r[f"{m}_s"]
+            ratios[f"{wl.name}.{m}_x_decode_floor"] = r[f"{m}_s"] / r["decode_s"]
+    bench_report.write("apply_bench", figures, ratios=ratios,
+                       notes={"question": "backlog catch-up vs native",
+                              "txn_rows": args.txn_rows, "changes": args.changes},
+                       path=args.report)
+
+
+def compare_paths(spark: Any, sizes: list[int], report_path: str | None = None) -> None:
     """Driver path vs Spark path for single batches of ``sizes`` changes (warm session):
     where the threshold ``PGSIEVE_SPARK_APPLY_MIN_CHANGES`` should be — and, from the Spark
     path's measured parts, a paper projection of that path with more executor cores."""
@@ -682,6 +705,14 @@ def compare_paths(spark: Any, sizes: list[int]) -> None:
             print(f"| {n:,} | {secs[0]:.2f} | {secs[1]:.2f} | {timings.get('spark', 0):.2f} | "
                   f"{timings.get('merge', 0):.2f} | {secs[1] / secs[0]:.1f}× |", flush=True)
         project(measured, slots)
+        bench_report.write(
+            "apply_bench",
+            {**{f"driver_s.{n}": d for n, d, _, _ in measured},
+             **{f"spark_s.{n}": sp for n, _, sp, _ in measured}},
+            ratios={f"spark_over_driver.{n}": sp / d for n, d, sp, _ in measured if d},
+            notes={"question": "driver vs Spark apply path per batch",
+                   "spark_master": str(spark.sparkContext.master), "task_slots": slots},
+            path=report_path)
     finally:
         pg.destroy()
         shutil.rmtree(root, ignore_errors=True)
@@ -748,6 +779,7 @@ def main() -> None:
     parser.add_argument("--standalone-cluster", type=int, default=0, metavar="CORES",
                         help="with --compare-paths: the Spark path on a standalone cluster "
                         "started here (a master and one worker offering CORES cores)")
+    bench_report.add_argument(parser)
     args = parser.parse_args()
     hotpath.tune_collector()  # as a worker runs (pgsieve worker)
     sys.setswitchinterval(WORKER_SWITCH_INTERVAL)  # as well (its threads: merges behind)
@@ -760,7 +792,8 @@ def main() -> None:
                 spark_cluster(Path(tmp), cores=args.standalone_cluster, memory="2g") as cl:
             on_cluster = get_spark(Settings(**cl.worker_settings()))
             on_cluster.range(0, 1000, 1, 4).mapInArrow(lambda it: it, "id long").count()
-            compare_paths(on_cluster, [int(x) for x in args.compare_paths.split(",")])
+            compare_paths(on_cluster, [int(x) for x in args.compare_paths.split(",")],
+                          args.report)
         return
     distributed = {"auto": None, "on": True, "off": False}[args.distributed]
     spark = None
@@ -772,7 +805,7 @@ def main() -> None:
         spark.range(0, 1000, 1, 4).mapInArrow(lambda it: it, "id long").count()  # warm
         print(f"SparkSession warm in {time.perf_counter() - t0:.1f}s", flush=True)
     if args.compare_paths:
-        compare_paths(spark, [int(x) for x in args.compare_paths.split(",")])
+        compare_paths(spark, [int(x) for x in args.compare_paths.split(",")], args.report)
         return
     root = Path(tempfile.mkdtemp(prefix="pgsieve-applybench-"))
     root.chmod(0o755)
@@ -792,6 +825,7 @@ def main() -> None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         print(f"\npeak RSS of this process (pgsieve's reading, planning and staging, the "
               f"whole run): {peak:,.0f} MiB")
+        write_report(done, args, peak)
     finally:
         pub.destroy()
         sub.destroy()

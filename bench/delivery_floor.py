@@ -28,6 +28,7 @@ from pathlib import Path
 
 import psycopg
 
+from bench import report as bench_report
 from bench.scale_bench import (
     add_probe_rows,
     applied_clock,
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--alone", action="store_true",
                         help="each alone with the machine, in turn: the bare client, then "
                              "native")
+    bench_report.add_argument(parser)
     args = parser.parse_args()
     n, tenants = args.subscriptions, list(range(args.subscriptions))
     root = Path(tempfile.mkdtemp(prefix="pgsieve-floor-"))
@@ -146,6 +148,16 @@ def main() -> None:
                               ("commit → applied by native", applied)):
             print(f"| {label} | " + " | ".join(
                 f"{percentile(values, q) * 1000:.0f}" for q in (0.1, 0.5, 0.9, 0.99)) + " |")
+        figures = {f"{who}.p{q * 100:g}_ms": percentile(values, q) * 1000
+                   for who, values in (("bare_read", bare), ("native_applied", applied))
+                   for q in (0.1, 0.5, 0.9, 0.99)}
+        bench_report.write(
+            "delivery_floor", figures,
+            ratios={"p50_bare_over_native": figures["bare_read.p50_ms"]
+                    / figures["native_applied.p50_ms"]}
+            if figures["native_applied.p50_ms"] else {},
+            notes={"subscriptions": n, "alone": args.alone, "order": args.order},
+            path=args.report)
     finally:
         for session in sessions:
             session.close()

@@ -30,6 +30,7 @@ import psycopg
 import redis
 from fastapi.testclient import TestClient
 
+from bench import report as bench_report
 from pgsieve.api.app import create_app
 from pgsieve.platform.migrate import upgrade
 from pgsieve.platform.pgcluster import LocalCluster, free_port
@@ -179,6 +180,33 @@ def bounded(samples: list[tuple[float, float]]) -> bool:
             and percentile(lags, 0.99) < BOUNDED_P99)
 
 
+def write_report(steps: list[tuple[float, float, dict[str, list[tuple[float, float]]]]],
+                 args: argparse.Namespace) -> None:
+    """The JSON report: per rate (one rate: no prefix) and subscriber the lag's p50, p99
+    and max in seconds, whether it kept up (1/0) and the rate achieved; ratios pgsieve's
+    p50 and p99 over native's (above 1: pgsieve behind)."""
+    figures: dict[str, float] = {}
+    ratios: dict[str, float] = {}
+    for rate, achieved, samples in steps:
+        pre = "" if len(steps) == 1 else f"{rate:.0f}/s."
+        figures[f"{pre}achieved_changes_per_s"] = achieved
+        for name in ("native", "pgsieve"):
+            values = [lag for _, lag in samples[name]] or [float("nan")]
+            figures[f"{pre}{name}.p50_s"] = statistics.median(values)
+            figures[f"{pre}{name}.p99_s"] = percentile(values, 0.99)
+            figures[f"{pre}{name}.max_s"] = max(values)
+            if len(steps) > 1:
+                figures[f"{pre}{name}.kept_up"] = int(bounded(samples[name]))
+        for q in ("p50", "p99"):
+            if figures[f"{pre}native.{q}_s"]:
+                ratios[f"{pre}{q}_pgsieve_over_native"] = (figures[f"{pre}pgsieve.{q}_s"]
+                                                          / figures[f"{pre}native.{q}_s"])
+    bench_report.write("lag_bench", figures, ratios=ratios,
+                       notes={"txn_changes": args.txn_changes,
+                              "connections": args.connections, "seconds": args.seconds},
+                       path=args.report)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate", type=float, default=5000)
@@ -192,6 +220,7 @@ def main() -> None:
     parser.add_argument("--rates", help="comma-separated rates run one after the other "
                         "in one deployment, each judged kept up or not (the highest "
                         "sustained rate)")
+    bench_report.add_argument(parser)
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="pgsieve-lag-"))
@@ -278,6 +307,7 @@ def main() -> None:
                               "yes" if bounded(samples[name]) else "**no**"]
                 print(f"| {rate:,.0f} | {achieved:,.0f} | {' | '.join(cells)} |")
         print(f"\nworker log: {root / 'worker.log'}")
+        write_report(steps, args)
     finally:
         if worker is not None:
             worker.terminate()

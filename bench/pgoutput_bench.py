@@ -31,6 +31,7 @@ from typing import Any
 
 import psycopg
 
+from bench import report as bench_report
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
 from pgsieve.streaming.transports import PgoutputOptions, SqlTransport, WalsenderTransport
@@ -215,6 +216,11 @@ def run(changes: int, rounds: int, memory_gb: float) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+FIGURES: dict[str, float] = {}
+RATIOS: dict[str, float] = {}
+"""What the JSON report holds, filled as the figures are printed."""
+
+
 def report(rows: int, nbytes: int, n_changes: int, times: dict[str, list[float]],
            views: float) -> None:
     best = {k: min(v) for k, v in times.items()}
@@ -239,6 +245,10 @@ def report(rows: int, nbytes: int, n_changes: int, times: dict[str, list[float]]
         r = n_changes / best[key]
         spread = " / ".join(f"{t:.2f}" for t in times[key])
         print(f"| {name} | {best[key]:.2f} | {spread} | {r:,.0f} | {r / sql:.2f}× |")
+        FIGURES[f"{key}_best_s"] = best[key]
+        RATIOS[f"{key}_x_sql_decode"] = r / sql
+    RATIOS["consumer_walsender_x_recvlogical"] = (best["recvlogical"]
+                                                  / best["consumer_walsender"])
     print(f"\nmessages: {rows:,} ({nbytes / 1e6:.0f} MB); changes: {n_changes:,}; "
           f"decoder: {rows / best['decoder']:,.0f} msgs/s, "
           f"{nbytes / best['decoder'] / 1e6:.0f} MB/s")
@@ -302,6 +312,8 @@ def memory_run(cluster: LocalCluster, dsn: str, gb: float) -> None:
         print(f"| consumer ({kind} transport), {gb} GB streamed transaction | "
               f"{int(out[0]):,} changes in {time.perf_counter() - t0:.0f}s | "
               f"peak RSS {out[1]} MB |")
+        FIGURES[f"memory.{kind}.seconds"] = time.perf_counter() - t0
+        FIGURES[f"memory.{kind}.peak_rss_mb"] = int(out[1])
 
 
 def memory_only(gb: float) -> None:
@@ -322,6 +334,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="times each reader runs")
     parser.add_argument("--memory-gb", type=float, default=0.0)
     parser.add_argument("--memory-only", action="store_true", help="skip the throughput part")
+    bench_report.add_argument(parser)
     args = parser.parse_args()
     if args.memory_only:
         memory_only(args.memory_gb or 2.0)
@@ -329,6 +342,9 @@ def main() -> None:
         run(args.changes, args.rounds, args.memory_gb)
     print(f"\nbench process peak RSS: "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024} MB")
+    bench_report.write("pgoutput_bench", FIGURES, ratios=RATIOS,
+                       notes={"changes": args.changes, "rounds": args.rounds},
+                       path=args.report)
 
 
 if __name__ == "__main__":

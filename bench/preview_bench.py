@@ -32,6 +32,7 @@ from typing import Any
 
 import psycopg
 
+from bench import report as bench_report
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 
 FILTERS: list[tuple[str, list[str]]] = [
@@ -126,7 +127,7 @@ def writer_phase(dsn: str, seconds: float, start_id: int,
     }, next_id
 
 
-def run(rows: int, phase_seconds: float) -> None:
+def run(rows: int, phase_seconds: float, report_path: str | None = None) -> None:
     from fastapi.testclient import TestClient
 
     from pgsieve.api.app import create_app
@@ -165,6 +166,8 @@ def run(rows: int, phase_seconds: float) -> None:
                   "| error | exact count s | exact / preview |")
             print("|---|---:|:---:|---:|---:|---:|---:|---:|")
             worst = 0.0
+            figures: dict[str, float] = {}
+            ratios: dict[str, float] = {}
             with psycopg.connect(dsn, autocommit=True) as conn:
                 for where, publish in FILTERS:
                     elapsed, body = preview(where, publish)
@@ -180,7 +183,11 @@ def run(rows: int, phase_seconds: float) -> None:
                     print(f"| `{where}` | {elapsed:.2f} | {body['estimated']} | {got:,} | "
                           f"{exact:,} | {err:.1%} | {exact_s:.2f} | {exact_s / elapsed:.1f}x |",
                           flush=True)
+                    figures[f"preview_s[{where}]"] = elapsed
+                    figures[f"estimate_error[{where}]"] = err
+                    ratios[f"exact_over_preview[{where}]"] = exact_s / elapsed
             print(f"\nslowest preview: {worst:.2f} s (target < 2 s)")
+            figures["slowest_preview_s"] = worst
 
             def previews_for(seconds: float, pace: float = 0.0) -> int:
                 n = 0
@@ -226,6 +233,13 @@ def run(rows: int, phase_seconds: float) -> None:
             print(f"| {label} | {m['tx_per_s']:,.0f} | {m['tx_per_s'] / base['tx_per_s']:.2f} | "
                   f"{m['p50_ms']:.2f} | {m['p99_ms']:.2f} | {m['max_ms']:.1f} | "
                   f"{m['max_lock_waits']} | {m['previews']} |")
+            figures[f"writer_tx_per_s[{label}]"] = m["tx_per_s"]
+            figures[f"writer_p99_ms[{label}]"] = m["p99_ms"]
+            figures[f"writer_max_lock_waits[{label}]"] = m["max_lock_waits"]
+            ratios[f"writer_vs_alone[{label}]"] = m["tx_per_s"] / base["tx_per_s"]
+        bench_report.write("preview_bench", figures, ratios=ratios,
+                           notes={"rows": rows, "phase_seconds": phase_seconds},
+                           path=report_path)
     finally:
         cluster.destroy()
         shutil.rmtree(root, ignore_errors=True)
@@ -235,8 +249,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
     parser.add_argument("--rows", type=int, default=10_000_000)
     parser.add_argument("--phase-seconds", type=float, default=15.0)
+    bench_report.add_argument(parser)
     args = parser.parse_args()
-    run(args.rows, args.phase_seconds)
+    run(args.rows, args.phase_seconds, args.report)
 
 
 if __name__ == "__main__":

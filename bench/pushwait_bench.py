@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from bench import report as bench_report
 from pgsieve.streaming import pushwaits
 from pgsieve.streaming.pushwaits import PushWaits
 
@@ -115,6 +116,7 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=0.005)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeat", type=int, default=2)
+    bench_report.add_argument(parser)
     args = parser.parse_args()
     if pushwaits.compiled is None:
         raise SystemExit("pgsieve.streaming._pushpoll is not built: run `make deps`")
@@ -137,6 +139,13 @@ def main() -> None:
     print(f"\nper look: python {best['python']:.1f} µs, compiled {best['compiled']:.1f} µs "
           f"({best['python'] / best['compiled']:.1f}× less); the process's CPU "
           f"{cores['python']:.3f} → {cores['compiled']:.3f} cores")
+    bench_report.write(
+        "pushwait_bench",
+        {**{f"{k}.us_per_look": v for k, v in best.items()},
+         **{f"{k}.cpu_cores": v for k, v in cores.items()}},
+        ratios={"python_over_compiled_per_look": best["python"] / best["compiled"]},
+        notes={"sessions": args.sessions, "every_s": args.every, "seconds": args.seconds},
+        path=args.report)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import multiprocessing
 import os
 import random
@@ -63,6 +64,7 @@ import psycopg
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from bench import report as bench_report
 from pgsieve.api.app import create_app
 from pgsieve.platform.db import session_factory, session_scope
 from pgsieve.platform.migrate import upgrade
@@ -440,6 +442,7 @@ def main() -> None:
                              "the ratios are printed when all their references ran)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="run each method this many times (every run printed)")
+    bench_report.add_argument(parser)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pgsieve-bench-"))
     root.chmod(0o755)
@@ -560,6 +563,18 @@ def main() -> None:
             print(f"the floor with sending: {against(sent)} (what a diff that moves every "
                   "row's key and hash could reach at best, before reading them, fetching the "
                   f"changed rows and writing them); the diff is {diff / sent:.2f}× it")
+        figures = {"floor_hashing_s": bound, "floor_sending_s": sent,
+                   **{f"{name}_s": value for name, value in results.items()},
+                   **{f"{way}.reconciliation_s": statistics.median(after)
+                      for way, after in reconciled.items()}}
+        if math.isfinite(merge_floor):
+            figures["both_floors_at_once_s"] = merge_floor
+        bench_report.write(
+            "reconcile_bench", figures,
+            ratios={f"{name} vs {ref}": ref_s / value for name, value in results.items()
+                    for ref, ref_s in references.items() if name != ref},
+            notes={"rows": args.rows, "repeat": args.repeat, "methods": methods},
+            path=args.report)
     finally:
         for c in clusters:
             c.destroy()

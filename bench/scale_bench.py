@@ -64,6 +64,7 @@ import redis
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
+from bench import report as bench_report
 from bench.schedtrace import BURST_GAP, SchedTrace, analyse, bursts_of
 from bench.schedtrace import report as sched_report
 from bench.stallprobe import StallProbe, Stalls
@@ -733,6 +734,12 @@ def busy(n: int, args: argparse.Namespace) -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
+FIGURES: dict[str, float] = {}
+RATIOS: dict[str, float] = {}
+"""What the JSON report holds (``N=<n>.`` and ``idle=<m>.`` before each name), filled as
+the figures are printed."""
+
+
 def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bool) -> None:
     lags = {key: v for p in phases for key, v in p.lags.items()}
     exact = {key: v for p in phases for key, v in p.exact.items()}
@@ -775,6 +782,9 @@ def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bo
               f"{statistics.median(percentile(v, 0.5) for v in per):.3f} | "
               f"{max(percentile(v, 0.99) for v in per):.3f} | "
               f"{percentile(every, 0.9):.3f} | {percentile(every, 0.99):.3f} |")
+        FIGURES[f"N={n}.{system}.exact_worst_p50_s"] = max(percentile(v, 0.5) for v in per)
+        FIGURES[f"N={n}.{system}.exact_worst_p99_s"] = max(percentile(v, 0.99) for v in per)
+        FIGURES[f"N={n}.{system}.exact_all_p99_s"] = percentile(every, 0.99)
     print("\nApply latency of every tenant transaction (source commit → applied at "
           "its subscriber):\n")
     print("| system | p10 (ms) | p50 (ms) | p90 (ms) | p99 (ms) | transactions |")
@@ -784,6 +794,14 @@ def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bo
         print(f"| {system} | " + " | ".join(
             f"{percentile(values, q) * 1000:.0f}" for q in (0.1, 0.5, 0.9, 0.99))
             + f" | {len(values)} |")
+        for q in (0.5, 0.99):
+            FIGURES[f"N={n}.{system}.txn_p{q * 100:g}_ms"] = percentile(values, q) * 1000
+    if len(systems) == 2 and FIGURES[f"N={n}.native.exact_worst_p99_s"]:
+        RATIOS[f"N={n}.exact_worst_p99_pgsieve_over_native"] = (
+            FIGURES[f"N={n}.pgsieve.exact_worst_p99_s"]
+            / FIGURES[f"N={n}.native.exact_worst_p99_s"])
+        RATIOS[f"N={n}.txn_p99_pgsieve_over_native"] = (
+            FIGURES[f"N={n}.pgsieve.txn_p99_ms"] / FIGURES[f"N={n}.native.txn_p99_ms"])
     bursts = {system: v for p in phases for system, v in p.bursts.items()}
     print(f"\nBursts (applies less than {BURST_GAP * 1000:.0f} ms apart, one per WAL flush): "
           "the first and the last apply after the burst's newest commit:\n")
@@ -813,9 +831,13 @@ def report_busy(n: int, args: argparse.Namespace, phases: list[Phase], apart: bo
                           f"{(ex + plan) * 1000 / max(1, calls):.0f} |")
             print(f"\npgsieve worker RSS (max, process group incl. Spark): "
                   f"{p.watcher.worker_rss / 2**20:,.0f} MiB; CPU {cpu['worker']:.2f} cores")
+            FIGURES[f"N={n}.pgsieve.worker_rss_mib"] = p.watcher.worker_rss / 2**20
+            FIGURES[f"N={n}.pgsieve.worker_cpu_cores"] = cpu["worker"]
         if "native" in p.systems:
             print(f"\nnative subscriber cluster RSS (max, all its processes): "
                   f"{p.watcher.native_rss / 2**20:,.0f} MiB; CPU {cpu['native']:.2f} cores")
+            FIGURES[f"N={n}.native.subscriber_rss_mib"] = p.watcher.native_rss / 2**20
+            FIGURES[f"N={n}.native.subscriber_cpu_cores"] = cpu["native"]
         print(f"source CPU {cpu['source']:.2f} cores; pgsieve target cluster CPU "
               f"{cpu['target']:.2f} cores")
         parts = []
@@ -864,6 +886,9 @@ def idle(m: int, args: argparse.Namespace) -> None:
         print(f"worker CPU {watcher.cpu['worker'].seconds() / elapsed * 100:.1f} % of a core; "
               f"WAL retained per slot at the end: max {float(row[0] or 0) / 2**20:.1f} MiB, "
               f"mean {float(row[1] or 0) / 2**20:.1f} MiB")
+        FIGURES[f"idle={m}.worker_cpu_pct_of_a_core"] = (watcher.cpu["worker"].seconds()
+                                                         / elapsed * 100)
+        FIGURES[f"idle={m}.wal_retained_max_mib"] = float(row[0] or 0) / 2**20
         print(f"the worker's scheduler (last minute): {report}")
     finally:
         if os.environ.get("PGSIEVE_BENCH_KEEP") != "1":
@@ -920,6 +945,7 @@ def main() -> None:
     parser.add_argument("--statements", action="store_true",
                         help="pg_stat_statements in the pgsieve target cluster: what its "
                              "backends spend per statement during pgsieve's run")
+    bench_report.add_argument(parser)
     args = parser.parse_args()
     if args.perf_sched and args.perf_sched > args.seconds - args.warmup - PERF_AFTER_WARMUP - 1:
         parser.error("--perf-sched must end inside the measured stretch: at most "
@@ -930,6 +956,10 @@ def main() -> None:
         busy(n, args)
     if args.idle:
         idle(args.idle, args)
+    bench_report.write("scale_bench", FIGURES, ratios=RATIOS,
+                       notes={"apart": args.apart, "source_commit": args.source_commit,
+                              "workers": args.workers, "set": args.set, "rate": args.rate},
+                       path=args.report)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import psycopg
 
+from bench import report as bench_report
 from pgsieve.platform.db import session_scope
 from pgsieve.platform.migrate import upgrade
 from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable, Target
@@ -206,6 +207,7 @@ def main() -> None:
     parser.add_argument("--standalone-cluster", type=int, default=0, metavar="CORES",
                         help="also run the parallel ranges on a standalone Spark cluster "
                         "started here, its worker offering CORES cores")
+    bench_report.add_argument(parser)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pgsieve-bench-"))
     root.chmod(0o755)
@@ -261,6 +263,13 @@ def main() -> None:
         print(f"pgsieve vs native: {med['native copy_data'] / med['pgsieve']:.2f}× "
               "(goal ≥ 1.5×)")
         print(f"pgsieve vs raw pipe: {med['raw pipe'] / med['pgsieve']:.2f}× (goal ≥ 0.9×)")
+        bench_report.write(
+            "sync_bench", {f"{name}_median_s": seconds for name, seconds in med.items()},
+            ratios={f"{name} vs {ref}": med[ref] / seconds for name, seconds in med.items()
+                    if name.startswith("pgsieve") for ref in ("native copy_data", "raw pipe")},
+            notes={"rows": args.rows, "rounds": args.rounds,
+                   "standalone_cluster": args.standalone_cluster},
+            path=args.report)
     finally:
         for c in clusters:
             c.destroy()

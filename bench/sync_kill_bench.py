@@ -41,6 +41,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
+from bench import report as bench_report
 from pgsieve.api.app import create_app
 from pgsieve.platform.migrate import upgrade
 from pgsieve.platform.models import Job, SyncPartition
@@ -240,6 +241,7 @@ def main() -> None:
     parser.add_argument("--warm-line", default="Spark is warm",
                         help="the worker's log line that says its Spark is warm (an older "
                         "pgsieve, measured for comparison, says 'SparkSession started')")
+    bench_report.add_argument(parser)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pgsieve-kill-"))
     root.chmod(0o755)
@@ -279,12 +281,19 @@ def main() -> None:
     for r in runs:
         print(f"| {r.seed} | {r.done_at_kill} / {r.ranges} | {fmt(r.ready)} | {fmt(r.taken)} "
               f"| {fmt(r.copying)} | {fmt(r.done)} |")
+    figures: dict[str, float] = {}
     for label, key in (("worker up", "ready"), ("taken over", "taken"),
                        ("copying again", "copying"), ("job done", "done")):
         values = [v for r in runs if (v := getattr(r, key)) is not None]
         if values:
             print(f"{label}: p50 {statistics.median(values):.1f} s, max {max(values):.1f} s "
                   f"({len(values)} of {len(runs)})")
+            figures[f"{key}.p50_s"] = statistics.median(values)
+            figures[f"{key}.max_s"] = max(values)
+    bench_report.write("sync_kill_bench", figures,
+                       notes={"seeds": args.seeds, "rows": args.rows,
+                              "partition_kb": args.partition_kb, "runs": len(runs)},
+                       path=args.report)
 
 
 if __name__ == "__main__":
