@@ -15,7 +15,7 @@ tree and is what runs when this module was not built:
   — :func:`pgsieve.apply.direct.split_inserts`, its plain inserts set apart from the rest.
 
 Why a port and not the modules compiled as they are: compiled unchanged (Cython's pure
-mode), the same code gains 3–9 % (bench/RESULTS.md, issue 20); the gain is in reading the
+mode), the same code gains 3–9 % (ADR 0017); the gain is in reading the
 bytes with C types. The logic is kept line for line with the references so that
 ``tests/unit/test_hotpath_differential.py`` can hold them to identical output.
 """

@@ -26,7 +26,7 @@ that had no row before the batch, every value received, one set of columns) — 
 catch-up's typical batch of an append-mostly table — skips staging too, when the target
 has a unique index on the key: one ``COPY target (columns) FROM STDIN`` in the merge's
 transaction instead of a COPY into the staging table and an ``INSERT … SELECT`` from it
-(about 45 % of the target's time for those rows, bench/RESULTS.md, nineteenth session).
+(about 45 % of the target's time for those rows, ADR 0021).
 A key already there is refused by the unique index, and the batch is merged again
 through staging as above. An effect that mixes many plain inserts with other changes
 has them set apart (:func:`plan_apart`): the rest is staged and merged first, then the
@@ -65,7 +65,7 @@ from pgsieve.apply.target import copy_in
 DIRECT_MAX_ROWS = 64
 """Keys per table up to which a batch's table is written without staging. Chosen, not
 tuned: a caught-up stream's batches hold a few rows (the lag and many-subscriptions
-benchmarks in bench/RESULTS.md took this path on nearly every batch), a backlog's hold
+benchmarks took this path on nearly every batch), a backlog's hold
 thousands, where one set-based statement per operation wins. Where exactly the two
 cross was not measured."""
 

@@ -3,7 +3,7 @@
 The planner's loop over raw pgoutput rows (:meth:`.plan._Builder.raw_segments`, with
 :func:`.plan.scan_text_tuple`) and the COPY encoding of staged rows
 (:meth:`.staging.StageEncoder.encode_copy`) are where a catch-up spends its Python time
-(bench/RESULTS.md, issue 20), with the splitter's cutting of plain transactions
+(ADR 0017), with the splitter's cutting of plain transactions
 (:mod:`pgsieve.wire.hotpath`). ``pgsieve/apply/_hotpath.pyx`` and
 ``pgsieve/wire/_splitpath.pyx`` are their twins with C types, built by ``make deps``
 (``scripts/build_compiled.py``, Cython); both run, or neither. The pure-Python versions
@@ -132,7 +132,7 @@ def gc_paused() -> Iterator[None]:
     hundreds of thousands of transactions alive until its batch is applied; every 50,000
     allocations the collector walks the young objects, and its periodic passes walk all
     of them again — a fifth to a third of a compiled plan's time, a sixth of a one-row
-    backlog's reading (bench/RESULTS.md). Nothing a batch builds forms a cycle, so
+    backlog's reading (ADR 0017). Nothing a batch builds forms a cycle, so
     reference counting frees it all the same. Nested and concurrent pauses (the
     scheduler's runner threads) count: the collector is back once the last one ends, if
     it was on before the first. Turns that overlap for longer than
@@ -171,6 +171,6 @@ def tune_collector() -> None:
 
     A backlog read one row per source transaction keeps hundreds of thousands of
     transactions alive in the micro-batch; with the default thresholds the collector's
-    passes over them took ~30 % of reading it (bench/RESULTS.md). Reference counting frees
+    passes over them took ~30 % of reading it (ADR 0017). Reference counting frees
     everything without cycles as before; cycles wait a little longer to be found."""
     gc.set_threshold(*COLLECTOR_THRESHOLDS)

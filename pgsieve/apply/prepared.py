@@ -5,8 +5,8 @@ after batch — the UPDATE of these columns by key, the DELETE by key, the INSER
 columns — and as literal SQL the target parsed, analysed and planned each of them every
 time: with the count each must check (a ``WITH … RETURNING`` and an aggregate) that was a
 good part of the target's CPU per batch, and at 50 subscriptions on two cores the
-target's CPU is part of what a WAL flush's burst of turns waits for (bench/RESULTS.md,
-thirty-first session). Each shape is prepared once per session (one round trip, the
+target's CPU is part of what a WAL flush's burst of turns waits for (ADR 0023). Each
+shape is prepared once per session (one round trip, the
 first time) and the script sends ``EXECUTE name(literal, …)``: the literals are typed by
 the parameters, which PostgreSQL typed from the columns they meet — the same typing the
 literal SQL got.

@@ -18,10 +18,10 @@ what it changed and divides by whether that is the count the batch expects
 (:func:`checked`), so a row missing or present fails the statement with
 ``division_by_zero``; PostgreSQL skips the rest of a simple query after an error, COMMIT
 included, and the transaction is rolled back. Why not check the counts here and COMMIT in
-a second round trip, as sessions 25–30 did: at N = 50 a turn waited ~0.3 ms on average
+a second round trip, as it once did: at N = 50 a turn waited ~0.3 ms on average
 for that COMMIT's round trip (the target's backend woken on a machine busy decoding the
 flush), a quarter of a turn, and each of the worker's two runner threads runs ~20 turns
-of a burst one after another (bench/RESULTS.md, thirty-first session).
+of a burst one after another (ADR 0023).
 
 Anything unexpected ends as the direct path's does: the fence moved → ``ApplyFenced``
 (its routes epoch moved → ``RoutesChanged``);

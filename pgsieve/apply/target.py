@@ -430,8 +430,8 @@ class TargetWriter:
         One statement, its own transaction, where the record exists and is behind — every
         record of an idle stream after its first: the locking transaction took four round
         trips, and with many subscriptions the idle records were a tenth of the turns'
-        time (bench/RESULTS.md, twentieth session; the lag at N = 50 did not move with it,
-        twenty-first). A merge holding the record's lock makes it wait and then compare
+        time (the lag at N = 50 did not move with it, ADR 0023). A merge holding the
+        record's lock makes it wait and then compare
         with what the merge committed."""
         self.applied_unknown()
         moved = self.conn.execute(

@@ -258,7 +258,7 @@ class Settings(BaseSettings):
         description="read-ahead processes a worker process runs at most (0: none; streams "
         "past that read their windows themselves). Off by default: on a 2-core host shared "
         "with both databases the second process costs more CPU than its overlap saves "
-        "(bench/RESULTS.md); a worker host with cores to spare gains from it",
+        "(ADR 0021); a worker host with cores to spare gains from it",
     )
     read_ahead_buffer_bytes: int = Field(
         default=128 << 20, ge=1 << 20,

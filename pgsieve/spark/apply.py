@@ -56,7 +56,7 @@ AUTO_SPARK_MIN_SLOTS = 32
 """``PGSIEVE_SPARK_APPLY_MIN_CHANGES=auto``: Spark tasks plan and stage a batch only on a
 cluster with at least this many task slots (and more than this machine's cores), from
 this batch size on. Local mode never wins (``bench.apply_bench --compare-paths``). On the
-suite's standalone cluster (bench/RESULTS.md, issue 21) the Spark path was 1.6–13× slower
+suite's standalone cluster (ADR 0002) the Spark path was 1.6–13× slower
 than the driver at every size: the driver still splits and ships every change (~3 µs) and
 merges, so the tasks only save the plan and staging (~2 µs a change). The paper
 projection from those parts breaks even around 200,000 changes on 32 cores and never

@@ -2,7 +2,7 @@
 thread while the caller reads, plans and stages the batches after it.
 
 Why: in a backlog's catch-up a large batch's merge is the target server at work (a
-third of a mixed catch-up's time, bench/RESULTS.md) while the consumer only waits on its
+third of a mixed catch-up's time, ADR 0021) while the consumer only waits on its
 socket. The merge thread spends that time in libpq's wait, where the GIL is free, so the
 caller's reading and planning (compiled, but holding the GIL) go on beside it — unlike
 :class:`~pgsieve.spark.apply.BackgroundApplier`, whose thread also plans and stages and

@@ -4,8 +4,8 @@
 A walsender whose client is behind its decoding position sends a keepalive for every
 commit at the source; with the source committing synchronously, 50 streams brought the
 push thread ~8,000 readiness events a second, each a Python-level peek and parse: 0.3 of
-a core, and the GIL taken from the runners 8,000 times a second (bench/RESULTS.md,
-twenty-fourth session). :meth:`PushPoll.poll` waits on the epoll set, peeks at every
+a core, and the GIL taken from the runners 8,000 times a second (ADR 0023).
+:meth:`PushPoll.poll` waits on the epoll set, peeks at every
 readable socket that carries the protocol in clear and tells whole keepalives (asking for
 no reply; fewer than ``drain_bytes`` of them) apart from anything else — all without the
 GIL — and comes back to Python only with sockets that have something to apply (with the

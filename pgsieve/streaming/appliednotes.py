@@ -232,8 +232,7 @@ def record_applied(session: Session, progress: Iterable[AppliedProgress],
     a gap between two turns. The whole write is ~40 ms of Python for 50 subscriptions
     when the source commits synchronously (PostgreSQL's default): a commit comes every
     few milliseconds, no lull is long enough for it, and in one piece it held the GIL
-    while the turns applying those commits waited (bench/RESULTS.md, thirty-third
-    session)."""
+    while the turns applying those commits waited (ADR 0023)."""
     by_id = {p.subscription_id: p for p in progress}
     for p in _pausing(by_id.values(), pause, first=True):
         p.settle()  # (decoding the images before the rows are locked)
@@ -415,7 +414,7 @@ class ProgressBook:
         """Longer than the longest gap between two group writes of a busy worker: were
         it shorter, every turn inside a longer gap wrote its own record to the metadata
         store inline (measured at N = 50: a fifth of the turns' time, worst p99 lag 0.50
-        –1.52 s against 0.32 s, bench/RESULTS.md, twentieth session)."""
+        –1.52 s against 0.32 s, ADR 0023)."""
 
     def busy(self, within: float | None = None) -> bool:
         """Whether progress was written within ``within`` seconds: the worker applies

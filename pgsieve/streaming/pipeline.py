@@ -588,7 +588,7 @@ class _StreamRun:
         The cyclic collector is paused for the turn (:func:`.hotpath.gc_paused`): a turn
         reading a backlog holds every transaction it read until its batch is applied,
         and the collector's passes over them were a sixth of a one-row backlog's Python
-        time (bench/RESULTS.md, twentieth session). A turn longer than the pauses' bound
+        time (ADR 0017). A turn longer than the pauses' bound
         (``PGSIEVE_TURN_SECONDS`` raised past it) runs with the collector on.
 
         The stream's sessions stay open between turns: the connection policy is checked

@@ -116,7 +116,7 @@ waited for; each write now covers more batches for about the same cost."""
 QUIET_WAIT_SECONDS = 0.5
 """The group progress write, the heartbeat and the sweep wait this long at most for a
 moment when no turn runs or is due (see :meth:`Scheduler._wait_quiet`). Measured at
-N = 50 (bench/RESULTS.md, nineteenth session): worst p99 lag 0.27–0.29 s with the wait,
+N = 50 (ADR 0023): worst p99 lag 0.27–0.29 s with the wait,
 0.28–0.30 s without, five runs each, native 0.22–0.24 s."""
 PROGRESS_BUSY_WITHIN = PROGRESS_WRITE_EVERY + QUIET_WAIT_SECONDS + 1.0
 """A batch applied within this long of the last group write waits for the next one
@@ -126,7 +126,7 @@ QUIET_SETTLE_SECONDS = 0.02
 """Quiet means no turn has run or been due for this long, not only "none right now". A
 flush's burst has lulls of a few milliseconds (while the walsenders still decode, between
 arrivals), where every other group progress write used to start: 15 ms of the GIL at
-N = 50, landing 25–31 ms into a 40 ms burst (``scale_bench --perf-sched``, session 30).
+N = 50, landing 25–31 ms into a 40 ms burst (``scale_bench --perf-sched``, ADR 0023).
 The gap after a burst lasts over 100 ms at the source's 200 ms WAL flushes."""
 PROGRESS_GAP_WAIT_SECONDS = 0.02
 """How long each part of a group progress write (and the heartbeat's transaction) waits
@@ -134,7 +134,7 @@ at most for no turn to run or be due (no settle: any gap between two turns will 
 one piece the group write held the GIL for ~40 ms for 50 subscriptions with the source
 committing synchronously (PostgreSQL's default), where a commit comes every few
 milliseconds and no 20 ms lull ever does: it ran amid the turns, and the transactions
-they applied meanwhile waited (bench/RESULTS.md, thirty-third session)."""
+they applied meanwhile waited (ADR 0023)."""
 QUIET_POLL_SECONDS = 0.005
 """How often that wait looks again (a turn coming due is a matter of time, not a
 notification)."""

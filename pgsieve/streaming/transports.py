@@ -195,7 +195,7 @@ class SqlTransport:
     because every peek decodes again from the slot's ``restart_lsn``, which moves only at
     the source's periodic running-transactions records, and re-sends what was not
     confirmed yet: small windows over a long backlog cost far more than the WAL they read
-    (bench/RESULTS.md, fourteenth session). Once caught up, windows are
+    (ADR 0021). Once caught up, windows are
     ``window_bytes`` again.
     ``resumable_windows``: a session ends at its deadline even inside a window, and the
     next goes on with that window (a scheduler's turns: windows larger than a turn).

@@ -187,7 +187,7 @@ def freeze_startup_heap() -> None:
     Nothing is collected first: a full collection here held the GIL for as long as the
     pauses it prevents (0.2–1.0 s when the Spark warm-up ended with 50 subscriptions
     streaming, every turn stopped behind it), and even the young generations' took
-    0.06–0.13 s then (bench/RESULTS.md, thirty-third session); the freeze itself moves
+    0.06–0.13 s then (ADR 0023); the freeze itself moves
     lists, whatever their length. The price is the cyclic garbage of the moment, kept
     once (~1,000 objects measured after the warm-up)."""
     started = time.perf_counter()

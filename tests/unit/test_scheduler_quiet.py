@@ -107,7 +107,7 @@ def test_a_write_goes_at_its_limit_while_turns_keep_coming(tmp_path: Path) -> No
 def test_a_lull_inside_a_burst_is_not_quiet(tmp_path: Path) -> None:
     """Turns with gaps of a few milliseconds between them (a flush's burst while the
     walsenders still decode): no moment is quiet for ``QUIET_SETTLE_SECONDS``, so the
-    write waits for its limit instead of starting in a lull (session 30: every other
+    write waits for its limit instead of starting in a lull (ADR 0023: every other
     progress write began 25–31 ms into a 40 ms burst)."""
     assert QUIET_SETTLE_SECONDS > 0.008
     run = _Run(seconds=0.01, worked=False)  # each turn then idle for idle_poll_seconds

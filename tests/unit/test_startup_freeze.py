@@ -4,7 +4,7 @@ The freeze keeps the collector from walking the worker's long-lived objects (mod
 Spark's and py4j's) in every later full collection. The full collection that came with
 it was itself such a walk, with the GIL held: 0.2–1.0 s in which no turn ran, when the
 Spark warm-up ended with 50 subscriptions streaming, and even a collection of the young
-generations took 0.06–0.13 s then (bench/RESULTS.md, thirty-third session). Run in a
+generations took 0.06–0.13 s then (ADR 0023). Run in a
 child process: a freeze cannot be undone in this one.
 """
 
