@@ -1,7 +1,8 @@
 """Benchmarks: runnable scripts that measure pgsieve side by side with its peers.
 
-Each ``bench/<name>.py`` prints figures and ratios from one run; results are recorded in
-``bench/RESULTS.md`` with the command that produced them. ``python -m bench`` lists them.
+Each ``bench/<name>.py`` prints figures and ratios from one run and writes them as a JSON
+report (:mod:`bench.report`); ``bench/RESULTS.md`` keeps the current figure of each
+question, one row each, with the command that produced it. ``python -m bench`` lists them.
 """
 
 import os

@@ -279,12 +279,12 @@ MODES = {"sequential": "pgs", "pipelined": "pip", "fixed-windows": "fw",
 reading, planning and applying one after the other in this process, in large windows
 each decoded by two backends (as a lone consume cycle); with the apply in a thread
 (:class:`BackgroundApplier`); one after the other in the fixed windows a worker's turns
-read before the fourteenth session (``--window-mb``, one backend each); in a worker's
+read before ADR 0021 (``--window-mb``, one backend each); in a worker's
 windows now (from ``--window-mb``, doubling up to ``--max-window-mb``, read in parts by
 turns, on one backend); those windows each decoded by two backends, the second part a
-decoding session read after the first (fifteenth session); those windows read by a
+decoding session read after the first; those windows read by a
 second process (:mod:`pgsieve.streaming.readahead`); and that with the apply in a
-thread. ``split-turn-windows+merge-behind`` is the worker since the twenty-first session:
+thread. ``split-turn-windows+merge-behind`` is the worker (ADR 0021):
 those windows, each batch's merge in a thread on one of two target connections while the
 turn reads on (:mod:`pgsieve.spark.mergebehind`); ``split-turn-windows`` is the worker
 before it, every batch merged in the turn."""
@@ -385,7 +385,7 @@ def settle(*clusters: LocalCluster, timeout: float = 120.0) -> None:
     buffers written (a CHECKPOINT) on both clusters. Without it the run right after
     the backlog was written (native's, which goes first) shared the machine with the
     source's autovacuum and the background writer: native's time for one backlog
-    varied from 2.4 to 4.8 s between runs (nineteenth session)."""
+    varied from 2.4 to 4.8 s between runs (measured 2026-11-27)."""
     deadline = time.monotonic() + timeout
     for cluster in clusters:
         with psycopg.connect(cluster.dsn(), autocommit=True) as conn:

@@ -456,10 +456,10 @@ def wait_until_warm(log: Path, worker_settings: dict[str, str], workers: int = 1
                     limit: float = 120.0) -> None:
     """Until every worker's Spark warm-up ended: its JVM's start (10–20 s of CPU) and the
     freeze after it belong to a worker's first minute, not to its steady state, and a
-    phase that began before they ended measured them (thirty-third session: a
+    phase that began before they ended measured them (measured 2026-11-29: a
     ``--no-native`` phase began ~25 s after the worker started, the warm-up ended ~31 s
     after). The workers share one log: each writes the line when it is ready, and once
-    more when its warm-up ended (thirty-fourth session: with ``--workers 2`` the two
+    more when its warm-up ended (found 2026-11-29: with ``--workers 2`` the two
     ready lines were taken for the end of the warm-up, and both JVMs started inside the
     measured stretch)."""
     warmup = worker_settings.get("PGSIEVE_SPARK_WARMUP", "true").lower() not in (

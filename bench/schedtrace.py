@@ -15,8 +15,8 @@ decoding the flush. It reports, p50 over the bursts in the record:
 - how long each group's wake-ups waited for a core in the burst's first 12 ms (where the
   walsenders decode and the first transactions are applied).
 
-Session 30 built it to test whether pgsieve's later first apply is the worker waiting
-for a core behind the walsenders (it is not; see bench/RESULTS.md). ``perf`` must be
+It was built to test whether pgsieve's later first apply is the worker waiting for a
+core behind the walsenders (it is not; ADR 0023). ``perf`` must be
 installed and allowed to trace the scheduler (root, or ``perf_event_paranoid`` ≤ 1).
 """
 

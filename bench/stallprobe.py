@@ -13,7 +13,7 @@ Why in the benchmark: a transaction's path through pgsieve wakes more processes 
 native's (walsender -> push thread -> runner -> target backend -> runner, against
 walsender -> apply worker), so each of these stalls reaches more of its transactions;
 ``scale_bench`` prints the probe's figures per phase, so a run's result can be read
-against the machine it ran on (bench/RESULTS.md, thirty-fourth session).
+against the machine it ran on (ADR 0023).
 """
 
 from __future__ import annotations
