@@ -45,12 +45,13 @@ from bench import report as bench_report
 from pgsieve.apply import hotpath
 from pgsieve.apply.batch import ApplyBatch, ApplyResult, TableRoute
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
+from pgsieve.apply.engine import BackgroundApplier, apply_batch
+from pgsieve.apply.mergebehind import MergeBehind, MergedBehind
 from pgsieve.apply.target import TargetWriter
 from pgsieve.cli import WORKER_SWITCH_INTERVAL
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.platform.settings import Settings
-from pgsieve.spark.apply import BackgroundApplier, apply_batch
-from pgsieve.spark.mergebehind import MergeBehind, MergedBehind
+from pgsieve.spark.distributed import SparkPlanner
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
 from pgsieve.streaming.readahead import (
     ReadAheadTransport,
@@ -286,7 +287,7 @@ decoding session read after the first; those windows read by a
 second process (:mod:`pgsieve.streaming.readahead`); and that with the apply in a
 thread. ``split-turn-windows+merge-behind`` is the worker (ADR 0021):
 those windows, each batch's merge in a thread on one of two target connections while the
-turn reads on (:mod:`pgsieve.spark.mergebehind`); ``split-turn-windows`` is the worker
+turn reads on (:mod:`pgsieve.apply.mergebehind`); ``split-turn-windows`` is the worker
 before it, every batch merged in the turn."""
 
 
@@ -474,8 +475,9 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
             buffer_bytes=Settings().read_ahead_buffer_bytes)
         assert isinstance(transport, ReadAheadTransport)
     consumer = SlotConsumer(transport, proto_version=PROTO)
-    background = BackgroundApplier(spark, writer, distributed=distributed)
-    behind = MergeBehind(writer, spark=spark, distributed=distributed)
+    planner = None if spark is None else SparkPlanner(spark)
+    background = BackgroundApplier(planner, writer, distributed=distributed)
+    behind = MergeBehind(writer, planner=planner, distributed=distributed)
     behind_at = Settings().merge_behind_changes if mode.endswith("merge-behind") else 0
 
     def applied(results: list[ApplyResult]) -> None:
@@ -504,7 +506,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
                 return
             merged(behind.wait())  # as a worker's turn that read everything: at once
         if not mode.endswith("pipelined"):
-            applied([apply_batch(spark, batch, writer, distributed=distributed)])
+            applied([apply_batch(planner, batch, writer, distributed=distributed)])
         else:
             applied(background.submit(batch))
 
@@ -694,8 +696,8 @@ def compare_paths(spark: Any, sizes: list[int], report_path: str | None = None) 
                 writer = TargetWriter(pg.dsn(db), "paths", source_dsn=src)
                 writer.ensure_schema()
                 t0 = time.perf_counter()
-                result = apply_batch(spark, ApplyBatch("paths", chosen, routes), writer,
-                                     distributed=distributed)
+                result = apply_batch(SparkPlanner(spark), ApplyBatch("paths", chosen, routes),
+                                     writer, distributed=distributed)
                 secs.append(time.perf_counter() - t0)
                 timings = result.timings
                 writer.close()

@@ -16,5 +16,12 @@ At the target (psycopg):
 * :mod:`.merge` — one target transaction merging every staged table;
   :mod:`.sequential` — change by change, where set-based semantics could differ.
 * :mod:`.driver` — resolving, fetching unchanged TOAST values and staging from the
-  driver process. The Spark job that runs all this is :mod:`pgsieve.spark.apply`.
+  driver process.
+
+The engine:
+
+* :mod:`.engine` — ``apply_batch``: plan → fetch → stage → merge, in the driver or, for
+  big batches, through a :class:`~.planner.DistributedPlanner` handed in (Spark's lives
+  in :mod:`pgsieve.spark.distributed`; this package never imports ``pgsieve.spark``);
+  :mod:`.mergebehind` — a backlog's merges in a thread while the turn reads on.
 """

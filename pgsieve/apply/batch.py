@@ -1,7 +1,7 @@
-"""The contract between the consume cycle (workers/) and the apply job (spark/).
+"""The contract between the consume cycle (streaming/) and the apply engine (:mod:`.engine`).
 
 The consumer groups whole committed transactions, in commit order, into an
-:class:`ApplyBatch`; ``pgsieve.spark.apply.apply_batch(spark, batch, writer)`` writes their
+:class:`ApplyBatch`; ``pgsieve.apply.engine.apply_batch(planner, batch, writer)`` writes their
 net effect to the target in ONE target transaction that also records ``batch.end_lsn``
 as the subscription's applied position, and returns an :class:`ApplyResult`. Only after
 that commit does the consumer confirm ``end_lsn`` to the slot.

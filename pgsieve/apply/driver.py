@@ -1,7 +1,7 @@
 """The driver's side of an apply batch: resolving target tables, fetching the TOAST
 values the stream did not carry, and staging a table's net effect from this process.
 
-Used by the apply job (:mod:`pgsieve.spark.apply`) on every path: the driver path stages
+Used by the apply engine (:mod:`.engine`) on every path: the driver path stages
 all tables here; the Spark path's tasks stage and the driver still resolves and fetches.
 """
 

@@ -104,7 +104,7 @@ def column_mask(target: TargetTable, names: Iterable[str]) -> int:
 class FetchMarks:
     """The subscription's committed marks, as the target holds them (a cache, read on
     first use and again after a merge that may or may not have committed). One per
-    subscription's writers (:class:`~pgsieve.spark.mergebehind.MergeBehind`'s two
+    subscription's writers (:class:`~pgsieve.apply.mergebehind.MergeBehind`'s two
     share it); only the thread that merges touches it."""
 
     def __init__(self, subscription_id: str) -> None:

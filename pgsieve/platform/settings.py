@@ -74,7 +74,7 @@ class Settings(BaseSettings):
         description="batches with at least this many changes are planned and staged by "
         "Spark tasks; 0: never; auto: never in local mode, and on a cluster with at least 32 "
         "task slots (more than this machine has cores) from the measured crossover on "
-        "(see pgsieve/spark/apply.py choose_apply_path)",
+        "(see pgsieve/apply/engine.py choose_apply_path)",
     )
     spark_copy_min_mb: int = Field(
         default=64, ge=0,

@@ -10,7 +10,9 @@ the shared staging tables over its own target connection. Keys never span partit
 the staged rows are exactly what the driver path would stage. The merge is the driver's,
 as for small batches.
 
-The threshold between the two paths is in :mod:`.apply`.
+The apply engine (:mod:`pgsieve.apply.engine`) does not import this module: it asks a
+:class:`~pgsieve.apply.planner.DistributedPlanner`, and :class:`SparkPlanner` is the one
+:mod:`pgsieve.workers` hands in. The threshold between the two paths is the engine's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import json
 import pickle
 import struct
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -38,11 +40,19 @@ from pgsieve.apply.plan import (
     _Builder,
     raw_view,
 )
+from pgsieve.apply.planner import DistributedPlanner
 from pgsieve.apply.staging import StageEncoder, StageSummary
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.connpolicy import ConnectionScope, connection_scope, policy_in_force
 from pgsieve.platform.faults import fault_point
-from pgsieve.spark.session import job_group_report
+from pgsieve.platform.settings import Settings
+from pgsieve.spark.session import (
+    cluster_task_slots,
+    executors_ready,
+    get_spark,
+    job_group_report,
+    spark_unavailable,
+)
 from pgsieve.wire.assembler import Change
 from pgsieve.wire.decoder import Decoder
 from pgsieve.wire.lsn import Lsn
@@ -421,6 +431,51 @@ def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | N
     return plan, staged, fetched, report
 
 
+class SparkPlanner:
+    """The :class:`~pgsieve.apply.planner.DistributedPlanner` of a SparkSession: the
+    engine asks it for task slots and executors and hands it big batches to plan and
+    stage (:func:`plan_and_stage`). ``spark`` is a session or a stand-in that starts one
+    on first use (:class:`_LazySession`): asking is what starts it."""
+
+    __slots__ = ("spark",)
+
+    def __init__(self, spark: Any) -> None:
+        self.spark = spark
+
+    def task_slots(self) -> int:
+        return cluster_task_slots(self.spark)
+
+    def executors_ready(self) -> bool:
+        return executors_ready(self.spark)
+
+    def plan_and_stage(self, batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None,
+                       timings: dict[str, float]
+                       ) -> tuple[BatchPlan, dict[str, StagedTable], int, dict[str, Any]]:
+        return plan_and_stage(self.spark, batch, writer, expected, timings)
+
+    def unavailable(self, exc: BaseException) -> bool:
+        return spark_unavailable(exc)
+
+
+class _LazySession:
+    """Stands in for the SparkSession; the first attribute access starts (or reuses) it."""
+
+    __slots__ = ("_provider",)
+
+    def __init__(self, provider: Callable[[], Any]) -> None:
+        self._provider = provider
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._provider(), name)
+
+
+def spark_planner(settings: Settings) -> DistributedPlanner:
+    """The planner of this process's SparkSession for ``settings`` (:func:`get_spark`),
+    which starts only when a batch really needs it: small batches apply in the driver, and
+    a cold JVM must not hold up a live stream."""
+    return SparkPlanner(_LazySession(lambda: get_spark(settings)))
+
+
 def _proto(batch: ApplyBatch) -> int:
     for txn in batch.transactions:
         raw = raw_view(txn.changes)
@@ -429,4 +484,5 @@ def _proto(batch: ApplyBatch) -> int:
     return 4
 
 
-__all__ = ["apply_job_group", "plan_and_stage", "stage_partition"]
+__all__ = ["SparkPlanner", "apply_job_group", "plan_and_stage", "spark_planner",
+           "stage_partition"]

@@ -34,6 +34,7 @@ from pgsieve.apply.batch import (
     TableRoute,
     TableStopped,
 )
+from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform import pgserver
 from pgsieve.platform.credentials import scrub_secrets
@@ -42,7 +43,6 @@ from pgsieve.platform.models import Source, Subscription, SubscriptionTable, Tar
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.rowfilter.parse import parse_table_name
-from pgsieve.spark.apply import apply_batch
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
 from pgsieve.streaming.transports import PgoutputOptions, SqlTransport, max_proto_version
 from pgsieve.sync.tablesync import drop_sync_slot, resync_later

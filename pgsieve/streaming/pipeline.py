@@ -44,6 +44,9 @@ from pgsieve.apply.batch import (
     TableStopped,
 )
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
+from pgsieve.apply.engine import apply_batch
+from pgsieve.apply.mergebehind import MergeBehind, MergedBehind, MergesFailed
+from pgsieve.apply.planner import planner_unavailable
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.connpolicy import (
     ConnectionNotAllowed,
@@ -67,9 +70,6 @@ from pgsieve.platform.models import (
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.spread import spread
 from pgsieve.platform.states import SubscriptionState, SyncState
-from pgsieve.spark.apply import apply_batch
-from pgsieve.spark.mergebehind import MergeBehind, MergedBehind, MergesFailed
-from pgsieve.spark.session import spark_unavailable
 from pgsieve.streaming.allowed import record_refused, refusal
 from pgsieve.streaming.appliednotes import (
     AppliedProgress,
@@ -915,7 +915,7 @@ class _StreamRun:
         if behind is None:
             log.info("subscription %s: reading a backlog; its batches merge behind the "
                      "reading", self.cycle.subscription_id)
-            behind = self._behind = MergeBehind(self.writer, spark=self.cycle.spark())
+            behind = self._behind = MergeBehind(self.writer, planner=self.cycle.spark())
         if not behind.in_flight and _shows_pending(batch):
             # (with a batch in flight, its older commit is what is pending)
             self._before_apply(list(batch.transactions))
@@ -1128,9 +1128,9 @@ def _close(batch: ApplyBatch) -> None:
 def _transient(exc: BaseException) -> bool:
     """Errors a later attempt can get past by itself: the connection, the server going
     away, deadlocks and serialization failures, Spark's own failures (its context shut
-    down, its executors lost: :func:`~pgsieve.spark.session.spark_unavailable`)."""
+    down, its executors lost: :func:`~pgsieve.apply.planner.planner_unavailable`)."""
     return isinstance(exc, psycopg.OperationalError | psycopg.errors.TransactionRollback |
-                      TransportError) or spark_unavailable(exc)
+                      TransportError) or planner_unavailable(exc)
 
 
 def _error_table(exc: BaseException) -> str | None:

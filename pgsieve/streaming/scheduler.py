@@ -78,7 +78,6 @@ from pgsieve.platform.models import (
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.platform.threadnames import named
-from pgsieve.spark.session import get_spark
 from pgsieve.streaming.allowed import resume_allowed
 from pgsieve.streaming.appliednotes import ProgressBook, record_applied
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up_many
@@ -944,16 +943,18 @@ def current() -> Scheduler | None:
     return _current
 
 
-def ensure_started(settings: Settings, worker: str | None = None) -> Scheduler | None:
+def ensure_started(settings: Settings, worker: str | None = None, *,
+                   spark: Callable[[], Any]) -> Scheduler | None:
     """This process's scheduler, started on first use (worker start, or the first
-    ``consume_cycle`` task); None once the worker is shutting down."""
+    ``consume_cycle`` task); None once the worker is shutting down. ``spark``: the
+    distributed planner for big batches, handed in by :mod:`pgsieve.workers`."""
     global _current
     with _current_mutex:
         if _closed:
             return None
         if _current is None:
             _current = Scheduler(
-                settings, spark=lambda: get_spark(settings),
+                settings, spark=spark,
                 handover=lambda sid: dispatch.consume_cycle(settings, sid), worker=worker)
             _current.start()
         return _current

@@ -71,10 +71,12 @@ def start_scheduler(sender: Any = None, **_: Any) -> None:
     """The worker's scheduler starts with the worker: it adopts the enabled subscriptions
     nobody holds even when no task names them (a worker killed, a task lost)."""
     global _in_worker
+    from pgsieve.spark.distributed import spark_planner
     from pgsieve.streaming import scheduler
     _in_worker = True
     worker = getattr(sender, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
-    scheduler.ensure_started(celery_app.conf.pgsieve_settings, worker)
+    settings: Settings = celery_app.conf.pgsieve_settings
+    scheduler.ensure_started(settings, worker, spark=lambda: spark_planner(settings))
 
 
 @worker_ready.connect
@@ -105,18 +107,19 @@ def consume_cycle(self: Task[Any, Any], subscription_id: str) -> str:
     holder. Outside a worker process (no scheduler), one bounded consume cycle that
     re-enqueues itself (:mod:`pgsieve.streaming.pipeline`)."""
     from pgsieve.platform import dispatch
-    from pgsieve.spark.session import get_spark
+    from pgsieve.spark.distributed import spark_planner
     from pgsieve.streaming import scheduler
     from pgsieve.streaming.pipeline import ConsumeCycle
 
     settings = _settings(self)
     if _in_worker:
-        running = scheduler.ensure_started(settings, self.request.hostname)
+        running = scheduler.ensure_started(settings, self.request.hostname,
+                                           spark=lambda: spark_planner(settings))
         if running is None:  # this worker is shutting down: for another one
             dispatch.consume_cycle(settings, subscription_id, countdown=1)
             return "stopping"
         return running.adopt(subscription_id)
-    outcome = ConsumeCycle(settings, subscription_id, spark=lambda: get_spark(settings),
+    outcome = ConsumeCycle(settings, subscription_id, spark=lambda: spark_planner(settings),
                            cycle_seconds=settings.consume_cycle_seconds).run()
     if outcome.requeue:
         dispatch.consume_cycle(settings, subscription_id, countdown=outcome.delay)

@@ -29,9 +29,9 @@ from pgsieve.apply.batch import (
     ConflictPolicy,
     TableRoute,
 )
+from pgsieve.apply.engine import BackgroundApplier, apply_batch
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.pgcluster import LocalCluster
-from pgsieve.spark.apply import BackgroundApplier, apply_batch
 from pgsieve.streaming.consumer import SlotConsumer
 from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
 from pgsieve.wire.assembler import Transaction
@@ -161,7 +161,7 @@ class Pair:
                            on_conflict, skip_lsn)
                 for i in range(0, len(txns), size)]
 
-    def apply(self, per_batch: int | str | None = None, spark: Any = None,
+    def apply(self, per_batch: int | str | None = None, planner: Any = None,
               on_conflict: ConflictPolicy = "error", skip_lsn: Lsn | None = None,
               distributed: bool | None = False) -> list[ApplyResult]:
         """Read everything new and apply it in batches of ``per_batch`` transactions
@@ -175,7 +175,7 @@ class Pair:
             if staged_only:
                 stack.enter_context(staging_only())
             for batch in self.batches(self.read(), size, on_conflict, skip_lsn):
-                results.append(apply_batch(spark, batch, self.writer, distributed=distributed))
+                results.append(apply_batch(planner, batch, self.writer, distributed=distributed))
         if staged_only:
             assert not any(r.direct_tables for r in results)
         self.applied += results

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from pgsieve.apply.batch import ApplyConflict, ApplyFenced, ConflictPolicy, TableStopped
+from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.target import TargetWriter, check_target_tables, read_source_columns
 from pgsieve.platform.errors import Unprocessable
-from pgsieve.spark.apply import apply_batch
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
 from tests.integration import test_apply as harness

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from pgsieve.apply import plan as plan_module
-from pgsieve.spark.apply import apply_batch
+from pgsieve.apply.engine import apply_batch
 from tests.conftest import Database
 from tests.integration import test_apply_fuzz as fuzz
 from tests.integration.test_apply import Pair
@@ -97,7 +97,7 @@ def write_round(pair: Pair, rnd: random.Random, transactions: int) -> None:
 
 
 def run_against_source(pair: Pair, seed: int, *, per_batch: int | None, restarts: bool,
-                       spark: Any = None, distributed: bool = False) -> None:
+                       planner: Any = None, distributed: bool = False) -> None:
     """Rounds of random transactions, each applied in batches of ``per_batch`` (None: a
     random size per batch) after all of it was written; the target must equal the source
     under the filters after every round, with no mark the stream passed left (a read in
@@ -113,7 +113,7 @@ def run_against_source(pair: Pair, seed: int, *, per_batch: int | None, restarts
         while i < len(txns):
             size = per_batch or rnd.choice([1, 1, 2, 5, 20])
             [batch] = pair.batches(txns[i:i + size], None)
-            apply_batch(spark, batch, pair.writer, distributed=distributed)
+            apply_batch(planner, batch, pair.writer, distributed=distributed)
             i += size
             if restarts and rnd.random() < 0.2:
                 pair.close()

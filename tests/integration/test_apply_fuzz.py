@@ -331,7 +331,7 @@ def test_random_workloads_end_like_native(pair: Pair, per_batch: int | str | Non
 
 
 def run_and_compare(pair: Pair, seed: int, per_batch: int | str | None,
-                    spark: Any = None, distributed: bool | None = False) -> None:
+                    planner: Any = None, distributed: bool | None = False) -> None:
     """Three rounds of :func:`workload`, each applied in batches of ``per_batch``
     transactions and compared with native and with the source."""
     pair.publications = PUBLICATIONS
@@ -342,7 +342,7 @@ def run_and_compare(pair: Pair, seed: int, per_batch: int | str | None,
         for round_ in range(3):
             workload(conn, rnd, 60)
             conn.commit()
-            pair.apply(per_batch, spark=spark, distributed=distributed)
+            pair.apply(per_batch, planner=planner, distributed=distributed)
             pair.confirm()
             pair.wait_native()
             assert_tables(pair.target, FILTERED, f"seed {seed}, round {round_}", pair.native,

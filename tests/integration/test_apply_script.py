@@ -13,9 +13,9 @@ import pytest
 
 from pgsieve.apply import script
 from pgsieve.apply.batch import ApplyConflict, ApplyFenced, RoutesChanged
+from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.script import insert_chunks
 from pgsieve.apply.target import fence_routes
-from pgsieve.spark.apply import apply_batch
 from tests.integration import test_apply as harness
 from tests.integration.test_apply import Pair, staging_only
 

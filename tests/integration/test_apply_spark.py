@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pgsieve.platform.settings import Settings
+from pgsieve.spark.distributed import SparkPlanner
 from pgsieve.spark.session import get_spark, spark_properties
 from tests.conftest import Database
 from tests.integration import test_apply as harness
@@ -82,7 +83,7 @@ def test_distributed_apply_equals_native(pair: Pair, spark: Any, per_batch: int 
         "TRUNCATE hot", "INSERT INTO hot VALUES (1, 42)",
         "UPDATE hot SET n = n + 1",
     )
-    results = pair.apply(per_batch, spark=spark, distributed=True)
+    results = pair.apply(per_batch, planner=SparkPlanner(spark), distributed=True)
     pair.assert_same("acct", "ev", "hot")
     # doc: where native loses the unchanged TOAST body, pgsieve equals the source
     query = "SELECT id, title, md5(body) FROM doc ORDER BY id"
@@ -98,7 +99,7 @@ def test_distributed_apply_equals_native(pair: Pair, spark: Any, per_batch: int 
 def test_random_workloads_through_spark_end_like_native(pair: Pair, spark: Any, seed: int):
     """The random workloads of :mod:`tests.integration.test_apply_fuzz`, every batch
     (everything each round wrote) through the Spark path."""
-    fuzz.run_and_compare(pair, seed, None, spark=spark, distributed=True)
+    fuzz.run_and_compare(pair, seed, None, planner=SparkPlanner(spark), distributed=True)
 
 
 def test_a_moved_rows_body_read_ahead_is_read_again_through_spark(pair: Pair, spark: Any):
@@ -107,7 +108,7 @@ def test_a_moved_rows_body_read_ahead_is_read_again_through_spark(pair: Pair, sp
     batch's move is planned in a task, and the merge finds it in the staging table and
     reads the body again at 102."""
     conflicts.moved_on_and_key_taken(pair)
-    results = pair.apply(1, spark=spark, distributed=True)
+    results = pair.apply(1, planner=SparkPlanner(spark), distributed=True)
     assert all(r.distributed for r in results)
     assert [r.fetched_rows for r in results] == [1, 1, 0, 0]
     assert pair.target.query(conflicts.BODIES) == pair.source.query(conflicts.BODIES)
@@ -122,7 +123,8 @@ def test_random_moves_of_unchanged_toast_through_spark(source_db: Database,
     through Spark tasks (their reads reported to the merge, moves found in staging)."""
     p = Pair(source_db, target_db, None, ("p",))
     try:
-        fetch_fuzz.run_against_source(p, seed, per_batch=None, restarts=True, spark=spark,
+        fetch_fuzz.run_against_source(p, seed, per_batch=None, restarts=True,
+                                      planner=SparkPlanner(spark),
                                       distributed=True)
     finally:
         p.close()

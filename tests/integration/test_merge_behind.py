@@ -1,4 +1,4 @@
-"""Merges behind the reading (:mod:`pgsieve.spark.mergebehind`), on real clusters: batches
+"""Merges behind the reading (:mod:`pgsieve.apply.mergebehind`), on real clusters: batches
 merge in a thread on two target connections taking turns, commit in the source's order,
 and a merge that fails hands back every batch not committed — nothing of them written."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from pgsieve.apply.batch import ApplyBatch, ApplyConflict
+from pgsieve.apply.mergebehind import MergeBehind, MergedBehind, MergesFailed
 from pgsieve.apply.target import TargetWriter
-from pgsieve.spark.mergebehind import MergeBehind, MergedBehind, MergesFailed
 from tests.integration import test_apply as harness
 from tests.integration.test_apply import SEED_PUBLICATIONS, SEED_TABLES, SEED_WORKLOAD, Pair
 from tests.integration.test_apply_conflicts import CONFLICTING, diverged

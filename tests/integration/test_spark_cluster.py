@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+from pgsieve.apply import engine
 from pgsieve.platform.settings import Settings
-from pgsieve.spark import apply as spark_apply
+from pgsieve.spark.distributed import SparkPlanner
 from pgsieve.spark.session import InsecureSparkCluster, get_spark, spark_properties, stop_spark
 from pgsieve.spark.standalone import SparkCluster, spark_cluster
 from pgsieve.spark.sync import warm_up
@@ -126,7 +127,7 @@ def test_the_spark_apply_path_on_the_cluster_matches_native(pair: Pair, cluster_
         "DELETE FROM acct WHERE id % 10 = 1",
         "UPDATE acct SET id = id + 10000 WHERE id % 17 = 0",
     )
-    results = pair.apply(None, spark=cluster_spark, distributed=True)
+    results = pair.apply(None, planner=SparkPlanner(cluster_spark), distributed=True)
     assert all(r.distributed for r in results)
     pair.assert_same("acct", "hot")
     # Each batch's tasks ran under a job group naming the batch, and the result says
@@ -144,19 +145,19 @@ def test_auto_picks_spark_tasks_only_where_the_cluster_adds_cores(cluster_spark:
     task slots outnumber this machine's cores but are too few to pay (the measured
     crossover needs 32); with 32 slots big batches go to Spark tasks and small ones stay
     in the driver; local mode never."""
-    monkeypatch.setattr(spark_apply, "get_settings", lambda: Settings(
+    planner = SparkPlanner(cluster_spark)
+    monkeypatch.setattr(engine, "get_settings", lambda: Settings(
         _env_file=None, spark_master="spark://127.0.0.1:7077", spark_auth_secret="x"))
-    few, why = spark_apply.choose_apply_path(cluster_spark, 10_000_000)
+    few, why = engine.choose_apply_path(planner, 10_000_000)
     assert not few and "4 task slots" in why, why
-    monkeypatch.setattr(spark_apply, "cluster_task_slots",
-                        lambda _: spark_apply.AUTO_SPARK_MIN_SLOTS)
-    big, why = spark_apply.choose_apply_path(cluster_spark, spark_apply.AUTO_SPARK_MIN_CHANGES)
+    monkeypatch.setattr(SparkPlanner, "task_slots", lambda _: engine.AUTO_SPARK_MIN_SLOTS)
+    big, why = engine.choose_apply_path(planner, engine.AUTO_SPARK_MIN_CHANGES)
     assert big, why
-    small, why = spark_apply.choose_apply_path(cluster_spark, 1000)
+    small, why = engine.choose_apply_path(planner, 1000)
     assert not small and "crossover" in why
-    monkeypatch.setattr(spark_apply, "get_settings", lambda: Settings(
+    monkeypatch.setattr(engine, "get_settings", lambda: Settings(
         _env_file=None, spark_master="local[2]"))
-    local, why = spark_apply.choose_apply_path(cluster_spark, 10_000_000)
+    local, why = engine.choose_apply_path(planner, 10_000_000)
     assert not local and "local mode" in why
 
 

@@ -21,8 +21,8 @@ import psycopg
 import pytest
 
 from pgsieve.apply.batch import ApplyBatch, TableRoute
+from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.target import TargetWriter
-from pgsieve.spark.apply import apply_batch
 from pgsieve.streaming.consumer import SlotConsumer
 from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
 from pgsieve.wire.assembler import Transaction

@@ -5,7 +5,7 @@ Why: in a backlog's catch-up a large batch's merge is the target server at work 
 third of a mixed catch-up's time, ADR 0021) while the consumer only waits on its
 socket. The merge thread spends that time in libpq's wait, where the GIL is free, so the
 caller's reading and planning (compiled, but holding the GIL) go on beside it — unlike
-:class:`~pgsieve.spark.apply.BackgroundApplier`, whose thread also plans and stages and
+:class:`~.engine.BackgroundApplier`, whose thread also plans and stages and
 so takes turns with the reader for the GIL (measured: little gain).
 
 Two target connections (writers) take turns: one merges while the other's batch waits,
@@ -33,11 +33,11 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from pgsieve.apply.batch import ApplyBatch, ApplyResult
+from pgsieve.apply.engine import PreparedBatch, finish_prepared, prepare_batch
+from pgsieve.apply.planner import DistributedPlanner
 from pgsieve.apply.target import TargetWriter
-from pgsieve.spark.apply import PreparedBatch, finish_prepared, prepare_batch
 from pgsieve.wire.lsn import Lsn
 
 
@@ -77,9 +77,9 @@ class MergeBehind:
     while the caller prepares the next (see the module docstring). Not thread-safe: one
     caller (the stream's turn) at a time."""
 
-    def __init__(self, writer: TargetWriter, *, spark: Any = None,
+    def __init__(self, writer: TargetWriter, *, planner: DistributedPlanner | None = None,
                  distributed: bool | None = None) -> None:
-        self._spark = spark
+        self._planner = planner
         self._distributed = distributed
         self._writers: list[TargetWriter | None] = [writer, None]
         self._pool: ThreadPoolExecutor | None = None
@@ -117,7 +117,7 @@ class MergeBehind:
         writer.refresh_shapes()
         expected = (_records(self._queue[-1].prepared) if self._queue
                     else self._last_recorded(index))
-        prepared = prepare_batch(self._spark, batch, writer, self._distributed, expected)
+        prepared = prepare_batch(self._planner, batch, writer, self._distributed, expected)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgsieve-merge")
         self._queue.append(_InFlight(self._pool.submit(self._merge, prepared), prepared, index))

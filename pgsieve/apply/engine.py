@@ -1,6 +1,8 @@
 """The apply job: a batch of whole transactions → its net effect in ONE target transaction.
 
-``apply_batch(spark, batch, writer)`` is a function of the SparkSession and its inputs:
+``apply_batch(planner, batch, writer)`` is a function of its inputs and, for big batches,
+of a distributed planner handed in (:class:`~.planner.DistributedPlanner`: Spark's, or
+None):
 
 1. **plan** — one pass over the batch in commit order (:mod:`pgsieve.apply.plan`):
    routes, skip_lsn, counts, UPDATE images, the net effect per target table and key;
@@ -15,7 +17,8 @@
 
 Batches are planned and staged in the driver unless they hold at least
 ``PGSIEVE_SPARK_APPLY_MIN_CHANGES`` changes; then Spark tasks plan and stage them
-(:mod:`.distributed`), each COPYing its share in parallel. On a 2-core worker host the
+(:mod:`pgsieve.spark.distributed`, through the planner), each COPYing its share in
+parallel. On a 2-core worker host the
 driver wins at every size (a warm Spark job costs ~0.3 s, and the tasks compete with both
 PostgreSQL servers for the same cores), so the default is never — measured, see
 docs/ARCHITECTURE.md. With executors on other machines the tasks add real cores.
@@ -37,10 +40,9 @@ from pgsieve.apply.direct import DirectTable, plan_apart, plan_direct
 from pgsieve.apply.driver import fetch_pending, resolver, stage_in_driver
 from pgsieve.apply.merge import StagedTable, merge, stage_table
 from pgsieve.apply.plan import BatchPlan, TablePlan, build_plan
+from pgsieve.apply.planner import DistributedPlanner, PlannerUnavailable
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings
-from pgsieve.spark.distributed import plan_and_stage
-from pgsieve.spark.session import cluster_task_slots, executors_ready
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
@@ -63,25 +65,25 @@ projection from those parts breaks even around 200,000 changes on 32 cores and n
 below; a job also costs ~0.4 s warm."""
 
 
-def choose_apply_path(spark: Any, changes: int) -> tuple[bool, str]:
+def choose_apply_path(planner: DistributedPlanner | None, changes: int) -> tuple[bool, str]:
     """Whether a batch of ``changes`` runs its plan and staging as Spark tasks, and why
     (``PGSIEVE_SPARK_APPLY_MIN_CHANGES``: a number, 0 for never, or ``auto``)."""
 
     settings = get_settings()
     setting = settings.spark_apply_min_changes
-    if spark is None:
+    if planner is None:
         return False, "no SparkSession in this process"
     if setting != "auto":
         if not setting:
             return False, "PGSIEVE_SPARK_APPLY_MIN_CHANGES=0 (never)"
         if changes >= setting:
             return _with_executors(
-                spark, f"{changes} changes >= PGSIEVE_SPARK_APPLY_MIN_CHANGES={setting}")
+                planner, f"{changes} changes >= PGSIEVE_SPARK_APPLY_MIN_CHANGES={setting}")
         return False, f"{changes} changes < PGSIEVE_SPARK_APPLY_MIN_CHANGES={setting}"
     if settings.spark_master.startswith("local"):
         return False, "auto: local mode shares this machine's cores with the driver"
 
-    slots, cores = cluster_task_slots(spark), os.cpu_count() or 1
+    slots, cores = planner.task_slots(), os.cpu_count() or 1
     if slots <= cores:
         return False, f"auto: the cluster has {slots} task slots, this machine {cores} cores"
     if slots < AUTO_SPARK_MIN_SLOTS:
@@ -89,26 +91,27 @@ def choose_apply_path(spark: Any, changes: int) -> tuple[bool, str]:
                        "(below that the driver is faster at every batch size)")
     if changes < AUTO_SPARK_MIN_CHANGES:
         return False, f"auto: {changes} changes < {AUTO_SPARK_MIN_CHANGES} (crossover)"
-    return _with_executors(spark, f"auto: {changes} changes on {slots} task slots")
+    return _with_executors(planner, f"auto: {changes} changes on {slots} task slots")
 
 
-def _with_executors(spark: Any, why: str) -> tuple[bool, str]:
+def _with_executors(planner: DistributedPlanner, why: str) -> tuple[bool, str]:
     """Spark tasks only if the application has an executor now: a batch never waits for
     one (a stream's turn would wait as long — without end for an application that gets
     no cores, :func:`~pgsieve.spark.session.executors_ready`); the driver applies it."""
-    if executors_ready(spark):
+    if planner.executors_ready():
         return True, why
     return False, (f"{why}, but the Spark application has no executor (starting, or the "
                    "cluster's cores are held by another application: spark.cores.max)")
 
 
-def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
+def apply_batch(planner: DistributedPlanner | None, batch: ApplyBatch, writer: TargetWriter, *,
                 distributed: bool | None = None) -> ApplyResult:
     """Apply ``batch`` to the target in one transaction (see the module doc).
 
     Raises :class:`~pgsieve.apply.batch.ApplyConflict` (policy ``error``),
     :class:`~pgsieve.apply.batch.TableStopped` or
-    :class:`~pgsieve.apply.batch.ApplyFenced`; nothing is committed then.
+    :class:`~pgsieve.apply.batch.ApplyFenced`; nothing is committed then, and so is
+    :class:`~.planner.PlannerUnavailable` (the planner failed, not the batch).
     ``distributed`` forces (True) or forbids (False) the Spark path; None chooses by size.
 
     Target table shapes are read at most every few seconds (four catalog queries per
@@ -118,7 +121,7 @@ def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
     """
     fresh = writer.refresh_shapes()
     try:
-        return _apply_batch(spark, batch, writer, distributed)
+        return _apply_batch(planner, batch, writer, distributed)
     except psycopg.errors.IntegrityError:
         raise
     except psycopg.Error:
@@ -126,12 +129,12 @@ def apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter, *,
             raise
         log.info("batch failed on target shapes read earlier: reading them again")
         writer.invalidate()
-        return _apply_batch(spark, batch, writer, distributed)
+        return _apply_batch(planner, batch, writer, distributed)
 
 
-def _apply_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
+def _apply_batch(planner: DistributedPlanner | None, batch: ApplyBatch, writer: TargetWriter,
                  distributed: bool | None) -> ApplyResult:
-    return finish_prepared(prepare_batch(spark, batch, writer, distributed,
+    return finish_prepared(prepare_batch(planner, batch, writer, distributed,
                                          writer.expected_applied()))
 
 
@@ -170,7 +173,7 @@ class PreparedBatch:
     started: float
 
 
-def prepare_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
+def prepare_batch(planner: DistributedPlanner | None, batch: ApplyBatch, writer: TargetWriter,
                   distributed: bool | None, expected: Lsn | None) -> PreparedBatch:
     """Plan, fetch and stage ``batch`` (everything before its target transaction).
     ``expected``: the applied LSN the merge will find recorded (it fences on it)."""
@@ -179,12 +182,13 @@ def prepare_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
     spark_report: dict[str, Any] = {}
     started = t = time.perf_counter()
     if distributed is None:
-        distributed, why = choose_apply_path(spark, batch.change_count)
+        distributed, why = choose_apply_path(planner, batch.change_count)
         _log_apply_path(batch.change_count, distributed, why)
     if distributed:
-
-        plan, staged, fetched, spark_report = plan_and_stage(spark, batch, writer, expected,
-                                                             timings)
+        if planner is None:
+            raise ValueError("the distributed path needs a distributed planner")
+        plan, staged, fetched, spark_report = _plan_and_stage(planner, batch, writer,
+                                                              expected, timings)
     else:
         plan = build_plan(batch, resolver(writer, batch), expected, writer.relation_maps)
         timings["plan"] = (now := time.perf_counter()) - t
@@ -204,6 +208,21 @@ def prepare_batch(spark: Any, batch: ApplyBatch, writer: TargetWriter,
         timings["stage"] = time.perf_counter() - t
     return PreparedBatch(batch, writer, plan, staged, direct, fetched, expected,
                          distributed, spark_report, timings, started)
+
+
+def _plan_and_stage(planner: DistributedPlanner, batch: ApplyBatch, writer: TargetWriter,
+                    expected: Lsn | None, timings: dict[str, float]
+                    ) -> tuple[BatchPlan, dict[str, StagedTable], int, dict[str, Any]]:
+    """The planner's plan and staging; its own failure (not the batch's) comes out as
+    :class:`~.planner.PlannerUnavailable` raised from it, which a stream retries."""
+    try:
+        return planner.plan_and_stage(batch, writer, expected, timings)
+    except psycopg.Error:
+        raise  # the target's: apply_batch's retry with fresh shapes sees it as before
+    except Exception as exc:
+        if planner.unavailable(exc):
+            raise PlannerUnavailable(str(exc)) from exc
+        raise
 
 
 def finish_prepared(p: PreparedBatch) -> ApplyResult:
@@ -252,11 +271,11 @@ class BackgroundApplier:
     batch is in flight (its connection is the batch's transaction).
     """
 
-    def __init__(self, spark: Any, writer: TargetWriter, *,
+    def __init__(self, planner: DistributedPlanner | None, writer: TargetWriter, *,
                  distributed: bool | None = None) -> None:
         from concurrent.futures import Future, ThreadPoolExecutor
 
-        self._spark = spark
+        self._planner = planner
         self._writer = writer
         self._distributed = distributed
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pgsieve-apply")
@@ -283,7 +302,7 @@ class BackgroundApplier:
         """Start applying ``batch`` once the batch in flight committed; returns that
         batch's result (to confirm) — or raises its error, and ``batch`` is not started."""
         done = self.wait()
-        self._pending = self._pool.submit(apply_batch, self._spark, batch, self._writer,
+        self._pending = self._pool.submit(apply_batch, self._planner, batch, self._writer,
                                           distributed=self._distributed)
         return done
 
