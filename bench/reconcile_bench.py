@@ -72,7 +72,7 @@ from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark
-from pgsieve.spark.sync import warm_up
+from pgsieve.sync.copypipe import warm_up
 from pgsieve.sync.snapshot import prestart_helper
 from pgsieve.sync.syncjob import SyncJobRunner
 

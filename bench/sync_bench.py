@@ -48,7 +48,7 @@ from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark, stop_spark
 from pgsieve.spark.standalone import spark_cluster
-from pgsieve.spark.sync import warm_up
+from pgsieve.sync.copypipe import warm_up
 from pgsieve.sync.snapshot import prestart_helper
 from pgsieve.sync.syncjob import SyncJobRunner
 

@@ -16,8 +16,7 @@ import psycopg
 from psycopg import sql
 
 from pgsieve.platform.connpolicy import policy_in_force
-from pgsieve.spark.diff import RANGE, KeyRangeRequest, compare_key_ranges, key_ranges
-from pgsieve.spark.sync import (
+from pgsieve.sync.copypipe import (
     CopyPartition,
     TableCopy,
     _pipe,
@@ -32,6 +31,7 @@ from pgsieve.sync.hashdiff import (
     joined,
     parse_key_hashes,
 )
+from pgsieve.sync.keyranges import RANGE, KeyRangeRequest, compare_key_ranges, key_ranges
 from pgsieve.sync.syncplan import SourceTable, TargetTable, canonical
 
 INTEGER_KEYS = frozenset({"smallint", "integer", "bigint"})
@@ -123,7 +123,7 @@ def names(columns: Sequence[str], prefix: str = "") -> sql.Composable:
 
 @dataclass(frozen=True)
 class RangedCompare:
-    """What Spark tasks comparing key ranges need (see :mod:`pgsieve.spark.diff`)."""
+    """What Spark tasks comparing key ranges need (see :mod:`pgsieve.sync.keyranges`)."""
 
     spark: Any
     source_dsn: str
@@ -286,7 +286,7 @@ class DiffRun:
 
     def _compare_ranges(self, source_rows: sql.Composable, target_rows: sql.Composable,
                         row_hash: sql.Composable) -> tuple[KeyDifferences, int]:
-        """The comparison as Spark tasks, one key range each (:mod:`pgsieve.spark.diff`):
+        """The comparison as Spark tasks, one key range each (:mod:`pgsieve.sync.keyranges`):
         the key's span at both ends cut into ``ranged.pieces`` ranges, each task reading
         its range through the key's own index."""
         ranged = self.ranged

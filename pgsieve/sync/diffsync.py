@@ -53,7 +53,8 @@ from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
 from pgsieve.spark.session import executors_ready
-from pgsieve.spark.sync import TableCopy, task_slots
+from pgsieve.spark.sync import task_slots
+from pgsieve.sync.copypipe import TableCopy
 from pgsieve.sync.diffrun import (
     IN_WORKER_MAX_ROWS,
     INTEGER_KEYS,
@@ -149,7 +150,7 @@ RANGE_ROWS = 2_000_000
 @dataclass(frozen=True)
 class SparkRanges:
     """A whole-table diff may compare by key ranges in Spark tasks (see
-    :mod:`pgsieve.spark.diff`): from ``min_rows`` rows on, in two ranges per task slot at
+    :mod:`pgsieve.sync.keyranges`): from ``min_rows`` rows on, in two ranges per task slot at
     least, and at most :data:`RANGE_ROWS` keys per range. ``spark`` starts (or returns)
     the session: only a table that takes this path needs it."""
 

@@ -6,7 +6,7 @@ consume cycle takes them to ``ready`` (:func:`pgsieve.streaming.catchup.catch_up
 
 * **Initial sync** (job kind ``initial_sync``): the subscription's own slot is created
   with an exported snapshot (held by a helper process, :mod:`.snapshot`); every table is
-  copied under it by one Spark job (:mod:`pgsieve.spark.sync`); each table then waits in
+  copied under it by one Spark job (:mod:`pgsieve.sync.copypipe`); each table then waits in
   ``catchup`` with ``sync_lsn`` = the slot's consistent point, and streaming starts from
   that point: no gap, nothing twice.
 * **Tablesync** (job kind ``resync``, and any table of an initial sync whose snapshot is
@@ -76,7 +76,9 @@ from pgsieve.platform.models import (
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SubscriptionState, SyncState
 from pgsieve.spark.session import executors_ready, job_group_report
-from pgsieve.spark.sync import (
+from pgsieve.spark.sync import local_task_slots, task_slots
+from pgsieve.sync import moved, parked_merge
+from pgsieve.sync.copypipe import (
     LOCAL_THREADS,
     CopyFailed,
     CopyPartition,
@@ -86,11 +88,8 @@ from pgsieve.spark.sync import (
     copy_partitions,
     ensure_marker_table,
     forget_markers,
-    local_task_slots,
-    task_slots,
     warm_up,
 )
-from pgsieve.sync import moved, parked_merge
 from pgsieve.sync.diffrun import IN_WORKER_MAX_ROWS
 from pgsieve.sync.diffsync import SparkRanges, diff_table
 from pgsieve.sync.slotwait import SlotWaitReport

@@ -38,7 +38,7 @@ from pgsieve.platform.errors import ErrorCode
 from pgsieve.publications.catalog import read_publications, read_tables
 from pgsieve.rowfilter.effective import initial_sync_plan
 from pgsieve.rowfilter.parse import parse_table_name, quote_qualified
-from pgsieve.spark.sync import CopyPartition, TableCopy
+from pgsieve.sync.copypipe import CopyPartition, TableCopy
 
 FIRST_USER_OID = 16384
 """Types below this OID are built in: their binary form is the same in every database."""

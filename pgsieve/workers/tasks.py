@@ -153,7 +153,7 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
 
     def start() -> None:
         from pgsieve.spark.session import get_spark
-        from pgsieve.spark.sync import warm_up
+        from pgsieve.sync.copypipe import warm_up
 
         if settings.spark_nice:
             # Linux keeps a nice value per thread, and the JVM forked from this one
@@ -170,7 +170,7 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
         try:
             # Its Python workers too, where the copy's tasks run: a fresh worker's first
             # sync gives its ranges to Spark at once (until then the worker pipes them,
-            # pgsieve.spark.sync.copy_partitions). On a cluster that gives this
+            # pgsieve.sync.copypipe.copy_partitions). On a cluster that gives this
             # application no executor this waits — here, in the background, only.
             warm_up(spark)
             log.info("Spark is warm: its Python workers run")

@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.models import Job, SyncPartition
-from pgsieve.spark.sync import (
+from pgsieve.sync.copypipe import (
     MARKER_SCHEMA,
     MARKER_TABLE,
     CopyCancelled,

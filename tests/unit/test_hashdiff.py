@@ -12,7 +12,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pgsieve.spark.diff import key_ranges
 from pgsieve.sync.hashdiff import (
     SIGNATURE,
     TRAILER,
@@ -23,6 +22,7 @@ from pgsieve.sync.hashdiff import (
     joined,
     parse_key_hashes,
 )
+from pgsieve.sync.keyranges import key_ranges
 
 
 def copy_out(rows: dict[int, int] | list[tuple[int, int]]) -> bytes:

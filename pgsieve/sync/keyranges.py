@@ -1,4 +1,4 @@
-"""A whole-table diff's comparison as Spark tasks: each task compares one key range.
+"""A whole-table diff's comparison in key ranges: each Spark task compares one range.
 
 For a table too big to compare in one worker (its keys and hashes from both ends held in
 memory), or on a cluster whose executors have cores the worker lacks, the integer key's
@@ -11,6 +11,9 @@ in its one target transaction, as the in-worker comparison does.
 
 The target's side is read outside the driver's transaction: nothing has been written yet
 when the tasks run, and the table is out of the stream while it is diffed.
+
+What a task runs (:func:`compare_range`, libpq only) lives here; the Spark job that runs
+the tasks is :func:`pgsieve.spark.sync.run_tasks`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ from pgsieve.platform.connpolicy import (
     connection_scope,
     secure_conninfo,
 )
-from pgsieve.spark.sync import read_copies_together, spark_error_message
+from pgsieve.spark.sync import run_tasks, spark_error_message
+from pgsieve.sync.copypipe import read_copies_together
 
 RANGE = "/*pgsieve:key-range*/ true"
 """Where a rendered query takes its task's key range."""
@@ -121,11 +125,7 @@ def compare_key_ranges(spark: Any, request: KeyRangeRequest,
     if len(ranges) <= 1:
         return [task(r) for r in ranges]
     try:
-        sc = spark.sparkContext
-        if job_group:
-            sc.setJobGroup(job_group, "pgsieve diff", True)
-        results: list[RangeDiff] = sc.parallelize(list(ranges), len(ranges)).map(
-            task).collect()
+        results = run_tasks(spark, task, ranges, job_group=job_group, description="pgsieve diff")
     except Exception as exc:
         raise CompareFailed(spark_error_message(exc)) from None
     return results
