@@ -30,7 +30,7 @@ def built_path(name: str) -> Path:
         name.rsplit(".", 1)[1] + suffix)
 
 
-SHARED = [ROOT / "pgsieve" / "wire" / "_bigendian.pxd"]
+SHARED = [ROOT / "pgsieve" / "wire" / "_bigendian.pxd", ROOT / "pgsieve" / "wire" / "_msgtypes.pxd"]
 """Declarations every module cimports: a change rebuilds them all."""
 
 

@@ -27,6 +27,8 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
 from libc.stdint cimport uint32_t
 
 from pgsieve.wire._bigendian cimport be32 as _be32
+from pgsieve.wire._msgtypes cimport (COLUMN_NULL, COLUMN_TEXT, DELETE, INSERT, MESSAGE,
+                                       TUPLE_KEY, TUPLE_NEW, UPDATE)
 from libc.string cimport memcpy
 
 import struct
@@ -69,7 +71,7 @@ cdef object _scan(const unsigned char* p, Py_ssize_t n, Py_ssize_t pos, Py_ssize
         if pos >= n:
             raise IndexError("truncated TupleData")
         kind = p[pos]
-        if kind == 0x74:  # 't'
+        if kind == COLUMN_TEXT:
             if pos + 5 > n:
                 raise IndexError("truncated TupleData")
             length = _be32(p + pos + 1)
@@ -78,7 +80,7 @@ cdef object _scan(const unsigned char* p, Py_ssize_t n, Py_ssize_t pos, Py_ssize
                 raise IndexError("truncated TupleData")
             pos = start + length
             _tuple_set(values, c, PyBytes_FromStringAndSize(<const char*>p + start, length))
-        elif kind == 0x6E:  # 'n'
+        elif kind == COLUMN_NULL:
             _tuple_set(values, c, None)
             pos += 1
         else:
@@ -138,7 +140,7 @@ def raw_segments(builder, raw, segments):
                 p = <const unsigned char*>PyBytes_AS_STRING(data)
                 n = PyBytes_GET_SIZE(data)
             kind = p[0]
-            if kind == 0x49 or kind == 0x55 or kind == 0x44:  # Insert, Update, Delete
+            if kind == INSERT or kind == UPDATE or kind == DELETE:
                 if rel_map is not None:
                     relid = _be32(p + 1) if n >= 5 else -2
                     if relid != last_relid:
@@ -176,7 +178,7 @@ def raw_segments(builder, raw, segments):
                     continue
                 if rm.fast and tp.sequential is None:
                     try:
-                        if kind == 0x49:
+                        if kind == INSERT:
                             values = _scan(p, n, 6, &end)
                             if values is not None and end == n:
                                 counts.inserts += 1
@@ -187,13 +189,13 @@ def raw_segments(builder, raw, segments):
                                 else:
                                     effect.insert(key, values, full, 0, clsn)
                                 continue
-                        elif kind == 0x55:
+                        elif kind == UPDATE:
                             if n < 6:
                                 raise IndexError("truncated Update")
                             marker = p[5]
                             old_key = None
                             pos = 6
-                            if marker == 0x4B:  # 'K'
+                            if marker == TUPLE_KEY:
                                 old = _scan(p, n, 6, &end)
                                 pos = end
                                 if old is None:
@@ -204,7 +206,7 @@ def raw_segments(builder, raw, segments):
                                         raise IndexError("truncated Update")
                                     marker = p[pos]
                                     pos += 1
-                            if pos > 0 and marker == 0x4E:  # 'N'
+                            if pos > 0 and marker == TUPLE_NEW:
                                 values = _scan(p, n, pos, &end)
                                 if values is not None and end == n:
                                     counts.updates += 1
@@ -228,7 +230,7 @@ def raw_segments(builder, raw, segments):
                         else:
                             if n < 6:
                                 raise IndexError("truncated Delete")
-                            if p[5] == 0x4B:
+                            if p[5] == TUPLE_KEY:
                                 values = _scan(p, n, 6, &end)
                                 if values is not None and end == n:
                                     counts.deletes += 1
@@ -241,7 +243,7 @@ def raw_segments(builder, raw, segments):
                                     continue
                     except (IndexError, struct.error):
                         pass  # malformed: the decoder below says exactly how
-            elif kind == 0x4D:
+            elif kind == MESSAGE:
                 continue
             if decoder is None:
                 decoder = Decoder(proto, lazy=True)

@@ -49,6 +49,7 @@ from pgsieve.wire.messages import (
     TupleData,
     Update,
 )
+from pgsieve.wire.msgtypes import INSERT, MESSAGE, TUPLE_KEY, TUPLE_NEW, UPDATE
 from pgsieve.wire.splitter import RawChanges
 from pgsieve.wire.values import ValueConversionError, pg_text
 
@@ -211,7 +212,6 @@ class BatchPlan:
 TargetResolver = Callable[[str], TargetTable]
 _UNSEEN = object()
 
-_I, _U, _D, _M, _K, _N = 0x49, 0x55, 0x44, 0x4D, 0x4B, 0x4E
 _U32 = struct.Struct("!I").unpack_from
 
 
@@ -527,7 +527,7 @@ class _Builder:
                         continue
                     if rm.fast and tp.sequential is None:
                         try:
-                            if kind == _I:
+                            if kind == INSERT:
                                 values, end = scan(data, 6)
                                 if values is not None and end == len(data):
                                     counts.inserts += 1
@@ -538,11 +538,11 @@ class _Builder:
                                     else:
                                         effect.insert(key, values, full, 0, clsn)
                                     continue
-                            elif kind == _U:
+                            elif kind == UPDATE:
                                 marker = data[5]
                                 old_key = None
                                 pos = 6
-                                if marker == _K:
+                                if marker == TUPLE_KEY:
                                     old, pos = scan(data, 6)
                                     if old is None:
                                         pos = -1
@@ -550,7 +550,7 @@ class _Builder:
                                         old_key = old[k0] if one else tuple(old[i] for i in kr)
                                         marker = data[pos]
                                         pos += 1
-                                if pos > 0 and marker == _N:
+                                if pos > 0 and marker == TUPLE_NEW:
                                     values, end = scan(data, pos)
                                     if values is not None and end == len(data):
                                         counts.updates += 1
@@ -569,7 +569,7 @@ class _Builder:
                                                 continue
                                         effect.update(key, values, full, clsn, old_key)
                                         continue
-                            elif data[5] == _K:
+                            elif data[5] == TUPLE_KEY:
                                 values, end = scan(data, 6)
                                 if values is not None and end == len(data):
                                     counts.deletes += 1
@@ -581,7 +581,7 @@ class _Builder:
                                     continue
                         except (IndexError, struct.error):
                             pass  # malformed: the decoder below says exactly how
-                elif kind == _M:
+                elif kind == MESSAGE:
                     continue
                 if decoder is None:
                     decoder = Decoder(proto, lazy=True)

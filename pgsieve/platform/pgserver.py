@@ -32,6 +32,7 @@ from pgsieve.platform.settings import get_settings
 from pgsieve.wire.decoder import decode_message
 from pgsieve.wire.lsn import format_lsn
 from pgsieve.wire.messages import Begin
+from pgsieve.wire.msgtypes import BEGIN
 
 MIN_SERVER_VERSION_NUM = 150000
 SLOT_NAME = re.compile(r"^[a-z0-9_]{1,63}$")
@@ -370,7 +371,6 @@ def _publication_list(names: list[str]) -> str:
     return ",".join('"' + n.replace('"', '""') + '"' for n in names)
 
 
-_BEGIN = 0x42  # 'B'
 
 
 def oldest_pending_commit(
@@ -407,7 +407,7 @@ def oldest_pending_commit(
                 "       array_agg(data) FILTER (WHERE get_byte(data, 0) = %s) AS begins"
                 " FROM pg_logical_slot_peek_binary_changes("
                 "   %s, NULL, %s, 'proto_version', '1', 'publication_names', %s)",
-                (_BEGIN, probe, limit, pubs),
+                (BEGIN, probe, limit, pubs),
             ).fetchone()
             assert row is not None
             count, begins = (row["n"], row["begins"]) if isinstance(row, dict) else row

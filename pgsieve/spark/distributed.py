@@ -57,8 +57,14 @@ from pgsieve.wire.assembler import Change
 from pgsieve.wire.decoder import Decoder
 from pgsieve.wire.lsn import Lsn
 from pgsieve.wire.messages import Delete, Insert, Relation, Truncate, Update
+from pgsieve.wire.msgtypes import (
+    DELETE,
+    INSERT,
+    TRUNCATE,
+    TUPLE_KEY,
+    UPDATE,
+)
 
-_I, _U, _D, _T, _K = 0x49, 0x55, 0x44, 0x54, 0x4B
 _U32 = struct.Struct("!I").unpack_from
 
 
@@ -162,8 +168,8 @@ class _Splitter(_Builder):
             ci = i - first
             data = raws[i] if raws is not None else buf[offsets[i]:offsets[i + 1]]
             kind = data[0]
-            if kind not in (_I, _U, _D):
-                if kind == _T:
+            if kind not in (INSERT, UPDATE, DELETE):
+                if kind == TRUNCATE:
                     msg = Decoder(proto, lazy=True).decode(data)
                     rels = rel_list[ci] if rel_list is not None else tuple(
                         cast(Mapping[int, Relation], rel_map)[r]
@@ -182,13 +188,13 @@ class _Splitter(_Builder):
             counts = self.counts_for(rm.source_table)
             name = rm.target.qualified_name
             key: Any = None
-            if kind == _I:
+            if kind == INSERT:
                 counts.inserts += 1
                 key = _raw_key(data, 6, rm)
-            elif kind == _U:
+            elif kind == UPDATE:
                 counts.updates += 1
                 self._image(rm, (lsns[i], data))
-                if data[5] == _K or rm.mode != "key":
+                if data[5] == TUPLE_KEY or rm.mode != "key":
                     self._make_whole(name)
                 else:
                     key = _raw_key(data, 6, rm)

@@ -1,5 +1,7 @@
 """The pgoutput logical replication protocol, pure (no I/O): decode, resolve, assemble.
 
+* :mod:`.msgtypes` — pgoutput's type bytes (message types, tuple markers, column kinds),
+  the one place they are named (``_msgtypes.pxd``: the same for the compiled modules).
 * :mod:`.messages` — one frozen dataclass per message type; raw tuple values.
 * :mod:`.decoder` — :func:`decode_message` / :class:`Decoder` (bytes → message).
 * :mod:`.relations` — :class:`RelationCache` and row helpers (column name → value).

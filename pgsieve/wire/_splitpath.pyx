@@ -15,6 +15,7 @@ from cpython.datetime cimport datetime_new, import_datetime
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 
 from pgsieve.wire._bigendian cimport be32 as _be32, be64 as _be64
+from pgsieve.wire._msgtypes cimport BEGIN, COMMIT, DELETE, INSERT, UPDATE
 
 from datetime import UTC
 
@@ -81,14 +82,14 @@ def plain_run(splitter, batch, Py_ssize_t pos, packed):
     cdef list items = []
     cdef object snapshot = splitter.relations.snapshot()
     cdef object proto = splitter.proto_version
-    while pos < count and t[pos] == 0x42:  # B
+    while pos < count and t[pos] == BEGIN:
         j = pos + 1
         while j < count:
             c = t[j]
-            if c != 0x49 and c != 0x55 and c != 0x44:  # I U D
+            if c != INSERT and c != UPDATE and c != DELETE:
                 break
             j += 1
-        if j >= count or t[j] != 0x43:  # C: not a whole plain transaction here
+        if j >= count or t[j] != COMMIT:  # not a whole plain transaction here
             break
         begin = offsets[pos]
         commit = offsets[j]

@@ -57,6 +57,30 @@ from pgsieve.wire.messages import (
     Type,
     Update,
 )
+from pgsieve.wire.msgtypes import (
+    BEGIN,
+    BEGIN_PREPARE,
+    COMMIT,
+    COMMIT_PREPARED,
+    DELETE,
+    INSERT,
+    MESSAGE,
+    ORIGIN,
+    PREPARE,
+    RELATION,
+    ROLLBACK_PREPARED,
+    STREAM_ABORT,
+    STREAM_COMMIT,
+    STREAM_PREPARE,
+    STREAM_START,
+    STREAM_STOP,
+    TRUNCATE,
+    TUPLE_KEY,
+    TUPLE_NEW,
+    TUPLE_OLD,
+    TYPE,
+    UPDATE,
+)
 
 __all__ = ["Decoder", "ProtocolError", "decode_message", "pg_timestamp", "scan_tuple"]
 
@@ -78,7 +102,6 @@ _BEGIN_PREPARE = struct.Struct("!QQqI")
 _PREPARE = struct.Struct("!BQQqI")  # Prepare, Commit Prepared, Stream Prepare
 _ROLLBACK_PREPARED = struct.Struct("!BQQqqI")
 
-_K, _O, _N = 0x4B, 0x4F, 0x4E
 
 
 def pg_timestamp(micros: int, offset: int = 0) -> datetime:
@@ -404,7 +427,7 @@ def _insert(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
         xid, pos = None, 1
     if pos + 5 > n:
         raise _short("Insert header", pos, 5, n)
-    if data[pos + 4] != _N:
+    if data[pos + 4] != TUPLE_NEW:
         raise ProtocolError(f"expected 'N' at offset {pos + 4}, got {data[pos + 4]:#04x}")
     return _make_insert(_U32(data, pos)[0], _trailing_tuple(data, pos + 5, n, lazy), xid)
 
@@ -421,13 +444,13 @@ def _update(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
     action = data[pos]
     old = None
     old_kind = None
-    if action in (_K, _O):
-        old_kind = "K" if action == _K else "O"
+    if action in (TUPLE_KEY, TUPLE_OLD):
+        old_kind = "K" if action == TUPLE_KEY else "O"
         old, pos = scan_tuple(data, pos + 1, n)
         if pos >= n:
             raise _short("Update new tuple marker", pos, 1, n)
         action = data[pos]
-    if action != _N:
+    if action != TUPLE_NEW:
         raise ProtocolError(f"expected 'K', 'O' or 'N' at offset {pos}, got {action:#04x}")
     return _make_update(relid, old, old_kind, _trailing_tuple(data, pos + 1, n, lazy), xid)
 
@@ -437,10 +460,10 @@ def _delete(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
     if pos + 5 > n:
         raise _short("Delete header", pos, 5, n)
     action = data[pos + 4]
-    if action != _K and action != _O:
+    if action != TUPLE_KEY and action != TUPLE_OLD:
         raise ProtocolError(f"expected 'K' or 'O' at offset {pos + 4}, got {action:#04x}")
     old = _trailing_tuple(data, pos + 5, n, lazy)
-    return _make_delete(_U32(data, pos)[0], old, "K" if action == _K else "O", xid)
+    return _make_delete(_U32(data, pos)[0], old, "K" if action == TUPLE_KEY else "O", xid)
 
 
 def _truncate(data: bytes, n: int, in_stream: bool, lazy: bool) -> Message:
@@ -526,32 +549,32 @@ def _rollback_prepared(data: bytes, n: int, in_stream: bool, lazy: bool) -> Mess
 
 _MESSAGES: Final[dict[int, tuple[_Handler, int, str]]] = {
     # type byte: (handler, minimum protocol version, name)
-    ord("B"): (_begin, 1, "Begin"),
-    ord("M"): (_message, 1, "Message"),
-    ord("C"): (_commit, 1, "Commit"),
-    ord("O"): (_origin, 1, "Origin"),
-    ord("R"): (_relation, 1, "Relation"),
-    ord("Y"): (_type, 1, "Type"),
-    ord("I"): (_insert, 1, "Insert"),
-    ord("U"): (_update, 1, "Update"),
-    ord("D"): (_delete, 1, "Delete"),
-    ord("T"): (_truncate, 1, "Truncate"),
-    ord("S"): (_stream_start, 2, "Stream Start"),
-    ord("E"): (_stream_stop, 2, "Stream Stop"),
-    ord("c"): (_stream_commit, 2, "Stream Commit"),
-    ord("A"): (_stream_abort, 2, "Stream Abort"),
-    ord("b"): (_begin_prepare, 3, "Begin Prepare"),
-    ord("P"): (_prepare_like(Prepare, "Prepare"), 3, "Prepare"),
-    ord("K"): (_prepare_like(CommitPrepared, "Commit Prepared"), 3, "Commit Prepared"),
-    ord("r"): (_rollback_prepared, 3, "Rollback Prepared"),
-    ord("p"): (_prepare_like(StreamPrepare, "Stream Prepare"), 3, "Stream Prepare"),
+    BEGIN: (_begin, 1, "Begin"),
+    MESSAGE: (_message, 1, "Message"),
+    COMMIT: (_commit, 1, "Commit"),
+    ORIGIN: (_origin, 1, "Origin"),
+    RELATION: (_relation, 1, "Relation"),
+    TYPE: (_type, 1, "Type"),
+    INSERT: (_insert, 1, "Insert"),
+    UPDATE: (_update, 1, "Update"),
+    DELETE: (_delete, 1, "Delete"),
+    TRUNCATE: (_truncate, 1, "Truncate"),
+    STREAM_START: (_stream_start, 2, "Stream Start"),
+    STREAM_STOP: (_stream_stop, 2, "Stream Stop"),
+    STREAM_COMMIT: (_stream_commit, 2, "Stream Commit"),
+    STREAM_ABORT: (_stream_abort, 2, "Stream Abort"),
+    BEGIN_PREPARE: (_begin_prepare, 3, "Begin Prepare"),
+    PREPARE: (_prepare_like(Prepare, "Prepare"), 3, "Prepare"),
+    COMMIT_PREPARED: (_prepare_like(CommitPrepared, "Commit Prepared"), 3, "Commit Prepared"),
+    ROLLBACK_PREPARED: (_rollback_prepared, 3, "Rollback Prepared"),
+    STREAM_PREPARE: (_prepare_like(StreamPrepare, "Stream Prepare"), 3, "Stream Prepare"),
 }
 
 
 def _table(version: int) -> dict[int, _Handler]:
     table = {byte: h for byte, (h, v, _) in _MESSAGES.items() if v <= version}
     if version >= 4:
-        table[ord("A")] = _stream_abort_v4
+        table[STREAM_ABORT] = _stream_abort_v4
     return table
 
 

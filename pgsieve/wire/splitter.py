@@ -48,16 +48,19 @@ from pgsieve.wire.messages import (
     Truncate,
     Type,
 )
+from pgsieve.wire.msgtypes import (
+    BEGIN,
+    COMMIT,
+    MESSAGE,
+    ORIGIN,
+    RELATION,
+    ROW_CHANGES,
+    STREAM_START,
+    STREAM_STOP,
+    TRUNCATE,
+    TYPE,
+)
 from pgsieve.wire.relations import UnknownRelationError
-
-_BEGIN: Final = 0x42  # B
-_COMMIT: Final = 0x43  # C
-_INSERT, _UPDATE, _DELETE = 0x49, 0x55, 0x44  # I U D
-_TRUNCATE: Final = 0x54  # T
-_MESSAGE: Final = 0x4D  # M
-_RELATION, _TYPE, _ORIGIN = 0x52, 0x59, 0x4F  # R Y O
-_STREAM_START, _STREAM_STOP = 0x53, 0x45  # S E
-_ROW_CHANGES: Final = frozenset((_INSERT, _UPDATE, _DELETE))
 
 _BEGIN_XID = struct.Struct("!I")  # at offset 17: final_lsn (8), commit time (8), xid
 _RELATION_ID = struct.Struct("!I")
@@ -379,7 +382,7 @@ class TransactionSplitter:
         if self._in_stream or self._delegating:
             return self._to_full(data, lsn, kind)
         if self._open:
-            if kind in _ROW_CHANGES:
+            if kind in ROW_CHANGES:
                 if len(data) < 5:
                     raise ProtocolError(f"truncated change message (offset 1, {len(data)} bytes)")
                 relid = _RELATION_ID.unpack_from(data, 1)[0]
@@ -392,26 +395,26 @@ class TransactionSplitter:
                 if single is None:
                     single = self._singles[relid] = (self.relations.get(relid),)
                 return self._append(data, lsn, single)
-            if kind == _COMMIT:
+            if kind == COMMIT:
                 return self._commit(data, lsn)
-            if kind in (_RELATION, _TYPE):
+            if kind in (RELATION, TYPE):
                 self._relation(data)
                 return None
-            if kind == _TRUNCATE:
+            if kind == TRUNCATE:
                 msg = self._decoder.decode(data)
                 assert isinstance(msg, Truncate)
                 rels = tuple(self.relations.get(r) for r in msg.relation_ids)
                 return self._append(data, lsn, rels)
-            if kind == _MESSAGE and len(data) > 1 and data[1] & 1:  # transactional
+            if kind == MESSAGE and len(data) > 1 and data[1] & 1:  # transactional
                 return self._append(data, lsn, ())
-            if kind == _ORIGIN:
+            if kind == ORIGIN:
                 msg = self._decoder.decode(data)
                 assert isinstance(msg, Origin)
                 self._origin = OriginInfo(msg.name, msg.origin_lsn)
                 self._origin_raw = (data, lsn)
                 return None
             return self._to_full(data, lsn, kind)  # anything unusual: full rules apply
-        if kind == _BEGIN:
+        if kind == BEGIN:
             if len(data) != 21:
                 raise ProtocolError(f"Begin has {len(data)} bytes, expected 21 (offset 0)")
             self._open = True
@@ -420,7 +423,7 @@ class TransactionSplitter:
             self._origin = self._origin_raw = None
             self._raws, self._lsns, self._rels, self._bytes = [], [], [], 0
             return None
-        if kind in (_RELATION, _TYPE):
+        if kind in (RELATION, TYPE):
             self._relation(data)
             return None
         return self._to_full(data, lsn, kind)
@@ -466,11 +469,11 @@ class TransactionSplitter:
         self._raws, self._lsns, self._rels = [], [], []
 
     def _to_full(self, data: bytes, lsn: int, kind: int) -> Item | None:
-        if kind == _STREAM_START:
+        if kind == STREAM_START:
             self._in_stream = True
-        elif kind == _STREAM_STOP:
+        elif kind == STREAM_STOP:
             self._in_stream = False
         item = self.full.feed_bytes(data, Lsn(lsn))
-        if self._delegating and kind == _COMMIT:
+        if self._delegating and kind == COMMIT:
             self._delegating = False
         return item
