@@ -395,8 +395,9 @@ class ConsumeCycle:
                              buffer_bytes=self.settings.read_ahead_buffer_bytes)
 
     def spark(self) -> Any:
-        """The worker's SparkSession, started only when a job really needs it: small
-        batches apply in the driver, and a cold JVM must not hold up a live stream."""
+        """The worker's distributed planner (Spark's, handed in by pgsieve.workers), started
+        only when a batch really needs it: small batches apply in the driver, and a cold
+        JVM must not hold up a live stream."""
         return _LazySpark(self._spark)
 
     def _catch_up_tables(self, applied: Lsn | None) -> None:
@@ -909,7 +910,7 @@ class _StreamRun:
         self._control_requested = True
         return replace(batch, routes=fresh, routes_epoch=self.routes_epoch)
 
-    # -- merges behind the reading (.spark.mergebehind) -----------------------------------
+    # -- merges behind the reading (apply.mergebehind) -----------------------------------
     def _merge_behind(self, batch: ApplyBatch) -> None:
         behind = self._behind
         if behind is None:
