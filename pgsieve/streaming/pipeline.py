@@ -1154,7 +1154,8 @@ def _describe(exc: BaseException) -> str:
 
 
 class _LazySpark:
-    """Stands in for the SparkSession; the first attribute access starts (or reuses) it."""
+    """Stands in for what the provider returns (the distributed planner); the first attribute
+    access starts (or reuses) it."""
 
     __slots__ = ("_provider",)
 
