@@ -17,7 +17,7 @@ import pytest
 
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.models import Job, Subscription
-from pgsieve.spark.session import get_spark
+from pgsieve.spark.distributed import spark_planner
 from pgsieve.streaming.pipeline import ConsumeCycle
 from pgsieve.sync.syncjob import RunOutcome, retry_delay
 from pgsieve.sync.tablesync import retry_table_syncs
@@ -52,7 +52,7 @@ def _writes(source: Database, n: int) -> None:
 
 def _cycle(env: SyncEnv, sub_id: str, seconds: float = 2.0) -> str:
     settings = env.settings
-    return ConsumeCycle(settings, sub_id, spark=lambda: get_spark(settings),
+    return ConsumeCycle(settings, sub_id, spark=lambda: spark_planner(settings),
                         cycle_seconds=seconds).run().outcome
 
 

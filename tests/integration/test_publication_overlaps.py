@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgsieve.spark.session import get_spark
+from pgsieve.spark.distributed import spark_planner
 from pgsieve.streaming.pipeline import ConsumeCycle
 from tests.conftest import Database
 from tests.integration.pipeline_env import native_caught_up, source_lsn
@@ -51,7 +51,7 @@ def _stream_until(env: SyncEnv, sub_id: str, target: Database, lsn: str,
     while not _pgsieve_caught_up(target, lsn):
         if time.monotonic() > deadline:
             pytest.fail(f"pgsieve did not apply up to {lsn}; cycles: {outcomes}")
-        outcome = ConsumeCycle(settings, sub_id, spark=lambda: get_spark(settings),
+        outcome = ConsumeCycle(settings, sub_id, spark=lambda: spark_planner(settings),
                                cycle_seconds=2.0).run()
         outcomes.append(outcome.outcome)
         assert outcome.outcome in ("done", "retry", "locked"), outcome
