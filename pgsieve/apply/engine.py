@@ -1,4 +1,4 @@
-"""The apply job: a batch of whole transactions → its net effect in ONE target transaction.
+"""The apply engine: a batch of whole transactions → its net effect in ONE target transaction.
 
 ``apply_batch(planner, batch, writer)`` is a function of its inputs and, for big batches,
 of a distributed planner handed in (:class:`~.planner.DistributedPlanner`: Spark's, or
@@ -18,10 +18,10 @@ None):
 Batches are planned and staged in the driver unless they hold at least
 ``PGSIEVE_SPARK_APPLY_MIN_CHANGES`` changes; then Spark tasks plan and stage them
 (:mod:`pgsieve.spark.distributed`, through the planner), each COPYing its share in
-parallel. On a 2-core worker host the
-driver wins at every size (a warm Spark job costs ~0.3 s, and the tasks compete with both
-PostgreSQL servers for the same cores), so the default is never — measured, see
-docs/ARCHITECTURE.md. With executors on other machines the tasks add real cores.
+parallel. On a 2-core worker host the driver wins at every size (a warm Spark job costs
+~0.3 s, and the tasks compete with both PostgreSQL servers for the same cores), so the
+default is never — measured, see docs/ARCHITECTURE.md. With executors on other machines
+the tasks add real cores.
 """
 
 from __future__ import annotations
