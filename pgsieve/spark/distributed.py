@@ -448,6 +448,11 @@ class SparkPlanner:
     def __init__(self, spark: Any) -> None:
         self.spark = spark
 
+    @classmethod
+    def lazy(cls, provider: Callable[[], Any]) -> SparkPlanner:
+        """The planner of the session ``provider`` returns, called on first use only."""
+        return cls(_LazySession(provider))
+
     def task_slots(self) -> int:
         return cluster_task_slots(self.spark)
 
@@ -479,7 +484,7 @@ def spark_planner(settings: Settings) -> DistributedPlanner:
     """The planner of this process's SparkSession for ``settings`` (:func:`get_spark`),
     which starts only when a batch really needs it: small batches apply in the driver, and
     a cold JVM must not hold up a live stream."""
-    return SparkPlanner(_LazySession(lambda: get_spark(settings)))
+    return SparkPlanner.lazy(lambda: get_spark(settings))
 
 
 def _proto(batch: ApplyBatch) -> int:
