@@ -89,5 +89,5 @@ def preview(body: dict[str, Any]) -> dict[str, Any]:
             "update_transformations": updates}
 
 
-#: Notes of the UPDATE preview that quote PostgreSQL (see routers/filters.py).
+#: Notes of the UPDATE preview that quote PostgreSQL (see publications/filter_preview.py).
 _PG_NOTES = ("PostgreSQL could not evaluate", "could not read the subscription's")

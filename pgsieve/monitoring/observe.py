@@ -29,6 +29,7 @@ from pgsieve.monitoring.progress import (
 )
 from pgsieve.platform import pgserver
 from pgsieve.platform.credentials import SecretBox, scrub_secrets
+from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.errors import PgsieveError, TooManyRequests
 from pgsieve.platform.locks import CONSUMER_LEASE, consumer_alive
 from pgsieve.platform.metrics import scheduler_report
@@ -65,7 +66,7 @@ def _error_text(exc: BaseException) -> str:
 def _source_conn(
     source: Source, box: SecretBox, connect_timeout: int
 ) -> Iterator[psycopg.Connection[Any]]:
-    with pgserver.connect(box.decrypt(source.dsn_encrypted),
+    with pgserver.connect(load_dsn(box, source),
                           connect_timeout=connect_timeout) as conn:
         yield conn
 

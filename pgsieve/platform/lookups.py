@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from pgsieve.platform import pgserver
 from pgsieve.platform.credentials import SecretBox
+from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.errors import ErrorCode, NotFound
 from pgsieve.platform.models import Source, Subscription, Target
 from pgsieve.platform.settings import Settings
@@ -30,7 +31,7 @@ def source_connection(
 ) -> Iterator[psycopg.Connection[Any]]:
     """A short-lived connection to a registered source (4xx ``source_unreachable``)."""
     with pgserver.connect(
-        box.decrypt(source.dsn_encrypted), connect_timeout=settings.connect_timeout,
+        load_dsn(box, source), connect_timeout=settings.connect_timeout,
         policy=settings.connection_policy(), statement_timeout_ms=settings.statement_timeout_ms,
         **kwargs,
     ) as conn:

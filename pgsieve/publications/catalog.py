@@ -163,6 +163,23 @@ def publication_names(conn: psycopg.Connection[Any]) -> list[str]:
         "SELECT pubname::text FROM pg_publication ORDER BY pubname").fetchall()]
 
 
+def publication_exists(conn: psycopg.Connection[Any], name: str) -> bool:
+    """Whether the connected database has a publication ``name``."""
+    return conn.execute("SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = %s",
+                        (name,)).fetchone() is not None
+
+
+def published_attnames(conn: psycopg.Connection[Any], publication: str, schema: str,
+                       table: str) -> list[str] | None:
+    """The columns ``publication`` publishes of ``schema.table`` as PostgreSQL has them
+    (``pg_publication_tables.attnames``); None when it does not publish the table."""
+    row = conn.execute(
+        "SELECT attnames FROM pg_catalog.pg_publication_tables "
+        "WHERE pubname = %s AND schemaname = %s AND tablename = %s",
+        (publication, schema, table)).fetchone()
+    return None if row is None else [str(c) for c in row[0]]
+
+
 def existing_schemas(conn: psycopg.Connection[Any], names: Sequence[str]) -> set[str]:
     """Which of ``names`` are schemas of the connected database."""
     rows = conn.execute(

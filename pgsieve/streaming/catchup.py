@@ -39,6 +39,7 @@ from pgsieve.apply.target import TargetWriter
 from pgsieve.platform import pgserver
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import session_factory
+from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.models import Source, Subscription, SubscriptionTable, Target
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState, SyncState
@@ -76,8 +77,8 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
         target = session.get(Target, sub.target_id)
         assert source is not None
         assert target is not None
-        source_dsn = box.decrypt(source.dsn_encrypted)
-        target_dsn = box.decrypt(target.dsn_encrypted)
+        source_dsn = load_dsn(box, source)
+        target_dsn = load_dsn(box, target)
         proto = min(max_proto_version(source.server_version_num), 4)
         publications = tuple(sub.publications)
         options = dict(sub.options)

@@ -56,6 +56,7 @@ from pgsieve.platform.connpolicy import (
 )
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import lock_rows, locked, session_factory
+from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.errors import describe_error
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.locks import AdvisoryLocks, LockKeeper, release, try_acquire
@@ -267,7 +268,7 @@ class ConsumeCycle:
             assert sub is not None
             source = session.get(Source, sub.source_id)
             assert source is not None
-            return self._box.decrypt(source.dsn_encrypted), sub.slot_name
+            return load_dsn(self._box, source), sub.slot_name
 
     def _run_locked(self, keeper: LeaseHolder) -> CycleOutcome:
         opened = self.open_stream(keeper)
@@ -299,8 +300,8 @@ class ConsumeCycle:
             target = session.get(Target, sub.target_id)
             assert source is not None
             assert target is not None
-            source_dsn = self._box.decrypt(source.dsn_encrypted)
-            target_dsn = self._box.decrypt(target.dsn_encrypted)
+            source_dsn = load_dsn(self._box, source)
+            target_dsn = load_dsn(self._box, target)
             options = dict(sub.options)
             publications = tuple(sub.publications)
             slot = sub.slot_name

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 from pgsieve.apply.target import TargetWriter, check_target_tables
 from pgsieve.platform import dispatch, pgserver
 from pgsieve.platform.credentials import SecretBox, scrub_secrets
+from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.errors import Conflict, ErrorCode, Unprocessable, Unreachable
 from pgsieve.platform.locks import consumer_alive
 from pgsieve.platform.lookups import load_source, load_target, source_connection
@@ -115,7 +116,7 @@ def create_subscription(session: Session, settings: Settings, box: SecretBox,
     publications = list(dict.fromkeys(body.publications))
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         relations = published_relations(conn, publications)
-        check_target(settings, conn, box.decrypt(target.dsn_encrypted), relations,
+        check_target(settings, conn, load_dsn(box, target), relations,
                       publications)
     with source_connection(source, settings, box) as conn:
         existing = pgserver.get_slot(conn, slot_name)
@@ -261,7 +262,7 @@ def _forget_target_record(
 
     target = load_target(session, sub.target_id)
     try:
-        writer = TargetWriter(box.decrypt(target.dsn_encrypted), sub.id,
+        writer = TargetWriter(load_dsn(box, target), sub.id,
                               connect_timeout=settings.connect_timeout)
     except Exception as exc:
         log.warning("subscription %s: cannot reach the target to forget its record: %s",

@@ -61,6 +61,7 @@ from pgsieve.platform.connpolicy import (
 )
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import locked, session_factory
+from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.locks import SYNC_JOB_NAMESPACE, AdvisoryLocks, LeaseKeeper, rowcount
@@ -405,7 +406,7 @@ class SyncJobRunner:
             sub = (session.get(Subscription, job.subscription_id)
                    if job is not None and job.subscription_id else None)
             source = session.get(Source, sub.source_id) if sub is not None else None
-            return None if source is None else self._box.decrypt(source.dsn_encrypted)
+            return None if source is None else load_dsn(self._box, source)
 
     def _lock_job(self) -> tuple[AdvisoryLocks | None, str | None]:
         """The job's advisory lock on its source, held on a connection of this runner
@@ -462,11 +463,11 @@ class SyncJobRunner:
             assert source is not None
             assert target is not None
             names = list(job.details.get("tables") or [t.table_name for t in sub.tables])
-            self._target_dsn = self._box.decrypt(target.dsn_encrypted)
+            self._target_dsn = load_dsn(self._box, target)
             return _Context(
                 subscription_id=sub.id, kind=job.kind, publications=list(sub.publications),
-                source_dsn=self._box.decrypt(source.dsn_encrypted),
-                target_dsn=self._box.decrypt(target.dsn_encrypted),
+                source_dsn=load_dsn(self._box, source),
+                target_dsn=load_dsn(self._box, target),
                 enabled=sub.enabled, tables=names,
                 verify=bool(job.details.get("verify", False)),
                 defer_indexes=bool(job.details.get("defer_indexes", True)),
@@ -1263,7 +1264,7 @@ class SyncJobRunner:
                 return None
             target = session.get(Target, sub.target_id)
             assert target is not None
-            return _Context(sub.id, job.kind, [], "", self._box.decrypt(target.dsn_encrypted),
+            return _Context(sub.id, job.kind, [], "", load_dsn(self._box, target),
                             sub.enabled, [], False, False)
 
     def _retry(self, message: str) -> RunOutcome:

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from pgsieve.platform import dispatch, pgserver
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import session_factory
+from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.errors import PgsieveError
 from pgsieve.platform.locks import SYNC_JOB_NAMESPACE, AdvisoryLocks, rowcount
 from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable, utcnow
@@ -111,7 +112,7 @@ def drop_leftover_sync_slots(settings: Settings,
     box = settings.secret_box()
     dropped: list[str] = []
     with sessions() as session:
-        sources = [(s.id, box.decrypt(s.dsn_encrypted)) for s in session.scalars(select(Source))]
+        sources = [(s.id, load_dsn(box, s)) for s in session.scalars(select(Source))]
     for source_id, dsn in sources:
         try:
             with pgserver.connect(dsn, connect_timeout=settings.connect_timeout) as conn:

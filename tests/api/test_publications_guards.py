@@ -161,7 +161,7 @@ def test_concurrent_patches_take_turns_instead_of_undoing_each_other(
             time.sleep(1.0)
         return real_validate(conn, pub)
 
-    monkeypatch.setattr("pgsieve.api.routers.publications.validate_definition",
+    monkeypatch.setattr("pgsieve.publications.store.validate_definition",
                         slow_first_validation)
     results: dict[str, Any] = {}
 

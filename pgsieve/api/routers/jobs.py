@@ -36,6 +36,7 @@ from pgsieve.api.schemas.jobs import (
 )
 from pgsieve.apply.target import check_target_tables
 from pgsieve.platform import dispatch
+from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.errors import Conflict, ErrorCode, NotFound, Unprocessable
 from pgsieve.platform.lookups import load_source, load_subscription, load_target, source_connection
 from pgsieve.platform.models import Job, Subscription, SubscriptionTable, SyncPartition
@@ -202,7 +203,7 @@ def refresh_publication(subscription_id: str, response: Response, session: Sessi
         added = [name for name in published if name not in current]
         removed = sorted(current - set(published))
         if added:
-            check_target_tables(conn, box.decrypt(target.dsn_encrypted), added,
+            check_target_tables(conn, load_dsn(box, target), added,
                                 connect_timeout=settings.connect_timeout,
                                 publications=publications)
     if not added and not removed:
@@ -226,7 +227,7 @@ def refresh_publication(subscription_id: str, response: Response, session: Sessi
     else:
         session.commit()
     if sync_slots:
-        _drop_sync_slots(settings, box.decrypt(source.dsn_encrypted), sync_slots)
+        _drop_sync_slots(settings, load_dsn(box, source), sync_slots)
     if job_id is None:
         return {"added": added, "removed": removed}
     dispatch.initial_sync(settings, job_id)

@@ -7,23 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from pgsieve.api.schemas.slots import SlotOut
-from pgsieve.api.schemas.subscriptions import MissingRowOut
-
-
-class TableProgress(BaseModel):
-    table: str
-    sync_state: str
-    inserts: int
-    updates: int
-    deletes: int
-    truncates: int
-    conflicts: int
-    missing_skipped: int = Field(
-        description="UPDATEs/DELETEs skipped because the target row was missing")
-    last_missing: MissingRowOut | None
-    rows_copied: int
-    rows_total: int | None
-    error: str | None
+from pgsieve.api.schemas.subscriptions import TableCounters
 
 
 class ConsumerWorkerOut(BaseModel):
@@ -75,7 +59,7 @@ class ProgressOut(BaseModel):
     consumer: ConsumerOut
     stats: dict[str, Any] = Field(description="the consume cycle's running counters")
     missing_skipped: int = Field(description="sum of the tables' missing_skipped")
-    tables: list[TableProgress]
+    tables: list[TableCounters]
 
 
 class ProgressPoint(BaseModel):

@@ -75,10 +75,21 @@ class SkipRequest(StrictModel):
     )
 
 
-class SubscriptionTableOut(BaseModel):
+class MissingRowOut(BaseModel):
+    op: Literal["update", "delete"]
+    key: dict[str, Any] | None = Field(
+        description="the row's key as text (REPLICA IDENTITY FULL without a target key: the "
+        "old row); null for a viewer token (row data)")
+    lsn: str = Field(description="commit LSN of the transaction the change belongs to")
+    at: str = Field(description="when it was skipped")
+
+
+class TableCounters(BaseModel):
+    """A subscription's table: its sync state and what the stream did to it (the
+    subscription's ``tables`` and its progress's)."""
+
     table: str
     sync_state: SyncState
-    sync_lsn: str | None
     rows_copied: int
     rows_total: int | None
     inserts: int
@@ -93,13 +104,8 @@ class SubscriptionTableOut(BaseModel):
     error: str | None
 
 
-class MissingRowOut(BaseModel):
-    op: Literal["update", "delete"]
-    key: dict[str, Any] | None = Field(
-        description="the row's key as text (REPLICA IDENTITY FULL without a target key: the "
-        "old row); null for a viewer token (row data)")
-    lsn: str = Field(description="commit LSN of the transaction the change belongs to")
-    at: str = Field(description="when it was skipped")
+class SubscriptionTableOut(TableCounters):
+    sync_lsn: str | None
 
 
 class SubscriptionOut(BaseModel):
