@@ -30,8 +30,9 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 
@@ -46,6 +47,7 @@ from pgsieve.platform.settings import get_settings
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _last_path: str | None = None
 _reasons_logged: dict[str, float] = {}
@@ -182,7 +184,8 @@ def prepare_batch(planner: DistributedPlanner | None, batch: ApplyBatch, writer:
     spark_report: dict[str, Any] = {}
     started = t = time.perf_counter()
     if distributed is None:
-        distributed, why = choose_apply_path(planner, batch.change_count)
+        distributed, why = _asking(planner, lambda: choose_apply_path(
+            planner, batch.change_count))
         _log_apply_path(batch.change_count, distributed, why)
     if distributed:
         if planner is None:
@@ -215,12 +218,22 @@ def _plan_and_stage(planner: DistributedPlanner, batch: ApplyBatch, writer: Targ
                     ) -> tuple[BatchPlan, dict[str, StagedTable], int, dict[str, Any]]:
     """The planner's plan and staging; its own failure (not the batch's) comes out as
     :class:`~.planner.PlannerUnavailable` raised from it, which a stream retries."""
+    return _asking(planner, lambda: planner.plan_and_stage(batch, writer, expected, timings))
+
+
+def _asking(planner: DistributedPlanner | None, ask: Callable[[], _T]) -> _T:
+    """``ask()`` of the planner; the planner's own failure (not the batch's) comes out as
+    :class:`~.planner.PlannerUnavailable` raised from it — also when it fails before a
+    job, asked for its executors or task slots (a context that died under the last job),
+    which the stream must retry as it retries a failed job, never stop its subscription."""
     try:
-        return planner.plan_and_stage(batch, writer, expected, timings)
+        return ask()
     except psycopg.Error:
         raise  # the target's: apply_batch's retry with fresh shapes sees it as before
+    except PlannerUnavailable:
+        raise
     except Exception as exc:
-        if planner.unavailable(exc):
+        if planner is not None and planner.unavailable(exc):
             raise PlannerUnavailable(str(exc)) from exc
         raise
 

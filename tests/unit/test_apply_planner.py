@@ -95,3 +95,21 @@ def test_spark_planner_is_lazy_until_asked():
     assert not started
     assert planner.task_slots() == 0  # (as before: a session that cannot say has none)
     assert started
+
+
+class DeadPlanner(FakePlanner):
+    """A context that died under the last job: asking for executors raises."""
+
+    def executors_ready(self) -> bool:
+        raise Py4JNetworkError("Answer from Java side is empty")
+
+
+def test_a_planner_failing_when_asked_for_its_executors_is_a_retry(
+        monkeypatch: pytest.MonkeyPatch):
+    _cluster(monkeypatch, 1000)
+    batch = ApplyBatch("s", [], {})
+    monkeypatch.setattr(ApplyBatch, "change_count", property(lambda self: 5000))
+    with pytest.raises(PlannerUnavailable) as caught:
+        engine.prepare_batch(DeadPlanner(), batch, writer=None,  # type: ignore[arg-type]
+                             distributed=None, expected=None)
+    assert isinstance(caught.value.__cause__, Py4JNetworkError)
