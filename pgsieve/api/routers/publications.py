@@ -60,7 +60,7 @@ from pgsieve.rowfilter.parse import (
     IssueCode,
 )
 from pgsieve.sync import reconcile
-from pgsieve.sync.syncjob import active_sync_job
+from pgsieve.sync.queue import active_sync_job
 
 router = APIRouter(prefix="/sources/{source_id}/publications", tags=["publications"])
 
