@@ -57,7 +57,8 @@ from pgsieve.streaming.readahead import (
     prestart_read_ahead,
     read_ahead_or,
 )
-from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.batch import MessageBatch
 from pgsieve.wire.lsn import Lsn

@@ -83,14 +83,14 @@ from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
 from pgsieve.streaming.markers import Reached, marker_for, reach_marker
 from pgsieve.streaming.readahead import read_ahead_or
-from pgsieve.streaming.transports import (
+from pgsieve.streaming.transports.base import (
     PgoutputOptions,
-    SqlTransport,
     Transport,
     TransportError,
-    WalsenderTransport,
     max_proto_version,
 )
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.streaming.turnreader import TurnReader, first_transport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn

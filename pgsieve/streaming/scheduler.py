@@ -91,7 +91,7 @@ from pgsieve.streaming.pipeline import (
 )
 from pgsieve.streaming.pushwaits import PUSH_REARM_FIRST, PushWaits
 from pgsieve.streaming.readahead import prestart_read_ahead
-from pgsieve.streaming.transports import TransportError
+from pgsieve.streaming.transports.base import TransportError
 from pgsieve.sync import moved
 from pgsieve.wire.lsn import Lsn
 
