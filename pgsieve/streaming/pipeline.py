@@ -80,7 +80,7 @@ from pgsieve.streaming.appliednotes import (
 )
 from pgsieve.streaming.catchup import catch_up
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
-from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
+from pgsieve.streaming.consumer import ConsumerItem, IdleProgress, Quiet, SlotConsumer
 from pgsieve.streaming.markers import Reached, marker_for, reach_marker
 from pgsieve.streaming.readahead import read_ahead_or
 from pgsieve.streaming.transports.base import (
@@ -541,30 +541,10 @@ class _StreamRun:
         the first such batch, let go of once the stream caught up)."""
 
     def stream(self, deadline: float) -> CycleOutcome:
+        """A consume cycle's streaming until ``deadline``: every item the consumer reads
+        (:meth:`_read`), batches applied as they fill or fall due."""
         try:
-            for item in self.consumer.items(deadline, quiet=True):
-                now = time.monotonic()
-                if isinstance(item, Transaction):
-                    self._idle_pending = None
-                    if len(item.changes) == 1 and self._at_marker(item):
-                        continue
-                    self.batcher.add(item, now)
-                    fault_point("cycle.decoded")
-                    if self.batcher.full:
-                        self._flush()
-                elif isinstance(item, IdleProgress):
-                    if len(self.batcher):
-                        self._flush()
-                    self._record_idle(item.lsn, now)
-                elif isinstance(item, Quiet):
-                    self._record_pending_idle(now)
-                if self.batcher.due(now):
-                    self._flush()
-                if now - self._control_at >= self.control_every:
-                    self._control(now)
-                if (not self.enabled or self.keeper.lost.is_set()
-                        or WORKER_STOPPING.is_set()):
-                    break
+            self._read(self.consumer.items(deadline, quiet=True), turn=False)
             if len(self.batcher) and not self.keeper.lost.is_set():
                 self._flush()
         except _Stop as stop:
@@ -577,6 +557,54 @@ class _StreamRun:
         if not self.enabled:
             return CycleOutcome("stopped", "disabled", self.batches, self.changes)
         return CycleOutcome("done", "", self.batches, self.changes)
+
+    def _read(self, items: Iterable[ConsumerItem], *,
+              turn: bool, behind_at: int = 0) -> bool:
+        """The item loop of both a consume cycle (:meth:`stream`) and a scheduler's turn
+        (:meth:`_turn`); whether a transaction of ours came. Transactions are batched
+        (a marker dealt with first), a full batch applied — in a turn, left merging
+        behind the reading (``behind_at`` changes close it sooner); an idle position is
+        recorded once what came before is applied. A turn ends at the first sign that
+        the slot is read (IdleProgress, Quiet: ``drained``); a cycle streams on, applying
+        a batch when it falls due and re-reading its subscription every
+        ``control_every``, until disabled. Both stop when the lock is lost or the worker
+        stops."""
+        worked = False
+        for item in items:
+            now = time.monotonic()
+            if isinstance(item, Transaction):
+                worked = True
+                self._idle_pending = None
+                if len(item.changes) == 1 and self._at_marker(item):
+                    continue
+                self.batcher.add(item, now)
+                fault_point("cycle.decoded")
+                if self.batcher.full or (behind_at and self.batcher.changes >= self._close_at):
+                    self._flush(behind_ok=turn)
+                if turn:
+                    continue
+            elif isinstance(item, IdleProgress):
+                if len(self.batcher):
+                    self._flush()
+                self._record_idle(item.lsn, now)
+                if turn:
+                    self.drained = True
+                    break
+            elif isinstance(item, Quiet):
+                if turn:  # the window is read: the turn is over
+                    self.drained = True
+                    break
+                self._record_pending_idle(now)
+            if not turn:
+                if self.batcher.due(now):
+                    self._flush()
+                if now - self._control_at >= self.control_every:
+                    self._control(now)
+                if not self.enabled:
+                    break
+            if self.keeper.lost.is_set() or WORKER_STOPPING.is_set():
+                break
+        return worked
 
     def turn(self, deadline: float) -> bool:
         """One turn of a scheduler holding many subscriptions: read at most one window
@@ -610,7 +638,6 @@ class _StreamRun:
             self._control(now)
         if not self.enabled:
             raise _Stop(CycleOutcome("stopped", "disabled", self.batches, self.changes))
-        worked = False
         self.drained = False
         behind_at = self.cycle.settings.merge_behind_changes
         self._close_at = behind_at if self._behind is None else self._behind.batch_changes(
@@ -620,30 +647,7 @@ class _StreamRun:
                 else contextlib.closing(self.consumer.items(deadline, quiet=True)))
         try:
             with read as items:
-                for item in items:
-                    now = time.monotonic()
-                    if isinstance(item, Transaction):
-                        worked = True
-                        self._idle_pending = None
-                        if len(item.changes) == 1 and self._at_marker(item):
-                            continue
-                        self.batcher.add(item, now)
-                        fault_point("cycle.decoded")
-                        if self.batcher.full or (
-                                behind_at and self.batcher.changes >= self._close_at):
-                            self._flush(behind_ok=True)
-                        continue
-                    if isinstance(item, IdleProgress):
-                        if len(self.batcher):
-                            self._flush()
-                        self._record_idle(item.lsn, now)
-                        self.drained = True
-                        break
-                    if isinstance(item, Quiet):  # the window is read: the turn is over
-                        self.drained = True
-                        break
-                    if self.keeper.lost.is_set() or WORKER_STOPPING.is_set():
-                        break
+                worked = self._read(items, turn=True, behind_at=behind_at)
             stopping = self.keeper.lost.is_set() or WORKER_STOPPING.is_set()
             if len(self.batcher) and not self.keeper.lost.is_set():
                 # A turn that stopped at its deadline leaves its batch merging behind
