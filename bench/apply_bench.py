@@ -537,7 +537,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
         flush(behind_ok=not done)
 
     while not done:
-        if turns:  # with the collector paused, as a worker's turn is (_StreamRun.turn)
+        if turns:  # with the collector paused, as a worker's turn is (StreamRun.turn)
             with hotpath.gc_paused():
                 one_turn()
         else:

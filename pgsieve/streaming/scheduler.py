@@ -69,7 +69,8 @@ from pgsieve.platform.threadnames import named
 from pgsieve.spark.session import get_spark
 from pgsieve.streaming.allowed import resume_allowed
 from pgsieve.streaming.caughtup import record_caught_up_many
-from pgsieve.streaming.pipeline import ConsumeCycle, CycleOutcome
+from pgsieve.streaming.outcome import CycleOutcome
+from pgsieve.streaming.pipeline import ConsumeCycle
 from pgsieve.streaming.readahead import prestart_read_ahead
 from pgsieve.streaming.turnqueue import QUIET_WAIT_SECONDS, Held, TurnQueue
 from pgsieve.sync import moved

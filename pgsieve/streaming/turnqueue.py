@@ -35,13 +35,8 @@ from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.settings import Settings
 from pgsieve.streaming.appliednotes import ProgressBook, record_applied
 from pgsieve.streaming.caughtup import CaughtUp
-from pgsieve.streaming.pipeline import (
-    WORKER_STOPPING,
-    ConsumeCycle,
-    CycleOutcome,
-    OpenStream,
-    _Stop,
-)
+from pgsieve.streaming.outcome import WORKER_STOPPING, CycleOutcome, Stop
+from pgsieve.streaming.pipeline import ConsumeCycle, OpenStream
 from pgsieve.streaming.pushwaits import PUSH_REARM_FIRST, PushWaits
 from pgsieve.streaming.transports.base import TransportError
 
@@ -270,7 +265,7 @@ class TurnQueue:
                     return
                 worked = held.stream.run.turn(started + self.settings.turn_seconds)
             self._durations.append((started, time.monotonic() - started, worked))
-        except _Stop as stop:
+        except Stop as stop:
             self._drop(held, stop.outcome)
             return
         except Exception as exc:
