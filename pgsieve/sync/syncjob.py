@@ -26,8 +26,14 @@ tablesync: emptied, copied under a fresh slot and snapshot of its own.
 Failing: a job that fails for good (a :class:`SyncError`, or a transient failure
 :data:`MAX_ATTEMPTS` times) records the (scrubbed) error on each of its tables still in
 ``init``/``copy``, as PostgreSQL shows a failed tablesync; past the initial sync the sync
-watchdog starts them again with a growing delay (:func:`retry_delay`), and the error is
-cleared when a table's copy finishes.
+watchdog starts them again with a growing delay (:func:`~.queue.retry_delay`), and the
+error is cleared when a table's copy finishes.
+
+This module is the state machine (:class:`SyncJobRunner`). The phases it hands its
+tables to have modules of their own — the copy (:mod:`.copyphase`), the differential
+resync (:mod:`.diffphase`), a filter change's moved rows (:mod:`.movedphase`), the
+snapshots they read under (:mod:`.jobsnapshots`) — over the run's shared state and lease
+(:mod:`.jobrun`); putting a job in line is :mod:`.queue`'s.
 """
 
 from __future__ import annotations
