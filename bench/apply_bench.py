@@ -58,7 +58,8 @@ from pgsieve.streaming.readahead import (
     prestart_read_ahead,
     read_ahead_or,
 )
-from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.batch import MessageBatch
 from pgsieve.wire.lsn import Lsn
@@ -538,7 +539,7 @@ def consume(mode: str, wl: Workload, src_dsn: str, dsn: str, slot: str, end: Lsn
         flush(behind_ok=not done)
 
     while not done:
-        if turns:  # with the collector paused, as a worker's turn is (_StreamRun.turn)
+        if turns:  # with the collector paused, as a worker's turn is (StreamRun.turn)
             with hotpath.gc_paused():
                 one_turn()
         else:

@@ -34,7 +34,9 @@ import psycopg
 from bench import report as bench_report
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
-from pgsieve.streaming.transports import PgoutputOptions, SqlTransport, WalsenderTransport
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.assembler import Transaction, TransactionAssembler
 from pgsieve.wire.decoder import Decoder
 from pgsieve.wire.lsn import Lsn
@@ -264,7 +266,8 @@ def report(rows: int, nbytes: int, n_changes: int, times: dict[str, list[float]]
 MEMORY_CHILD = """
 import resource, sys, time
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
-from pgsieve.streaming.transports import PgoutputOptions, {transport}
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.{module} import {transport}
 from pgsieve.wire.lsn import Lsn
 dsn, end = sys.argv[1], Lsn.parse(sys.argv[2])
 opts = PgoutputOptions(publication_names=("pm",), proto_version=2, streaming=True)
@@ -304,8 +307,9 @@ def memory_run(cluster: LocalCluster, dsn: str, gb: float) -> None:
         end = str(wait_flushed(conn))
         print(f"\nmemory run: one transaction of {rows:,} rows (~{gb} GB of row data) "
               f"written in {time.perf_counter() - t0:.0f}s")
-    for kind, transport in (("sql", "SqlTransport"), ("wal", "WalsenderTransport")):
-        code = MEMORY_CHILD.format(transport=transport, kind=kind)
+    for kind, module, transport in (("sql", "sql", "SqlTransport"),
+                                    ("wal", "walsender", "WalsenderTransport")):
+        code = MEMORY_CHILD.format(module=module, transport=transport, kind=kind)
         t0 = time.perf_counter()
         out = subprocess.run([sys.executable, "-c", code, dsn, end], check=True,
                              capture_output=True, text=True).stdout.split()

@@ -191,7 +191,7 @@ def tail(
     from pgsieve.platform.credentials import InvalidDsn, parse_dsn
     from pgsieve.platform.settings import get_settings
     from pgsieve.streaming.tail import TailOptions, run_tail
-    from pgsieve.streaming.transports import TransportError
+    from pgsieve.streaming.transports.base import TransportError
     from pgsieve.wire.lsn import InvalidLsn, Lsn
 
     _logging()

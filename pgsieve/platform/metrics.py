@@ -15,7 +15,8 @@ the last bucket being +Inf) written by :func:`record_batch`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -38,6 +39,7 @@ from pgsieve.platform.models import (
     Source,
     SourceSample,
     Subscription,
+    SubscriptionTable,
     WorkerHeartbeat,
     utcnow,
 )
@@ -140,6 +142,130 @@ def _parse_time(text: object) -> datetime | None:
         return None
 
 
+_SUB = ("subscription",)
+_TAB = ("subscription", "table")
+_OPS = ("inserts", "updates", "deletes", "truncates")
+_PATHS = ("driver", "spark")
+
+Family = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
+Sample = tuple[Any, ...]
+"""The arguments of one ``add_metric``: the labels, then the value (a histogram: its
+buckets and sum)."""
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One subscription as its metrics read it."""
+
+    sub: Subscription
+    stats: dict[str, Any]
+    sample: ProgressSample | None
+    """Its newest progress sample (the lag figures)."""
+    beat: datetime | None
+    """Its consumer's last heartbeat."""
+    alive: bool
+    now: datetime
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One metric family: what it is, and its samples for a subscription."""
+
+    kind: type[Family]
+    name: str
+    documentation: str
+    labels: tuple[str, ...]
+    samples: Callable[[_Row], Iterable[Sample]]
+
+    def family(self) -> Family:
+        return self.kind(self.name, self.documentation, labels=list(self.labels))
+
+
+def _one(value: float | None, *labels: str) -> list[Sample]:
+    """A single sample, or none when the value is unknown."""
+    return [] if value is None else [(list(labels), value)]
+
+
+def _histogram(r: _Row, key: str) -> list[Sample]:
+    hist = r.stats.get(key)
+    if not (isinstance(hist, dict) and hist.get("le")):
+        return []
+    return [([r.sub.name], _prom_buckets(hist), float(hist.get("sum", 0.0)))]
+
+
+def _per_table(r: _Row, value: Callable[[SubscriptionTable], float | None]) -> list[Sample]:
+    return [([r.sub.name, t.table_name], float(v)) for t in r.sub.tables
+            if (v := value(t)) is not None]
+
+
+SUBSCRIPTION_METRICS: tuple[_Spec, ...] = (
+    _Spec(GaugeMetricFamily, "pgsieve_subscription_state",
+          "1 for the subscription's current state", (*_SUB, "state"),
+          lambda r: [([r.sub.name, r.sub.state], 1)]),
+    _Spec(GaugeMetricFamily, "pgsieve_subscription_enabled",
+          "1 when the subscription is enabled", _SUB,
+          lambda r: _one(1 if r.sub.enabled else 0, r.sub.name)),
+    _Spec(GaugeMetricFamily, "pgsieve_subscription_lag_bytes",
+          "WAL bytes the target has not caught up with (0 when the slot has nothing left to "
+          "send)", _SUB,
+          lambda r: _one(None if r.sample is None else r.sample.lag_bytes, r.sub.name)),
+    _Spec(GaugeMetricFamily, "pgsieve_subscription_lag_seconds",
+          "seconds since the oldest unapplied commit (0 when caught up)", _SUB,
+          lambda r: _one(None if r.sample is None else r.sample.lag_seconds, r.sub.name)),
+    _Spec(GaugeMetricFamily, "pgsieve_subscription_progress_sample_age_seconds",
+          "age of the progress sample the lag figures come from", _SUB,
+          lambda r: _one(None if r.sample is None else _age(r.now, r.sample.sampled_at) or 0.0,
+                         r.sub.name)),
+    _Spec(GaugeMetricFamily, "pgsieve_subscription_applied_lsn_bytes",
+          "applied LSN as a byte position", _SUB,
+          lambda r: _one(r.sub.applied_lsn, r.sub.name)),
+    _Spec(CounterMetricFamily, "pgsieve_subscription_applied_changes",
+          "changes applied to the target", _SUB,
+          lambda r: _one(float(r.stats.get("changes", 0)), r.sub.name)),
+    _Spec(CounterMetricFamily, "pgsieve_subscription_applied_batches",
+          "batches applied to the target", _SUB,
+          lambda r: _one(float(r.stats.get("batches", 0)), r.sub.name)),
+    _Spec(CounterMetricFamily, "pgsieve_apply_batches",
+          "batches applied, by where their plan and staging ran (the driver, or Spark tasks: "
+          "PGSIEVE_SPARK_APPLY_MIN_CHANGES)", ("subscription", "path"),
+          lambda r: [([r.sub.name, path], float((r.stats.get("apply_paths") or {}).get(path, 0)))
+                     for path in _PATHS]),
+    _Spec(HistogramMetricFamily, "pgsieve_subscription_batch_apply_seconds",
+          "time to apply one batch to the target", _SUB,
+          lambda r: _histogram(r, APPLY_SECONDS_KEY)),
+    _Spec(HistogramMetricFamily, "pgsieve_subscription_batch_changes",
+          "changes per applied batch", _SUB,
+          lambda r: _histogram(r, BATCH_CHANGES_KEY)),
+    _Spec(GaugeMetricFamily, "pgsieve_consumer_alive",
+          "1 while a consumer holds the subscription's lock with a fresh heartbeat", _SUB,
+          lambda r: _one(1 if r.alive else 0, r.sub.name)),
+    _Spec(GaugeMetricFamily, "pgsieve_consumer_heartbeat_age_seconds",
+          "seconds since the consumer's last heartbeat", _SUB,
+          lambda r: _one(None if r.beat is None else _age(r.now, r.beat) or 0.0, r.sub.name)),
+    _Spec(CounterMetricFamily, "pgsieve_table_applied_changes",
+          "changes applied per table and operation", (*_TAB, "op"),
+          lambda r: [([r.sub.name, t.table_name, op[:-1]], float(getattr(t, op)))
+                     for t in r.sub.tables for op in _OPS]),
+    _Spec(CounterMetricFamily, "pgsieve_table_conflicts",
+          "conflicts met while applying, per table", _TAB,
+          lambda r: _per_table(r, lambda t: t.conflicts)),
+    _Spec(CounterMetricFamily, "pgsieve_table_missing_rows_skipped",
+          "UPDATEs/DELETEs skipped because the target row was missing (on_conflict native, "
+          "as PostgreSQL's subscriber does), per table", _TAB,
+          lambda r: _per_table(r, lambda t: t.missing_skipped)),
+    _Spec(GaugeMetricFamily, "pgsieve_sync_rows_copied",
+          "rows copied by the table's initial sync", _TAB,
+          lambda r: _per_table(r, lambda t: t.rows_copied)),
+    _Spec(GaugeMetricFamily, "pgsieve_sync_rows_total",
+          "rows the table's initial sync expects to copy", _TAB,
+          lambda r: _per_table(r, lambda t: t.rows_total)),
+    _Spec(GaugeMetricFamily, "pgsieve_table_sync_state",
+          "1 for the table's current sync state", (*_TAB, "state"),
+          lambda r: [([r.sub.name, t.table_name, t.sync_state], 1) for t in r.sub.tables]),
+)
+"""The per-subscription metrics, in the order ``/metrics`` shows them."""
+
+
 class MetadataCollector(Collector):
     """Reads the metadata store at scrape time (see the module docstring)."""
 
@@ -156,57 +282,7 @@ class MetadataCollector(Collector):
 
     def _subscriptions(self, session: Session) -> Iterator[Metric]:
         now = utcnow()
-        sub_l, tab_l = ["subscription"], ["subscription", "table"]
-        state = GaugeMetricFamily("pgsieve_subscription_state",
-                                  "1 for the subscription's current state",
-                                  labels=[*sub_l, "state"])
-        enabled = GaugeMetricFamily("pgsieve_subscription_enabled",
-                                    "1 when the subscription is enabled", labels=sub_l)
-        lag_b = GaugeMetricFamily("pgsieve_subscription_lag_bytes",
-                                  "WAL bytes the target has not caught up with (0 when the slot "
-                                  "has nothing left to send)", labels=sub_l)
-        lag_s = GaugeMetricFamily("pgsieve_subscription_lag_seconds",
-                                  "seconds since the oldest unapplied commit (0 when caught up)",
-                                  labels=sub_l)
-        sample_age = GaugeMetricFamily("pgsieve_subscription_progress_sample_age_seconds",
-                                       "age of the progress sample the lag figures come from",
-                                       labels=sub_l)
-        applied = GaugeMetricFamily("pgsieve_subscription_applied_lsn_bytes",
-                                    "applied LSN as a byte position", labels=sub_l)
-        changes = CounterMetricFamily("pgsieve_subscription_applied_changes",
-                                      "changes applied to the target", labels=sub_l)
-        batches = CounterMetricFamily("pgsieve_subscription_applied_batches",
-                                      "batches applied to the target", labels=sub_l)
-        paths = CounterMetricFamily(
-            "pgsieve_apply_batches", "batches applied, by where their plan and staging ran "
-            "(the driver, or Spark tasks: PGSIEVE_SPARK_APPLY_MIN_CHANGES)",
-            labels=["subscription", "path"])
-        apply_h = HistogramMetricFamily("pgsieve_subscription_batch_apply_seconds",
-                                        "time to apply one batch to the target", labels=sub_l)
-        size_h = HistogramMetricFamily("pgsieve_subscription_batch_changes",
-                                       "changes per applied batch", labels=sub_l)
-        alive = GaugeMetricFamily("pgsieve_consumer_alive",
-                                  "1 while a consumer holds the subscription's lock with a fresh "
-                                  "heartbeat", labels=sub_l)
-        hb_age = GaugeMetricFamily("pgsieve_consumer_heartbeat_age_seconds",
-                                   "seconds since the consumer's last heartbeat", labels=sub_l)
-        table_changes = CounterMetricFamily("pgsieve_table_applied_changes",
-                                            "changes applied per table and operation",
-                                            labels=[*tab_l, "op"])
-        conflicts = CounterMetricFamily("pgsieve_table_conflicts",
-                                        "conflicts met while applying, per table", labels=tab_l)
-        missing = CounterMetricFamily(
-            "pgsieve_table_missing_rows_skipped",
-            "UPDATEs/DELETEs skipped because the target row was missing (on_conflict native, "
-            "as PostgreSQL's subscriber does), per table", labels=tab_l)
-        copied = GaugeMetricFamily("pgsieve_sync_rows_copied",
-                                   "rows copied by the table's initial sync", labels=tab_l)
-        total = GaugeMetricFamily("pgsieve_sync_rows_total",
-                                  "rows the table's initial sync expects to copy", labels=tab_l)
-        sync_state = GaugeMetricFamily("pgsieve_table_sync_state",
-                                       "1 for the table's current sync state",
-                                       labels=[*tab_l, "state"])
-
+        families = [spec.family() for spec in SUBSCRIPTION_METRICS]
         latest = (
             select(ProgressSample.subscription_id, func.max(ProgressSample.id).label("id"))
             .group_by(ProgressSample.subscription_id).subquery()
@@ -218,52 +294,26 @@ class MetadataCollector(Collector):
         spark_seen: list[tuple[datetime | None, int]] = []
         """(when, executors) of each subscription's last batch staged by Spark tasks"""
         for sub in session.scalars(select(Subscription).order_by(Subscription.name)):
-            name = [sub.name]
-            state.add_metric([sub.name, sub.state], 1)
-            enabled.add_metric(name, 1 if sub.enabled else 0)
-            sample = samples.get(sub.id)
-            if sample is not None:
-                if sample.lag_bytes is not None:
-                    lag_b.add_metric(name, sample.lag_bytes)
-                if sample.lag_seconds is not None:
-                    lag_s.add_metric(name, sample.lag_seconds)
-                sample_age.add_metric(name, _age(now, sample.sampled_at) or 0.0)
-            if sub.applied_lsn is not None:
-                applied.add_metric(name, sub.applied_lsn)
-            stats = sub.stats or {}
-            changes.add_metric(name, float(stats.get("changes", 0)))
-            batches.add_metric(name, float(stats.get("batches", 0)))
-            by_path = stats.get("apply_paths") or {}
-            apply_failures += int(stats.get("spark_task_failures", 0))
-            spark_batch = (stats.get("last_batch") or {}).get("spark") or {}
-            if spark_batch:
-                spark_seen.append((_parse_time(stats["last_batch"].get("applied_at")),
-                                   int(spark_batch.get("executors", 0))))
-            for path in ("driver", "spark"):
-                paths.add_metric([sub.name, path], float(by_path.get(path, 0)))
-            for family, key in ((apply_h, APPLY_SECONDS_KEY), (size_h, BATCH_CHANGES_KEY)):
-                hist = stats.get(key)
-                if isinstance(hist, dict) and hist.get("le"):
-                    family.add_metric(name, _prom_buckets(hist), float(hist.get("sum", 0.0)))
             lock = locks.get(sub.id)
             beat = lock.heartbeat_at if lock is not None else None
-            alive.add_metric(name, 1 if consumer_alive(beat, now, self.lease) else 0)
-            if beat is not None:
-                hb_age.add_metric(name, _age(now, beat) or 0.0)
-            for table in sub.tables:
-                labels = [sub.name, table.table_name]
-                for op in ("inserts", "updates", "deletes", "truncates"):
-                    table_changes.add_metric([*labels, op[:-1]], float(getattr(table, op)))
-                conflicts.add_metric(labels, float(table.conflicts))
-                missing.add_metric(labels, float(table.missing_skipped))
-                copied.add_metric(labels, float(table.rows_copied))
-                if table.rows_total is not None:
-                    total.add_metric(labels, float(table.rows_total))
-                sync_state.add_metric([*labels, table.sync_state], 1)
-        yield from (state, enabled, lag_b, lag_s, sample_age, applied, changes, batches,
-                    paths, apply_h, size_h, alive, hb_age, table_changes, conflicts, missing,
-                    copied, total, sync_state)
+            row = _Row(sub, sub.stats or {}, samples.get(sub.id), beat,
+                       consumer_alive(beat, now, self.lease), now)
+            for spec, family in zip(SUBSCRIPTION_METRICS, families, strict=True):
+                for sample in spec.samples(row):
+                    family.add_metric(*sample)
+            apply_failures += int(row.stats.get("spark_task_failures", 0))
+            spark_batch = (row.stats.get("last_batch") or {}).get("spark") or {}
+            if spark_batch:
+                spark_seen.append((_parse_time(row.stats["last_batch"].get("applied_at")),
+                                   int(spark_batch.get("executors", 0))))
+        yield from families
+        yield from self._spark(session, apply_failures, spark_seen)
+        yield self._jobs(session)
 
+    def _spark(self, session: Session, apply_failures: int,
+               spark_seen: list[tuple[datetime | None, int]]) -> Iterator[Metric]:
+        """Spark's task failures (sync jobs' and apply batches') and the executors its
+        newest job saw."""
         failures = CounterMetricFamily(
             "pgsieve_spark_task_failures", "Spark tasks that failed (and were retried or "
             "failed their job), by what they ran for: a sync job or an apply batch",
@@ -288,13 +338,14 @@ class MetadataCollector(Collector):
         yield failures
         yield executors
 
+    def _jobs(self, session: Session) -> Metric:
         jobs = GaugeMetricFamily("pgsieve_jobs", "jobs by kind and state",
                                  labels=["kind", "state"])
         for kind, job_state, count in session.execute(
             select(Job.kind, Job.state, func.count()).group_by(Job.kind, Job.state)
         ):
             jobs.add_metric([kind, job_state], count)
-        yield jobs
+        return jobs
 
     def _sources(self, session: Session) -> Iterator[Metric]:
         now = utcnow()

@@ -45,7 +45,8 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
-from pgsieve.streaming.transports import PgoutputOptions, SqlTransport, max_proto_version
+from pgsieve.streaming.transports.base import PgoutputOptions, max_proto_version
+from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.sync.tablesync import drop_sync_slot, resync_later
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn

@@ -20,7 +20,7 @@ import os
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
-from pgsieve.streaming.transports import Transport
+from pgsieve.streaming.transports.base import Transport
 from pgsieve.wire.assembler import (
     DEFAULT_MEMORY_LIMIT,
     Item,

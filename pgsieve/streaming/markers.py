@@ -34,7 +34,7 @@ from pgsieve.platform.models import Job, Subscription, new_id, utcnow
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JOB_ENDED, JobState, SyncState
 from pgsieve.sync import moved, parked_merge
-from pgsieve.sync.syncjob import add_sync_job
+from pgsieve.sync.queue import add_sync_job
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.splitter import lone_logical_message
 

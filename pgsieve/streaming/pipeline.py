@@ -11,11 +11,14 @@ applied batch (not the slot's position, which may lag after a crash), skips what
 slot re-sends (``SlotConsumer``), and confirms a batch to the slot only after its target
 transaction committed. Killing the process at any point therefore loses nothing and
 applies nothing twice.
+
+The stream at work (reading, batching, markers, idle positions) is
+:class:`~.streamrun.StreamRun`; applying its batches :mod:`.batchapply`; how a cycle or a
+turn ends :mod:`.outcome`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -24,41 +27,25 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import psycopg
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from pgsieve.apply import hotpath
 from pgsieve.apply.batch import (
     DEFAULT_CONFLICT_POLICY,
-    ApplyBatch,
-    ApplyConflict,
-    ApplyFenced,
-    ApplyResult,
-    RoutesChanged,
     TableRoute,
-    TableStopped,
 )
-from pgsieve.apply.batcher import BatchLimits, MicroBatcher
-from pgsieve.apply.engine import apply_batch
-from pgsieve.apply.mergebehind import MergeBehind, MergedBehind, MergesFailed
-from pgsieve.apply.planner import planner_unavailable
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.connpolicy import (
     ConnectionNotAllowed,
-    Purpose,
-    policy_in_force,
-    secure_conninfo,
 )
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import lock_rows, locked, session_factory
 from pgsieve.platform.dsn import load_dsn
-from pgsieve.platform.errors import describe_error
-from pgsieve.platform.faults import fault_point
 from pgsieve.platform.locks import AdvisoryLocks, LockKeeper, release, try_acquire
 from pgsieve.platform.models import (
     ConsumerLock,
@@ -69,89 +56,31 @@ from pgsieve.platform.models import (
     utcnow,
 )
 from pgsieve.platform.settings import Settings
-from pgsieve.platform.spread import spread
 from pgsieve.platform.states import SubscriptionState, SyncState
-from pgsieve.streaming.allowed import record_refused, refusal
+from pgsieve.streaming.allowed import record_refused
 from pgsieve.streaming.appliednotes import (
-    AppliedProgress,
-    ImageTrims,
-    ProgressBook,
-    record_applied,
     unquoted,
 )
 from pgsieve.streaming.catchup import catch_up
-from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
-from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
-from pgsieve.streaming.markers import Reached, marker_for, reach_marker
+from pgsieve.streaming.consumer import SlotConsumer
+from pgsieve.streaming.outcome import CycleOutcome, LeaseHolder
 from pgsieve.streaming.readahead import read_ahead_or
-from pgsieve.streaming.transports import (
+from pgsieve.streaming.streamrun import CONTROL_EVERY, StreamRun
+from pgsieve.streaming.transports.base import (
     PgoutputOptions,
-    SqlTransport,
     Transport,
     TransportError,
-    WalsenderTransport,
     max_proto_version,
 )
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.streaming.turnreader import TurnReader, first_transport
-from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
 
 CYCLE_SECONDS = 60.0
 """How long one consume cycle streams before it re-enqueues itself."""
-CONTROL_EVERY = 1.0
-"""How often a cycle re-reads its subscription (disabled? deleted?) and table states."""
-SOURCE_LSN_EVERY = 2.0
-IDLE_RECORD_EVERY = 5.0
-CONTROL_SAFETY_EVERY = 30.0
-"""A scheduler's stream re-reads its subscription at least this often (see
-``_StreamRun.control_on_request``; each period drawn between half of it and all of it, so
-that a worker's streams do not re-read together: :mod:`pgsieve.platform.spread`)."""
-ROUTES_RETRIES = 3
-"""A batch refused for routes older than a sync job's fence is applied again under the
-routes read then, this many times before the last try's error stands (each fence moves
-the epoch once: more than one in a row means resyncs starting back to back)."""
-MARKER_RETRY_SECONDS = 1.0
-"""A stream stopped before a reconciliation marker whose rows are not staged yet is
-taken up again this soon."""
-SHOW_PENDING_CHANGES = 5_000
-"""A batch this big records what it holds before it applies (see _before_apply)."""
-"""How often an idle position is recorded at the target and confirmed (WAL release)."""
-
-WORKER_STOPPING = threading.Event()
-"""Set when this process's Celery worker begins a warm shutdown: running cycles apply what
-they hold, end early and re-enqueue themselves, so a drain never waits out a cycle."""
-
-Outcome = Literal["done", "not_running", "locked", "stopped", "error", "retry"]
-
-
-@dataclass
-class CycleOutcome:
-    outcome: Outcome
-    detail: str = ""
-    batches: int = 0
-    changes: int = 0
-    retry_after: float | None = None
-    """A retry sooner than the default (a stream waiting at a reconciliation marker)."""
-
-    @property
-    def requeue(self) -> bool:
-        return self.outcome in ("done", "retry")
-
-    @property
-    def delay(self) -> float:
-        if self.outcome != "retry":
-            return 0.0
-        return 5.0 if self.retry_after is None else self.retry_after
-
-
-class LeaseHolder(Protocol):
-    """What a stream needs of whoever keeps its lease: :attr:`lost` is set once the lease
-    is (or may be) someone else's, and nothing may be applied after that."""
-
-    @property
-    def lost(self) -> threading.Event: ...
 
 
 @dataclass
@@ -160,7 +89,7 @@ class OpenStream:
     through its consumer's transport)."""
 
     writer: Any
-    run: _StreamRun
+    run: StreamRun
 
     @property
     def transport(self) -> Transport:
@@ -348,7 +277,7 @@ class ConsumeCycle:
                                 spill_dir=self._spill_dir())
         reader = None if window_bytes is None else TurnReader(
             consumer, kind, make, max_push_backlog=self.settings.push_max_backlog_bytes)
-        run = _StreamRun(self, consumer, writer, source_dsn, options, keeper,
+        run = StreamRun(self, consumer, writer, source_dsn, options, keeper,
                          control_every=control_every, source_lsn=source_lsn, reader=reader)
         return OpenStream(writer, run)
 
@@ -487,673 +416,6 @@ class ConsumeCycle:
                 session.commit()
         return CycleOutcome("error", detail)
 
-
-class _StreamRun:
-    """The streaming loop of one cycle (state that lives only while it streams)."""
-
-    def __init__(self, cycle: ConsumeCycle, consumer: SlotConsumer, writer: Any,
-                 source_dsn: str, options: dict[str, Any], keeper: LeaseHolder, *,
-                 control_every: float = CONTROL_EVERY,
-                 source_lsn: Callable[[], Lsn | None] | None = None,
-                 reader: TurnReader | None = None) -> None:
-        self.cycle = cycle
-        self.reader = reader
-        self.control_every = control_every
-        self._read_source_lsn = source_lsn
-        self.consumer = consumer
-        self.writer = writer
-        self.source_dsn = source_dsn
-        self.keeper = keeper
-        self.batcher = MicroBatcher(BatchLimits.bounded(
-            max_changes=int(options.get("batch_max_changes", 200_000)),
-            max_bytes=int(options.get("batch_max_bytes", 128 << 20)),
-            max_wait=int(options.get("batch_max_wait_ms", 500)) / 1000.0,
-        ))
-        self.routes_epoch = writer.read_routes_epoch()  # (before the routes: see _control)
-        self.routes, self.enabled, self.on_conflict, self.skip_lsn, _ = cycle.load_routes()
-        self.batches = 0
-        self.changes = 0
-        self._control_at = time.monotonic()
-        self._control_safety = spread(CONTROL_SAFETY_EVERY)
-        self._source_lsn_at = 0.0
-        self._idle_recorded_at = 0.0
-        self._idle_every = spread(IDLE_RECORD_EVERY)
-        self._idle_pending: Lsn | None = None
-        self._noted_at = 0.0
-        self._source_lsn: Lsn | None = None
-        self._last_apply_seconds = 0.0
-        self._image_trims = ImageTrims()
-        self._showing_pending = False
-        self.progress_book: ProgressBook | None = None
-        """Where applied batches are counted instead of a metadata commit each (a
-        scheduler writes them in its heartbeat)."""
-        self.drained = False
-        """The last turn ended because nothing more had arrived (not at its deadline)."""
-        self.note_sink: Callable[[CaughtUp], None] | None = None
-        """Where caught-up notes go instead of a metadata commit each (a scheduler)."""
-        self.control_on_request = False
-        """Re-read the subscription when :meth:`request_control` says it changed (a
-        scheduler watches every subscription it holds in one query per heartbeat), and
-        every ``CONTROL_SAFETY_EVERY`` anyway, instead of every ``control_every``."""
-        self._control_requested = False
-        self._close_at = 0
-        """Changes at which a turn's batch closes to merge behind the reading."""
-        self._behind: MergeBehind | None = None
-        """Merges of a backlog's batches running behind the turn's reading (created by
-        the first such batch, let go of once the stream caught up)."""
-
-    def stream(self, deadline: float) -> CycleOutcome:
-        try:
-            for item in self.consumer.items(deadline, quiet=True):
-                now = time.monotonic()
-                if isinstance(item, Transaction):
-                    self._idle_pending = None
-                    if len(item.changes) == 1 and self._at_marker(item):
-                        continue
-                    self.batcher.add(item, now)
-                    fault_point("cycle.decoded")
-                    if self.batcher.full:
-                        self._flush()
-                elif isinstance(item, IdleProgress):
-                    if len(self.batcher):
-                        self._flush()
-                    self._record_idle(item.lsn, now)
-                elif isinstance(item, Quiet):
-                    self._record_pending_idle(now)
-                if self.batcher.due(now):
-                    self._flush()
-                if now - self._control_at >= self.control_every:
-                    self._control(now)
-                if (not self.enabled or self.keeper.lost.is_set()
-                        or WORKER_STOPPING.is_set()):
-                    break
-            if len(self.batcher) and not self.keeper.lost.is_set():
-                self._flush()
-        except _Stop as stop:
-            return stop.outcome
-        finally:
-            for txn in self.batcher.take():
-                txn.close()
-        if self.keeper.lost.is_set():
-            return CycleOutcome("stopped", "lost the consumer lock", self.batches, self.changes)
-        if not self.enabled:
-            return CycleOutcome("stopped", "disabled", self.batches, self.changes)
-        return CycleOutcome("done", "", self.batches, self.changes)
-
-    def turn(self, deadline: float) -> bool:
-        """One turn of a scheduler holding many subscriptions: read at most one window
-        of the slot (the transport's ``window_bytes``; the read stops at ``deadline``),
-        apply what it held in one batch and confirm it. Returns whether anything of ours
-        was in it (work waits behind: take another turn soon). Raises :class:`_Stop`
-        when the subscription must be let go (error, disabled, lease lost).
-
-        The cyclic collector is paused for the turn (:func:`.hotpath.gc_paused`): a turn
-        reading a backlog holds every transaction it read until its batch is applied,
-        and the collector's passes over them were a sixth of a one-row backlog's Python
-        time (ADR 0017). A turn longer than the pauses' bound
-        (``PGSIEVE_TURN_SECONDS`` raised past it) runs with the collector on.
-
-        The stream's sessions stay open between turns: the connection policy is checked
-        again before each (a name now resolving elsewhere, a tightened allow-list), and
-        :class:`ConnectionNotAllowed` ends it (:mod:`.allowed`)."""
-        refused = refusal(self.source_dsn, self.writer.dsn, policy_in_force())
-        if refused is not None:
-            raise refused
-        if deadline - time.monotonic() > hotpath.PAUSE_LIMIT_SECONDS:
-            return self._turn(deadline)
-        with hotpath.gc_paused():
-            return self._turn(deadline)
-
-    def _turn(self, deadline: float) -> bool:
-        now = time.monotonic()
-        every = self._control_safety if self.control_on_request else self.control_every
-        if self._control_requested or now - self._control_at >= every:
-            self._control_requested = False
-            self._control(now)
-        if not self.enabled:
-            raise _Stop(CycleOutcome("stopped", "disabled", self.batches, self.changes))
-        worked = False
-        self.drained = False
-        behind_at = self.cycle.settings.merge_behind_changes
-        self._close_at = behind_at if self._behind is None else self._behind.batch_changes(
-            behind_at, self.batcher.limits.max_changes)
-        reader = self.reader
-        read = (reader.turn_items(deadline) if reader is not None
-                else contextlib.closing(self.consumer.items(deadline, quiet=True)))
-        try:
-            with read as items:
-                for item in items:
-                    now = time.monotonic()
-                    if isinstance(item, Transaction):
-                        worked = True
-                        self._idle_pending = None
-                        if len(item.changes) == 1 and self._at_marker(item):
-                            continue
-                        self.batcher.add(item, now)
-                        fault_point("cycle.decoded")
-                        if self.batcher.full or (
-                                behind_at and self.batcher.changes >= self._close_at):
-                            self._flush(behind_ok=True)
-                        continue
-                    if isinstance(item, IdleProgress):
-                        if len(self.batcher):
-                            self._flush()
-                        self._record_idle(item.lsn, now)
-                        self.drained = True
-                        break
-                    if isinstance(item, Quiet):  # the window is read: the turn is over
-                        self.drained = True
-                        break
-                    if self.keeper.lost.is_set() or WORKER_STOPPING.is_set():
-                        break
-            stopping = self.keeper.lost.is_set() or WORKER_STOPPING.is_set()
-            if len(self.batcher) and not self.keeper.lost.is_set():
-                # A turn that stopped at its deadline leaves its batch merging behind
-                # while the next turn reads; one that read everything commits it now.
-                self._flush(behind_ok=not (self.drained or stopping))
-            if self.drained or stopping:
-                self._settle_merges()
-                self.close_merges()  # (its thread and second connection: a caught-up
-                # stream holds none)
-        finally:
-            for txn in self.batcher.take():
-                txn.close()
-        if self.keeper.lost.is_set():
-            raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
-                                     self.changes))
-        if not worked:
-            self._record_pending_idle(time.monotonic())
-        if reader is not None:
-            reader.after_turn(self._current_source_lsn(time.monotonic()))
-        return worked
-
-    def _at_marker(self, txn: Transaction) -> bool:
-        """A filter change's marker for this subscription (:mod:`.markers`): what came
-        before is applied first; True when the marker was dealt with here (applied, or
-        applied before), False when it goes on as an ordinary transaction. Raises
-        :class:`_Stop` (retry soon) while its corrections are not staged."""
-        marker = marker_for(txn, self.cycle.subscription_id)
-        if marker is None:
-            return False
-        if len(self.batcher):
-            self._flush()
-        self._settle_merges()
-        if self.keeper.lost.is_set():
-            raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
-                                     self.changes))
-        result = reach_marker(self.cycle.sessions, self.cycle.settings,
-                              self.cycle.subscription_id, self.writer, txn, marker)
-        if result.reached is Reached.WAITING:
-            txn.close()
-            raise _Stop(CycleOutcome("retry", result.detail, self.batches, self.changes,
-                                     retry_after=result.retry_after or MARKER_RETRY_SECONDS))
-        if result.reached is Reached.APPLIED:
-            fault_point("cycle.after_commit")
-            self.consumer.confirm(txn.end_lsn)
-            txn.close()
-            return True
-        self._control(time.monotonic())  # a fall-back took tables out of the stream
-        return False
-
-    # -- between batches ---------------------------------------------------------------
-    def request_control(self) -> None:
-        """The subscription or its tables changed: re-read them before the next turn."""
-        self._control_requested = True
-
-    def _control(self, now: float) -> None:
-        self._control_at = now
-        self._control_safety = spread(CONTROL_SAFETY_EVERY)  # (pgsieve.platform.spread)
-        # The target's routes epoch first, then the routes: a sync job commits a table's
-        # leaving the stream before it moves the epoch (apply.target.fence_routes), so
-        # routes read after an epoch are never older than it; batches carry the epoch and
-        # the merge refuses one whose epoch moved (RoutesChanged).
-        epoch = self.writer.read_routes_epoch()
-        routes, enabled, on_conflict, skip_lsn, catchup = self.cycle.load_routes()
-        self.routes_epoch = epoch
-        # A table waiting for its catch-up is looked at again every turn until done.
-        self._control_requested = self._control_requested or catchup
-        self.enabled, self.on_conflict, self.skip_lsn = enabled, on_conflict, skip_lsn
-        if catchup and not len(self.batcher):
-            self._settle_merges()
-            self.cycle._catch_up_tables(self.writer.applied_lsn())
-            routes = self.cycle.load_routes()[0]
-        changed = routes != self.routes
-        if changed:  # (merges in flight carry the old routes: done before anyone is told)
-            self._settle_merges()
-            # A table's catch-up may have handed its marks over (catchup.hand_over_marks).
-            self.writer.fetch_marks.invalidate()
-        self.routes = routes
-
-    def _current_source_lsn(self, now: float) -> Lsn | None:
-        if self._read_source_lsn is not None:
-            return self._read_source_lsn()
-        if now - self._source_lsn_at >= SOURCE_LSN_EVERY:
-            self._source_lsn_at = now
-            try:
-                settings = self.cycle.settings
-                conninfo = secure_conninfo(self.source_dsn, purpose=Purpose.CONTROL,
-                                           statement_timeout_ms=settings.statement_timeout_ms)
-                with psycopg.connect(conninfo, autocommit=True,
-                                     connect_timeout=settings.connect_timeout) as c:
-                    row = c.execute("SELECT pg_current_wal_lsn()::text").fetchone()
-                    self._source_lsn = Lsn.parse(row[0]) if row else self._source_lsn
-            except psycopg.Error as exc:
-                log.debug("cannot read the source's WAL position: %s", exc)
-        return self._source_lsn
-
-    def _record_idle(self, lsn: Lsn, now: float) -> None:
-        """Nothing is pending: record the idle position at the target, confirm it (so the
-        slot releases WAL), and show lag 0."""
-        if now - self._idle_recorded_at < self._idle_every:
-            # Kept, and recorded by a later turn once the period is over: on a quiet
-            # source this may be the last position the walsender sends for a long time
-            # (a client that answers is not pinged), and dropping it left the target's
-            # position — and the lag in bytes — behind the source for good.
-            self._idle_pending = lsn
-            # (A scheduler's stream notes it with each recorded idle position only: its
-            # notes are written together, and hundreds of them cost the heartbeat.)
-            if self.note_sink is None and now - self._noted_at >= self.control_every:
-                self._note_caught_up(now, None)
-            return
-        self._idle_pending = None
-        self._idle_recorded_at = now
-        self._idle_every = spread(IDLE_RECORD_EVERY)
-        if self.keeper.lost.is_set():
-            return
-        self._settle_merges()
-        self.writer.record_idle(lsn)
-        self.consumer.confirm(lsn)
-        self._note_caught_up(now, lsn)
-
-    def _record_pending_idle(self, now: float) -> None:
-        """An idle position held back by the period (see :meth:`_record_idle`), recorded
-        once the period is over, if nothing arrived since."""
-        pending = self._idle_pending
-        if (pending is not None and not len(self.batcher)
-                and now - self._idle_recorded_at >= self._idle_every):
-            self._record_idle(pending, now)
-
-    def _note_caught_up(self, now: float, lsn: Lsn | None) -> None:
-        self._noted_at = now
-        note = CaughtUp(self.cycle.subscription_id, lsn, self.consumer.stats.last_received,
-                        self._current_source_lsn(now))
-        if self.note_sink is not None:  # a scheduler writes them all in one transaction
-            self.note_sink(note)
-            return
-        with self.cycle.sessions() as session:
-            record_caught_up(session, note)
-            session.commit()
-
-    # -- applying ------------------------------------------------------------------------
-    def _flush(self, *, behind_ok: bool = False) -> None:
-        """Apply the batcher's transactions as one batch: at once, or — a backlog's big
-        batch in a turn that reads on (``behind_ok``) — merging behind the reading."""
-        txns = self.batcher.take()
-        if not txns:
-            return
-        if self.keeper.lost.is_set():
-            for txn in txns:
-                txn.close()
-            raise _Stop(CycleOutcome("stopped", "lost the consumer lock", self.batches,
-                                     self.changes))
-        batch = ApplyBatch(
-            subscription_id=self.cycle.subscription_id,
-            transactions=txns,
-            routes=self.routes,
-            on_conflict=self.on_conflict,  # type: ignore[arg-type]
-            skip_lsn=self.skip_lsn,
-            routes_epoch=self.routes_epoch,
-        )
-        if behind_ok and self.cycle.settings.merge_behind_changes:
-            self._merge_behind(batch)
-        else:
-            self._apply_after_merges(batch)
-
-    def _apply_after_merges(self, batch: ApplyBatch) -> None:
-        """Apply ``batch`` at once once the merges in flight (older) are done."""
-        try:
-            self._settle_merges()
-        except BaseException:
-            _close(batch)
-            raise
-        self._apply_now(batch)
-
-    def _apply_now(self, batch: ApplyBatch) -> None:
-        """Apply ``batch`` in this thread, confirm it, record it; a conflict or failure
-        stops the subscription exactly before the transaction at fault."""
-        txns = list(batch.transactions)
-        if _shows_pending(batch) or self._last_apply_seconds >= 1.0:
-            self._before_apply(txns)
-        fault_point("cycle.before_apply")
-
-        started = time.monotonic()
-        try:
-            try:
-                try:
-                    batch, result = self._apply_under_current_routes(batch)
-                except ApplyConflict:
-                    fresh = self._changed_routes()
-                    if fresh is None:
-                        raise
-                    batch = replace(batch, routes=fresh, routes_epoch=self.routes_epoch)
-                    batch, result = self._apply_under_current_routes(batch)
-            except ApplyConflict as conflict:
-                # Nothing of the batch was committed. Apply the transactions before the
-                # poisoned one, so the target stops exactly where native replication would.
-                self._apply_prefix(batch, conflict.commit_lsn)
-                raise _Stop(self.cycle._fail(
-                    f"{conflict}. Resolve the row at the target, set on_conflict, or skip "
-                    f"the transaction with POST /api/v1/subscriptions/"
-                    f"{self.cycle.subscription_id}/skip {{\"lsn\": \"{conflict.commit_lsn}\"}}",
-                    conflict={"table": conflict.table, "kind": conflict.kind,
-                              "key": conflict.key, "commit_lsn": str(conflict.commit_lsn),
-                              "detail": conflict.detail},
-                    table=conflict.table)) from None
-            except TableStopped as stopped:
-                self._apply_prefix(batch, stopped.commit_lsn)
-                raise _Stop(self.cycle._fail(str(stopped), table=stopped.table)) from None
-            except ApplyFenced as fenced:
-                # Another consumer applied past us (we lost the lease while working):
-                # nothing was committed; stop and let the lock holder carry on.
-                log.warning("%s", fenced)
-                raise _Stop(CycleOutcome("stopped", str(fenced), self.batches,
-                                         self.changes)) from None
-            except Exception as exc:
-                if _transient(exc):
-                    raise  # the cycle retries (connection lost, deadlock, ...)
-                log.exception("subscription %s: a batch failed to apply",
-                              self.cycle.subscription_id)
-                failed = self._isolate_failure(batch, exc)
-                if failed is None:
-                    # Applied one transaction at a time, the batch went through: the
-                    # failure came from applying it set-based. Carry on.
-                    return
-                commit_lsn, error = failed
-                table = _error_table(error)
-                raise _Stop(self.cycle._fail(
-                    f"{'table ' + table + ': ' if table else ''}applying the transaction "
-                    f"committed at {commit_lsn} failed: {_describe(error)}. Fix the target, "
-                    f"or skip the transaction with POST /api/v1/subscriptions/"
-                    f"{self.cycle.subscription_id}/skip {{\"lsn\": \"{commit_lsn}\"}}",
-                    table=table)) from None
-        finally:
-            for txn in txns:
-                txn.close()
-        elapsed = time.monotonic() - started
-        fault_point("cycle.after_commit")
-        # The target holds the batch: only now may the slot forget it.
-        self.consumer.confirm(result.end_lsn)
-        self.batches += 1
-        self.changes += result.changes
-        self._after_apply(result, elapsed)
-
-    def _apply_under_current_routes(self, batch: ApplyBatch
-                                    ) -> tuple[ApplyBatch, ApplyResult]:
-        """Apply ``batch``; one the target refused because its routes are older than a
-        sync job's fence (:class:`RoutesChanged`: nothing committed) is applied again
-        under the routes read now. Returns the batch as applied, and its result."""
-        for _ in range(ROUTES_RETRIES):
-            try:
-                return batch, apply_batch(self.cycle.spark(), batch, self.writer)
-            except RoutesChanged as changed:
-                log.info("%s; applying the batch again under the routes read now", changed)
-                batch = self._under_fresh_routes(batch)
-        return batch, apply_batch(self.cycle.spark(), batch, self.writer)
-
-    def _under_fresh_routes(self, batch: ApplyBatch) -> ApplyBatch:
-        """``batch`` under the routes (and epoch) read now; the next turn re-reads the
-        rest of the subscription (a catch-up to start, a table handed over)."""
-        self.routes_epoch = self.writer.read_routes_epoch()
-        fresh = self.cycle.load_routes()[0]
-        if fresh != self.routes:
-            self.writer.fetch_marks.invalidate()  # (as in _control)
-            self.routes = fresh
-        self._control_requested = True
-        return replace(batch, routes=fresh, routes_epoch=self.routes_epoch)
-
-    # -- merges behind the reading (apply.mergebehind) -----------------------------------
-    def _merge_behind(self, batch: ApplyBatch) -> None:
-        behind = self._behind
-        if behind is None:
-            log.info("subscription %s: reading a backlog; its batches merge behind the "
-                     "reading", self.cycle.subscription_id)
-            behind = self._behind = MergeBehind(self.writer, planner=self.cycle.spark())
-        if not behind.in_flight and _shows_pending(batch):
-            # (with a batch in flight, its older commit is what is pending)
-            self._before_apply(list(batch.transactions))
-        fault_point("cycle.before_apply")
-        try:
-            merged = behind.submit(batch)
-        except MergesFailed as failed:
-            self._merges_failed(failed)
-            return
-        except Exception as exc:  # preparing it failed: the way every batch applies
-            log.info("subscription %s: a batch to merge behind did not stage (%s); "
-                     "applying it at once", self.cycle.subscription_id, _describe(exc))
-            self._apply_after_merges(batch)
-            return
-        for done in merged:
-            self._merged(done)
-        fault_point("cycle.merge_behind")  # a merge in flight, its successor staged
-
-    def _settle_merges(self) -> None:
-        """Wait for the merges behind the reading: confirm and record them, or — one
-        failed — apply what did not commit one batch at a time, as any batch applies."""
-        behind = self._behind
-        if behind is None or not behind.in_flight:
-            return
-        try:
-            merged = behind.wait()
-        except MergesFailed as failed:
-            self._merges_failed(failed)
-            return
-        for done in merged:
-            self._merged(done)
-
-    def _merged(self, done: MergedBehind) -> None:
-        """A merge behind the reading committed: only now may the slot forget it."""
-        try:
-            fault_point("cycle.after_commit")
-            self.consumer.confirm(done.result.end_lsn)
-            self.batches += 1
-            self.changes += done.result.changes
-            # (a batch shown as pending clears the mark with its own write)
-            self._showing_pending = _shows_pending(done.batch)
-            self._after_apply(done.result, done.seconds)
-        finally:
-            _close(done.batch)
-        behind = self._behind
-        waiting = [] if behind is None else behind.in_flight
-        if waiting and _shows_pending(waiting[0]):  # the next one is what is pending now
-            self._before_apply(list(waiting[0].transactions))
-
-    def _merges_failed(self, failed: MergesFailed) -> None:
-        """Nothing of ``failed.unapplied`` committed: apply each batch at once, in order
-        (the failure recurs, and stops the subscription exactly where it would have, or
-        it was the merge's own and the batch goes through)."""
-        log.info("subscription %s: a merge behind the reading failed (%s); applying the "
-                 "%d batches not committed one by one", self.cycle.subscription_id,
-                 _describe(failed.error), len(failed.unapplied))
-        pending = list(failed.unapplied)
-        try:
-            while pending:
-                batch = pending.pop(0)
-                if self.keeper.lost.is_set():
-                    pending.insert(0, batch)
-                    raise _Stop(CycleOutcome("stopped", "lost the consumer lock",
-                                             self.batches, self.changes))
-                self._apply_now(batch)
-        finally:
-            for batch in pending:
-                _close(batch)
-
-    def close_merges(self) -> None:
-        """The stream closes: let merges in flight end (not confirmed: the slot sends
-        them again, and the target's record skips what committed)."""
-        behind, self._behind = self._behind, None
-        if behind is not None:
-            batches = behind.in_flight
-            behind.close()
-            for batch in batches:
-                _close(batch)
-
-    def _changed_routes(self) -> dict[str, TableRoute] | None:
-        """A conflict is judged again under the routes in force now, if they changed
-        since this cycle loaded them (nothing of the batch committed): a table taken out
-        of the stream for a resync — a filter change reconciled by a diff, whose snapshot
-        covers these changes — must not stop the subscription for a change the stream no
-        longer applies. None when they did not change (the conflict stands)."""
-        fresh = self.cycle.load_routes()[0]
-        if fresh == self.routes:
-            return None
-        self.routes = fresh
-        self.writer.fetch_marks.invalidate()  # (as in _control)
-        return fresh
-
-    def _isolate_failure(self, batch: ApplyBatch, error: Exception
-                         ) -> tuple[Lsn, Exception] | None:
-        """A batch failed for a reason other than a conflict (a target constraint, a
-        trigger, a type the target refuses): apply its transactions one at a time, each
-        committed and confirmed, up to the one that fails — so the target stops exactly
-        before the poisoned transaction, as native replication does, and the operator
-        can skip precisely that one. None when every transaction applied on its own."""
-
-        if len(batch.transactions) == 1:
-            return batch.transactions[0].commit_lsn, error
-        for txn in batch.transactions:
-            started = time.monotonic()
-            try:
-                result = apply_batch(self.cycle.spark(), replace(batch, transactions=[txn]),
-                                     self.writer)
-            except (ApplyConflict, TableStopped) as stopped:
-                return stopped.commit_lsn, stopped
-            except Exception as exc:
-                if _transient(exc) or isinstance(exc, ApplyFenced | RoutesChanged):
-                    raise
-                return txn.commit_lsn, exc
-            self.consumer.confirm(result.end_lsn)
-            self.batches += 1
-            self.changes += result.changes
-            self._after_apply(result, time.monotonic() - started)
-        return None
-
-    def _apply_prefix(self, batch: ApplyBatch, failed_commit: Lsn) -> None:
-        """Apply (and confirm) the transactions of a failed batch that precede the one
-        that failed; a failure there just leaves the target at the batch's start."""
-        prefix = [t for t in batch.transactions if t.commit_lsn < failed_commit]
-        if not prefix:
-            return
-
-        started = time.monotonic()
-        try:
-            result = apply_batch(self.cycle.spark(), replace(batch, transactions=prefix),
-                                 self.writer)
-        except (ApplyConflict, TableStopped, ApplyFenced, RoutesChanged) as exc:
-            log.warning("subscription %s: the transactions before the failing one did not "
-                        "apply either: %s", self.cycle.subscription_id, exc)
-            return
-        self.consumer.confirm(result.end_lsn)
-        self.batches += 1
-        self.changes += result.changes
-        self._last_apply_seconds = time.monotonic() - started
-        self._after_apply(result, self._last_apply_seconds)
-
-    def _before_apply(self, txns: list[Transaction]) -> None:
-        """Show what is pending while a long batch applies: lag seconds count from the
-        oldest commit not yet at the target. Only for batches that take a while (big, or
-        the last one was slow): for the rest it would be a metadata commit per batch that
-        nobody sees before the batch's own. Under a scheduler the stream's progress not
-        yet written goes with it (so the heartbeat cannot clear the pending mark), and the
-        batch's own progress is written at once after it."""
-        stats = self.consumer.stats
-        earlier = [] if self.progress_book is None else self.progress_book.take(
-            self.cycle.subscription_id)
-        self._showing_pending = True
-        with self.cycle.sessions() as session:
-            record_applied(session, earlier, self._trims())
-            sub = session.get(Subscription, self.cycle.subscription_id)
-            if sub is None:
-                return
-            sub.oldest_unapplied_commit_ts = txns[0].commit_time
-            if stats.last_received is not None and (
-                    sub.received_lsn is None or stats.last_received.value > sub.received_lsn):
-                sub.received_lsn = stats.last_received.value
-            session.commit()
-
-    def _trims(self) -> ImageTrims:
-        return self._image_trims if self.progress_book is None else self.progress_book.trims
-
-    def _after_apply(self, result: ApplyResult, elapsed: float) -> None:
-        """Record an applied batch (see :mod:`.appliednotes`): into the scheduler's book,
-        written with its heartbeat, or — a lone cycle, or a batch shown as pending — at
-        once."""
-        if result.skipped_transaction is not None and self.skip_lsn == (
-                result.skipped_transaction):
-            self.skip_lsn = None
-        source_lsn = self._current_source_lsn(time.monotonic())
-        sid = self.cycle.subscription_id
-        book = self.progress_book
-        if (book is not None and not self._showing_pending and book.busy()
-                and result.skipped_transaction is None):
-            book.add(sid, result, elapsed, source_lsn)
-            return
-        self._showing_pending = False
-        progress = AppliedProgress(sid)
-        progress.add(result, elapsed, source_lsn)
-        earlier = [] if book is None else book.take(sid)
-        for before in earlier:  # counted for the group write: written now, in order
-            before.absorb(progress)
-            progress = before
-        try:
-            with self.cycle.sessions() as session:
-                record_applied(session, [progress], self._trims())
-                session.commit()
-        except Exception:
-            if book is None:
-                raise
-            book.restore([progress])  # the group write tries again
-            raise
-        if book is not None:
-            book.written()
-
-
-def _shows_pending(batch: ApplyBatch) -> bool:
-    return batch.change_count >= SHOW_PENDING_CHANGES
-
-
-def _close(batch: ApplyBatch) -> None:
-    """Release a batch's transactions (their buffers and spill files)."""
-    for txn in batch.transactions:
-        txn.close()
-
-
-def _transient(exc: BaseException) -> bool:
-    """Errors a later attempt can get past by itself: the connection, the server going
-    away, deadlocks and serialization failures, Spark's own failures (its context shut
-    down, its executors lost: :func:`~pgsieve.apply.planner.planner_unavailable`)."""
-    return isinstance(exc, psycopg.OperationalError | psycopg.errors.TransactionRollback |
-                      TransportError) or planner_unavailable(exc)
-
-
-def _error_table(exc: BaseException) -> str | None:
-    if isinstance(exc, TableStopped | ApplyConflict):
-        return exc.table
-    if isinstance(exc, psycopg.Error) and exc.diag.table_name:
-        schema = exc.diag.schema_name
-        return f"{schema}.{exc.diag.table_name}" if schema else exc.diag.table_name
-    return None
-
-
-def _describe(exc: BaseException) -> str:
-    """The first line of the error (PostgreSQL's message and, if any, its detail)."""
-    if isinstance(exc, psycopg.Error):
-        return describe_error(exc)
-    if isinstance(exc, TableStopped | ApplyConflict):
-        return str(exc)
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
-
-
 class _LazySpark:
     """Stands in for what the provider returns (the distributed planner); the first attribute
     access starts (or reuses) it."""
@@ -1165,13 +427,6 @@ class _LazySpark:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._provider(), name)
-
-
-class _Stop(Exception):
-    def __init__(self, outcome: CycleOutcome) -> None:
-        super().__init__(outcome.detail)
-        self.outcome = outcome
-
 
 def restart_dead_pipelines(settings: Settings,
                            sessions: sessionmaker[Session] | None = None) -> list[str]:

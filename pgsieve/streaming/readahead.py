@@ -9,7 +9,7 @@ windows while this process applies the current one:
 
 * the child makes a **temporary copy of the slot** (``pg_copy_logical_replication_slot``)
   and consumes the copy window after window (``pg_logical_slot_get_binary_changes``,
-  aggregated into chunks exactly as :class:`~.transports.SqlTransport` peeks them), so it
+  aggregated into chunks exactly as :class:`~.transports.sql.SqlTransport` peeks them), so it
   needs no confirmation to move on; the slot itself is never read by it;
 * it sends each window's COPY rows down a pipe, holding at most
   ``PGSIEVE_READ_AHEAD_BUFFER_BYTES`` of them for a busy apply;
@@ -48,14 +48,9 @@ from typing import Any
 
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.spares import SpareProcess
-from pgsieve.streaming.transports import (
-    IDLE,
-    PgoutputOptions,
-    ResumableWindow,
-    SessionEntry,
-    SqlTransport,
-    WindowStats,
-)
+from pgsieve.streaming.transports.base import IDLE, PgoutputOptions, SessionEntry
+from pgsieve.streaming.transports.peek import WindowStats
+from pgsieve.streaming.transports.sql import ResumableWindow, SqlTransport
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
@@ -117,7 +112,7 @@ class _ChildGone(Exception):
 
 
 class ReadAheadTransport:
-    """A :class:`~.transports.Transport`: SqlTransport's windows, read by a child process
+    """A :class:`~.transports.base.Transport`: SqlTransport's windows, read by a child process
     ahead of the apply (see the module docstring). Falls back to ``inner``'s own windows
     for good when the child fails, and once a window reached the end of WAL (a caught-up
     stream gains nothing from a second process)."""

@@ -1,6 +1,6 @@
 """One logical replication session (``START_REPLICATION SLOT … LOGICAL``) at the libpq
 level, through psycopg's ``pq`` — the client side of the streaming replication protocol
-that :class:`~pgsieve.streaming.transports.WalsenderTransport` reads.
+that :class:`~pgsieve.streaming.transports.walsender.WalsenderTransport` reads.
 
 Why not a library's replication cursor: psycopg 3 has none, and psycopg2's answers the
 server's keepalives with a flush position of its own making — it moves its flush LSN to

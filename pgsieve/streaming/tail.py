@@ -24,13 +24,9 @@ import psycopg
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
-from pgsieve.streaming.transports import (
-    PgoutputOptions,
-    SqlTransport,
-    Transport,
-    WalsenderTransport,
-    max_proto_version,
-)
+from pgsieve.streaming.transports.base import PgoutputOptions, Transport, max_proto_version
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.assembler import Change, Item, StandaloneMessage, Transaction
 from pgsieve.wire.lsn import Lsn
 from pgsieve.wire.messages import (

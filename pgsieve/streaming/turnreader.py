@@ -31,12 +31,9 @@ from collections.abc import Callable, Generator, Iterator
 
 from pgsieve.streaming.consumer import ConsumerItem, SlotConsumer
 from pgsieve.streaming.readahead import ReadAheadTransport
-from pgsieve.streaming.transports import (
-    SqlTransport,
-    Transport,
-    TransportError,
-    WalsenderTransport,
-)
+from pgsieve.streaming.transports.base import Transport, TransportError
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 

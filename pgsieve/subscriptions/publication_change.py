@@ -30,7 +30,7 @@ from pgsieve.publications import store
 from pgsieve.publications.patch import PublicationEdits, patched_definition
 from pgsieve.publications.service import publication_lock
 from pgsieve.sync import reconcile
-from pgsieve.sync.syncjob import active_sync_job
+from pgsieve.sync.queue import active_sync_job
 
 
 def change_publication(

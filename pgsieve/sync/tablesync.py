@@ -26,7 +26,7 @@ from pgsieve.platform.locks import SYNC_JOB_NAMESPACE, AdvisoryLocks, rowcount
 from pgsieve.platform.models import Job, Source, Subscription, SubscriptionTable, utcnow
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SyncState
-from pgsieve.sync.syncjob import (
+from pgsieve.sync.queue import (
     ACTIVE_STATES,
     SYNC_KINDS,
     active_sync_job,
@@ -145,7 +145,7 @@ def retry_table_syncs(settings: Settings, sessions: sessionmaker[Session] | None
     """Sync jobs for tables left in ``init``/``copy`` with no sync job to copy them
     (their job failed, or they had to be copied again while another job ran), once the
     subscription's initial sync is over. A table whose last job failed waits
-    :func:`~pgsieve.sync.syncjob.retry_delay` of its retry number after that failure;
+    :func:`~pgsieve.sync.queue.retry_delay` of its retry number after that failure;
     the others start at once. One job per subscription, for all its tables that are due;
     returns the ids of the jobs created (committed: the caller enqueues them)."""
 

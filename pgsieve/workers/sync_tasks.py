@@ -9,7 +9,7 @@ target's markers say is done. A transient failure re-enqueues the task with a de
 delivery: the broker would redeliver a dead worker's task only after its visibility
 timeout (an hour on Redis). It also starts a sync job for tables left in ``init``/``copy``
 with none to copy them (a failed resync: retried after 10 s, 20 s, 40 s, ... up to 10
-minutes between attempts, see :func:`pgsieve.sync.syncjob.retry_delay`).
+minutes between attempts, see :func:`pgsieve.sync.queue.retry_delay`).
 ``pgsieve.sync_slot_cleanup`` (beat) drops sync slots that no table needs any more.
 
 Every worker also looks for sync jobs whose runner died, every

@@ -205,7 +205,7 @@ def stop_consume_cycles(**_: Any) -> None:
     apply what they hold and re-enqueue themselves for another worker), and the scheduler
     to end its turns, let go of its subscriptions and hand them over."""
     from pgsieve.streaming import scheduler
-    from pgsieve.streaming.pipeline import WORKER_STOPPING
+    from pgsieve.streaming.outcome import WORKER_STOPPING
 
     WORKER_STOPPING.set()
     handed = scheduler.stop_current()

@@ -17,7 +17,8 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SyncState
 from pgsieve.spark.session import get_spark
 from pgsieve.sync import moved
-from pgsieve.sync.syncjob import SyncJobRunner, _Lost, claim
+from pgsieve.sync.jobrun import Lost, claim
+from pgsieve.sync.syncjob import SyncJobRunner
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 
@@ -84,7 +85,7 @@ def test_a_job_ended_by_another_party_keeps_its_ending(client, sub, settings: Se
     inside, write = threading.Event(), threading.Event()
 
     def runner_writes() -> None:
-        with runner._owned() as (_, job):
+        with runner.owned() as (_, job):
             inside.set()
             write.wait(10)
             job.details = {**job.details, "phase": "the runner's"}
@@ -106,7 +107,7 @@ def test_a_job_ended_by_another_party_keeps_its_ending(client, sub, settings: Se
     done = client.get(f"/api/v1/jobs/{job_id}").json()
     assert done["state"] == "done" and done["phase"] == "merged", done
     assert done["diff"] == {"compared": 6, "added": 3, "removed": 2, "updated": 1}
-    with pytest.raises(_Lost), runner._owned():
+    with pytest.raises(Lost), runner.owned():
         pass
     assert moved.finish_job(runner.sessions, job_id, [
         {"table": "public.orders", "added": 9, "removed": 9}]) is None
@@ -205,7 +206,7 @@ def test_a_second_active_sync_job_is_refused_by_the_database(client, sub, metada
     "copy it again"): the partial unique index refuses the second job, a clean 409."""
     from sqlalchemy.exc import IntegrityError
 
-    from pgsieve.sync.syncjob import active_sync_job as real
+    from pgsieve.sync.queue import active_sync_job as real
 
     base = f"/api/v1/subscriptions/{sub['id']}/sync"
     first = client.post(base, json={"tables": ["orders"]}).json()["job_id"]

@@ -80,7 +80,7 @@ def world(client, source_db: Database, target_db: Database, metadata_engine,
         session.add(WorkerHeartbeat(worker="celery@host-a", beat_at=now - timedelta(seconds=12)))
         session.add(Job(kind="initial_sync", subscription_id=sub.id, state="running"))
         session.commit()
-        # The consume cycle records each applied batch (pipeline._after_apply).
+        # The consume cycle records each applied batch (batchapply's _after_apply).
         for seconds, changes in ((0.03, 1), (0.3, 50), (3.0, 900), (200.0, 283)):
             record_batch(session, sub.id, seconds, changes)
             session.commit()

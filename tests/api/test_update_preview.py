@@ -21,7 +21,8 @@ from pgsieve.platform.models import UPDATE_IMAGE_WINDOW, Subscription, Target, U
 from pgsieve.rowfilter.parse import parse_filter
 from pgsieve.rowfilter.updates import transformation, unqualified_filter
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
-from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 from pgsieve.wire.messages import UNCHANGED, Update

@@ -15,12 +15,9 @@ from pathlib import Path
 
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
 from pgsieve.streaming.tail import item_records
-from pgsieve.streaming.transports import (
-    PgoutputOptions,
-    SqlTransport,
-    Transport,
-    WalsenderTransport,
-)
+from pgsieve.streaming.transports.base import PgoutputOptions, Transport
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 

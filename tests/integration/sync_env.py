@@ -19,7 +19,8 @@ from pgsieve.platform.db import session_factory
 from pgsieve.platform.models import Job
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark
-from pgsieve.sync.syncjob import RunOutcome, SyncJobRunner
+from pgsieve.sync.jobrun import RunOutcome
+from pgsieve.sync.syncjob import SyncJobRunner
 from tests.conftest import Database
 from tests.metadata_template import migrated_sqlite
 

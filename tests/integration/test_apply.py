@@ -33,7 +33,8 @@ from pgsieve.apply.engine import BackgroundApplier, apply_batch
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.pgcluster import LocalCluster
 from pgsieve.streaming.consumer import SlotConsumer
-from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 from pgsieve.wire.messages import LogicalMessage

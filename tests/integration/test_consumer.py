@@ -22,13 +22,9 @@ import pytest
 
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
 from pgsieve.streaming.tail import item_records
-from pgsieve.streaming.transports import (
-    PgoutputOptions,
-    SqlTransport,
-    Transport,
-    TransportError,
-    WalsenderTransport,
-)
+from pgsieve.streaming.transports.base import PgoutputOptions, Transport, TransportError
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.assembler import StandaloneMessage, Transaction
 from pgsieve.wire.batch import MessageBatch
 from pgsieve.wire.lsn import Lsn

@@ -14,7 +14,8 @@ from pgsieve.platform.db import session_factory
 from pgsieve.platform.locks import SYNC_JOB_NAMESPACE, AdvisoryLocks
 from pgsieve.platform.models import Job, SubscriptionTable, utcnow
 from pgsieve.platform.states import SyncState
-from pgsieve.sync.syncjob import SyncJobRunner, claim, sync_slot_name
+from pgsieve.sync.jobrun import claim
+from pgsieve.sync.syncjob import SyncJobRunner, sync_slot_name
 from pgsieve.sync.tablesync import drop_leftover_sync_slots, stale_sync_jobs
 from tests.conftest import Database
 from tests.integration.sync_env import slots, sync_env

@@ -19,7 +19,8 @@ from pgsieve.platform.db import session_factory
 from pgsieve.platform.models import Job, Subscription
 from pgsieve.spark.distributed import spark_planner
 from pgsieve.streaming.pipeline import ConsumeCycle
-from pgsieve.sync.syncjob import RunOutcome, retry_delay
+from pgsieve.sync.jobrun import RunOutcome
+from pgsieve.sync.queue import retry_delay
 from pgsieve.sync.tablesync import retry_table_syncs
 from tests.conftest import Database
 from tests.integration.sync_env import SyncEnv, native_copy, rows, slots, sync_env

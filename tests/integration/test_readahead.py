@@ -16,7 +16,8 @@ import pytest
 
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
 from pgsieve.streaming.readahead import ReadAheadTransport, read_ahead_or
-from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database

@@ -21,7 +21,8 @@ from sqlalchemy import select
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.locks import renew_owned
 from pgsieve.platform.models import ConsumerLock
-from pgsieve.streaming.pipeline import CycleOutcome, OpenStream
+from pgsieve.streaming.outcome import CycleOutcome
+from pgsieve.streaming.pipeline import OpenStream
 from pgsieve.streaming.scheduler import Scheduler
 from tests.conftest import Database
 from tests.integration.pipeline_env import pipeline_env, wait_until

@@ -20,7 +20,7 @@ from pgsieve.spark.distributed import SparkPlanner
 from pgsieve.spark.session import InsecureSparkCluster, get_spark, spark_properties, stop_spark
 from pgsieve.spark.standalone import SparkCluster, spark_cluster
 from pgsieve.sync.copypipe import warm_up
-from pgsieve.sync.syncjob import RunOutcome
+from pgsieve.sync.jobrun import RunOutcome
 from tests.integration import test_apply as harness
 from tests.integration.sync_env import native_copy, rows, sync_env
 from tests.integration.test_apply import Pair

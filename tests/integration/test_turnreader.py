@@ -10,12 +10,9 @@ import time
 from collections.abc import Callable
 
 from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
-from pgsieve.streaming.transports import (
-    PgoutputOptions,
-    SqlTransport,
-    Transport,
-    WalsenderTransport,
-)
+from pgsieve.streaming.transports.base import PgoutputOptions, Transport
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.streaming.turnreader import TurnReader
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn

@@ -24,7 +24,8 @@ from pgsieve.apply.batch import ApplyBatch, TableRoute
 from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.target import TargetWriter
 from pgsieve.streaming.consumer import SlotConsumer
-from pgsieve.streaming.transports import PgoutputOptions, SqlTransport
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database

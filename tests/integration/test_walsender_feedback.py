@@ -25,7 +25,8 @@ import pytest
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.streaming.consumer import ConsumerItem, SlotConsumer
 from pgsieve.streaming.replication import ReplicationError, ReplicationSession
-from pgsieve.streaming.transports import PgoutputOptions, WalsenderTransport
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database

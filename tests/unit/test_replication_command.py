@@ -5,7 +5,7 @@ X/Y form."""
 from __future__ import annotations
 
 from pgsieve.streaming.replication import start_command
-from pgsieve.streaming.transports import PgoutputOptions
+from pgsieve.streaming.transports.base import PgoutputOptions
 
 
 def test_the_command_quotes_the_slot_option_names_and_values() -> None:

@@ -20,15 +20,11 @@ from pathlib import Path
 from typing import Any, cast
 
 from pgsieve.platform.settings import Settings
-from pgsieve.streaming import scheduler as scheduler_module
+from pgsieve.streaming import turnqueue as turnqueue_module
 from pgsieve.streaming.appliednotes import AppliedProgress
 from pgsieve.streaming.pipeline import OpenStream
-from pgsieve.streaming.scheduler import (
-    PROGRESS_GAP_WAIT_SECONDS,
-    QUIET_SETTLE_SECONDS,
-    Scheduler,
-    _Held,
-)
+from pgsieve.streaming.scheduler import Scheduler
+from pgsieve.streaming.turnqueue import PROGRESS_GAP_WAIT_SECONDS, QUIET_SETTLE_SECONDS, Held
 
 
 @dataclass
@@ -56,7 +52,7 @@ def _scheduler(tmp_path: Path, idle_poll_seconds: float = 5.0) -> Scheduler:
 
 
 def _hold(scheduler: Scheduler, name: str, run: _Run) -> None:
-    held = _Held(name, f"slot_{name}", "host=unused", cycle=cast(Any, None))
+    held = Held(name, f"slot_{name}", "host=unused", cycle=cast(Any, None))
     held.stream = cast(OpenStream, type("Stream", (), {"run": run})())
     with scheduler._cond:
         scheduler._held[name] = held
@@ -185,7 +181,7 @@ def test_a_group_progress_write_goes_on_in_the_gaps_between_turns(
             parts.append(scheduler._turns_running > 0)
             time.sleep(0.002)
 
-    monkeypatch.setattr(scheduler_module, "record_applied", record)
+    monkeypatch.setattr(turnqueue_module, "record_applied", record)
     with _turns(tmp_path, run, idle_poll_seconds=0.004) as scheduler:
         book = scheduler._progress
         book._by_id["a"] = AppliedProgress("a")

@@ -19,7 +19,8 @@ import pytest
 
 from pgsieve.platform.settings import Settings
 from pgsieve.streaming.pipeline import OpenStream
-from pgsieve.streaming.scheduler import PUSHED_AGE_CAP, Scheduler, _Held
+from pgsieve.streaming.scheduler import Scheduler
+from pgsieve.streaming.turnqueue import PUSHED_AGE_CAP, Held
 
 
 def _scheduler(tmp_path: Path, **settings: Any) -> Scheduler:
@@ -30,7 +31,7 @@ def _scheduler(tmp_path: Path, **settings: Any) -> Scheduler:
 def _parked(scheduler: Scheduler, *names: str) -> None:
     """Held and between turns, waiting for the server's push (nothing queued)."""
     for name in names:
-        held = _Held(name, f"slot_{name}", "host=unused", cycle=cast(Any, None))
+        held = Held(name, f"slot_{name}", "host=unused", cycle=cast(Any, None))
         held.stream = cast(OpenStream, object())
         scheduler._held[name] = held
 

@@ -45,7 +45,7 @@ from pgsieve.platform.states import JobState, SyncState
 from pgsieve.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
 from pgsieve.security.tokens import Principal
 from pgsieve.subscriptions.service import published_relations
-from pgsieve.sync.syncjob import active_sync_job, add_sync_job, initial_sync_pending
+from pgsieve.sync.queue import active_sync_job, add_sync_job, initial_sync_pending
 from pgsieve.sync.tablesync import drop_sync_slot
 
 router = APIRouter(tags=["jobs"])
