@@ -44,7 +44,10 @@ def consumer_alive(heartbeat_at: datetime | None, now: datetime,
     return heartbeat_at is not None and now - heartbeat_at <= lease
 
 
-HEARTBEAT_EVERY = 5.0
+LEASE_RENEW_EVERY = 5.0
+"""Seconds between a :class:`LeaseKeeper`'s renewals of the lease it keeps, when it is not
+told (pgsieve's own keepers are told ``PGSIEVE_CONSUMER_HEARTBEAT_SECONDS``). Not the
+worker's heartbeat (:data:`pgsieve.platform.taskqueue.WORKER_HEARTBEAT_EVERY`)."""
 LOCK_RETRY_SECONDS = 0.05
 
 
@@ -115,7 +118,7 @@ class LeaseKeeper:
     work's ownership die with its process is gone (its connection broke: another runner
     may take the work over), so the work stops before it writes anything."""
 
-    def __init__(self, renew: Callable[[], bool], what: str, every: float = HEARTBEAT_EVERY,
+    def __init__(self, renew: Callable[[], bool], what: str, every: float = LEASE_RENEW_EVERY,
                  lease: timedelta = CONSUMER_LEASE,
                  alive: Callable[[], bool] | None = None) -> None:
         self.renew = renew
@@ -164,7 +167,7 @@ class LockKeeper(LeaseKeeper):
         sessions: sessionmaker[Session],
         subscription_id: str,
         owner: str,
-        every: float = HEARTBEAT_EVERY,
+        every: float = LEASE_RENEW_EVERY,
         lease: timedelta = CONSUMER_LEASE,
     ) -> None:
         super().__init__(lambda: renew(sessions, subscription_id, owner),

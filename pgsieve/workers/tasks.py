@@ -19,7 +19,7 @@ from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import session_scope
 from pgsieve.platform.models import WorkerHeartbeat, utcnow
 from pgsieve.platform.settings import Settings
-from pgsieve.platform.taskqueue import HEARTBEAT_EVERY
+from pgsieve.platform.taskqueue import WORKER_HEARTBEAT_EVERY
 from pgsieve.workers.celery_app import celery_app
 
 log = logging.getLogger(__name__)
@@ -81,11 +81,11 @@ def start_scheduler(sender: Any = None, **_: Any) -> None:
 
 @worker_ready.connect
 def start_heartbeat(sender: Any = None, **_: Any) -> None:
-    """Every worker records its own heartbeat every ``HEARTBEAT_EVERY`` (a task from beat
+    """Every worker records its own heartbeat every ``WORKER_HEARTBEAT_EVERY`` (a task from beat
     would reach one worker of many, and never a busy one)."""
     settings: Settings = celery_app.conf.pgsieve_settings
     worker = getattr(sender, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
-    every = HEARTBEAT_EVERY.total_seconds()
+    every = WORKER_HEARTBEAT_EVERY.total_seconds()
 
     def beat() -> None:
         while True:
