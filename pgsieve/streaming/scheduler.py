@@ -71,6 +71,7 @@ from pgsieve.streaming.caughtup import record_caught_up_many
 from pgsieve.streaming.outcome import CycleOutcome
 from pgsieve.streaming.pipeline import ConsumeCycle
 from pgsieve.streaming.readahead import prestart_read_ahead
+from pgsieve.streaming.streamrun import SOURCE_LSN_EVERY
 from pgsieve.streaming.turnqueue import QUIET_WAIT_SECONDS, Held, TurnQueue
 from pgsieve.sync import moved
 from pgsieve.wire.lsn import Lsn
@@ -81,8 +82,6 @@ RETRY_AFTER = 5.0
 """A subscription let go for a transient failure is adopted again after this long."""
 RELEASE_WAIT = 30.0
 """How long an adoption waits for the same subscription's release to end."""
-SOURCE_LSN_EVERY = 2.0
-"""How often the source's WAL position (for lag) is read, per source and worker."""
 ADOPT_AT_ONCE = 4
 """Subscriptions one sweep adopts at once."""
 

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 CONTROL_EVERY = 1.0
 """How often a cycle re-reads its subscription (disabled? deleted?) and table states."""
 SOURCE_LSN_EVERY = 2.0
+"""How often the source's WAL position (for lag) is read: by a worker's scheduler once per
+source for all the streams it holds, by a stream outside a scheduler for itself."""
 IDLE_RECORD_EVERY = 5.0
 """How often an idle position is recorded at the target and confirmed (WAL release)."""
 CONTROL_SAFETY_EVERY = 30.0
