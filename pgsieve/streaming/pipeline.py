@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Protocol
 
 import psycopg
@@ -165,7 +165,7 @@ class ConsumeCycle:
             sub = session.get(Subscription, self.subscription_id)
             if sub is None or not sub.enabled or sub.state != SubscriptionState.STREAMING:
                 return CycleOutcome("not_running", "not enabled or not streaming")
-        lease = timedelta(seconds=self.settings.consumer_lease_seconds)
+        lease = self.settings.consumer_lease
         if not try_acquire(self.sessions, self.subscription_id, self.owner, lease):
             self._bump_stat("lock_refusals")
             return CycleOutcome("locked", "another consumer holds the lock")
@@ -433,7 +433,7 @@ def restart_dead_pipelines(settings: Settings,
     """Subscriptions that should be streaming but have no live consumer (no lock, or a
     lock whose heartbeat is older than the lease) and were not restarted recently."""
     sessions = sessions or session_factory(settings.effective_database_url)
-    lease = timedelta(seconds=settings.consumer_lease_seconds)
+    lease = settings.consumer_lease
     now = utcnow()
     dead: list[str] = []
 
