@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psycopg
 
@@ -32,6 +32,7 @@ from pgsieve.apply.batcher import MicroBatcher
 from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.mergebehind import MergeBehind, MergedBehind, MergesFailed
 from pgsieve.apply.planner import planner_unavailable
+from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.errors import describe_error
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.models import Subscription
@@ -66,7 +67,7 @@ class StreamApplier:
 
     cycle: ConsumeCycle
     consumer: SlotConsumer
-    writer: Any
+    writer: TargetWriter
     keeper: LeaseHolder
     batcher: MicroBatcher
     routes: dict[str, TableRoute]

@@ -88,7 +88,7 @@ class OpenStream:
     """A subscription's open stream: the target writer and the run (which reads the slot
     through its consumer's transport)."""
 
-    writer: Any
+    writer: TargetWriter
     run: StreamRun
 
     @property

@@ -16,6 +16,7 @@ import psycopg
 
 from pgsieve.apply import hotpath
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
+from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.connpolicy import Purpose, policy_in_force, secure_conninfo
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.spread import spread
@@ -55,7 +56,7 @@ taken up again this soon."""
 class StreamRun(StreamApplier):
     """The streaming loop of one cycle (state that lives only while it streams)."""
 
-    def __init__(self, cycle: ConsumeCycle, consumer: SlotConsumer, writer: Any,
+    def __init__(self, cycle: ConsumeCycle, consumer: SlotConsumer, writer: TargetWriter,
                  source_dsn: str, options: dict[str, Any], keeper: LeaseHolder, *,
                  control_every: float = CONTROL_EVERY,
                  source_lsn: Callable[[], Lsn | None] | None = None,
