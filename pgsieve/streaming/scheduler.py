@@ -51,6 +51,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.apply.planner import DistributedPlanner
 from pgsieve.platform import dispatch
 from pgsieve.platform.connpolicy import ConnectionNotAllowed, policy_in_force
 from pgsieve.platform.credentials import SecretBox, scrub_secrets
@@ -95,7 +96,8 @@ class _SourceState:
 class Scheduler(TurnQueue):
     """Holds subscriptions and runs their turns; see the module docstring."""
 
-    def __init__(self, settings: Settings, *, spark: Callable[[], Any],
+    def __init__(self, settings: Settings, *,
+                 planner: Callable[[], DistributedPlanner | None],
                  sessions: sessionmaker[Session] | None = None,
                  owner: str | None = None,
                  handover: Callable[[str], None] | None = None,
@@ -106,7 +108,8 @@ class Scheduler(TurnQueue):
             owner=owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
         self.worker = worker
         """The Celery worker's name: its heartbeat row carries what the scheduler reports."""
-        self._spark = spark
+        self._planner = planner
+        """The distributed planner's provider (Spark's, handed in by :mod:`pgsieve.workers`)."""
         self._handover = handover
         self._adopting: set[str] = set()
         self._releasing: set[str] = set()
@@ -206,7 +209,7 @@ class Scheduler(TurnQueue):
                     return "stopping"
                 self._adopting.add(subscription_id)
         if duplicate:  # a surplus task (redelivered, or beat's): refused like any other
-            ConsumeCycle(self.settings, subscription_id, spark=self._spark, owner=self.owner,
+            ConsumeCycle(self.settings, subscription_id, planner=self._planner, owner=self.owner,
                          sessions=self.sessions)._bump_stat("lock_refusals")
             return "held"
         try:
@@ -216,7 +219,7 @@ class Scheduler(TurnQueue):
                 self._adopting.discard(subscription_id)
 
     def _adopt(self, subscription_id: str) -> str:
-        cycle = ConsumeCycle(self.settings, subscription_id, spark=self._spark,
+        cycle = ConsumeCycle(self.settings, subscription_id, planner=self._planner,
                              owner=self.owner, sessions=self.sessions)
         with self.sessions() as session:
             sub = session.get(Subscription, subscription_id)
@@ -568,17 +571,17 @@ def current() -> Scheduler | None:
 
 
 def ensure_started(settings: Settings, worker: str | None = None, *,
-                   spark: Callable[[], Any]) -> Scheduler | None:
+                   planner: Callable[[], DistributedPlanner | None]) -> Scheduler | None:
     """This process's scheduler, started on first use (worker start, or the first
-    ``consume_cycle`` task); None once the worker is shutting down. ``spark``: the
-    distributed planner for big batches, handed in by :mod:`pgsieve.workers`."""
+    ``consume_cycle`` task); None once the worker is shutting down. ``planner``: the
+    distributed planner for big batches (Spark's, handed in by :mod:`pgsieve.workers`)."""
     global _current
     with _current_mutex:
         if _closed:
             return None
         if _current is None:
             _current = Scheduler(
-                settings, spark=spark,
+                settings, planner=planner,
                 handover=lambda sid: dispatch.consume_cycle(settings, sid), worker=worker)
             _current.start()
         return _current
