@@ -61,7 +61,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (sources, targets, slots, publications, filters, subscriptions, progress,
                    jobs, tokens, audit):
         app.include_router(module.router, prefix="/api/v1", dependencies=authed)
-    # SPEC lists /healthz and /metrics beside the /api/v1 resources: serve both spellings.
+    # docs/api.md lists /healthz and /metrics with the /api/v1 resources; compose's health
+    # check and docs/operations.md use them at the root: serve both spellings.
     for prefix in ("", "/api/v1"):
         app.include_router(health.router, prefix=prefix)
         app.include_router(health.metrics_router, prefix=prefix, dependencies=authed)

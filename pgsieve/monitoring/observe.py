@@ -31,7 +31,7 @@ from pgsieve.platform import pgserver
 from pgsieve.platform.credentials import SecretBox, scrub_secrets
 from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.errors import PgsieveError, TooManyRequests
-from pgsieve.platform.locks import CONSUMER_LEASE, consumer_alive
+from pgsieve.platform.locks import consumer_alive
 from pgsieve.platform.metrics import scheduler_report
 from pgsieve.platform.models import (
     ConsumerLock,
@@ -101,7 +101,7 @@ def observe_subscription(
     *,
     connect_timeout: int = 5,
     conn: psycopg.Connection[Any] | None = None,
-    lease: timedelta = CONSUMER_LEASE,
+    lease: timedelta,
 ) -> dict[str, Any]:
     """The subscription's progress now: metadata, the source's live WAL position, and a
     read-only peek at (a copy of) the slot for the oldest unapplied commit."""
@@ -214,7 +214,7 @@ def owners(session: Session, source_id: str) -> dict[str, str]:
 
 
 def slots_in_use(session: Session, source_id: str, now: datetime,
-                 lease: timedelta = CONSUMER_LEASE) -> set[str]:
+                 lease: timedelta) -> set[str]:
     """Slots a live pgsieve process works with even if ``pg_replication_slots`` shows them
     inactive at this instant: the SQL transport holds its slot only while it peeks, and a
     sync job's slot is idle while Spark copies."""
@@ -298,7 +298,7 @@ def with_health(
 
 def slots_with_health(
     session: Session, source: Source, conn: psycopg.Connection[Any],
-    lease: timedelta = CONSUMER_LEASE,
+    lease: timedelta,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Live slots with health, and the source facts they were judged by."""
     now = utcnow()
@@ -325,7 +325,7 @@ def slots_with_health(
 
 def source_health(
     session: Session, source: Source, box: SecretBox, *, connect_timeout: int = 5,
-    lease: timedelta = CONSUMER_LEASE,
+    lease: timedelta,
 ) -> dict[str, Any]:
     """One source at a glance: reachable?, WAL rate, slots with health, worst status."""
     base: dict[str, Any] = {"source_id": source.id, "name": source.name,
@@ -384,7 +384,7 @@ def sample_all(
     connect_timeout: int = 5,
     retention: timedelta = HISTORY_RETENTION,
     force: bool = False,
-    lease: timedelta = CONSUMER_LEASE,
+    lease: timedelta,
 ) -> dict[str, int]:
     """One round: a SourceSample per source, a ProgressSample per subscription, and old
     samples pruned. Idempotent: a round right after another (duplicate beat, retried task)

@@ -26,25 +26,21 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.models import ConsumerLock, utcnow
-from pgsieve.platform.settings import Settings
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
 
-CONSUMER_LEASE = timedelta(seconds=Settings.model_fields["consumer_lease_seconds"].default)
-"""A consumer whose heartbeat is older than this is considered gone (its lock lapses):
-the default of ``PGSIEVE_CONSUMER_LEASE_SECONDS``, which callers holding a Settings
-object pass instead (one setting, one rule: :func:`consumer_alive`)."""
-
-
-def consumer_alive(heartbeat_at: datetime | None, now: datetime,
-                   lease: timedelta = CONSUMER_LEASE) -> bool:
+def consumer_alive(heartbeat_at: datetime | None, now: datetime, lease: timedelta) -> bool:
     """The one rule for "is this consumer (or job) alive": its heartbeat is within the
-    lease. The API, /progress, /metrics and the restarter all ask this."""
+    lease (``Settings.consumer_lease``, always passed: no default that a forgotten argument
+    would silently get). The API, /progress, /metrics and the restarter all ask this."""
     return heartbeat_at is not None and now - heartbeat_at <= lease
 
 
-HEARTBEAT_EVERY = 5.0
+LEASE_RENEW_EVERY = 5.0
+"""Seconds between a :class:`LeaseKeeper`'s renewals of the lease it keeps, when it is not
+told (pgsieve's own keepers are told ``PGSIEVE_CONSUMER_HEARTBEAT_SECONDS``). Not the
+worker's heartbeat (:data:`pgsieve.platform.taskqueue.WORKER_HEARTBEAT_EVERY`)."""
 LOCK_RETRY_SECONDS = 0.05
 
 
@@ -56,8 +52,7 @@ def rowcount(session: Session, statement: Any) -> int:
 
 
 def try_acquire(
-    sessions: sessionmaker[Session], subscription_id: str, owner: str,
-    lease: timedelta = CONSUMER_LEASE,
+    sessions: sessionmaker[Session], subscription_id: str, owner: str, lease: timedelta,
 ) -> bool:
     """Take the subscription's consumer lock if it is free, stale, or already ours."""
     with sessions() as session:
@@ -115,9 +110,8 @@ class LeaseKeeper:
     work's ownership die with its process is gone (its connection broke: another runner
     may take the work over), so the work stops before it writes anything."""
 
-    def __init__(self, renew: Callable[[], bool], what: str, every: float = HEARTBEAT_EVERY,
-                 lease: timedelta = CONSUMER_LEASE,
-                 alive: Callable[[], bool] | None = None) -> None:
+    def __init__(self, renew: Callable[[], bool], what: str, every: float = LEASE_RENEW_EVERY,
+                 *, lease: timedelta, alive: Callable[[], bool] | None = None) -> None:
         self.renew = renew
         self.what = what
         self.every = every
@@ -164,11 +158,12 @@ class LockKeeper(LeaseKeeper):
         sessions: sessionmaker[Session],
         subscription_id: str,
         owner: str,
-        every: float = HEARTBEAT_EVERY,
-        lease: timedelta = CONSUMER_LEASE,
+        every: float = LEASE_RENEW_EVERY,
+        *,
+        lease: timedelta,
     ) -> None:
         super().__init__(lambda: renew(sessions, subscription_id, owner),
-                         f"the consumer lock of {subscription_id}", every, lease)
+                         f"the consumer lock of {subscription_id}", every, lease=lease)
 
 
 def renew_owned(session: Session, owner: str, held: set[str]) -> set[str]:

@@ -31,7 +31,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform.db import locked
-from pgsieve.platform.locks import CONSUMER_LEASE, consumer_alive
+from pgsieve.platform.locks import consumer_alive
 from pgsieve.platform.models import (
     ConsumerLock,
     Job,
@@ -270,7 +270,7 @@ class MetadataCollector(Collector):
     """Reads the metadata store at scrape time (see the module docstring)."""
 
     def __init__(self, sessions: sessionmaker[Session],
-                 lease: timedelta = CONSUMER_LEASE) -> None:
+                 lease: timedelta) -> None:
         self.sessions = sessions
         self.lease = lease
 

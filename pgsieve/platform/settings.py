@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from datetime import timedelta
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -296,6 +297,14 @@ class Settings(BaseSettings):
     @property
     def state_dir(self) -> Path:
         return self.home.absolute()
+
+    @property
+    def consumer_lease(self) -> timedelta:
+        """``PGSIEVE_CONSUMER_LEASE_SECONDS`` as a period: a consumer lock (or a sync job)
+        whose heartbeat is older is gone (the one rule:
+        :func:`pgsieve.platform.locks.consumer_alive`). Callers pass it explicitly: no
+        function has a default lease, which a forgotten argument would silently get."""
+        return timedelta(seconds=self.consumer_lease_seconds)
 
     @property
     def effective_database_url(self) -> str:

@@ -3,8 +3,9 @@
 They are stored as the strings they are (no database enum, so no data migration) and
 compared with plain strings where convenient (a StrEnum member *is* its string). The
 metadata models load them as members (``StateColumn`` in :mod:`.models`), so a typo in a new state
-fails when it is written, not silently later. SPEC: subscription and table states under
-"Concepts", job states under "Jobs".
+fails when it is written, not silently later. Documented in docs/api.md (a subscription's
+states under "Subscriptions", a job's under "Jobs") and docs/initial-sync.md (a table's
+sync states).
 """
 
 from __future__ import annotations

@@ -20,7 +20,10 @@ from celery import Celery
 
 from pgsieve.platform.settings import Settings, get_settings, private_dir
 
-HEARTBEAT_EVERY = timedelta(seconds=10)
+WORKER_HEARTBEAT_EVERY = timedelta(seconds=10)
+"""How often every worker records its own heartbeat (``worker_heartbeats``, shown in
+``/metrics`` and ``/healthz``). Not the renewal of a lease
+(:data:`pgsieve.platform.locks.LEASE_RENEW_EVERY`)."""
 SAMPLE_PROGRESS_EVERY = timedelta(seconds=10)
 SYNC_SLOT_CLEANUP_EVERY = timedelta(seconds=60)
 PRUNE_AUDIT_EVERY = timedelta(hours=1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import psycopg
 
@@ -32,6 +32,7 @@ from pgsieve.apply.batcher import MicroBatcher
 from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.mergebehind import MergeBehind, MergedBehind, MergesFailed
 from pgsieve.apply.planner import planner_unavailable
+from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.errors import describe_error
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.models import Subscription
@@ -66,7 +67,7 @@ class StreamApplier:
 
     cycle: ConsumeCycle
     consumer: SlotConsumer
-    writer: Any
+    writer: TargetWriter
     keeper: LeaseHolder
     batcher: MicroBatcher
     routes: dict[str, TableRoute]
@@ -195,11 +196,11 @@ class StreamApplier:
         under the routes read now. Returns the batch as applied, and its result."""
         for _ in range(ROUTES_RETRIES):
             try:
-                return batch, apply_batch(self.cycle.spark(), batch, self.writer)
+                return batch, apply_batch(self.cycle.planner(), batch, self.writer)
             except RoutesChanged as changed:
                 log.info("%s; applying the batch again under the routes read now", changed)
                 batch = self._under_fresh_routes(batch)
-        return batch, apply_batch(self.cycle.spark(), batch, self.writer)
+        return batch, apply_batch(self.cycle.planner(), batch, self.writer)
 
     def _under_fresh_routes(self, batch: ApplyBatch) -> ApplyBatch:
         """``batch`` under the routes (and epoch) read now; the next turn re-reads the
@@ -218,7 +219,7 @@ class StreamApplier:
         if behind is None:
             log.info("subscription %s: reading a backlog; its batches merge behind the "
                      "reading", self.cycle.subscription_id)
-            behind = self._behind = MergeBehind(self.writer, planner=self.cycle.spark())
+            behind = self._behind = MergeBehind(self.writer, planner=self.cycle.planner())
         if not behind.in_flight and _shows_pending(batch):
             # (with a batch in flight, its older commit is what is pending)
             self._before_apply(list(batch.transactions))
@@ -324,7 +325,7 @@ class StreamApplier:
         for txn in batch.transactions:
             started = time.monotonic()
             try:
-                result = apply_batch(self.cycle.spark(), replace(batch, transactions=[txn]),
+                result = apply_batch(self.cycle.planner(), replace(batch, transactions=[txn]),
                                      self.writer)
             except (ApplyConflict, TableStopped) as stopped:
                 return stopped.commit_lsn, stopped
@@ -347,7 +348,7 @@ class StreamApplier:
 
         started = time.monotonic()
         try:
-            result = apply_batch(self.cycle.spark(), replace(batch, transactions=prefix),
+            result = apply_batch(self.cycle.planner(), replace(batch, transactions=prefix),
                                  self.writer)
         except (ApplyConflict, TableStopped, ApplyFenced, RoutesChanged) as exc:
             log.warning("subscription %s: the transactions before the failing one did not "

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
 
 import psycopg
 from sqlalchemy import select
@@ -35,6 +34,7 @@ from pgsieve.apply.batch import (
     TableStopped,
 )
 from pgsieve.apply.engine import apply_batch
+from pgsieve.apply.planner import DistributedPlanner
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform import pgserver
 from pgsieve.platform.credentials import scrub_secrets
@@ -62,8 +62,10 @@ def _sync_key(subscription_id: str, table_id: int) -> str:
 
 
 def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Lsn,
-             spark: Any) -> None:
-    """Apply ``table_name``'s changes from its sync slot up to ``upto``, then ``ready``."""
+             planner: DistributedPlanner | None) -> None:
+    """Apply ``table_name``'s changes from its sync slot up to ``upto``, then ``ready``
+    (big batches through ``planner``, the distributed planner: Spark's, handed in by
+    :mod:`pgsieve.workers`)."""
 
     sessions = session_factory(settings.effective_database_url)
     box = settings.secret_box()
@@ -122,7 +124,7 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
                                on_conflict=str(options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),  # type: ignore[arg-type]
                                skip_lsn=skip_lsn, routes_epoch=epoch)
             try:
-                result = apply_batch(spark, batch, writer)
+                result = apply_batch(planner, batch, writer)
             finally:
                 for txn in pending:
                     txn.close()

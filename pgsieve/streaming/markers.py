@@ -27,6 +27,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.apply.target import TargetWriter
 from pgsieve.platform import dispatch
 from pgsieve.platform.db import locked
 from pgsieve.platform.faults import fault_point
@@ -76,7 +77,7 @@ def marker_for(txn: Transaction, subscription_id: str) -> moved.Marker | None:
 
 
 def reach_marker(sessions: sessionmaker[Session], settings: Settings, subscription_id: str,
-                 writer: Any, txn: Transaction, marker: moved.Marker) -> MarkerResult:
+                 writer: TargetWriter, txn: Transaction, marker: moved.Marker) -> MarkerResult:
     """Everything before the marker is applied; what to do with it (see the module)."""
     job_id = marker.subscriptions[subscription_id]
     with sessions() as session:

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any, Protocol
 
 import psycopg
@@ -39,6 +39,7 @@ from pgsieve.apply.batch import (
     DEFAULT_CONFLICT_POLICY,
     TableRoute,
 )
+from pgsieve.apply.planner import DistributedPlanner
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.connpolicy import (
     ConnectionNotAllowed,
@@ -88,7 +89,7 @@ class OpenStream:
     """A subscription's open stream: the target writer and the run (which reads the slot
     through its consumer's transport)."""
 
-    writer: Any
+    writer: TargetWriter
     run: StreamRun
 
     @property
@@ -146,7 +147,7 @@ class ConsumeCycle:
         settings: Settings,
         subscription_id: str,
         *,
-        spark: Callable[[], Any],
+        planner: Callable[[], DistributedPlanner | None],
         owner: str | None = None,
         cycle_seconds: float = CYCLE_SECONDS,
         sessions: sessionmaker[Session] | None = None,
@@ -156,7 +157,7 @@ class ConsumeCycle:
         self.owner = owner or worker_identity()
         self.cycle_seconds = cycle_seconds
         self.sessions = sessions or session_factory(settings.effective_database_url)
-        self._spark = spark
+        self._planner = planner
         self._box = settings.secret_box()
 
     # -- entry point ---------------------------------------------------------------------
@@ -165,7 +166,7 @@ class ConsumeCycle:
             sub = session.get(Subscription, self.subscription_id)
             if sub is None or not sub.enabled or sub.state != SubscriptionState.STREAMING:
                 return CycleOutcome("not_running", "not enabled or not streaming")
-        lease = timedelta(seconds=self.settings.consumer_lease_seconds)
+        lease = self.settings.consumer_lease
         if not try_acquire(self.sessions, self.subscription_id, self.owner, lease):
             self._bump_stat("lock_refusals")
             return CycleOutcome("locked", "another consumer holds the lock")
@@ -324,11 +325,11 @@ class ConsumeCycle:
                              processes=self.settings.read_ahead_processes,
                              buffer_bytes=self.settings.read_ahead_buffer_bytes)
 
-    def spark(self) -> Any:
-        """The worker's distributed planner (Spark's, handed in by pgsieve.workers), started
+    def planner(self) -> Any:
+        """The distributed planner (Spark's, handed in by :mod:`pgsieve.workers`), started
         only when a batch really needs it: small batches apply in the driver, and a cold
         JVM must not hold up a live stream."""
-        return _LazySpark(self._spark)
+        return _LazyPlanner(self._planner)
 
     def _catch_up_tables(self, applied: Lsn | None) -> None:
         """Tables whose copy finished (``catchup``): ready at once if the stream has not
@@ -344,7 +345,7 @@ class ConsumeCycle:
             else:
 
                 catch_up(self.settings, self.subscription_id, name, upto=applied,
-                         spark=self.spark())
+                         planner=self.planner())
 
     def _mark_ready(self, table_name: str) -> None:
         with self.sessions() as session:
@@ -416,13 +417,13 @@ class ConsumeCycle:
                 session.commit()
         return CycleOutcome("error", detail)
 
-class _LazySpark:
-    """Stands in for what the provider returns (the distributed planner); the first attribute
-    access starts (or reuses) it."""
+class _LazyPlanner:
+    """Stands in for what the provider returns (the distributed planner: Spark's, handed
+    in by :mod:`pgsieve.workers`); the first attribute access starts (or reuses) it."""
 
     __slots__ = ("_provider",)
 
-    def __init__(self, provider: Callable[[], Any]) -> None:
+    def __init__(self, provider: Callable[[], DistributedPlanner | None]) -> None:
         self._provider = provider
 
     def __getattr__(self, name: str) -> Any:
@@ -433,7 +434,7 @@ def restart_dead_pipelines(settings: Settings,
     """Subscriptions that should be streaming but have no live consumer (no lock, or a
     lock whose heartbeat is older than the lease) and were not restarted recently."""
     sessions = sessions or session_factory(settings.effective_database_url)
-    lease = timedelta(seconds=settings.consumer_lease_seconds)
+    lease = settings.consumer_lease
     now = utcnow()
     dead: list[str] = []
 

@@ -51,6 +51,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.apply.planner import DistributedPlanner
 from pgsieve.platform import dispatch
 from pgsieve.platform.connpolicy import ConnectionNotAllowed, policy_in_force
 from pgsieve.platform.credentials import SecretBox, scrub_secrets
@@ -71,6 +72,7 @@ from pgsieve.streaming.caughtup import record_caught_up_many
 from pgsieve.streaming.outcome import CycleOutcome
 from pgsieve.streaming.pipeline import ConsumeCycle
 from pgsieve.streaming.readahead import prestart_read_ahead
+from pgsieve.streaming.streamrun import SOURCE_LSN_EVERY
 from pgsieve.streaming.turnqueue import QUIET_WAIT_SECONDS, Held, TurnQueue
 from pgsieve.sync import moved
 from pgsieve.wire.lsn import Lsn
@@ -81,8 +83,6 @@ RETRY_AFTER = 5.0
 """A subscription let go for a transient failure is adopted again after this long."""
 RELEASE_WAIT = 30.0
 """How long an adoption waits for the same subscription's release to end."""
-SOURCE_LSN_EVERY = 2.0
-"""How often the source's WAL position (for lag) is read, per source and worker."""
 ADOPT_AT_ONCE = 4
 """Subscriptions one sweep adopts at once."""
 
@@ -96,7 +96,8 @@ class _SourceState:
 class Scheduler(TurnQueue):
     """Holds subscriptions and runs their turns; see the module docstring."""
 
-    def __init__(self, settings: Settings, *, spark: Callable[[], Any],
+    def __init__(self, settings: Settings, *,
+                 planner: Callable[[], DistributedPlanner | None],
                  sessions: sessionmaker[Session] | None = None,
                  owner: str | None = None,
                  handover: Callable[[str], None] | None = None,
@@ -107,7 +108,8 @@ class Scheduler(TurnQueue):
             owner=owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}")
         self.worker = worker
         """The Celery worker's name: its heartbeat row carries what the scheduler reports."""
-        self._spark = spark
+        self._planner = planner
+        """The distributed planner's provider (Spark's, handed in by :mod:`pgsieve.workers`)."""
         self._handover = handover
         self._adopting: set[str] = set()
         self._releasing: set[str] = set()
@@ -207,7 +209,7 @@ class Scheduler(TurnQueue):
                     return "stopping"
                 self._adopting.add(subscription_id)
         if duplicate:  # a surplus task (redelivered, or beat's): refused like any other
-            ConsumeCycle(self.settings, subscription_id, spark=self._spark, owner=self.owner,
+            ConsumeCycle(self.settings, subscription_id, planner=self._planner, owner=self.owner,
                          sessions=self.sessions)._bump_stat("lock_refusals")
             return "held"
         try:
@@ -217,7 +219,7 @@ class Scheduler(TurnQueue):
                 self._adopting.discard(subscription_id)
 
     def _adopt(self, subscription_id: str) -> str:
-        cycle = ConsumeCycle(self.settings, subscription_id, spark=self._spark,
+        cycle = ConsumeCycle(self.settings, subscription_id, planner=self._planner,
                              owner=self.owner, sessions=self.sessions)
         with self.sessions() as session:
             sub = session.get(Subscription, subscription_id)
@@ -569,17 +571,17 @@ def current() -> Scheduler | None:
 
 
 def ensure_started(settings: Settings, worker: str | None = None, *,
-                   spark: Callable[[], Any]) -> Scheduler | None:
+                   planner: Callable[[], DistributedPlanner | None]) -> Scheduler | None:
     """This process's scheduler, started on first use (worker start, or the first
-    ``consume_cycle`` task); None once the worker is shutting down. ``spark``: the
-    distributed planner for big batches, handed in by :mod:`pgsieve.workers`."""
+    ``consume_cycle`` task); None once the worker is shutting down. ``planner``: the
+    distributed planner for big batches (Spark's, handed in by :mod:`pgsieve.workers`)."""
     global _current
     with _current_mutex:
         if _closed:
             return None
         if _current is None:
             _current = Scheduler(
-                settings, spark=spark,
+                settings, planner=planner,
                 handover=lambda sid: dispatch.consume_cycle(settings, sid), worker=worker)
             _current.start()
         return _current

@@ -16,6 +16,7 @@ import psycopg
 
 from pgsieve.apply import hotpath
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
+from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.connpolicy import Purpose, policy_in_force, secure_conninfo
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.spread import spread
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 CONTROL_EVERY = 1.0
 """How often a cycle re-reads its subscription (disabled? deleted?) and table states."""
 SOURCE_LSN_EVERY = 2.0
+"""How often the source's WAL position (for lag) is read: by a worker's scheduler once per
+source for all the streams it holds, by a stream outside a scheduler for itself."""
 IDLE_RECORD_EVERY = 5.0
 """How often an idle position is recorded at the target and confirmed (WAL release)."""
 CONTROL_SAFETY_EVERY = 30.0
@@ -53,7 +56,7 @@ taken up again this soon."""
 class StreamRun(StreamApplier):
     """The streaming loop of one cycle (state that lives only while it streams)."""
 
-    def __init__(self, cycle: ConsumeCycle, consumer: SlotConsumer, writer: Any,
+    def __init__(self, cycle: ConsumeCycle, consumer: SlotConsumer, writer: TargetWriter,
                  source_dsn: str, options: dict[str, Any], keeper: LeaseHolder, *,
                  control_every: float = CONTROL_EVERY,
                  source_lsn: Callable[[], Lsn | None] | None = None,

@@ -1,4 +1,4 @@
-"""``pgsieve tail``: a slot's decoded changes as JSON lines (SPEC's format).
+"""``pgsieve tail``: a slot's decoded changes as JSON lines (docs/operations.md).
 
 One object per change: ``{"lsn", "xid", "commit_lsn", "table", "op", "new", "old"}``;
 ``op`` is insert/update/delete/truncate/message. Unchanged TOAST columns (``'u'``) are

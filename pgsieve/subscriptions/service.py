@@ -244,7 +244,7 @@ def skip_transaction(session: Session, settings: Settings, sub: Subscription,
 
 
 def _wait_for_consumer_to_stop(session: Session, sub: Subscription, settings: Settings) -> None:
-    lease = timedelta(seconds=settings.consumer_lease_seconds)
+    lease = settings.consumer_lease
     deadline = time.monotonic() + STOP_WAIT_SECONDS
     while live_lock(session, sub, lease) is not None:
         if time.monotonic() > deadline:

@@ -260,7 +260,7 @@ def copy_partition(request: CopyRequest, part: CopyPartition,
         src.execute("SET statement_timeout = 0")
         src.execute("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
         src.execute(sql.SQL("SET TRANSACTION SNAPSHOT {}").format(sql.Literal(request.snapshot)))
-        rows = _pipe(src, tgt, partition_query(table, part), copy_in_statement(table), cancel)
+        rows = pipe_copy(src, tgt, partition_query(table, part), copy_in_statement(table), cancel)
         tgt.execute(
             f"UPDATE {MARKER_SCHEMA}.{MARKER_TABLE} SET rows = %s, copied_at = now() "
             "WHERE subscription_id = %s AND table_name = %s AND attempt = %s "
@@ -276,9 +276,9 @@ class CopyCancelled(Exception):
     """The driver gave up on the copy (its job was lost): the partition rolls back."""
 
 
-def _pipe(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
-          copy_out: sql.Composed, copy_in: sql.Composed,
-          cancel: threading.Event | None = None) -> int:
+def pipe_copy(src: psycopg.Connection[Any], tgt: psycopg.Connection[Any],
+              copy_out: sql.Composed, copy_in: sql.Composed,
+              cancel: threading.Event | None = None) -> int:
     """Stream COPY OUT of ``src`` into COPY IN of ``tgt``; the rows the target took.
 
     libpq hands out COPY data one row per call; the loop only joins them into 1 MB

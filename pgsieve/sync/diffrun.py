@@ -19,8 +19,8 @@ from pgsieve.platform.connpolicy import policy_in_force
 from pgsieve.sync.copypipe import (
     CopyPartition,
     TableCopy,
-    _pipe,
     partition_query,
+    pipe_copy,
     read_copies_together,
 )
 from pgsieve.sync.hashdiff import (
@@ -174,7 +174,7 @@ class DiffRun:
                            self.copy.binary)
         compared = 0
         for relation, _, _ in self.source.leaves:
-            compared += _pipe(self.src, self.tgt, partition_query(
+            compared += pipe_copy(self.src, self.tgt, partition_query(
                 staged, CopyPartition(self.source.table, relation, 0)),
                 self._copy_in("pgsieve_diff", columns))
         classify, delete, update, insert = diff_statements(
@@ -208,7 +208,7 @@ class DiffRun:
         for relation, _, _ in self.source.leaves:
             where = (sql.SQL(" WHERE ({})").format(sql.SQL(self.copy.row_filter))
                      if self.copy.row_filter is not None else sql.SQL(""))
-            compared += _pipe(self.src, tgt, sql.SQL(
+            compared += pipe_copy(self.src, tgt, sql.SQL(
                 "COPY (SELECT {keys}, {h} FROM ONLY {rel}{where}) TO STDOUT{fmt}"
             ).format(keys=names(key), h=self._row_hash(hashable), rel=sql.SQL(relation),
                      where=where, fmt=self._format()),
@@ -338,7 +338,7 @@ class DiffRun:
             conditions = [picked] + ([sql.SQL("({})").format(sql.SQL(self.copy.row_filter))]
                                      if self.copy.row_filter is not None else [])
             for relation, _, _ in self.source.leaves:
-                _pipe(src, tgt, sql.SQL(
+                pipe_copy(src, tgt, sql.SQL(
                     "COPY (SELECT {cols} FROM ONLY {rel} WHERE {where}) TO STDOUT{fmt}"
                 ).format(cols=names(columns), rel=sql.SQL(relation),
                          where=sql.SQL(" AND ").join(conditions), fmt=self._format()),
@@ -385,7 +385,7 @@ class DiffRun:
             conditions = [picked] + ([sql.SQL("({})").format(sql.SQL(self.copy.row_filter))]
                                      if self.copy.row_filter is not None else [])
             for relation, _, _ in self.source.leaves:
-                _pipe(self.src, self.tgt, sql.SQL(
+                pipe_copy(self.src, self.tgt, sql.SQL(
                     "COPY (SELECT {cols} FROM ONLY {rel} WHERE {where}) TO STDOUT{fmt}"
                 ).format(cols=names(columns), rel=sql.SQL(relation),
                          where=sql.SQL(" AND ").join(conditions), fmt=self._format()),

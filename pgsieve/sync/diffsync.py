@@ -137,10 +137,12 @@ class _CopyProgress(threading.Thread):
             log.debug("diff progress: %s", exc)
 
 
-_SAME_TEXT = (("TimeZone", "UTC"), ("DateStyle", "ISO, YMD"), ("IntervalStyle", "postgres"),
-              ("extra_float_digits", "3"), ("bytea_output", "hex"))
+SAME_TEXT_SETTINGS = (("TimeZone", "UTC"), ("DateStyle", "ISO, YMD"),
+                      ("IntervalStyle", "postgres"), ("extra_float_digits", "3"),
+                      ("bytea_output", "hex"))
 """Both ends of a diff render values as text alike (columns hashed as text, keys sent
-back to the source as text), whatever each server's defaults."""
+back to the source as text), whatever each server's defaults; a moved-rows change's
+sessions too (:func:`pgsieve.sync.moved.same_text`)."""
 
 
 RANGE_ROWS = 2_000_000
@@ -186,7 +188,7 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
                             code=ErrorCode.DIFF_NEEDS_KEY)
         for conn in (tgt, src):
             conn.execute("SET statement_timeout = 0")
-            for name, value in _SAME_TEXT:
+            for name, value in SAME_TEXT_SETTINGS:
                 conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name),
                                                            sql.Literal(value)))
         # The staged rows live in this session's local buffers and the full join hashes
@@ -223,7 +225,7 @@ def diff_table(source_dsn: str, snapshot: str, target_dsn: str, source: SourceTa
                       spark := spark_ranges.spark(), spark_ranges.executor_wait)):
                 pieces = max(2 * task_slots(spark), -(-int(rows) // RANGE_ROWS))
                 run.ranged = RangedCompare(
-                    spark, source_dsn, target_dsn, snapshot, pieces, _SAME_TEXT,
+                    spark, source_dsn, target_dsn, snapshot, pieces, SAME_TEXT_SETTINGS,
                     connect_timeout, spark_ranges.job_group)
                 method, counts = "hashes_in_spark", run.by_integer_key()
             elif integer_key and rows <= IN_WORKER_MAX_ROWS:

@@ -151,7 +151,7 @@ class JobRun:
         self.owner = owner or runner_identity()
         self.sessions = sessions or session_factory(settings.effective_database_url)
         self.partition_bytes = partition_bytes
-        self.lease = timedelta(seconds=settings.consumer_lease_seconds)
+        self.lease = settings.consumer_lease
         self.spark_factory = spark
         self.keeper: LeaseKeeper | None = None
         self.after_copy = after_copy

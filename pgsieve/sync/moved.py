@@ -61,7 +61,7 @@ from pgsieve.rowfilter.effective import TableInfo
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.security import audit
 from pgsieve.sync.diffrun import names
-from pgsieve.sync.diffsync import _SAME_TEXT
+from pgsieve.sync.diffsync import SAME_TEXT_SETTINGS
 from pgsieve.sync.syncplan import SyncError
 from pgsieve.wire.messages import LogicalMessage
 
@@ -370,7 +370,7 @@ def stage_corrections(source_dsn: str, snapshot: str, target_dsn: str, marker: s
 
 def same_text(conn: psycopg.Connection[Any]) -> None:
     """Both ends render values alike (the rows travel as COPY text)."""
-    for name, value in _SAME_TEXT:
+    for name, value in SAME_TEXT_SETTINGS:
         conn.execute(sql.SQL("SET {} = {}").format(sql.Identifier(name), sql.Literal(value)))
 
 

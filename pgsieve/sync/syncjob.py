@@ -151,7 +151,7 @@ class SyncJobRunner(JobRun):
             return RunOutcome("busy", "another runner holds the job")
         with LeaseKeeper(lambda: renew_job(self.sessions, self.job_id, self.owner),
                          f"sync job {self.job_id}", self.settings.consumer_heartbeat_seconds,
-                         self.lease, alive=None if lock is None else lock.alive) as keeper:
+                         lease=self.lease, alive=None if lock is None else lock.alive) as keeper:
             self.keeper = keeper
             try:
                 if unreachable is not None:

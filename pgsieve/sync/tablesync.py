@@ -217,7 +217,7 @@ def stale_sync_jobs(settings: Settings,
     the lock is free the moment the process is gone (ADR 0019)."""
 
     sessions = sessions or session_factory(settings.effective_database_url)
-    lease = timedelta(seconds=settings.consumer_lease_seconds)
+    lease = settings.consumer_lease
     takeover = timedelta(seconds=settings.consumer_takeover_seconds)
     now = utcnow()
     box = settings.secret_box()

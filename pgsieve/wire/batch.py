@@ -23,7 +23,8 @@ from typing import Final
 
 from pgsieve.wire.messages import ProtocolError
 
-_SWAP: Final = sys.byteorder == "little"  # the wire is big-endian
+SWAP_BYTES: Final = sys.byteorder == "little"
+"""Integers read from the (big-endian) wire into an array are byte-swapped on this host."""
 
 
 def _ints(code: str, raw: bytes | memoryview, what: str) -> array[int]:
@@ -32,7 +33,7 @@ def _ints(code: str, raw: bytes | memoryview, what: str) -> array[int]:
         raise ProtocolError(f"{what}: {len(raw)} bytes is not a whole number of "
                             f"{values.itemsize}-byte values (offset {len(raw)})")
     values.frombytes(raw)
-    if _SWAP:
+    if SWAP_BYTES:
         values.byteswap()
     return values
 

@@ -37,7 +37,7 @@ from pgsieve.wire.assembler import (
     Transaction,
     TransactionAssembler,
 )
-from pgsieve.wire.batch import _SWAP, MessageBatch
+from pgsieve.wire.batch import SWAP_BYTES, MessageBatch
 from pgsieve.wire.decoder import Decoder, pg_timestamp
 from pgsieve.wire.lsn import Lsn
 from pgsieve.wire.messages import (
@@ -183,7 +183,7 @@ class RawChanges(Changes):
             at = batch.offsets[start:stop]
             ids = array("I", b"".join(map(batch.data.__getitem__, map(
                 slice, map(add, at, repeat(1)), map(add, at, repeat(5))))))
-            if _SWAP:
+            if SWAP_BYTES:
                 ids.byteswap()
             # One shared 1-tuple per relation, not one per change: a million small tuples
             # would cost more in garbage-collector passes than in building them.

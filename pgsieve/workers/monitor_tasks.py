@@ -29,7 +29,7 @@ def run_sampler(settings: Settings) -> dict[str, int]:
     with connection_scope(ConnectionScope(settings.connection_policy())), \
             session_scope(settings.effective_database_url) as session:
         return sample_all(session, box, connect_timeout=settings.connect_timeout,
-                          lease=timedelta(seconds=settings.consumer_lease_seconds))
+                          lease=settings.consumer_lease)
 
 
 def prune_audit_log(settings: Settings) -> int:

@@ -19,7 +19,7 @@ from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.db import session_scope
 from pgsieve.platform.models import WorkerHeartbeat, utcnow
 from pgsieve.platform.settings import Settings
-from pgsieve.platform.taskqueue import HEARTBEAT_EVERY
+from pgsieve.platform.taskqueue import WORKER_HEARTBEAT_EVERY
 from pgsieve.workers.celery_app import celery_app
 
 log = logging.getLogger(__name__)
@@ -76,16 +76,16 @@ def start_scheduler(sender: Any = None, **_: Any) -> None:
     _in_worker = True
     worker = getattr(sender, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
     settings: Settings = celery_app.conf.pgsieve_settings
-    scheduler.ensure_started(settings, worker, spark=lambda: spark_planner(settings))
+    scheduler.ensure_started(settings, worker, planner=lambda: spark_planner(settings))
 
 
 @worker_ready.connect
 def start_heartbeat(sender: Any = None, **_: Any) -> None:
-    """Every worker records its own heartbeat every ``HEARTBEAT_EVERY`` (a task from beat
+    """Every worker records its own heartbeat every ``WORKER_HEARTBEAT_EVERY`` (a task from beat
     would reach one worker of many, and never a busy one)."""
     settings: Settings = celery_app.conf.pgsieve_settings
     worker = getattr(sender, "hostname", None) or f"{socket.gethostname()}:{os.getpid()}"
-    every = HEARTBEAT_EVERY.total_seconds()
+    every = WORKER_HEARTBEAT_EVERY.total_seconds()
 
     def beat() -> None:
         while True:
@@ -114,12 +114,12 @@ def consume_cycle(self: Task[Any, Any], subscription_id: str) -> str:
     settings = _settings(self)
     if _in_worker:
         running = scheduler.ensure_started(settings, self.request.hostname,
-                                           spark=lambda: spark_planner(settings))
+                                           planner=lambda: spark_planner(settings))
         if running is None:  # this worker is shutting down: for another one
             dispatch.consume_cycle(settings, subscription_id, countdown=1)
             return "stopping"
         return running.adopt(subscription_id)
-    outcome = ConsumeCycle(settings, subscription_id, spark=lambda: spark_planner(settings),
+    outcome = ConsumeCycle(settings, subscription_id, planner=lambda: spark_planner(settings),
                            cycle_seconds=settings.consume_cycle_seconds).run()
     if outcome.requeue:
         dispatch.consume_cycle(settings, subscription_id, countdown=outcome.delay)

@@ -63,7 +63,7 @@ def test_unknown_publication_and_missing_parameter(client, source_db: Database):
 def test_filter_varying_by_operation_stays_meaningful(client, source_db: Database):
     """The manual's 31.3.7 tables with p2 publishing inserts only: t2's INSERTs pass
     `e = 99 OR d = 10`, its UPDATEs/DELETEs only `d = 10` (p3). A client reading only
-    SPEC's `filter` must not take that for "every row"."""
+    the `filter` field must not take that for "every row"."""
     source_db.execute(EXAMPLE.replace(
         "CREATE PUBLICATION p2 FOR TABLE t1, t2 WHERE (e = 99);",
         "CREATE PUBLICATION p2 FOR TABLE t1, t2 WHERE (e = 99) WITH (publish = 'insert');"))

@@ -84,7 +84,7 @@ def world(client, source_db: Database, target_db: Database, metadata_engine,
         for seconds, changes in ((0.03, 1), (0.3, 50), (3.0, 900), (200.0, 283)):
             record_batch(session, sub.id, seconds, changes)
             session.commit()
-        assert sample_all(session, settings.secret_box()) == {
+        assert sample_all(session, settings.secret_box(), lease=settings.consumer_lease) == {
             "sources": 1, "subscriptions": 1, "pruned": 0}
         progress = session.query(ProgressSample).one()
         source_sample = session.query(SourceSample).one()

@@ -275,12 +275,15 @@ def test_history_is_sampled_bounded_and_pruned(client, settings, sub, source_db,
                                    lag_seconds=1.0))
         session.add(SourceSample(source_id=sub["source_id"], sampled_at=old, wal_lsn=1))
         session.commit()
-        assert sample_all(session, box) == {"sources": 1, "subscriptions": 1, "pruned": 2}
+        lease = settings.consumer_lease
+        assert sample_all(session, box, lease=lease) == {"sources": 1, "subscriptions": 1,
+                                                         "pruned": 2}
         # A duplicate beat right after writes nothing (the task is idempotent).
-        assert sample_all(session, box) == {"sources": 0, "subscriptions": 0, "pruned": 0}
+        assert sample_all(session, box, lease=lease) == {"sources": 0, "subscriptions": 0,
+                                                         "pruned": 0}
         _commit(source_db, "INSERT INTO public.orders VALUES (1, 'eu')")
         time.sleep(1.1)
-        assert sample_all(session, box, force=True)["subscriptions"] == 1
+        assert sample_all(session, box, force=True, lease=lease)["subscriptions"] == 1
         count = session.scalar(select(func.count()).select_from(ProgressSample))
     assert count == 2
 

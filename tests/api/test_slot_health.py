@@ -165,7 +165,7 @@ def test_health_of_an_unreachable_source(client, settings, source_id, metadata_e
     assert "hunter2-pw" not in r.text
     # The sampler records the failure instead of failing (and /metrics shows source_up 0).
     with Session(metadata_engine) as session:
-        assert sample_all(session, box)["sources"] == 1
+        assert sample_all(session, box, lease=settings.consumer_lease)["sources"] == 1
         sample = session.query(SourceSample).one()
         assert sample.wal_lsn is None and sample.error and "hunter2" not in sample.error
 
@@ -215,10 +215,10 @@ def test_projection_warnings_and_invalidation(client, settings, tight_wal, metad
     # Two samples with WAL written between them give the recent WAL rate.
     box = settings.secret_box()
     with Session(metadata_engine) as session:
-        sample_all(session, box, force=True)
+        sample_all(session, box, force=True, lease=settings.consumer_lease)
         _write_wal(db, 4)
         time.sleep(1.0)
-        sample_all(session, box, force=True)
+        sample_all(session, box, force=True, lease=settings.consumer_lease)
         positions = [s.wal_lsn or 0
                      for s in session.query(SourceSample).order_by(SourceSample.id)]
     assert positions[1] - positions[0] > 2 * MB

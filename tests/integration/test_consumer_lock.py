@@ -24,6 +24,9 @@ from pgsieve.platform.migrate import upgrade
 from pgsieve.platform.models import ConsumerLock, Source, Subscription, Target, utcnow
 from tests.integration.test_migrations import pg_metadata_url  # noqa: F401 - fixture
 
+LEASE = timedelta(seconds=30)
+"""PGSIEVE_CONSUMER_LEASE_SECONDS' default: the stale locks here are minutes old."""
+
 
 @pytest.fixture(params=["sqlite", "postgresql"])
 def sessions(request, tmp_path):
@@ -46,25 +49,25 @@ def sessions(request, tmp_path):
 
 
 def test_one_owner_at_a_time(sessions):
-    assert try_acquire(sessions, "sub1", "a")
-    assert not try_acquire(sessions, "sub1", "b")
-    assert try_acquire(sessions, "sub1", "a"), "the owner may take its own lock again"
+    assert try_acquire(sessions, "sub1", "a", LEASE)
+    assert not try_acquire(sessions, "sub1", "b", LEASE)
+    assert try_acquire(sessions, "sub1", "a", LEASE), "the owner may take its own lock again"
     assert renew(sessions, "sub1", "a")
     assert not renew(sessions, "sub1", "b")
     release(sessions, "sub1", "b")  # not b's: no effect
-    assert not try_acquire(sessions, "sub1", "b")
+    assert not try_acquire(sessions, "sub1", "b", LEASE)
     release(sessions, "sub1", "a")
-    assert try_acquire(sessions, "sub1", "b")
+    assert try_acquire(sessions, "sub1", "b", LEASE)
 
 
 def test_stale_lock_is_taken_over_and_the_old_owner_notices(sessions):
-    assert try_acquire(sessions, "sub1", "a")
+    assert try_acquire(sessions, "sub1", "a", LEASE)
     with sessions() as s:
         s.execute(update(ConsumerLock).values(heartbeat_at=utcnow() - timedelta(minutes=5)))
         s.commit()
-    assert try_acquire(sessions, "sub1", "b")
+    assert try_acquire(sessions, "sub1", "b", LEASE)
     assert not renew(sessions, "sub1", "a")
-    keeper = LockKeeper(sessions, "sub1", "a", every=0.05)
+    keeper = LockKeeper(sessions, "sub1", "a", every=0.05, lease=LEASE)
     with keeper:
         assert keeper.lost.wait(5)
 
@@ -79,7 +82,7 @@ def test_concurrent_contenders_exactly_one_wins(sessions):
 
     def contend(name: str) -> None:
         barrier.wait()
-        if try_acquire(sessions, "sub1", name):
+        if try_acquire(sessions, "sub1", name, LEASE):
             wins.append(name)
 
     threads = [threading.Thread(target=contend, args=(f"w{i}",)) for i in range(6)]
@@ -93,10 +96,10 @@ def test_concurrent_contenders_exactly_one_wins(sessions):
 
 
 def test_keeper_renews_while_held(sessions):
-    assert try_acquire(sessions, "sub1", "a")
+    assert try_acquire(sessions, "sub1", "a", LEASE)
     with sessions() as s:
         before = s.get(ConsumerLock, "sub1").heartbeat_at
-    with LockKeeper(sessions, "sub1", "a", every=0.05) as keeper:
+    with LockKeeper(sessions, "sub1", "a", every=0.05, lease=LEASE) as keeper:
         threading.Event().wait(0.3)
         assert not keeper.lost.is_set()
     with sessions() as s:
@@ -114,7 +117,7 @@ def test_one_heartbeat_renews_every_lock_of_a_worker(sessions):
         s.commit()
     old = utcnow() - timedelta(minutes=5)
     for i in ids:
-        assert try_acquire(sessions, i, "w1")
+        assert try_acquire(sessions, i, "w1", LEASE)
     with sessions() as s:
         s.execute(update(ConsumerLock).values(heartbeat_at=old))
         s.commit()

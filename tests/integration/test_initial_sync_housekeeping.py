@@ -59,7 +59,7 @@ def test_a_dead_runner_is_replaced_and_a_live_one_is_not(tmp_path: Path, source_
     with sync_env(tmp_path) as env:
         _, job_id = env.subscribe(source_db, target_db, ["pab"], enabled=False)
         sessions = session_factory(env.settings.effective_database_url)
-        lease = timedelta(seconds=env.settings.consumer_lease_seconds)
+        lease = env.settings.consumer_lease
         assert claim(sessions, job_id, "runner-1", lease)
         assert not claim(sessions, job_id, "runner-2", lease)  # runner-1 is alive
         assert stale_sync_jobs(env.settings) == []
@@ -89,7 +89,7 @@ def test_a_runner_holding_its_lock_is_never_displaced_and_a_dead_one_is_at_once(
                   consumer_takeover_seconds=2.0) as env:
         _, job_id = env.subscribe(source_db, target_db, ["pab"], enabled=False)
         sessions = session_factory(env.settings.effective_database_url)
-        lease = timedelta(seconds=env.settings.consumer_lease_seconds)
+        lease = env.settings.consumer_lease
         takeover = timedelta(seconds=env.settings.consumer_takeover_seconds)
         runner = AdvisoryLocks(source_db.dsn, namespace=SYNC_JOB_NAMESPACE)
         assert runner.try_lock(job_id)

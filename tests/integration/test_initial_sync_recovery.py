@@ -53,7 +53,7 @@ def _writes(source: Database, n: int) -> None:
 
 def _cycle(env: SyncEnv, sub_id: str, seconds: float = 2.0) -> str:
     settings = env.settings
-    return ConsumeCycle(settings, sub_id, spark=lambda: spark_planner(settings),
+    return ConsumeCycle(settings, sub_id, planner=lambda: spark_planner(settings),
                         cycle_seconds=seconds).run().outcome
 
 

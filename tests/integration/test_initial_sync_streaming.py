@@ -100,7 +100,7 @@ class Cycles(threading.Thread):
         settings = self.env.settings
         while not self.stop.is_set():
             outcome = ConsumeCycle(settings, self.subscription_id,
-                                   spark=lambda: spark_planner(settings), cycle_seconds=3.0).run()
+                                   planner=lambda: spark_planner(settings), cycle_seconds=3.0).run()
             self.outcomes.append(outcome.outcome)
             if outcome.outcome not in ("done", "retry", "locked"):
                 return
@@ -214,7 +214,7 @@ def test_catch_up_replays_the_sync_slot_up_to_the_stream_then_hands_over(
         sub_id, job_id = env.subscribe(source_db, target_db, ["pub_items", "pub_events"],
                                        name="catchup")
         assert env.run_job(job_id).outcome == "done"
-        first = ConsumeCycle(settings, sub_id, spark=lambda: spark_planner(settings),
+        first = ConsumeCycle(settings, sub_id, planner=lambda: spark_planner(settings),
                              cycle_seconds=2.0).run()
         assert first.outcome == "done", first
         assert set(_applied(env, sub_id)[1].values()) == {"ready"}
@@ -238,7 +238,7 @@ def test_catch_up_replays_the_sync_slot_up_to_the_stream_then_hands_over(
         writer = TargetWriter(target_db.dsn, sub_id)
         before = writer.applied_lsn()
         writer.close()
-        catch_up(settings, sub_id, "public.items", upto=upto, spark=spark_planner(settings))
+        catch_up(settings, sub_id, "public.items", upto=upto, planner=spark_planner(settings))
         _state, tables = _applied(env, sub_id)
         assert tables["public.items"] == "ready"
         assert rows(target_db, "items") == rows(source_db, "items WHERE grp < 5")
@@ -252,7 +252,7 @@ def test_catch_up_replays_the_sync_slot_up_to_the_stream_then_hands_over(
         # The main stream now applies events and skips the items changes already replayed.
         source_db.execute("UPDATE items SET val = 'later' WHERE id = 5001")
         for _ in range(3):
-            ConsumeCycle(settings, sub_id, spark=lambda: spark_planner(settings),
+            ConsumeCycle(settings, sub_id, planner=lambda: spark_planner(settings),
                          cycle_seconds=2.0).run()
     _wait(lambda: _native_caught_up(native_db, source_db), 60, "native caught up")
     for table in ("items", "events"):

@@ -66,7 +66,7 @@ def test_a_refused_source_stops_its_stream_and_resumes_when_allowed(
             "copy_data": False})["id"]
         wait_until(lambda: env.subscription(sub)["state"] == "streaming", 30,
                    "the subscription to stream", env)
-        scheduler = Scheduler(env.settings, spark=lambda: None,
+        scheduler = Scheduler(env.settings, planner=lambda: None,
                               sessions=session_factory(env.settings.effective_database_url))
         scheduler.start()
         try:

@@ -51,7 +51,7 @@ def _stream_until(env: SyncEnv, sub_id: str, target: Database, lsn: str,
     while not _pgsieve_caught_up(target, lsn):
         if time.monotonic() > deadline:
             pytest.fail(f"pgsieve did not apply up to {lsn}; cycles: {outcomes}")
-        outcome = ConsumeCycle(settings, sub_id, spark=lambda: spark_planner(settings),
+        outcome = ConsumeCycle(settings, sub_id, planner=lambda: spark_planner(settings),
                                cycle_seconds=2.0).run()
         outcomes.append(outcome.outcome)
         assert outcome.outcome in ("done", "retry", "locked"), outcome

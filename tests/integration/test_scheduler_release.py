@@ -43,7 +43,7 @@ def test_an_adoption_during_a_let_go_waits_and_keeps_both_locks(
         wait_until(lambda: env.subscription(sub)["state"] == "streaming", 30,
                    "the subscription to stream", env)
         sessions = session_factory(env.settings.effective_database_url)
-        scheduler = Scheduler(env.settings, spark=lambda: None, sessions=sessions)
+        scheduler = Scheduler(env.settings, planner=lambda: None, sessions=sessions)
         try:
             assert scheduler.adopt(sub) == "adopted"
             first = scheduler._held[sub]

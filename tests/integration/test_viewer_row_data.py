@@ -51,7 +51,7 @@ def test_row_values_reach_operators_and_never_a_viewer(
         with sessions() as session:
             tokens = {role: create_token(session, f"t-{role}", role)[1]
                       for role in ("viewer", "operator")}
-        scheduler = Scheduler(env.settings, spark=lambda: None, sessions=sessions)
+        scheduler = Scheduler(env.settings, planner=lambda: None, sessions=sessions)
         scheduler.start()
         try:
             source_db.execute(f"INSERT INTO a VALUES ('{CONFLICTING}', 'x')")

@@ -201,7 +201,7 @@ def test_a_batch_staged_by_spark_tasks_shows_its_job_group_and_counts_its_task_f
     assert stats["last_batch"]["spark"] == report  # the newest batch was Spark's again
 
     registry = CollectorRegistry()
-    registry.register(MetadataCollector(sessionmaker(engine)))
+    registry.register(MetadataCollector(sessionmaker(engine), timedelta(seconds=30)))
     text = generate_latest(registry).decode()
     assert 'pgsieve_spark_task_failures_total{kind="apply"} 4.0' in text
     assert 'pgsieve_spark_task_failures_total{kind="sync"} 0.0' in text

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import cast
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.settings import Settings
 from pgsieve.streaming.markers import JOB_NOT_SEEN_RETRY_SECONDS, Reached, reach_marker
@@ -36,6 +38,8 @@ def _marker_txn(age: float) -> Transaction:
 
 
 MARKER = moved.Marker("m1", {"sub1": "job-not-committed-yet"})
+NO_WRITER = cast(TargetWriter, None)
+"""Not reached on these paths."""
 
 
 @pytest.mark.parametrize(("age", "retry_after"), [
@@ -45,7 +49,7 @@ MARKER = moved.Marker("m1", {"sub1": "job-not-committed-yet"})
 def test_a_stream_ahead_of_the_jobs_commit_looks_again_soon(
         sessions: sessionmaker[Session], tmp_path: Path, age: float,
         retry_after: float | None) -> None:
-    result = reach_marker(sessions, Settings(home=tmp_path), "sub1", None, _marker_txn(age),
+    result = reach_marker(sessions, Settings(home=tmp_path), "sub1", NO_WRITER, _marker_txn(age),
                           MARKER)
     assert result.reached is Reached.WAITING
     assert result.retry_after == retry_after
@@ -54,6 +58,6 @@ def test_a_stream_ahead_of_the_jobs_commit_looks_again_soon(
 
 def test_a_marker_whose_job_never_appears_is_passed_over(
         sessions: sessionmaker[Session], tmp_path: Path) -> None:
-    result = reach_marker(sessions, Settings(home=tmp_path), "sub1", None,
+    result = reach_marker(sessions, Settings(home=tmp_path), "sub1", NO_WRITER,
                           _marker_txn(moved.ORPHAN_MARKER_SECONDS + 1), MARKER)
     assert result.reached is Reached.ORDINARY

@@ -48,7 +48,7 @@ class _Run:
 def _scheduler(tmp_path: Path, idle_poll_seconds: float = 5.0) -> Scheduler:
     settings = Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'meta.db'}",
                         idle_poll_seconds=idle_poll_seconds)
-    return Scheduler(settings, spark=lambda: None)
+    return Scheduler(settings, planner=lambda: None)
 
 
 def _hold(scheduler: Scheduler, name: str, run: _Run) -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 from pgsieve.platform.settings import Settings
@@ -27,6 +28,7 @@ def test_environment_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("PGSIEVE_API_TOKEN", "zq-token-value")
     monkeypatch.setenv("PGSIEVE_SECRET_KEY", "zq-secret-key")
     monkeypatch.setenv("PGSIEVE_SPARK_MASTER", "spark://master:7077")
+    monkeypatch.setenv("PGSIEVE_CONSUMER_LEASE_SECONDS", "12.5")
     monkeypatch.chdir(tmp_path)
     s = Settings()
     assert s.effective_database_url == "postgresql+psycopg://u@h/meta"
@@ -34,6 +36,7 @@ def test_environment_variables(monkeypatch, tmp_path):
     assert s.effective_api_token() == "zq-token-value"
     assert s.effective_secret_key() == "zq-secret-key"
     assert s.spark_master == "spark://master:7077"
+    assert s.consumer_lease == timedelta(seconds=12.5)  # every lease is this one
     assert "zq-token-value" not in repr(s) and "zq-secret-key" not in repr(s)
     assert not (tmp_path / ".pgsieve").exists()
 

@@ -48,7 +48,7 @@ def test_the_schedulers_threads_are_named(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'meta.db'}"
     upgrade(url)
     scheduler = Scheduler(Settings(home=tmp_path, database_url=url, scheduler_threads=2),
-                          spark=lambda: None)
+                          planner=lambda: None)
     wanted = {"turns-0", "turns-1", "push", "progress", "sweep", "lock-heartbeat"}
     scheduler.start()
     try:  # (a thread names itself once it runs: started is not yet running)

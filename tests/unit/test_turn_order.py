@@ -25,7 +25,7 @@ from pgsieve.streaming.turnqueue import PUSHED_AGE_CAP, Held
 
 def _scheduler(tmp_path: Path, **settings: Any) -> Scheduler:
     return Scheduler(Settings(home=tmp_path, database_url=f"sqlite:///{tmp_path / 'm.db'}",
-                              **settings), spark=lambda: None)
+                              **settings), planner=lambda: None)
 
 
 def _parked(scheduler: Scheduler, *names: str) -> None:

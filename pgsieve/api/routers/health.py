@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, timedelta
+from datetime import UTC
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -44,7 +44,7 @@ def healthz(request: Request, session: SessionDep) -> dict[str, Any]:
 
 def _workers_on_python(request: Request, session: Session) -> list[str]:
     """Workers with a recent heartbeat whose scheduler runs the pure-Python hot path."""
-    lease = timedelta(seconds=request.app.state.settings.consumer_lease_seconds)
+    lease = request.app.state.settings.consumer_lease
     cutoff = utcnow() - lease
     out = []
     for beat in session.scalars(select(WorkerHeartbeat).order_by(WorkerHeartbeat.worker)):
@@ -64,7 +64,7 @@ def _registry(request: Request) -> CollectorRegistry:
         ProcessCollector(registry=registry)
         PlatformCollector(registry=registry)
         GCCollector(registry=registry)
-        lease = timedelta(seconds=request.app.state.settings.consumer_lease_seconds)
+        lease = request.app.state.settings.consumer_lease
         registry.register(MetadataCollector(request.app.state.sessionmaker, lease))
         request.app.state.metrics_registry = registry
     return registry

@@ -33,7 +33,7 @@ def subscription_progress(
     sub = load_subscription(session, subscription_id)
     body = observe.observe_subscription(
         session, sub, box, connect_timeout=settings.connect_timeout,
-        lease=timedelta(seconds=settings.consumer_lease_seconds))
+        lease=settings.consumer_lease)
     return body if may_see_rows(principal) else rowdata.progress(body)
 
 
@@ -69,4 +69,4 @@ def source_health(
     """Reachability, WAL rate, every slot with its health, and the worst status."""
     source = load_source(session, source_id)
     return observe.source_health(session, source, box, connect_timeout=settings.connect_timeout,
-                                 lease=timedelta(seconds=settings.consumer_lease_seconds))
+                                 lease=settings.consumer_lease)

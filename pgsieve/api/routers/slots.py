@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response, status
@@ -17,13 +16,8 @@ from pgsieve.platform import pgserver
 from pgsieve.platform.errors import Conflict, ErrorCode, NotFound
 from pgsieve.platform.lookups import load_source, source_connection
 from pgsieve.platform.models import Slot, Subscription, SubscriptionTable
-from pgsieve.platform.settings import Settings
 
 router = APIRouter(prefix="/sources/{source_id}/slots", tags=["slots"])
-
-
-def _lease(settings: Settings) -> timedelta:
-    return timedelta(seconds=settings.consumer_lease_seconds)
 
 
 @router.get("", response_model=list[SlotHealthOut])
@@ -35,7 +29,7 @@ def list_slots(
     projected time until ``max_slot_wal_keep_size`` would invalidate it."""
     source = load_source(session, source_id)
     with source_connection(source, settings, box) as conn:
-        slots, _facts = observe.slots_with_health(session, source, conn, _lease(settings))
+        slots, _facts = observe.slots_with_health(session, source, conn, settings.consumer_lease)
     return slots
 
 
@@ -45,7 +39,7 @@ def get_slot(
 ) -> dict[str, Any]:
     source = load_source(session, source_id)
     with source_connection(source, settings, box) as conn:
-        slots, _facts = observe.slots_with_health(session, source, conn, _lease(settings))
+        slots, _facts = observe.slots_with_health(session, source, conn, settings.consumer_lease)
     slot = next((s for s in slots if s["name"] == name), None)
     if slot is None:
         raise NotFound(f"no replication slot named '{name}'", code=ErrorCode.SLOT_NOT_FOUND)

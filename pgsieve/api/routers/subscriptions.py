@@ -6,7 +6,6 @@ Thin: request validation and the answer's shape here; the rules are in
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 from fastapi import APIRouter, Query, Response, status
@@ -39,7 +38,7 @@ def subscription_out(session: Session, sub: Subscription, settings: Settings
     """The subscription as the API shows it; ``consumer`` is the live consumer by the same
     rule as ``/progress`` and ``/metrics`` (a heartbeat within
     ``PGSIEVE_CONSUMER_LEASE_SECONDS``), so the three never disagree."""
-    lock = service.live_lock(session, sub, timedelta(seconds=settings.consumer_lease_seconds))
+    lock = service.live_lock(session, sub, settings.consumer_lease)
     conflict = sub.stats.get("last_conflict") if sub.state == SubscriptionState.ERROR else None
     return {
         "id": sub.id,
