@@ -20,8 +20,10 @@ Batches are planned and staged in the driver unless they hold at least
 (:mod:`pgsieve.spark.distributed`, through the planner), each COPYing its share in
 parallel. On a 2-core worker host the driver wins at every size (a warm Spark job costs
 ~0.3 s, and the tasks compete with both PostgreSQL servers for the same cores), so the
-default is never — measured in ADR 0002 (docs/decisions/0002-driver-vs-spark-apply.md).
-With executors on other machines the tasks add real cores.
+default (``auto``) never uses them in local mode, and on a cluster only with at least 32
+task slots from the measured crossover on — measured in ADR 0002
+(docs/decisions/0002-driver-vs-spark-apply.md). With executors on other machines the tasks
+add real cores.
 """
 
 from __future__ import annotations
