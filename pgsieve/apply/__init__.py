@@ -4,8 +4,9 @@ Pure (no I/O):
 
 * :mod:`.batch` — what the consumer hands to the apply job (:class:`ApplyBatch`) and what
   comes back (:class:`ApplyResult`), plus the errors that stop a pipeline.
-* :mod:`.plan`, :mod:`.net_effect` — one pass over a batch: routes, UPDATE images, the
-  net effect per target table and key; :mod:`.batcher` cuts the stream into batches.
+* :mod:`.planbuilder`, :mod:`.plan`, :mod:`.net_effect` — one pass over a batch (the
+  builder) to its plan: routes, UPDATE images, the net effect per target table and key;
+  :mod:`.batcher` cuts the stream into batches.
 * :mod:`.columns`, :mod:`.staging`, :mod:`.copytext` — target columns, staging rows
   encoded as COPY text or binary.
 
