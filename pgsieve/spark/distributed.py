@@ -336,7 +336,7 @@ def _feed(builder: PlanBuilder, items: _TableItems, relations: list[Relation], p
             builder.raw_changes(RawView.of_lists(raws, rel_list, lsns, proto), ti, commit_lsn)
 
 
-def _stage_table(writer: Any, tp: TablePlan, staging: str | None) -> dict[str, Any]:
+def _stage_table(writer: TargetWriter, tp: TablePlan, staging: str | None) -> dict[str, Any]:
     reason = tp.reason()
     if reason is not None or staging is None:
         return {"sequential": reason or "not staged", "summary": StageSummary().to_dict()}
@@ -357,7 +357,7 @@ def apply_job_group(batch: ApplyBatch) -> str:
     return f"pgsieve-apply-{batch.subscription_id}-{batch.end_lsn}"
 
 
-def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | None,
+def plan_and_stage(spark: Any, batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None,
                    timings: dict[str, float]
                    ) -> tuple[BatchPlan, dict[str, StagedTable], int, dict[str, Any]]:
     """Split the batch, have Spark tasks plan and stage each part, and return the plan,
