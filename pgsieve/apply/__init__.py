@@ -13,7 +13,8 @@ Pure (no I/O):
 At the target (psycopg):
 
 * :mod:`.target` — :class:`TargetWriter`: the target connection (pinned session
-  settings), its tables and identities, staging tables, the applied-LSN record.
+  settings), with :mod:`.applied` (the applied-LSN record and the routes fence),
+  :mod:`.shapes` (its tables and identities) and :mod:`.stagingtables`.
 * :mod:`.merge` — one target transaction merging every staged table;
   :mod:`.sequential` — change by change, where set-based semantics could differ.
 * :mod:`.driver` — resolving, fetching unchanged TOAST values and staging from the
