@@ -128,7 +128,9 @@ class AppliedRecord:
 
     def __init__(self, subscription_id: str) -> None:
         self.subscription_id = subscription_id
-        self._lsn: Lsn | None = None
+        self.lsn: Lsn | None = None
+        """What this writer's last :meth:`read` or commit left the record at (while
+        :meth:`is_known`)."""
         self._known = False
         self._prepared = False
         self.locked_epoch = 0
@@ -160,29 +162,20 @@ class AppliedRecord:
             f"SELECT end_lsn::text FROM {SCHEMA}.{APPLIED_TABLE} WHERE subscription_id = %s",
             (self.subscription_id,)).fetchone()
         lsn = None if row is None or row[0] == "0/0" else Lsn.parse(row[0])
-        self._lsn, self._known = lsn, True
+        self.lsn, self._known = lsn, True
         return lsn
 
-    def expected(self, conn: psycopg.Connection[Any]) -> Lsn | None:
-        """:meth:`read` as this writer's last commit of it left it, read only when
-        unknown. Only the subscription's one consumer writes the record, and the merge
-        still locks and compares it inside its transaction (another writer's commit
-        fences this one off, see ``ApplyFenced``); a query per batch was a round trip of
-        every small batch."""
-        return self._lsn if self._known else self.read(conn)
-
     def unknown(self) -> None:
-        """Forget the remembered LSN (a transaction writing it is under way or failed):
-        the next :meth:`read` reads it."""
+        """Forget the remembered LSN (a transaction writing it is under way or failed)."""
         self._known = False
 
     def is_known(self) -> bool:
-        """Whether :meth:`expected` answers without a query."""
+        """Whether :attr:`lsn` is what the record holds (as far as this writer knows)."""
         return self._known
 
     def committed(self, lsn: Lsn | None) -> None:
         """The transaction that left the record at ``lsn`` committed."""
-        self._lsn, self._known = lsn, True
+        self.lsn, self._known = lsn, True
 
     def details(self, conn: psycopg.Connection[Any]) -> dict[str, Any] | None:
         row = conn.execute(
@@ -261,28 +254,17 @@ class AppliedRecord:
             (str(end_lsn), None if commit_lsn is None else str(commit_lsn), commit_time,
              self.subscription_id))
 
-    def idle(self, conn: psycopg.Connection[Any], lsn: Lsn) -> None:
-        """Nothing of this subscription commits before ``lsn``: record it as applied (only
-        ever forward), so a restart resumes there and the slot may release the WAL.
-        ``conn`` in autocommit.
+    def advance(self, conn: psycopg.Connection[Any], lsn: Lsn) -> bool:
+        """Move the record forward to ``lsn`` where it exists and is behind, in one
+        statement and its own transaction (``conn`` in autocommit); whether it moved.
 
-        One statement, its own transaction, where the record exists and is behind — every
-        record of an idle stream after its first: the locking transaction took four round
-        trips, and with many subscriptions the idle records were a tenth of the turns'
-        time (the lag at N = 50 did not move with it, ADR 0023). A merge holding the
-        record's lock makes it wait and then compare
-        with what the merge committed."""
-        self.unknown()
+        Why one statement: this is every record of an idle stream after its first
+        (:meth:`~.target.TargetWriter.record_idle`): the locking transaction took four
+        round trips, and with many subscriptions the idle records were a tenth of the
+        turns' time (the lag at N = 50 did not move with it, ADR 0023). A merge holding
+        the record's lock makes it wait and then compare with what the merge committed."""
         moved = conn.execute(
             f"UPDATE {SCHEMA}.{APPLIED_TABLE} SET end_lsn = %s::pg_lsn, updated_at = now() "
             "WHERE subscription_id = %s AND end_lsn < %s::pg_lsn RETURNING 1",
             (str(lsn), self.subscription_id, str(lsn))).fetchone()
-        if moved is not None:
-            self.committed(lsn)
-            return
-        with conn.transaction():
-            current = self.lock(conn)
-            if current is None or current < lsn:
-                self.write(conn, lsn, None, None)
-                current = lsn
-        self.committed(current)
+        return moved is not None

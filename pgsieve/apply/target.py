@@ -124,8 +124,11 @@ class TargetWriter:
 
     def expected_applied(self) -> Lsn | None:
         """:meth:`applied_lsn` as this writer's last commit of it left it, read only when
-        unknown (:meth:`.AppliedRecord.expected`)."""
-        return self.record.expected(self.conn)
+        unknown. Only the subscription's one consumer writes the record, and the merge
+        still locks and compares it inside its transaction (another writer's commit
+        fences this one off, see ``ApplyFenced``); a query per batch was a round trip of
+        every small batch."""
+        return self.record.lsn if self.record.is_known() else self.applied_lsn()
 
     def applied_unknown(self) -> None:
         """Forget the remembered applied LSN (a transaction writing it is under way or
@@ -175,8 +178,19 @@ class TargetWriter:
 
     def record_idle(self, lsn: Lsn) -> None:
         """Nothing of this subscription commits before ``lsn``: record it as applied (only
-        ever forward; :meth:`.AppliedRecord.idle`)."""
-        self.record.idle(self.conn, lsn)
+        ever forward), so a restart resumes there and the slot may release the WAL — in
+        one statement where the record is behind (:meth:`.AppliedRecord.advance`), else
+        in a transaction that locks it."""
+        self.applied_unknown()
+        if self.record.advance(self.conn, lsn):
+            self.applied_committed(lsn)
+            return
+        with self.conn.transaction():
+            current = self.lock_applied(self.conn)
+            if current is None or current < lsn:
+                self.write_applied(self.conn, lsn, None, None)
+                current = lsn
+        self.applied_committed(current)
 
     def hand_over_marks(self, subscription_id: str) -> None:
         """Give this writer's marks (:mod:`.fetchmarks`) to ``subscription_id``: a table's
