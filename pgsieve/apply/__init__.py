@@ -4,15 +4,17 @@ Pure (no I/O):
 
 * :mod:`.batch` — what the consumer hands to the apply job (:class:`ApplyBatch`) and what
   comes back (:class:`ApplyResult`), plus the errors that stop a pipeline.
-* :mod:`.plan`, :mod:`.net_effect` — one pass over a batch: routes, UPDATE images, the
-  net effect per target table and key; :mod:`.batcher` cuts the stream into batches.
+* :mod:`.planbuilder`, :mod:`.plan`, :mod:`.net_effect` — one pass over a batch (the
+  builder) to its plan: routes, UPDATE images, the net effect per target table and key;
+  :mod:`.batcher` cuts the stream into batches.
 * :mod:`.columns`, :mod:`.staging`, :mod:`.copytext` — target columns, staging rows
   encoded as COPY text or binary.
 
 At the target (psycopg):
 
 * :mod:`.target` — :class:`TargetWriter`: the target connection (pinned session
-  settings), its tables and identities, staging tables, the applied-LSN record.
+  settings), with :mod:`.applied` (the applied-LSN record and the routes fence),
+  :mod:`.shapes` (its tables and identities) and :mod:`.stagingtables`.
 * :mod:`.merge` — one target transaction merging every staged table;
   :mod:`.sequential` — change by change, where set-based semantics could differ.
 * :mod:`.driver` — resolving, fetching unchanged TOAST values and staging from the

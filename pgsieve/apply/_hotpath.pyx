@@ -4,10 +4,10 @@
 Five functions, each the exact counterpart of a pure-Python reference that stays in the
 tree and is what runs when this module was not built:
 
-* :func:`scan_text_tuple` — :func:`pgsieve.apply.plan.scan_text_tuple`;
-* :func:`raw_segments` — :meth:`pgsieve.apply.plan._Builder.raw_segments`, the planner's
-  loop over the raw pgoutput bytes of plain transactions, with the rows read straight from
-  the message buffer (no slice per message, no Python frame per row);
+* :func:`scan_text_tuple` — :func:`pgsieve.apply.planbuilder.scan_text_tuple`;
+* :func:`raw_segments` — :meth:`pgsieve.apply.planbuilder.PlanBuilder.raw_segments`, the
+  planner's loop over the raw pgoutput bytes of plain transactions, with the rows read
+  straight from the message buffer (no slice per message, no Python frame per row);
 * :func:`encode_copy` — :meth:`pgsieve.apply.staging.StageEncoder.encode_copy`, the staged
   rows written as escaped COPY text into one C buffer;
 * :func:`encode_inserts` — :func:`pgsieve.apply.direct.encode_inserts`, a table effect of
@@ -91,7 +91,7 @@ cdef object _scan(const unsigned char* p, Py_ssize_t n, Py_ssize_t pos, Py_ssize
 
 
 def scan_text_tuple(bytes data, Py_ssize_t pos):
-    """See :func:`pgsieve.apply.plan.scan_text_tuple`."""
+    """See :func:`pgsieve.apply.planbuilder.scan_text_tuple`."""
     cdef Py_ssize_t end = 0
     values = _scan(<const unsigned char*>PyBytes_AS_STRING(data), PyBytes_GET_SIZE(data),
                    pos, &end)
@@ -105,7 +105,7 @@ cdef inline object _key(tuple values, bint one, Py_ssize_t k0, tuple kr):
 
 
 def raw_segments(builder, raw, segments):
-    """See :meth:`pgsieve.apply.plan._Builder.raw_segments` (kept line for line)."""
+    """See :meth:`pgsieve.apply.planbuilder.PlanBuilder.raw_segments` (kept line for line)."""
     raws, buf, offsets, _, _, rel_list, rel_map, lsns, proto = raw
     decoder = None
     cdef const unsigned char* bp = NULL

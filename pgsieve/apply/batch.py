@@ -202,7 +202,7 @@ class ApplyFenced(RuntimeError):
 class RoutesChanged(RuntimeError):
     """The subscription's routes changed after this batch's were read: a sync job took a
     table out of the stream and fenced the target (it moved the record's routes epoch,
-    :func:`pgsieve.apply.target.fence_routes`). Nothing was committed; read the routes
+    :func:`pgsieve.apply.applied.fence_routes`). Nothing was committed; read the routes
     again and apply the batch under them."""
 
     def __init__(self, subscription_id: str, expected: int | None, found: int | None) -> None:

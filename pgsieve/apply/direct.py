@@ -60,7 +60,7 @@ from pgsieve.apply.net_effect import (
     operation,
 )
 from pgsieve.apply.plan import TablePlan
-from pgsieve.apply.target import copy_in
+from pgsieve.apply.stagingtables import copy_in
 
 DIRECT_MAX_ROWS = 64
 """Keys per table up to which a batch's table is written without staging. Chosen, not

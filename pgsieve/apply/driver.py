@@ -16,7 +16,8 @@ from pgsieve.apply.merge import StagedTable, stage_table
 from pgsieve.apply.net_effect import MASK, ROW, SOURCE, UMASK, mask_positions
 from pgsieve.apply.plan import BatchPlan, RelationMap
 from pgsieve.apply.sequential import fetch_unchanged
-from pgsieve.apply.target import TableMissing, TargetWriter
+from pgsieve.apply.shapes import TableMissing
+from pgsieve.apply.target import TargetWriter
 from pgsieve.wire.lsn import Lsn
 
 

@@ -42,7 +42,8 @@ from pgsieve.apply.batch import ApplyBatch, ApplyResult
 from pgsieve.apply.direct import DirectTable, plan_apart, plan_direct
 from pgsieve.apply.driver import fetch_pending, resolver, stage_in_driver
 from pgsieve.apply.merge import StagedTable, merge, stage_table
-from pgsieve.apply.plan import BatchPlan, TablePlan, build_plan
+from pgsieve.apply.plan import BatchPlan, TablePlan
+from pgsieve.apply.planbuilder import build_plan
 from pgsieve.apply.planner import DistributedPlanner, PlannerUnavailable
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings

@@ -141,6 +141,25 @@ class FetchMarks:
             else:
                 self._tables.pop(name, None)
 
+    def hand_over(self, conn: psycopg.Connection[Any], subscription_id: str) -> None:
+        """Give these marks to ``subscription_id`` (``conn`` in autocommit): a table's
+        catch-up hands its values read ahead over to the subscription's stream, which
+        applies the table's changes from then on (it reads them again once its routes
+        change)."""
+        with conn.transaction():
+            conn.execute(
+                f"INSERT INTO {SCHEMA}.{FETCHED_TABLE} AS f "
+                "(subscription_id, target_table, key, columns, source_lsn) "
+                f"SELECT %s, target_table, key, columns, source_lsn FROM {SCHEMA}.{FETCHED_TABLE} "
+                "WHERE subscription_id = %s "
+                "ON CONFLICT (subscription_id, target_table, key) DO UPDATE "
+                "SET columns = excluded.columns, source_lsn = excluded.source_lsn",
+                (subscription_id, self.subscription_id))
+            conn.execute(
+                f"DELETE FROM {SCHEMA}.{FETCHED_TABLE} WHERE subscription_id = %s",
+                (self.subscription_id,))
+        self.invalidate()
+
 
 class MarkBook:
     """One merge attempt's marks: copies of the committed ones it changes, written in its

@@ -1,7 +1,7 @@
 """Which implementation of the apply's per-change hot path runs: compiled or the reference.
 
-The planner's loop over raw pgoutput rows (:meth:`.plan._Builder.raw_segments`, with
-:func:`.plan.scan_text_tuple`) and the COPY encoding of staged rows
+The planner's loop over raw pgoutput rows (:meth:`.planbuilder.PlanBuilder.raw_segments`,
+with :func:`.planbuilder.scan_text_tuple`) and the COPY encoding of staged rows
 (:meth:`.staging.StageEncoder.encode_copy`) are where a catch-up spends its Python time
 (ADR 0017), with the splitter's cutting of plain transactions
 (:mod:`pgsieve.wire.hotpath`). ``pgsieve/apply/_hotpath.pyx`` and

@@ -202,9 +202,9 @@ def _merge_steps(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
         recorded = writer.lock_applied(conn)
         if recorded != expected_applied:
             raise ApplyFenced(batch.subscription_id, expected_applied, recorded)
-        if batch.routes_epoch is not None and writer.locked_epoch != batch.routes_epoch:
+        if batch.routes_epoch is not None and writer.record.locked_epoch != batch.routes_epoch:
             raise RoutesChanged(batch.subscription_id, batch.routes_epoch,
-                                writer.locked_epoch)
+                                writer.record.locked_epoch)
         writer.replica_role(conn)
     book = outcome.marks
     if book is not None:

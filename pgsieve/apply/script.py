@@ -43,12 +43,13 @@ from psycopg import errors, generators
 from psycopg.pq import DiagnosticField, ExecStatus
 from psycopg.pq.abc import PGresult
 
+from pgsieve.apply.applied import APPLIED_TABLE, expect_rows
 from pgsieve.apply.batch import ApplyBatch, ApplyFenced, RoutesChanged
 from pgsieve.apply.direct import DirectMismatch, DirectTable
 from pgsieve.apply.net_effect import mask_positions
 from pgsieve.apply.plan import BatchPlan, TablePlan
 from pgsieve.apply.staging import SCHEMA
-from pgsieve.apply.target import APPLIED_TABLE, TargetWriter, expect_rows
+from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.faults import fault_point
 from pgsieve.wire.lsn import Lsn
 

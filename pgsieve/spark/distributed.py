@@ -5,7 +5,7 @@ only its key to pick a partition (a hash of the key; a table with an UPDATE that
 a key goes to one partition whole, because a moved row links two keys). Each partition's
 share — raw pgoutput bytes, in commit order — becomes one row of a DataFrame with one row
 per partition; ``mapInArrow`` runs :func:`stage_partition` on each: the same pure net
-effect as the driver path (:mod:`pgsieve.apply.plan`), then a COPY of its rows into
+effect as the driver path (:mod:`pgsieve.apply.planbuilder`), then a COPY of its rows into
 the shared staging tables over its own target connection. Keys never span partitions, so
 the staged rows are exactly what the driver path would stage. The merge is the driver's,
 as for small batches.
@@ -32,14 +32,8 @@ from pgsieve.apply.columns import TargetTable
 from pgsieve.apply.driver import fetch_pending, resolver
 from pgsieve.apply.fetchmarks import key_of_text, key_text
 from pgsieve.apply.merge import StagedTable
-from pgsieve.apply.plan import (
-    BatchPlan,
-    RawView,
-    RelationMap,
-    TablePlan,
-    _Builder,
-    raw_view,
-)
+from pgsieve.apply.plan import BatchPlan, RelationMap, TablePlan
+from pgsieve.apply.planbuilder import PlanBuilder, RawView, raw_view
 from pgsieve.apply.planner import DistributedPlanner
 from pgsieve.apply.staging import StageEncoder, StageSummary
 from pgsieve.apply.target import TargetWriter
@@ -103,7 +97,7 @@ class _TableItems:
         self.ti, self.ci, self.lsn, self.commit, self.rel, self.payload = [], [], [], [], [], []
 
 
-class _Splitter(_Builder):
+class _Splitter(PlanBuilder):
     """The driver's light walk: routes, counts, images, truncates — and, instead of net
     effects, each change appended to its partition."""
 
@@ -285,7 +279,7 @@ def stage_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatc
             targets: dict[str, TargetTable] = job["targets"]
             relations: list[Relation] = job["relations"]
             batch = ApplyBatch(job["subscription_id"], [], routes)
-            builder = _Builder(batch, targets.__getitem__, None)
+            builder = PlanBuilder(batch, targets.__getitem__, None)
             proto = job["proto"]
             for name, items in job["tables"].items():
                 del name
@@ -313,7 +307,7 @@ def stage_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatc
                 "seconds": time.perf_counter() - started})]})
 
 
-def _feed(builder: _Builder, items: _TableItems, relations: list[Relation], proto: int) -> None:
+def _feed(builder: PlanBuilder, items: _TableItems, relations: list[Relation], proto: int) -> None:
     """Replay one table's items through the builder, transaction by transaction."""
     rels = [(r,) for r in relations]
     n = len(items.ti)
@@ -342,7 +336,7 @@ def _feed(builder: _Builder, items: _TableItems, relations: list[Relation], prot
             builder.raw_changes(RawView.of_lists(raws, rel_list, lsns, proto), ti, commit_lsn)
 
 
-def _stage_table(writer: Any, tp: TablePlan, staging: str | None) -> dict[str, Any]:
+def _stage_table(writer: TargetWriter, tp: TablePlan, staging: str | None) -> dict[str, Any]:
     reason = tp.reason()
     if reason is not None or staging is None:
         return {"sequential": reason or "not staged", "summary": StageSummary().to_dict()}
@@ -363,7 +357,7 @@ def apply_job_group(batch: ApplyBatch) -> str:
     return f"pgsieve-apply-{batch.subscription_id}-{batch.end_lsn}"
 
 
-def plan_and_stage(spark: Any, batch: ApplyBatch, writer: Any, expected: Lsn | None,
+def plan_and_stage(spark: Any, batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None,
                    timings: dict[str, float]
                    ) -> tuple[BatchPlan, dict[str, StagedTable], int, dict[str, Any]]:
     """Split the batch, have Spark tasks plan and stage each part, and return the plan,

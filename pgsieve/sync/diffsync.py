@@ -48,7 +48,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from pgsieve.apply.target import IDENTITY_SQL
+from pgsieve.apply.shapes import IDENTITY_SQL
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point

@@ -46,8 +46,8 @@ from sqlalchemy import update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from pgsieve.apply.shapes import IDENTITY_SQL
 from pgsieve.apply.staging import SCHEMA
-from pgsieve.apply.target import IDENTITY_SQL
 from pgsieve.platform import dispatch
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.errors import ErrorCode

@@ -48,8 +48,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pgsieve.apply.applied import APPLIED_TABLE
 from pgsieve.apply.staging import SCHEMA
-from pgsieve.apply.target import APPLIED_TABLE
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.faults import fault_point
 from pgsieve.sync.diffrun import names

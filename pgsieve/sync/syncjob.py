@@ -48,7 +48,7 @@ from typing import Any
 import psycopg
 from sqlalchemy.orm import Session, sessionmaker
 
-from pgsieve.apply.target import fence_routes
+from pgsieve.apply.applied import fence_routes
 from pgsieve.platform import dispatch
 from pgsieve.platform.connpolicy import ConnectionNotAllowed, Purpose, secure_conninfo
 from pgsieve.platform.credentials import scrub_secrets

@@ -88,7 +88,7 @@ class RawChanges(Changes):
     cost). The lists (``raw_messages``, ``_lsns``, ``_rels``) of the packed form are built
     on first use, with C-level operations, and kept; :attr:`wire_bytes` needs none.
 
-    The apply plan (``core.apply.plan.raw_view``) reads the fields directly to parse rows
+    The apply plan (``pgsieve.apply.planbuilder.raw_view``) reads the fields directly to parse rows
     in place: ``_proto``; packed: ``_batch`` (``data``, ``offsets``, ``lsns``),
     ``_start``, ``_stop``, ``_relations``; lists: ``raw_messages``, ``_rels``, ``_lsns``.
     Keep those names.

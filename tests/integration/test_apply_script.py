@@ -12,10 +12,10 @@ import psycopg
 import pytest
 
 from pgsieve.apply import script
+from pgsieve.apply.applied import fence_routes
 from pgsieve.apply.batch import ApplyConflict, ApplyFenced, RoutesChanged
 from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.script import insert_chunks
-from pgsieve.apply.target import fence_routes
 from tests.integration import test_apply as harness
 from tests.integration.test_apply import Pair, staging_only
 
@@ -267,7 +267,7 @@ def test_row_statements_are_prepared_once_per_shape_and_again_when_the_table_cha
     pair.target.execute("ALTER TABLE q ADD COLUMN note text DEFAULT 'target''s own'")
     assert pair.native is not None
     pair.native.execute("ALTER TABLE q ADD COLUMN note text DEFAULT 'target''s own'")
-    pair.writer._shapes_read_at -= 3600  # as if the shape check were due
+    pair.writer.shapes.checked_at -= 3600  # as if the shape check were due
     pair.run("INSERT INTO q (id, v) VALUES (20, 'after')", "UPDATE q SET v = 'w' WHERE id = 2")
     results = pair.apply(1)  # (and assert_same's end marker before them)
     assert _scripts(results) == len(results) >= 3

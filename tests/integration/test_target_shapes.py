@@ -14,7 +14,8 @@ import psycopg
 import pytest
 from psycopg import conninfo
 
-from pgsieve.apply.target import TableMissing, TargetWriter
+from pgsieve.apply.shapes import TableMissing
+from pgsieve.apply.target import TargetWriter
 from tests.conftest import Database
 
 
@@ -32,7 +33,7 @@ def writer(target_db: Database) -> Iterator[TargetWriter]:
 
 
 def _expire(writer: TargetWriter) -> None:
-    writer._shapes_read_at -= 3600  # as if the TTL had passed
+    writer.shapes.checked_at -= 3600  # as if the TTL had passed
 
 
 def test_unchanged_shapes_are_kept_past_their_ttl(writer: TargetWriter) -> None:

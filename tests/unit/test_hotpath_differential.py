@@ -25,7 +25,8 @@ from pgsieve.apply.columns import TargetColumn, TargetTable
 from pgsieve.apply.copytext import decode_line
 from pgsieve.apply.direct import encode_inserts, split_inserts
 from pgsieve.apply.net_effect import MASK, ORIGIN, ROW, SOURCE, UMASK, TableEffect
-from pgsieve.apply.plan import BatchPlan, build_plan, scan_text_tuple
+from pgsieve.apply.plan import BatchPlan
+from pgsieve.apply.planbuilder import build_plan, scan_text_tuple
 from pgsieve.apply.staging import StageEncoder
 from pgsieve.wire import (
     Begin,

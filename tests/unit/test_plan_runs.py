@@ -1,5 +1,5 @@
 """The apply plan reads consecutive small transactions packed in one batch as one run of
-segments (``_Builder.raw_segments``): the plan must be exactly what planning each
+segments (``PlanBuilder.raw_segments``): the plan must be exactly what planning each
 transaction on its own gives — with transactions the target already holds, the one at
 ``skip_lsn``, a table whose route starts applying at a commit LSN inside the run,
 Relation messages changing the relation map between transactions, key changes,
@@ -16,7 +16,8 @@ import pytest
 
 from pgsieve.apply.batch import ApplyBatch, TableRoute, TableStopped
 from pgsieve.apply.columns import TargetColumn, TargetTable
-from pgsieve.apply.plan import BatchPlan, RawView, RelationMaps, _Builder, build_plan
+from pgsieve.apply.plan import BatchPlan, RelationMaps
+from pgsieve.apply.planbuilder import PlanBuilder, RawView, build_plan
 from pgsieve.platform.states import SyncState
 from pgsieve.wire import (
     Begin,
@@ -108,7 +109,7 @@ def packed_transactions(messages: list[tuple[int, bytes]], rng: random.Random
     return txns
 
 
-class OneByOne(_Builder):
+class OneByOne(PlanBuilder):
     """The reference: every transaction planned alone (no runs)."""
 
     def raw_segments(self, raw: RawView,
@@ -150,7 +151,7 @@ def test_runs_plan_exactly_as_transactions_one_by_one(seed: int) -> None:
     def resolve(qualified: str) -> TargetTable:
         return tables[qualified.split(".")[1]]
 
-    got = _Builder(batch, resolve, applied).build()
+    got = PlanBuilder(batch, resolve, applied).build()
     want = OneByOne(batch, resolve, applied).build()
     # The image sample is counted when planned and decoded when first read.
     assert got.images._records is None and len(got.images) == len(want.images) > 0
@@ -179,7 +180,7 @@ def test_relation_maps_kept_across_batches_plan_as_fresh_ones(seed: int) -> None
         batch = ApplyBatch("sub", txns[cut:cut + step], routes)
         cut += step
         got = build_plan(batch, resolve, None, known)
-        want = _Builder(batch, resolve, None).build()
+        want = PlanBuilder(batch, resolve, None).build()
         assert summary(got) == summary(want)
 
     rel = relation(10, "t")
