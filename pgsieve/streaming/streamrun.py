@@ -273,7 +273,7 @@ class StreamRun(StreamApplier):
         self._control_at = now
         self._control_safety = spread(CONTROL_SAFETY_EVERY)  # (pgsieve.platform.spread)
         # The target's routes epoch first, then the routes: a sync job commits a table's
-        # leaving the stream before it moves the epoch (apply.target.fence_routes), so
+        # leaving the stream before it moves the epoch (apply.applied.fence_routes), so
         # routes read after an epoch are never older than it; batches carry the epoch and
         # the merge refuses one whose epoch moved (RoutesChanged).
         epoch = self.writer.read_routes_epoch()

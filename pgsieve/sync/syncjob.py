@@ -333,7 +333,7 @@ class SyncJobRunner(JobRun):
     def _fence_stream(self, ctx: SyncContext) -> None:
         """The tables left the stream (``init``, committed): from now on no batch whose
         routes were read before may commit at the target. The target's record of the
-        subscription gets a new routes epoch (:func:`~pgsieve.apply.target.fence_routes`);
+        subscription gets a new routes epoch (:func:`~pgsieve.apply.applied.fence_routes`);
         every merge locks that record and compares the epoch its batch's routes were read
         under, so a batch planned with the table still ``ready`` is refused (and applied
         again under the new routes) instead of writing the table under the copy.
