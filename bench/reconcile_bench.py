@@ -23,7 +23,7 @@ exactly the new filter's rows:
   ``reconcile: diff``; timed from the PATCH until its job is done — its ``finished_at`` —
   and from the PATCH's answer (the change committed) until then (the stream, caught
   up, waits at the change's marker and the job merges the rows the change moves as it
-  reads them under the change's own snapshot: ``pgsieve/sync/parked_merge.py``).
+  reads them under the change's own snapshot: ``pgsieve/sync/reconcile/parked_merge.py``).
   The PATCH's own time is shown too: the source's writers to the table wait for it
   (the SHARE lock of the change's transaction);
 * pgsieve moved rows, staged — the same with the rows staged at the target and merged

@@ -191,7 +191,7 @@ class AppliedRecord:
         """Inside the merge transaction: lock the record (created on first use), return
         it. ``nowait``: raise ``LockNotAvailable`` at once if another transaction holds it
         (a reconciliation job merging for a stream waiting at its marker,
-        :mod:`pgsieve.sync.parked_merge`)."""
+        :mod:`pgsieve.sync.reconcile.parked_merge`)."""
         lock = (f"SELECT end_lsn::text, routes_epoch FROM {SCHEMA}.{APPLIED_TABLE} "
                 "WHERE subscription_id = %s FOR UPDATE" + (" NOWAIT" if nowait else ""))
         row = conn.execute(lock, (self.subscription_id,)).fetchone()

@@ -2,6 +2,6 @@
 (:mod:`.service`), the desired state in the metadata store kept in step with them
 (:mod:`.store`), and the source catalog as PostgreSQL stores it (:mod:`.catalog`). What a
 change means for the subscriptions using it is the sync domain's
-(:mod:`pgsieve.sync.reconcile`), composed with a change in
+(:mod:`pgsieve.sync.reconcile.filterchange`), composed with a change in
 :mod:`pgsieve.subscriptions.publication_change`.
 """

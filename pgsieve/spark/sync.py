@@ -2,7 +2,7 @@
 
 The copy itself — partitions piped source → target over libpq, their markers, the
 worker's own threads — is :mod:`pgsieve.sync.copypipe`; a diff's key ranges are
-:mod:`pgsieve.sync.keyranges`. They hand their tasks here: :func:`run_tasks` runs one
+:mod:`pgsieve.sync.reconcile.keyranges`. They hand their tasks here: :func:`run_tasks` runs one
 Spark job of one task per item (Spark contributes the parallelism, placement and
 retries), :func:`task_slots` says how many run at once, :func:`warm_python_workers`
 starts the executors' Python workers ahead of the first copy, and

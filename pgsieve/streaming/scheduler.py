@@ -74,7 +74,7 @@ from pgsieve.streaming.pipeline import ConsumeCycle
 from pgsieve.streaming.readahead import prestart_read_ahead
 from pgsieve.streaming.streamrun import SOURCE_LSN_EVERY
 from pgsieve.streaming.turnqueue import QUIET_WAIT_SECONDS, Held, TurnQueue
-from pgsieve.sync import moved
+from pgsieve.sync.reconcile import moved
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ from pgsieve.streaming.appliednotes import ImageTrims, ProgressBook
 from pgsieve.streaming.batchapply import StreamApplier
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
 from pgsieve.streaming.consumer import ConsumerItem, IdleProgress, Quiet, SlotConsumer
-from pgsieve.streaming.markers import Reached, marker_for, reach_marker
 from pgsieve.streaming.outcome import WORKER_STOPPING, CycleOutcome, LeaseHolder, Stop
 from pgsieve.streaming.turnreader import TurnReader
+from pgsieve.sync.reconcile.markers import Reached, marker_for, reach_marker
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 
@@ -237,10 +237,10 @@ class StreamRun(StreamApplier):
         return worked
 
     def _at_marker(self, txn: Transaction) -> bool:
-        """A filter change's marker for this subscription (:mod:`.markers`): what came
-        before is applied first; True when the marker was dealt with here (applied, or
-        applied before), False when it goes on as an ordinary transaction. Raises
-        :class:`~.outcome.Stop` (retry soon) while its corrections are not staged."""
+        """A filter change's marker for this subscription (:mod:`pgsieve.sync.reconcile.markers`):
+        what came before is applied first; True when the marker was dealt with here
+        (applied, or applied before), False when it goes on as an ordinary transaction.
+        Raises :class:`~.outcome.Stop` (retry soon) while its corrections are not staged."""
         marker = marker_for(txn, self.cycle.subscription_id)
         if marker is None:
             return False

@@ -2,12 +2,12 @@
 (optionally reconciling the subscriptions' target rows by diff) and plan what a change
 would do — apart from HTTP.
 
-The publication side (validate, apply in one source transaction, write the metadata
-inside it) is :func:`pgsieve.publications.store.save`; this module adds what only the
-layer above the sync domain may know: a reconciling change is refused while a
-subscription that would need a diff job already runs a sync, the change becomes one
-point of every stream (:class:`~pgsieve.sync.reconcile.ChangePoint`, handed to the save as
-its hook), and the diff jobs are dispatched after the commit. The router
+The publication side (validate, apply in one source transaction, write the metadata inside
+it) is :func:`pgsieve.publications.store.save`; this module adds what only the layer above
+the sync domain may know: a reconciling change is refused while a subscription that would
+need a diff job already runs a sync, the change becomes one point of every stream
+(:class:`~pgsieve.sync.reconcile.filterchange.ChangePoint`, handed to the save as its
+hook), and the diff jobs are dispatched after the commit. The router
 (:mod:`pgsieve.api.routers.publications`) parses the request and renders the result.
 """
 
@@ -29,8 +29,8 @@ from pgsieve.platform.settings import Settings
 from pgsieve.publications import store
 from pgsieve.publications.patch import PublicationEdits, patched_definition
 from pgsieve.publications.service import publication_lock
-from pgsieve.sync import reconcile
 from pgsieve.sync.queue import active_sync_job
+from pgsieve.sync.reconcile import filterchange
 
 
 def change_publication(
@@ -55,10 +55,10 @@ def change_publication(
         row = store.load_managed(session, source, name, conn)
         pub = patched_definition(row.name, store.desired(row), edits)
         before = _before_reconcile(session, source, name, conn) if reconciling else None
-        point = None if before is None else reconcile.ChangePoint(
+        point = None if before is None else filterchange.ChangePoint(
             session, source, name, before, pub, settings, load_dsn(box, source))
         saved = store.save(session, conn, source, pub, row, dry_run=dry_run, point=point)
-        reconciled = (reconcile.reconcile(session, source, name, before, conn,
+        reconciled = (filterchange.reconcile(session, source, name, before, conn,
                                           None if point is None else point.jobs)
                       if before is not None else None)
     for item in reconciled or []:
@@ -81,16 +81,16 @@ def plan_change(
         row = store.load_managed(session, source, name, conn)
         pub = patched_definition(row.name, store.desired(row), edits)
         saved = store.save(session, conn, source, pub, row, dry_run=True)
-        return reconcile.plan(conn, session, source, name, saved.definition, settings)
+        return filterchange.plan(conn, session, source, name, saved.definition, settings)
 
 
 def _before_reconcile(session: Session, source: Source, name: str,
-                      conn: psycopg.Connection[Any]) -> reconcile.Before:
+                      conn: psycopg.Connection[Any]) -> filterchange.Before:
     """Refuse a reconciling change while a subscription that would need a diff job
     already runs a sync (nothing is changed then: 409 ``sync_in_progress``); else the
     subscriptions' publications as the catalog has them before the change."""
 
-    subs = reconcile.users(session, source, name)
+    subs = filterchange.users(session, source, name)
     for sub in subs:
         running = active_sync_job(session, sub.id)
         if running is not None:
@@ -98,4 +98,4 @@ def _before_reconcile(session: Session, source: Source, name: str,
                 f"sync job {running} of subscription {sub.name} has not finished yet; "
                 "change the publication once it has, or with reconcile: none",
                 code=ErrorCode.SYNC_IN_PROGRESS, job_id=running)
-    return reconcile.read_before(conn, subs)
+    return filterchange.read_before(conn, subs)

@@ -36,7 +36,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SubscriptionState, SyncState
 from pgsieve.publications.catalog import read_publications, read_tables
 from pgsieve.rowfilter.effective import effective_filters
-from pgsieve.sync import moved
+from pgsieve.sync.reconcile import moved
 from pgsieve.sync.snapshot import HELPER_APPLICATION
 from pgsieve.wire.lsn import InvalidLsn, Lsn, format_lsn
 

@@ -1,5 +1,5 @@
 """A sync job's differential phase: the target keeps its rows and gets only the
-differences from the source under the job's snapshot (:mod:`.diffsync`), then each table
+differences from the source under the job's snapshot (:mod:`.reconcile.diffsync`), then each table
 waits in ``catchup`` from the snapshot's position exactly as after a copy.
 """
 
@@ -12,9 +12,9 @@ import psycopg
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.states import SyncState
-from pgsieve.sync.diffrun import IN_WORKER_MAX_ROWS
-from pgsieve.sync.diffsync import SparkRanges, diff_table
 from pgsieve.sync.jobrun import JobRun, Lost, SyncContext
+from pgsieve.sync.reconcile.diffrun import IN_WORKER_MAX_ROWS
+from pgsieve.sync.reconcile.diffsync import SparkRanges, diff_table
 from pgsieve.sync.snapshot import ExportedSnapshot
 from pgsieve.sync.syncplan import (
     read_source_tables,
@@ -32,7 +32,7 @@ class DiffPhase:
 
     def diff_under(self, ctx: SyncContext, snap: ExportedSnapshot, names: list[str],
                     *, own_slot: bool) -> None:
-        """The differential resync of ``names`` under ``snap`` (:mod:`.diffsync`): the
+        """The differential resync of ``names`` under ``snap`` (:mod:`.reconcile.diffsync`): the
         target keeps its rows and gets only the differences, then each table waits in
         ``catchup`` from the snapshot's position exactly as after a copy. A diff that died
         rolled back; running it again under the same snapshot is the resumption."""

@@ -125,7 +125,7 @@ class SyncContext:
     partition_bytes: int | None = None
     freeze: bool = True
     mode: str = "copy"
-    """copy (empty and load) or diff (write only the differences, :mod:`.diffsync`)."""
+    """copy (empty and load) or diff (write only the differences, :mod:`.reconcile.diffsync`)."""
 
 
 # -- the run's shared state ---------------------------------------------------------------

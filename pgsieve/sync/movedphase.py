@@ -1,7 +1,7 @@
-"""A sync job that reconciles a filter change by the rows it moves (:mod:`.moved`):
+"""A sync job that reconciles a filter change by the rows it moves (:mod:`.reconcile.moved`):
 stage them at the target under the change's snapshot for the stream to merge at its
 marker, or — the stream already waiting there — merge them as they are read
-(:mod:`.parked_merge`).
+(:mod:`.reconcile.parked_merge`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from pgsieve.platform import dispatch
 from pgsieve.platform.models import Job
 from pgsieve.platform.states import JobState
-from pgsieve.sync import moved, parked_merge
 from pgsieve.sync.jobrun import JobRun, Lost, SyncContext
+from pgsieve.sync.reconcile import moved, parked_merge
 from pgsieve.sync.snapshot import ExportedSnapshot
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ class MovedRowsPhase:
         self.runner = runner
 
     def stage(self, ctx: SyncContext) -> None:
-        """A filter change reconciled by the rows it moves (:mod:`.moved`): stage them
+        """A filter change reconciled by the rows it moves (:mod:`.reconcile.moved`): stage them
         under the change's snapshot, then wait a while for the stream to merge them at
         its marker (the stream ends the job). Run again (the watchdog re-enqueues a job
         whose runner stopped), it finds them staged, or merged, and does no work twice."""
@@ -99,7 +99,7 @@ class MovedRowsPhase:
     def _merge_while_reading(self, ctx: SyncContext, marker: str,
                              tables: list[moved.MovedTable], snap: ExportedSnapshot) -> bool:
         """The stream waits at the marker (or gets there within the grace): merge the
-        rows as they are read, for it (:mod:`.parked_merge`). Whether that was done (the
+        rows as they are read, for it (:mod:`.reconcile.parked_merge`). Whether that was done (the
         job is ended then)."""
         settings = self.runner.settings
         if not (settings.reconcile_merge_while_reading and ctx.enabled) or not \

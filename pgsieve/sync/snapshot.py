@@ -181,7 +181,7 @@ def hold_imported_snapshot(
     timeout: float = 30.0,
 ) -> ExportedSnapshot:
     """Start a detached helper that imports ``snapshot`` (exported by a transaction that
-    is still open: a filter change's, see :mod:`.moved`) and exports it again, holding it
+    is still open: a filter change's, see :mod:`.reconcile.moved`) and exports it again, holding it
     while any of ``job_ids`` runs (or is not created yet, for ``grace_seconds``). The
     exporting transaction may then commit: the snapshot lives on in the helper. ``tag``
     names it in the jobs' ``released_snapshots``."""

@@ -60,7 +60,6 @@ from pgsieve.platform.locks import SYNC_JOB_NAMESPACE, AdvisoryLocks, LeaseKeepe
 from pgsieve.platform.models import Job, Source, Subscription, Target, utcnow
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SubscriptionState, SyncState
-from pgsieve.sync import moved
 from pgsieve.sync.copyphase import CopyPhase
 from pgsieve.sync.diffphase import DiffPhase
 from pgsieve.sync.jobrun import (
@@ -76,6 +75,7 @@ from pgsieve.sync.jobrun import (
 from pgsieve.sync.jobsnapshots import JobSnapshots
 from pgsieve.sync.movedphase import MovedRowsPhase
 from pgsieve.sync.queue import ACTIVE_STATES
+from pgsieve.sync.reconcile import moved
 from pgsieve.sync.snapshot import ExportedSnapshot, prestart_helper, snapshot_alive
 from pgsieve.sync.syncplan import SyncError, restore_indexes
 

@@ -16,8 +16,8 @@ from pgsieve.platform.models import Job
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SyncState
 from pgsieve.spark.session import get_spark
-from pgsieve.sync import moved
 from pgsieve.sync.jobrun import Lost, claim
+from pgsieve.sync.reconcile import moved
 from pgsieve.sync.syncjob import SyncJobRunner
 from tests.api.conftest import assert_problem
 from tests.conftest import Database

@@ -212,7 +212,7 @@ def test_a_change_that_deadlocks_with_the_sources_writers_is_made_again(
     the writer committed — instead of a 409 for an everyday multi-table transaction."""
     from pgsieve.publications.service import apply_publication
     from pgsieve.rowfilter.effective import Publication, PublishedTable
-    from pgsieve.sync.moved import lock_and_export
+    from pgsieve.sync.reconcile.moved import lock_and_export
 
     src.execute("CREATE PUBLICATION dl FOR TABLE t2, t3")
     new = Publication("dl", (PublishedTable("public.t2", "id > 0"), PublishedTable("public.t3")))

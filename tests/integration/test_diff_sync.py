@@ -12,8 +12,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pgsieve.sync import diffsync
 from pgsieve.sync.copypipe import read_copies_together
+from pgsieve.sync.reconcile import diffsync
 from tests.conftest import Database
 from tests.integration.sync_env import rows, sync_env
 

@@ -1,5 +1,5 @@
 """The moved rows merged while they are read, for a stream parked at the change's marker
-(``pgsieve/sync/parked_merge.py``). Real source and target servers; the pieces of the
+(``pgsieve/sync/reconcile/parked_merge.py``). Real source and target servers; the pieces of the
 protocol as the stream and the job run them: the stream parks holding the applied record,
 the job merges in one target transaction and records the marker as applied. The
 end-to-end runs with a worker, writes and kill -9 are in ``test_reconcile_moved.py``.
@@ -21,9 +21,9 @@ from pgsieve.platform.db import session_factory
 from pgsieve.platform.models import Job
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState
-from pgsieve.streaming.markers import Reached, reach_marker
-from pgsieve.sync.moved import Marker, Merged, MovedTable, lock_and_export, merged_state
-from pgsieve.sync.parked_merge import CHUNK_MAX_ROWS, merge_while_reading, park, parked
+from pgsieve.sync.reconcile.markers import Reached, reach_marker
+from pgsieve.sync.reconcile.moved import Marker, Merged, MovedTable, lock_and_export, merged_state
+from pgsieve.sync.reconcile.parked_merge import CHUNK_MAX_ROWS, merge_while_reading, park, parked
 from pgsieve.wire.assembler import Changes, Transaction
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
@@ -115,7 +115,7 @@ def test_a_job_waiting_for_its_stream_looks_the_moment_a_stream_parks(
     park's notification, not by its next poll (made 60 s here): a job that waited for
     the poll would answer only after its whole 20 s wait. Another stream parking at
     another marker wakes it too, and it goes on waiting for its own."""
-    monkeypatch.setattr("pgsieve.sync.parked_merge.PARK_POLL_SECONDS", 60.0)
+    monkeypatch.setattr("pgsieve.sync.reconcile.parked_merge.PARK_POLL_SECONDS", 60.0)
     answer: list[tuple[bool, float]] = []
 
     def wait() -> None:

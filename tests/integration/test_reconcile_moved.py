@@ -1,4 +1,4 @@
-"""A filter change reconciled by the rows it moves (issue 19, ``pgsieve/sync/moved.py``):
+"""A filter change reconciled by the rows it moves (issue 19, ``pgsieve/sync/reconcile/moved.py``):
 the ALTER's transaction marks its point in every slot's stream; the job stages the rows
 to add and the keys to remove under the snapshot of that point; the stream merges them
 at the marker. Real clusters, a real ``pgsieve worker`` and ``beat`` on Redis, writes on
@@ -20,7 +20,7 @@ import pytest
 from psycopg import sql
 
 import tests.integration.pipeline_env as pipeline_env_module
-from pgsieve.sync.moved import (
+from pgsieve.sync.reconcile.moved import (
     MARKER_PREFIX,
     MovedTable,
     emit_marker,

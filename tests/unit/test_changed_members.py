@@ -5,7 +5,7 @@ publication-wide changes."""
 from __future__ import annotations
 
 from pgsieve.rowfilter.effective import Publication, PublishedTable
-from pgsieve.sync.reconcile import Before, changed_members
+from pgsieve.sync.reconcile.filterchange import Before, changed_members
 
 ITEMS = PublishedTable("public.items", "(region = 'eu'::text)")
 NOTES = PublishedTable("public.notes")

@@ -1,4 +1,4 @@
-"""The pure comparison behind the diff's integer-key path (sync/hashdiff.py): binary
+"""The pure comparison behind the diff's integer-key path (sync/reconcile/hashdiff.py): binary
 COPY parsing and the key comparison, checked against plain Python sets on random
 tables; malformed input raises instead of answering. (The bytes PostgreSQL itself sends
 are covered by tests/integration/test_diff_sync.py.)"""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pgsieve.sync.hashdiff import (
+from pgsieve.sync.reconcile.hashdiff import (
     SIGNATURE,
     TRAILER,
     KeyHashes,
@@ -22,7 +22,7 @@ from pgsieve.sync.hashdiff import (
     joined,
     parse_key_hashes,
 )
-from pgsieve.sync.keyranges import key_ranges
+from pgsieve.sync.reconcile.keyranges import key_ranges
 
 
 def copy_out(rows: dict[int, int] | list[tuple[int, int]]) -> bytes:

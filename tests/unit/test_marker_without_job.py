@@ -19,8 +19,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.settings import Settings
-from pgsieve.streaming.markers import JOB_NOT_SEEN_RETRY_SECONDS, Reached, reach_marker
-from pgsieve.sync import moved
+from pgsieve.sync.reconcile import moved
+from pgsieve.sync.reconcile.markers import JOB_NOT_SEEN_RETRY_SECONDS, Reached, reach_marker
 from pgsieve.wire.assembler import Changes, Transaction
 from pgsieve.wire.lsn import Lsn
 from tests.metadata_template import migrated_sqlite

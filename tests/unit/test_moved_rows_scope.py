@@ -1,11 +1,11 @@
 """Which filter changes are reconciled by the rows they move, and which take the full
-diff (``pgsieve.sync.moved.moved_table``, pure)."""
+diff (``pgsieve.sync.reconcile.moved.moved_table``, pure)."""
 
 from __future__ import annotations
 
 from pgsieve.rowfilter.change import Side, TableChange, table_changes
 from pgsieve.rowfilter.effective import Publication, PublishedTable, TableInfo
-from pgsieve.sync.moved import MARKER_PREFIX, MovedTable, moved_table, parse_marker
+from pgsieve.sync.reconcile.moved import MARKER_PREFIX, MovedTable, moved_table, parse_marker
 from pgsieve.wire.lsn import Lsn
 from pgsieve.wire.messages import LogicalMessage
 

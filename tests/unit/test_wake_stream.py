@@ -1,5 +1,5 @@
 """A filter change's rows staged or merged wake the subscription's stream wherever it is
-(``pgsieve.sync.moved.wake_stream``): this process's scheduler when it has the stream,
+(``pgsieve.sync.reconcile.moved.wake_stream``): this process's scheduler when it has the stream,
 else an adoption task on the real broker for whichever worker takes it (the job may run
 on another worker than the stream's, which would otherwise wait for its retry)."""
 
@@ -16,7 +16,7 @@ import redis
 
 from pgsieve.platform.dispatch import CONSUME_CYCLE
 from pgsieve.platform.settings import Settings
-from pgsieve.sync.moved import forget_staged_listener, on_staged, wake_stream
+from pgsieve.sync.reconcile.moved import forget_staged_listener, on_staged, wake_stream
 
 REDIS = "redis://127.0.0.1:6379/9"
 
@@ -66,6 +66,6 @@ def test_an_unreachable_broker_leaves_the_stream_to_its_retry(
         tmp_path: Path, caplog: pytest.LogCaptureFixture):
     down = Settings(home=tmp_path / "home", broker_url="redis://127.0.0.1:1/0",
                     celery_queue="q-nowhere")
-    with caplog.at_level(logging.WARNING, logger="pgsieve.sync.moved"):
+    with caplog.at_level(logging.WARNING, logger="pgsieve.sync.reconcile.moved"):
         wake_stream(down, "sub-1")  # no exception: the job's work is done already
     assert "could not ask a worker to take its stream up" in caplog.text

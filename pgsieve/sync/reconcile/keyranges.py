@@ -5,7 +5,7 @@ memory), or on a cluster whose executors have cores the worker lacks, the intege
 range is cut into pieces. Each Spark task opens its own two sessions — the source's
 importing the diff's exported snapshot, under the same filter — reads both ends'
 ``(key, row hash)`` streams for its range at once, compares them (the comparison is a
-function of the two streams, handed in: :func:`pgsieve.sync.hashdiff.diff_streams`) and
+function of the two streams, handed in: :func:`pgsieve.sync.reconcile.hashdiff.diff_streams`) and
 returns only the differing keys. The driver then fetches and writes the differing rows
 in its one target transaction, as the in-worker comparison does.
 

@@ -55,7 +55,7 @@ from pgsieve.platform.faults import fault_point
 from pgsieve.spark.session import executors_ready
 from pgsieve.spark.sync import task_slots
 from pgsieve.sync.copypipe import TableCopy
-from pgsieve.sync.diffrun import (
+from pgsieve.sync.reconcile.diffrun import (
     IN_WORKER_MAX_ROWS,
     INTEGER_KEYS,
     DiffRun,
@@ -142,7 +142,7 @@ SAME_TEXT_SETTINGS = (("TimeZone", "UTC"), ("DateStyle", "ISO, YMD"),
                       ("bytea_output", "hex"))
 """Both ends of a diff render values as text alike (columns hashed as text, keys sent
 back to the source as text), whatever each server's defaults; a moved-rows change's
-sessions too (:func:`pgsieve.sync.moved.same_text`)."""
+sessions too (:func:`pgsieve.sync.reconcile.moved.same_text`)."""
 
 
 RANGE_ROWS = 2_000_000
@@ -152,7 +152,7 @@ RANGE_ROWS = 2_000_000
 @dataclass(frozen=True)
 class SparkRanges:
     """A whole-table diff may compare by key ranges in Spark tasks (see
-    :mod:`pgsieve.sync.keyranges`): from ``min_rows`` rows on, in two ranges per task slot at
+    :mod:`.keyranges`): from ``min_rows`` rows on, in two ranges per task slot at
     least, and at most :data:`RANGE_ROWS` keys per range. ``spark`` starts (or returns)
     the session: only a table that takes this path needs it."""
 

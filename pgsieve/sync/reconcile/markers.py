@@ -1,4 +1,4 @@
-"""A filter change's marker met by a subscription's stream (see :mod:`pgsieve.sync.moved`).
+"""A filter change's marker met by a subscription's stream (see :mod:`.moved`).
 
 The marker is the ALTER PUBLICATION's own transaction: everything before it in the
 stream was filtered by the old filter, everything after by the new one. The stream
@@ -8,12 +8,12 @@ the snapshot of that very point), recording the marker's end LSN as applied: exa
 once, like any batch. Three other endings:
 
 * the corrections are not staged yet: the stream stops before the marker, says so at the
-  target (*parks*: the job may then merge them itself, :mod:`pgsieve.sync.parked_merge`)
+  target (*parks*: the job may then merge them itself, :mod:`.parked_merge`)
   and is taken up again shortly (nothing after the marker is applied meanwhile);
 * the job failed (its snapshot was lost, say): the tables leave the stream at the marker
   and a full diff job takes them (:func:`fall_back`), as a reconciliation did before;
 * no job was ever recorded for it (the change that emitted it failed): after
-  :data:`~pgsieve.sync.moved.ORPHAN_MARKER_SECONDS` it is an ordinary empty transaction.
+  :data:`~pgsieve.sync.reconcile.moved.ORPHAN_MARKER_SECONDS` it is an ordinary empty transaction.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from pgsieve.platform.faults import fault_point
 from pgsieve.platform.models import Job, Subscription, new_id, utcnow
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JOB_ENDED, JobState, SyncState
-from pgsieve.sync import moved, parked_merge
 from pgsieve.sync.queue import add_sync_job
+from pgsieve.sync.reconcile import moved, parked_merge
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.splitter import lone_logical_message
 

@@ -37,8 +37,8 @@ from pgsieve.platform.states import JobState, SyncState
 from pgsieve.publications.catalog import read_publications, read_tables
 from pgsieve.rowfilter.change import RowCounts, TableChange, count_change, table_changes
 from pgsieve.rowfilter.effective import Publication
-from pgsieve.sync import moved
 from pgsieve.sync.queue import active_sync_job, add_sync_job, initial_sync_pending
+from pgsieve.sync.reconcile import moved
 from pgsieve.sync.snapshot import SnapshotError, hold_imported_snapshot, prestart_helper
 
 log = logging.getLogger(__name__)

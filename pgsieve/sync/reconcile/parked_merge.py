@@ -12,7 +12,7 @@ marker's end LSN recorded as applied in the same transaction (measured in
 
 The protocol, at the target:
 
-* **The stream parks** (:func:`park`, from :func:`pgsieve.streaming.markers.reach_marker`):
+* **The stream parks** (:func:`park`, from :func:`pgsieve.sync.reconcile.markers.reach_marker`):
   at the marker with nothing staged, in a transaction that holds the subscription's
   applied record, it writes a row of ``pgsieve.reconcile_parked`` with the marker's end
   LSN. The row says: everything before the marker is applied, and nothing after it will
@@ -52,8 +52,8 @@ from pgsieve.apply.applied import APPLIED_TABLE
 from pgsieve.apply.staging import SCHEMA
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.faults import fault_point
-from pgsieve.sync.diffrun import names
-from pgsieve.sync.moved import (
+from pgsieve.sync.reconcile.diffrun import names
+from pgsieve.sync.reconcile.moved import (
     PARKED_TABLE,
     STAGED_TABLE,
     CheckedTable,

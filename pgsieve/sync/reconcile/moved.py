@@ -60,8 +60,8 @@ from pgsieve.rowfilter.change import TableChange
 from pgsieve.rowfilter.effective import TableInfo
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.security import audit
-from pgsieve.sync.diffrun import names
-from pgsieve.sync.diffsync import SAME_TEXT_SETTINGS
+from pgsieve.sync.reconcile.diffrun import names
+from pgsieve.sync.reconcile.diffsync import SAME_TEXT_SETTINGS
 from pgsieve.sync.syncplan import SyncError
 from pgsieve.wire.messages import LogicalMessage
 

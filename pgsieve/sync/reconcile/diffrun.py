@@ -1,7 +1,7 @@
-"""The steps of one diff (:mod:`pgsieve.sync.diffsync` says what a diff is and which way
+"""The steps of one diff (:mod:`.diffsync` says what a diff is and which way
 of comparing it picks): staging whole rows and joining them at the target; keys and row
 hashes staged at the target; keys and row hashes of both ends compared in the worker
-(:mod:`pgsieve.sync.hashdiff`) — the last two then read only the differing rows back from
+(:mod:`.hashdiff`) — the last two then read only the differing rows back from
 the source, by key, under the same snapshot."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pgsieve.sync.copypipe import (
     pipe_copy,
     read_copies_together,
 )
-from pgsieve.sync.hashdiff import (
+from pgsieve.sync.reconcile.hashdiff import (
     KeyDifferences,
     Keys,
     compare_key_hashes,
@@ -31,11 +31,11 @@ from pgsieve.sync.hashdiff import (
     joined,
     parse_key_hashes,
 )
-from pgsieve.sync.keyranges import RANGE, KeyRangeRequest, compare_key_ranges, key_ranges
+from pgsieve.sync.reconcile.keyranges import RANGE, KeyRangeRequest, compare_key_ranges, key_ranges
 from pgsieve.sync.syncplan import SourceTable, TargetTable, canonical
 
 INTEGER_KEYS = frozenset({"smallint", "integer", "bigint"})
-"""Key types compared in the worker (:mod:`pgsieve.sync.hashdiff`)."""
+"""Key types compared in the worker (:mod:`.hashdiff`)."""
 IN_WORKER_MAX_ROWS = 20_000_000
 """Above this many rows at either end (estimated), keys and hashes are compared at the
 target instead: the worker would hold ~0.5 GB of each side's (key, hash) rows."""
@@ -123,7 +123,7 @@ def names(columns: Sequence[str], prefix: str = "") -> sql.Composable:
 
 @dataclass(frozen=True)
 class RangedCompare:
-    """What Spark tasks comparing key ranges need (see :mod:`pgsieve.sync.keyranges`)."""
+    """What Spark tasks comparing key ranges need (see :mod:`.keyranges`)."""
 
     spark: Any
     source_dsn: str
@@ -139,7 +139,7 @@ class RangedCompare:
 class DiffRun:
     """One diff's two open transactions (the source's under the snapshot, the target's
     writing) and the three ways to compare: :meth:`whole_rows`, :meth:`by_hash`,
-    :meth:`by_integer_key` (see :mod:`pgsieve.sync.diffsync` for when each runs)."""
+    :meth:`by_integer_key` (see :mod:`.diffsync` for when each runs)."""
 
     src: psycopg.Connection[Any]
     tgt: psycopg.Connection[Any]
@@ -256,7 +256,7 @@ class DiffRun:
 
     def by_integer_key(self) -> tuple[int, int, int, int]:
         """One integer key: both ends' keys and row hashes read at once and compared in
-        the worker (:mod:`pgsieve.sync.hashdiff`); the differing rows fetched by key."""
+        the worker (:mod:`.hashdiff`); the differing rows fetched by key."""
         tgt, src = self.tgt, self.src
         hashable = {str(n) for n, ok in tgt.execute(_HAS_HASH, (self.target.oid,)) if ok}
         k = sql.Identifier(self.key[0])
@@ -286,7 +286,7 @@ class DiffRun:
 
     def _compare_ranges(self, source_rows: sql.Composable, target_rows: sql.Composable,
                         row_hash: sql.Composable) -> tuple[KeyDifferences, int]:
-        """The comparison as Spark tasks, one key range each (:mod:`pgsieve.sync.keyranges`):
+        """The comparison as Spark tasks, one key range each (:mod:`.keyranges`):
         the key's span at both ends cut into ``ranged.pieces`` ranges, each task reading
         its range through the key's own index."""
         ranged = self.ranged
