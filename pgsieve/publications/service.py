@@ -57,15 +57,10 @@ from pgsieve.publications.catalog import (
     read_live_publications,
     read_tables,
 )
-from pgsieve.rowfilter.catalog import (
-    VALIDATION_SEARCH_PATH,
-    SourceConnectionError,
-    read_table_facts,
-    validate_column_list,
-    validate_filter,
-)
+from pgsieve.rowfilter.catalog import validate_column_list, validate_filter
 from pgsieve.rowfilter.effective import Publication, PublishedTable, TableInfo
 from pgsieve.rowfilter.evaluate import check_filter_on_rows
+from pgsieve.rowfilter.facts import read_table_facts
 from pgsieve.rowfilter.parse import (
     FilterIssue,
     FilterParseError,
@@ -75,6 +70,7 @@ from pgsieve.rowfilter.parse import (
     parse_table_name,
     quote_qualified,
 )
+from pgsieve.rowfilter.probe import VALIDATION_SEARCH_PATH, SourceConnectionError
 from pgsieve.rowfilter.rules import (
     ALL_PUBLISH_OPERATIONS,
     ReplicaIdentity,
