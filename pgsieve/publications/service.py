@@ -64,7 +64,6 @@ __all__ = [
     "apply_publication",
     "drop_publication",
     "publication_lock",
-    "read_live_table_exists",
     "restore",
 ]
 
