@@ -34,8 +34,8 @@ from pgsieve.publications.catalog import (
     read_publications,
     read_tables,
 )
-from pgsieve.rowfilter.catalog import SourceConnectionError, read_table_facts
 from pgsieve.rowfilter.effective import effective_filters
+from pgsieve.rowfilter.facts import read_table_facts
 from pgsieve.rowfilter.parse import (
     FilterParseError,
     TableNameError,
@@ -44,6 +44,7 @@ from pgsieve.rowfilter.parse import (
     quote_qualified,
 )
 from pgsieve.rowfilter.preview import SAMPLE_COUNT_TIMEOUT_MS, FilterPreview, preview_filter
+from pgsieve.rowfilter.probe import SourceConnectionError
 from pgsieve.rowfilter.rules import normalize_publish
 from pgsieve.rowfilter.updates import RowImages, evaluate_updates
 

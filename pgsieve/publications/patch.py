@@ -5,7 +5,7 @@ A PATCH either replaces the FOR TABLE list (``tables``) or edits it member by me
 schemas, ``all_tables``, the publish operations and ``publish_via_partition_root``.
 Every problem of the request is collected before anything is refused, each naming the
 field it came from (``add_tables[2]``…), so one answer lists them all. The result is
-checked and canonicalised by :func:`~.service.normalize_definition`, like a create.
+checked and canonicalised by :func:`~.definition.normalize_definition`, like a create.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from pgsieve.publications.service import (
+from pgsieve.publications.definition import (
     PublicationCode,
     PublicationInvalid,
     PublicationIssue,

@@ -1,15 +1,13 @@
-"""Publications pgsieve manages: validate a definition, apply it in one source transaction,
-and compare the desired state with the catalog (drift).
+"""Publications pgsieve manages: a definition applied to the source in one transaction,
+dropped, or put back.
 
-Why this shape:
+The service is cut in four: the definition's codes, issues and shape
+(:mod:`.definition`), its validation against the source (:mod:`.validate`), the change
+itself (here) and drift (:mod:`.drift`). Why this shape:
 
-* **Validation first, with precise codes.** Every FOR TABLE member goes through the
-  row-filter module (:func:`~pgsieve.rowfilter.validate_filter` /
-  :func:`~pgsieve.rowfilter.validate_column_list`: pglast parse, PostgreSQL 15 rules,
-  a rolled-back dry run of the member). What PostgreSQL accepts but then ignores or fails
-  on later is refused or warned about here: a filter on a table whose schema the
-  publication also publishes FOR TABLES IN SCHEMA (stored, never applied), a partition's
-  filter shadowed by its root under ``publish_via_partition_root``.
+* **Validation first, with precise codes** (:mod:`.validate`): every member is checked,
+  and what PostgreSQL accepts but then ignores or fails on later is refused or warned
+  about, before any DDL runs.
 * **One source transaction.** CREATE / ALTER PUBLICATION … SET … / SET (…) run together
   under an advisory lock, then an ``EXPLAIN UPDATE/DELETE`` probe per filtered member
   makes PostgreSQL run its replica-identity check for the new definition; anything wrong
@@ -32,10 +30,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -45,59 +42,31 @@ from psycopg import sql
 
 from pgsieve.platform.errors import (
     Conflict,
-    ErrorCode,
     PgsieveError,
     Unprocessable,
     Unreachable,
     describe_error,
 )
-from pgsieve.publications.catalog import (
-    LivePublication,
-    existing_schemas,
-    read_live_publications,
-    read_tables,
+from pgsieve.publications.catalog import LivePublication, read_live_publications
+from pgsieve.publications.definition import (
+    PublicationCode,
+    PublicationInvalid,
+    PublicationIssue,
+    canonical_publish,
 )
-from pgsieve.rowfilter.catalog import (
-    VALIDATION_SEARCH_PATH,
-    SourceConnectionError,
-    read_table_facts,
-    validate_column_list,
-    validate_filter,
-)
-from pgsieve.rowfilter.effective import Publication, PublishedTable, TableInfo
-from pgsieve.rowfilter.evaluate import check_filter_on_rows
-from pgsieve.rowfilter.parse import (
-    FilterIssue,
-    FilterParseError,
-    IssueCode,
-    TableNameError,
-    parse_filter,
-    parse_table_name,
-    quote_qualified,
-)
-from pgsieve.rowfilter.rules import (
-    ALL_PUBLISH_OPERATIONS,
-    ReplicaIdentity,
-    TableFacts,
-    table_issues,
-)
+from pgsieve.rowfilter.effective import Publication
+from pgsieve.rowfilter.facts import read_table_facts
+from pgsieve.rowfilter.parse import FilterParseError, IssueCode, parse_filter, parse_table_name
+from pgsieve.rowfilter.probe import VALIDATION_SEARCH_PATH
 
 __all__ = [
-    "DriftItem",
-    "PublicationCode",
-    "PublicationInvalid",
-    "PublicationIssue",
-    "TableSpec",
+    "ApplyResult",
     "apply_publication",
-    "canonical_publish",
-    "drift",
     "drop_publication",
-    "normalize_definition",
     "publication_lock",
     "restore",
-    "unapplied_filters",
-    "validate_definition",
 ]
+
 
 log = logging.getLogger(__name__)
 
@@ -105,351 +74,6 @@ DDL_LOCK_TIMEOUT_MS = 3000
 DDL_STATEMENT_TIMEOUT_MS = 15000
 DEADLOCK_ATTEMPTS = 3
 """Attempts of a publication change that PostgreSQL ended as a deadlock's victim."""
-
-
-class PublicationCode(StrEnum):
-    """Stable codes of the publication API (in addition to the row-filter IssueCodes)."""
-
-    EXISTS = ErrorCode.PUBLICATION_EXISTS.value
-    NOT_FOUND = ErrorCode.PUBLICATION_NOT_FOUND.value
-    NOT_MANAGED = ErrorCode.PUBLICATION_NOT_MANAGED.value
-    ALREADY_MANAGED = ErrorCode.PUBLICATION_ALREADY_MANAGED.value
-    IN_USE = ErrorCode.PUBLICATION_IN_USE.value
-    BUSY = ErrorCode.PUBLICATION_BUSY.value
-    REJECTED_BY_POSTGRES = ErrorCode.PUBLICATION_REJECTED_BY_POSTGRES.value
-    INVALID_KIND = ErrorCode.INVALID_PUBLICATION_KIND.value
-    INVALID_TABLE_NAME = ErrorCode.INVALID_TABLE_NAME.value
-    DUPLICATE_TABLE = ErrorCode.DUPLICATE_TABLE.value
-    DUPLICATE_SCHEMA = ErrorCode.DUPLICATE_SCHEMA.value
-    UNKNOWN_SCHEMA = ErrorCode.UNKNOWN_SCHEMA.value
-    TABLE_ALREADY_IN_PUBLICATION = ErrorCode.TABLE_ALREADY_IN_PUBLICATION.value
-    TABLE_NOT_IN_PUBLICATION = ErrorCode.TABLE_NOT_IN_PUBLICATION.value
-    CONFLICTING_PATCH = ErrorCode.CONFLICTING_PATCH_FIELDS.value
-    # warnings
-    UPDATES_ALREADY_REJECTED = "table_updates_already_rejected"
-    FILTER_SHADOWED_BY_ROOT = "filter_ignored_via_partition_root"
-    COLUMNS_SHADOWED_BY_ROOT = "column_list_ignored_via_partition_root"
-
-
-@dataclass(frozen=True)
-class PublicationIssue:
-    """One problem with a publication definition; ``field`` points into the request."""
-
-    code: str
-    message: str
-    table: str | None = None
-    field: str | None = None
-    position: int | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"code": self.code, "message": self.message}
-        for key in ("table", "field", "position"):
-            value = getattr(self, key)
-            if value is not None:
-                out[key] = value
-        return out
-
-
-class PublicationInvalid(Unprocessable):
-    """422 whose ``code`` is the first error's and whose body lists them all."""
-
-    def __init__(
-        self, errors: Sequence[PublicationIssue], warnings: Sequence[PublicationIssue] = ()
-    ) -> None:
-        first = errors[0]
-        more = f" (and {len(errors) - 1} more problem(s), see errors)" if len(errors) > 1 else ""
-        super().__init__(
-            f"{first.message}{more}",
-            code=first.code,
-            title="Invalid publication",
-            errors=[e.as_dict() for e in errors],
-            warnings=[w.as_dict() for w in warnings],
-        )
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """A FOR TABLE member as the API received it (``table`` still user text)."""
-
-    table: str
-    where: str | None = None
-    columns: tuple[str, ...] | None = None
-
-
-def canonical_publish(ops: Iterable[str]) -> tuple[str, ...]:
-    wanted = set(ops)
-    return tuple(op for op in ALL_PUBLISH_OPERATIONS if op in wanted)
-
-
-# --------------------------------------------------------------------------------------
-# shape (no I/O)
-
-
-def normalize_definition(
-    name: str,
-    tables: Sequence[TableSpec],
-    schemas: Sequence[str],
-    all_tables: bool,
-    publish: Iterable[str],
-    publish_via_partition_root: bool,
-) -> Publication:
-    """Check the definition's shape and return it with canonical table names.
-
-    Raises :class:`PublicationInvalid` for names that do not parse, duplicates, and
-    FOR ALL TABLES mixed with tables or schemas (PostgreSQL's grammar forbids it; a filter
-    or column list there gets the row-filter codes saying so).
-    """
-    errors: list[PublicationIssue] = []
-    members: list[PublishedTable] = []
-    seen: dict[tuple[str, str], int] = {}
-    for i, spec in enumerate(tables):
-        where_field = f"tables[{i}]"
-        try:
-            key = parse_table_name(spec.table)
-        except TableNameError as exc:
-            errors.append(PublicationIssue(PublicationCode.INVALID_TABLE_NAME, str(exc),
-                                           spec.table, f"{where_field}.table"))
-            continue
-        qualified = quote_qualified(*key)
-        if key in seen:
-            errors.append(PublicationIssue(
-                PublicationCode.DUPLICATE_TABLE,
-                f"{qualified} is listed more than once (tables[{seen[key]}] and {where_field})",
-                qualified, f"{where_field}.table"))
-            continue
-        seen[key] = i
-        members.append(PublishedTable(qualified, spec.where, spec.columns))
-        if all_tables:
-            if spec.where is not None:
-                errors.append(PublicationIssue(
-                    IssueCode.NOT_ALLOWED_FOR_PUBLICATION_KIND,
-                    "a FOR ALL TABLES publication cannot have row filters (PostgreSQL allows "
-                    "WHERE only on tables listed with FOR TABLE); set all_tables to false "
-                    "and list the table",
-                    qualified, f"{where_field}.where"))
-            if spec.columns is not None:
-                errors.append(PublicationIssue(
-                    IssueCode.COLUMN_LIST_NOT_ALLOWED_FOR_PUBLICATION_KIND,
-                    "a FOR ALL TABLES publication cannot have column lists",
-                    qualified, f"{where_field}.columns"))
-    if all_tables and (members or schemas) and not errors:
-        errors.append(PublicationIssue(
-            PublicationCode.INVALID_KIND,
-            "all_tables cannot be combined with tables or schemas (FOR ALL TABLES already "
-            "publishes every table)",
-            field="all_tables"))
-    seen_schemas: set[str] = set()
-    for i, schema in enumerate(schemas):
-        if "\x00" in schema:
-            # PostgreSQL names cannot hold NUL: there is no such schema (and psycopg could
-            # not even send the name)
-            errors.append(PublicationIssue(PublicationCode.UNKNOWN_SCHEMA,
-                                           "a schema name cannot contain a NUL character",
-                                           field=f"schemas[{i}]"))
-            continue
-        if schema in seen_schemas:
-            errors.append(PublicationIssue(PublicationCode.DUPLICATE_SCHEMA,
-                                           f"schema {schema} is listed more than once",
-                                           field=f"schemas[{i}]"))
-        seen_schemas.add(schema)
-    if errors:
-        raise PublicationInvalid(errors)
-    return Publication(
-        name=name,
-        tables=tuple(members),
-        schemas=tuple(sorted(seen_schemas)),
-        all_tables=all_tables,
-        publish=frozenset(publish),
-        publish_via_partition_root=publish_via_partition_root,
-    )
-
-
-# --------------------------------------------------------------------------------------
-# validation against the source
-
-
-def _member_issue(issue: FilterIssue, table: str, field_name: str) -> PublicationIssue:
-    return PublicationIssue(str(issue.code), issue.message, table, field_name, issue.position)
-
-
-def validate_definition(
-    conn: psycopg.Connection[Any], pub: Publication
-) -> tuple[Publication, list[PublicationIssue], list[PublicationIssue]]:
-    """Every member against the source: ``(definition with normalized filters, errors,
-    warnings)``. Nothing is changed on the source (each check rolls back).
-
-    Raises only :class:`~pgsieve.platform.errors.Unreachable` (connection lost).
-    """
-    errors: list[PublicationIssue] = []
-    warnings: list[PublicationIssue] = []
-    publish = canonical_publish(pub.publish)
-    via_root = pub.publish_via_partition_root
-    try:
-        present = existing_schemas(conn, pub.schemas) if pub.schemas else set()
-        for schema in [s for s in pub.schemas if s not in present]:
-            errors.append(PublicationIssue(
-                PublicationCode.UNKNOWN_SCHEMA, f"schema {schema} does not exist",
-                field=f"schemas[{pub.schemas.index(schema)}]"))
-        tables = {(t.schema, t.name): t for t in read_tables(conn)} if pub.tables else {}
-        members: list[PublishedTable] = []
-        member_keys = {parse_table_name(m.table) for m in pub.tables}
-        for i, member in enumerate(pub.tables):
-            normalized, member_errors, member_warnings = _validate_member(
-                conn, pub, member, f"tables[{i}]", publish, via_root, tables, member_keys)
-            errors += member_errors
-            warnings += member_warnings
-            members.append(normalized)
-    except SourceConnectionError as exc:
-        raise Unreachable(f"lost the connection to the source: {exc}") from None
-    except psycopg.OperationalError as exc:
-        if conn.closed or conn.broken:
-            raise Unreachable(f"lost the connection to the source: {exc}") from None
-        raise
-    except psycopg.DataError as exc:  # text psycopg cannot send (e.g. NUL); not a 500
-        raise Unprocessable(f"the request holds text PostgreSQL cannot accept: {exc}",
-                            code=ErrorCode.VALIDATION_ERROR) from None
-    return replace(pub, tables=tuple(members)), _unique(errors), _unique(warnings)
-
-
-def _unique(issues: list[PublicationIssue]) -> list[PublicationIssue]:
-    out: dict[tuple[str, str | None, str], PublicationIssue] = {}
-    for issue in issues:
-        out.setdefault((issue.code, issue.table, issue.message), issue)
-    return list(out.values())
-
-
-def _validate_member(
-    conn: psycopg.Connection[Any],
-    pub: Publication,
-    member: PublishedTable,
-    where_field: str,
-    publish: tuple[str, ...],
-    via_root: bool,
-    tables: dict[tuple[str, str], TableInfo],
-    member_keys: set[tuple[str, str]],
-) -> tuple[PublishedTable, list[PublicationIssue], list[PublicationIssue]]:
-    errors: list[PublicationIssue] = []
-    warnings: list[PublicationIssue] = []
-    table = member.table
-    key = parse_table_name(table)
-    in_schema = key[0] in pub.schemas
-    where = member.where
-    if member.where is not None:
-        verdict = validate_filter(conn, table, member.where, publish, via_root, "tables")
-        errors += [_member_issue(i, table, f"{where_field}.where") for i in verdict.errors]
-        warnings += [_member_issue(i, table, f"{where_field}.where") for i in verdict.warnings
-                     if i.code != IssueCode.TRUNCATE_NOT_FILTERED]
-        where = verdict.normalized or member.where
-        if verdict.valid and verdict.parsed is not None and not in_schema:
-            # legal, but does PostgreSQL manage to evaluate it on the rows there are?
-            check = check_filter_on_rows(conn, table, verdict.parsed)
-            if check.error is not None:
-                errors.append(_member_issue(check.error, table, f"{where_field}.where"))
-            if check.warning is not None:
-                warnings.append(_member_issue(check.warning, table, f"{where_field}.where"))
-        if in_schema:
-            errors.append(_schema_wins(key, table, f"{where_field}.where"))
-    if member.columns is not None:
-        kind = "schemas" if in_schema else "tables"
-        cols = validate_column_list(conn, table, member.columns, publish, via_root, kind)
-        errors += [_member_issue(i, table, f"{where_field}.columns") for i in cols.errors]
-    if member.where is None and member.columns is None:
-        facts = read_table_facts(conn, table)
-        if facts is None:
-            errors.append(PublicationIssue(IssueCode.UNKNOWN_TABLE,
-                                           f"table {table} does not exist", table,
-                                           f"{where_field}.table"))
-        else:
-            errors += [_member_issue(i, table, f"{where_field}.table")
-                       for i in table_issues(facts)]
-            published = [op.upper() for op in ("update", "delete") if op in publish]
-            lacking = [rel for rel, ident in _identities(facts) if not ident.has_identity]
-            if published and lacking and not errors:
-                ops = "/".join(published)
-                warnings.append(PublicationIssue(
-                    str(IssueCode.REPLICA_IDENTITY_MISSING),
-                    f"{', '.join(lacking)} has no replica identity (no primary key and no "
-                    f"REPLICA IDENTITY index/FULL): with {ops} published, PostgreSQL will "
-                    f"reject {ops} statements on it on the source. Add a primary key or set "
-                    "a REPLICA IDENTITY, or publish only insert",
-                    table, f"{where_field}.table"))
-    if via_root and (member.where is not None or member.columns is not None):
-        shadow = _shadowing_ancestor(key, tables, member_keys, pub.schemas)
-        if shadow is not None:
-            what, code = (("filter", PublicationCode.FILTER_SHADOWED_BY_ROOT)
-                          if member.where is not None
-                          else ("column list", PublicationCode.COLUMNS_SHADOWED_BY_ROOT))
-            warnings.append(PublicationIssue(
-                code,
-                f"{table} is a partition of {shadow}, which this publication also publishes; "
-                f"with publish_via_partition_root = true its changes are published as "
-                f"{shadow} with {shadow}'s {what}, so this {what} is never used",
-                table, f"{where_field}.{'where' if member.where is not None else 'columns'}"))
-    return PublishedTable(member.table, where, member.columns), errors, warnings
-
-
-def _schema_wins(key: tuple[str, str], table: str, field_name: str) -> PublicationIssue:
-    return PublicationIssue(
-        IssueCode.NOT_ALLOWED_FOR_PUBLICATION_KIND,
-        f"schema {key[0]} is also published FOR TABLES IN SCHEMA, which covers {table} "
-        "without a filter: PostgreSQL stores this filter and never applies it (neither to "
-        "the changes nor to a subscriber's initial copy). Remove the schema or list its "
-        "tables one by one", table, field_name)
-
-
-def unapplied_filters(pub: Publication) -> list[PublicationIssue]:
-    """Members whose row filter PostgreSQL keeps but never applies, because the
-    publication also publishes the member's schema (``FOR TABLE s.t WHERE (…), TABLES IN
-    SCHEMA s``: the schema wins). pgsieve refuses to create this; a publication made by
-    hand, imported, or changed behind pgsieve's back can have it, and whoever reads its
-    definition should not believe the filter is in force."""
-    out: list[PublicationIssue] = []
-    for i, member in enumerate(pub.tables):
-        if member.where is None:
-            continue
-        try:
-            key = parse_table_name(member.table)
-        except TableNameError:
-            continue
-        if key[0] in pub.schemas:
-            out.append(_schema_wins(key, member.table, f"tables[{i}].where"))
-    return out
-
-
-def _identities(facts: TableFacts) -> list[tuple[str, ReplicaIdentity]]:
-    """The relations whose replica identity UPDATE/DELETE need (a partitioned table's
-    leaves, else the table itself)."""
-    if facts.is_partitioned:
-        return [(p.qualified, p.replica_identity) for p in facts.partitions]
-    return [(facts.qualified, facts.replica_identity)]
-
-
-def _shadowing_ancestor(
-    key: tuple[str, str],
-    tables: dict[tuple[str, str], TableInfo],
-    member_keys: set[tuple[str, str]],
-    schemas: Sequence[str],
-) -> str | None:
-    """The topmost ancestor of a partition that the publication also includes."""
-    found: str | None = None
-    info = tables.get(key)
-    seen: set[tuple[str, str]] = set()
-    while info is not None and info.parent:
-        try:
-            parent = parse_table_name(info.parent)
-        except TableNameError:
-            break
-        if parent in seen:
-            break
-        seen.add(parent)
-        if parent in member_keys or parent[0] in schemas:
-            found = quote_qualified(*parent)
-        info = tables.get(parent)
-    return found
-
-
-# --------------------------------------------------------------------------------------
-# DDL
 
 
 def _checked(conn: psycopg.Connection[Any], query: sql.Composable,
@@ -799,82 +423,3 @@ def restore(conn: psycopg.Connection[Any], name: str, before: LivePublication | 
         drop_publication(conn, name)
         return
     apply_publication(conn, before.definition, create=False)
-
-
-# --------------------------------------------------------------------------------------
-# drift
-
-
-@dataclass(frozen=True)
-class DriftItem:
-    """One way the catalog differs from the desired state (kind is a stable code)."""
-
-    kind: str
-    message: str
-    table: str | None = None
-    desired: Any = None
-    live: Any = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "message": self.message, "table": self.table,
-                "desired": self.desired, "live": self.live}
-
-
-def drift(desired: Publication, live: LivePublication | None) -> list[DriftItem]:
-    """What differs between the metadata store's desired state and the catalog."""
-    if live is None:
-        return [DriftItem("publication_missing",
-                          f"publication {desired.name} does not exist on the source "
-                          "(dropped outside pgsieve); PATCH it to re-create it, or DELETE it")]
-    actual = live.definition
-    items: list[DriftItem] = []
-    if desired.all_tables != actual.all_tables:
-        items.append(DriftItem("all_tables_differs",
-                               "FOR ALL TABLES differs", None, desired.all_tables,
-                               actual.all_tables))
-    if set(desired.publish) != set(actual.publish):
-        items.append(DriftItem("publish_differs", "published operations differ", None,
-                               list(canonical_publish(desired.publish)),
-                               list(canonical_publish(actual.publish))))
-    if desired.publish_via_partition_root != actual.publish_via_partition_root:
-        items.append(DriftItem("publish_via_partition_root_differs",
-                               "publish_via_partition_root differs", None,
-                               desired.publish_via_partition_root,
-                               actual.publish_via_partition_root))
-    for schema in sorted(set(desired.schemas) - set(actual.schemas)):
-        items.append(DriftItem("schema_missing",
-                               f"schema {schema} is no longer published FOR TABLES IN SCHEMA",
-                               None, schema, None))
-    for schema in sorted(set(actual.schemas) - set(desired.schemas)):
-        items.append(DriftItem("schema_unexpected",
-                               f"schema {schema} is published FOR TABLES IN SCHEMA but not "
-                               "in the desired state", None, None, schema))
-    want = {parse_table_name(t.table): t for t in desired.tables}
-    have = {parse_table_name(t.table): t for t in actual.tables}
-    for key in sorted(want.keys() - have.keys()):
-        items.append(DriftItem("table_missing",
-                               f"{quote_qualified(*key)} is no longer in the publication",
-                               quote_qualified(*key), _member(want[key]), None))
-    for key in sorted(have.keys() - want.keys()):
-        items.append(DriftItem("table_unexpected",
-                               f"{quote_qualified(*key)} is in the publication but not in "
-                               "the desired state", quote_qualified(*key), None,
-                               _member(have[key])))
-    for key in sorted(want.keys() & have.keys()):
-        w, h = want[key], have[key]
-        table = quote_qualified(*key)
-        if w.where != h.where:
-            items.append(DriftItem("where_differs",
-                                   f"the row filter of {table} differs", table, w.where,
-                                   h.where))
-        if (w.columns or None) != (h.columns or None):
-            items.append(DriftItem(
-                "columns_differ", f"the column list of {table} differs", table,
-                None if w.columns is None else list(w.columns),
-                None if h.columns is None else list(h.columns)))
-    return items
-
-
-def _member(t: PublishedTable) -> dict[str, Any]:
-    return {"table": t.table, "where": t.where,
-            "columns": None if t.columns is None else list(t.columns)}

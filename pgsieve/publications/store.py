@@ -30,18 +30,20 @@ from pgsieve.publications.catalog import (
     publication_names,
     read_live_publications,
 )
-from pgsieve.publications.service import (
-    ApplyResult,
+from pgsieve.publications.definition import (
     PublicationCode,
     PublicationInvalid,
     PublicationIssue,
-    apply_publication,
     canonical_publish,
+)
+from pgsieve.publications.service import (
+    ApplyResult,
+    apply_publication,
     drop_publication,
     publication_lock,
     restore,
-    validate_definition,
 )
+from pgsieve.publications.validate import validate_definition
 from pgsieve.rowfilter.effective import Publication, PublishedTable
 from pgsieve.rowfilter.parse import IssueCode
 

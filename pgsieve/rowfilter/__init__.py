@@ -3,8 +3,9 @@
 * :mod:`.parse` — pure: one ``WHERE`` expression, parsed by PostgreSQL's grammar
   (pglast), normalized, with forbidden constructs flagged.
 * :mod:`.rules` — pure: PostgreSQL's row-filter/column-list rules on catalog facts.
-* :mod:`.catalog` — I/O (psycopg 3): read the facts, let PostgreSQL resolve and dry-run,
-  always rolled back.
+* :mod:`.catalog` — I/O (psycopg 3): validate against a source, always rolled back
+  (:mod:`.probe` the session, :mod:`.facts` the table's facts, :mod:`.dryrun` PostgreSQL's
+  resolution and dry runs, :mod:`.nodetree` — pure — what it resolved to).
 * :mod:`.effective` — pure: what several publications combined replicate per table.
 
 Every problem is a :class:`FilterIssue` with a stable :class:`IssueCode`.
@@ -13,8 +14,6 @@ Every problem is a :class:`FilterIssue` with a stable :class:`IssueCode`.
 from pgsieve.rowfilter.catalog import (
     ColumnListValidation,
     FilterValidation,
-    SourceConnectionError,
-    read_table_facts,
     validate_column_list,
     validate_filter,
 )
@@ -29,6 +28,7 @@ from pgsieve.rowfilter.effective import (
     initial_sync_plan,
     publication_tables,
 )
+from pgsieve.rowfilter.facts import read_table_facts
 from pgsieve.rowfilter.parse import (
     ColumnReference,
     FilterIssue,
@@ -39,6 +39,7 @@ from pgsieve.rowfilter.parse import (
     parse_filter,
     parse_table_name,
 )
+from pgsieve.rowfilter.probe import SourceConnectionError
 from pgsieve.rowfilter.rules import (
     ReplicaIdentity,
     TableFacts,

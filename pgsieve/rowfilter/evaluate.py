@@ -32,7 +32,6 @@ import psycopg
 from psycopg import pq, sql
 
 from pgsieve.platform.errors import describe_error
-from pgsieve.rowfilter.catalog import SourceConnectionError
 from pgsieve.rowfilter.parse import (
     FilterIssue,
     IssueCode,
@@ -40,6 +39,7 @@ from pgsieve.rowfilter.parse import (
     parse_table_name,
     quote_qualified,
 )
+from pgsieve.rowfilter.probe import SourceConnectionError
 from pgsieve.rowfilter.updates import unqualified_filter
 
 __all__ = [

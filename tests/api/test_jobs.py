@@ -221,8 +221,8 @@ def test_a_second_active_sync_job_is_refused_by_the_database(client, sub, metada
         calls.append(1)
         return None if len(calls) == 1 else real(session, subscription_id)
 
-    # the router's own check (it imported the function)
-    monkeypatch.setattr("pgsieve.api.routers.jobs.active_sync_job", racing)
+    # the service's own check (it imported the function)
+    monkeypatch.setattr("pgsieve.subscriptions.sync_jobs.active_sync_job", racing)
     body = assert_problem(client.post(base, json={"tables": ["notes"]}), 409,
                           "sync_in_progress")
     assert body["job_id"] == first
@@ -233,7 +233,7 @@ def test_a_second_active_sync_job_is_refused_by_the_database(client, sub, metada
         assert job is not None
         job.state = JobState.FAILED
         session.commit()
-    monkeypatch.setattr("pgsieve.api.routers.jobs.active_sync_job", real)
+    monkeypatch.setattr("pgsieve.subscriptions.sync_jobs.active_sync_job", real)
     assert client.post(base, json={"tables": ["notes"]}).status_code == 202
 
 

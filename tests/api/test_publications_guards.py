@@ -11,7 +11,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from pgsieve.publications.service import validate_definition
+from pgsieve.publications.validate import validate_definition
 from tests.api.conftest import assert_problem
 from tests.api.test_publications import CATALOG, metadata, url
 from tests.conftest import Database
@@ -131,7 +131,7 @@ def test_nul_anywhere_is_a_422_and_changes_nothing(client, sid, src: Database,
 def test_core_treats_nul_names_as_absent(src: Database):
     from pgsieve.platform.errors import PgsieveError
     from pgsieve.publications.catalog import existing_schemas, read_live_publications
-    from pgsieve.publications.service import normalize_definition
+    from pgsieve.publications.definition import normalize_definition
 
     src.execute("CREATE PUBLICATION p FOR TABLE t2")
     with src.connect() as conn:

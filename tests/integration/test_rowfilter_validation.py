@@ -19,12 +19,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from pgsieve.rowfilter import rules as rules_module
-from pgsieve.rowfilter.catalog import (
-    SourceConnectionError,
-    read_table_facts,
-    validate_column_list,
-    validate_filter,
-)
+from pgsieve.rowfilter.catalog import validate_column_list, validate_filter
 from pgsieve.rowfilter.effective import (
     Publication,
     PublishedTable,
@@ -33,7 +28,9 @@ from pgsieve.rowfilter.effective import (
     initial_sync_plan,
     publication_tables,
 )
+from pgsieve.rowfilter.facts import read_table_facts
 from pgsieve.rowfilter.parse import IssueCode, parse_filter
+from pgsieve.rowfilter.probe import SourceConnectionError
 from tests.conftest import Database
 
 SCHEMA = """

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pglast.parser import scan
 
-from pgsieve.rowfilter.catalog import parse_node_tree
+from pgsieve.rowfilter.nodetree import parse_node_tree
 from pgsieve.rowfilter.parse import (
     MAX_FILTER_LENGTH,
     FilterIssue,

@@ -28,15 +28,15 @@ from pgsieve.api.schemas.publications import (
 from pgsieve.platform.lookups import load_source, source_connection
 from pgsieve.publications import store
 from pgsieve.publications.catalog import LivePublication
-from pgsieve.publications.patch import PublicationEdits, TableAlter
-from pgsieve.publications.service import (
+from pgsieve.publications.definition import (
     PublicationIssue,
     TableSpec,
     canonical_publish,
-    drift,
     normalize_definition,
-    unapplied_filters,
 )
+from pgsieve.publications.drift import drift
+from pgsieve.publications.patch import PublicationEdits, TableAlter
+from pgsieve.publications.validate import unapplied_filters
 from pgsieve.rowfilter.effective import Publication
 from pgsieve.subscriptions import publication_change
 
