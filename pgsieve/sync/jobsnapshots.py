@@ -34,9 +34,11 @@ class JobSnapshots:
         self.runner = runner
 
     def hold(self, ctx: SyncContext, slot: str) -> ExportedSnapshot:
-        def transactions() -> dict[str, Any]:
+        def transactions() -> dict[str, Any] | None:
             with pgserver.connect(ctx.source_dsn,
                                   connect_timeout=self.runner.settings.connect_timeout) as conn:
+                if pgserver.get_slot(conn, slot) is None:  # what the slot list shows
+                    return None
                 return pgserver.running_transactions(conn)
 
         def publish(waiting_for: dict[str, Any] | None) -> None:

@@ -25,9 +25,11 @@ REPORT_AFTER_SECONDS = 2.0
 """A wait shorter than this is the ordinary cost of creating a slot: nothing is shown."""
 REFRESH_SECONDS = 5.0
 
-Transactions = Callable[[], dict[str, Any]]
+Transactions = Callable[[], dict[str, Any] | None]
 """Reads the source's running transactions
-(:func:`pgsieve.platform.pgserver.running_transactions`)."""
+(:func:`pgsieve.platform.pgserver.running_transactions`); None while the slot's creation has
+not begun on the server (the helper process that creates it is still starting: that wait
+is pgsieve's, not the source's, and the job names no slot the source does not show yet)."""
 Publish = Callable[[dict[str, Any] | None], None]
 """Writes the job's ``waiting_for`` (None: clears it)."""
 
@@ -52,13 +54,16 @@ class SlotWaitReport:
             return
         if self._last is not None and seconds - self._last < REFRESH_SECONDS:
             return
-        self._last = seconds
         try:
             running = self._transactions()
         except Exception as exc:
+            self._last = seconds
             log.warning("slot %s: cannot read the source's running transactions: %s",
                         self.slot, scrub_secrets(str(exc)))
             return
+        if running is None:
+            return  # asked again at the next call, not REFRESH_SECONDS later
+        self._last = seconds
         if not self.published:
             log.warning("slot %s: creation waits for %d transaction(s) running on the "
                         "source (oldest: %s)", self.slot, len(running["transactions"]),

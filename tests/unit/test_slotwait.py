@@ -54,3 +54,25 @@ def test_a_source_that_cannot_be_read_is_tried_again_and_nothing_is_published():
     assert reads == [2] and published == [] and report.explain() == ""
     report.clear()
     assert published == []
+
+
+def test_nothing_is_published_before_the_slot_exists_on_the_source_then_at_once():
+    """The helper that creates the slot may be slow to start: until the source shows the
+    slot, the wait is pgsieve's own and the job must not name a slot the slot list does
+    not have (a 404 there); the source is asked again at the next call, not 5 s later."""
+    published: list[dict[str, Any] | None] = []
+    slot_exists = [False]
+
+    def transactions() -> dict[str, Any] | None:
+        if not slot_exists[0]:
+            return None
+        return {"transactions": [PREPARED], "all_visible": True}
+
+    report = SlotWaitReport("pgsieve_s", transactions, published.append)
+    report(2.0)
+    report(2.5)
+    assert published == [] and not report.published and report.explain() == ""
+    slot_exists[0] = True
+    report(3.0)
+    assert published and published[-1] is not None
+    assert published[-1]["seconds"] == 3 and published[-1]["transactions"] == [PREPARED]
