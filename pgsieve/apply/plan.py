@@ -25,6 +25,7 @@ from typing import Any, Literal, cast
 
 from pgsieve.apply.batch import (
     ApplyBatch,
+    SchemaChange,
     TableCounts,
     TableRoute,
     TableStopped,
@@ -52,6 +53,24 @@ Position = tuple[int, int]
 TableMode = Literal["key", "keyless", "full"]
 
 
+class ColumnsMissing(TableStopped):
+    """A Relation message carries columns its target table lacks: the source's DDL
+    (ADD COLUMN) the stream meets. The engine follows it or stops the table with the DDL
+    to run (:mod:`.schemachange`); left uncaught, it stops the table as before."""
+
+    def __init__(self, relation: Relation, route: TableRoute, target: TargetTable,
+                 missing: Sequence[str]) -> None:
+        super().__init__(
+            route.source_table, Lsn(0),
+            f"the target table {target.qualified_name} has no column "
+            f"{', '.join(missing)} that the source publishes (add it, or stop publishing "
+            "it)")
+        self.relation = relation
+        self.route = route
+        self.target = target
+        self.missing = tuple(missing)
+
+
 class RelationMap:
     """How one Relation's tuples land in its target table."""
 
@@ -67,11 +86,7 @@ class RelationMap:
         self.width = target.width
         missing = [c.name for c in relation.columns if c.name not in target.index]
         if missing:
-            raise TableStopped(
-                route.source_table, Lsn(0),
-                f"the target table {target.qualified_name} has no column "
-                f"{', '.join(missing)} that the source publishes (add it, or stop publishing "
-                "it)")
+            raise ColumnsMissing(relation, route, target, missing)
         self.positions = tuple(target.index[c.name] for c in relation.columns)
         self.identity = self.positions == tuple(range(self.width))
         self.given_mask = 0
@@ -197,6 +212,9 @@ class BatchPlan:
     applied_positions: list[int]
     """Indexes of the batch's transactions that apply."""
     relation_maps: dict[int, RelationMap]
+    schema_changes: tuple[SchemaChange, ...] = ()
+    """Source DDL followed in this batch: its statements run first in the merge's
+    transaction (:mod:`.schemachange`); tables are planned against the shape after."""
 
 
 class RelationMaps:

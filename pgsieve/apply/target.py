@@ -373,6 +373,15 @@ class TargetWriter:
         copy_rows(conn or self.conn, staging, columns, payload)
 
     # -- the source, for values the stream did not carry ----------------------------------
+    def read_source(self, query: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """Rows of a catalog query on the source (a connection of its own, pinned by the
+        connection policy like every other): a column's definition when the stream
+        meets a schema change (:mod:`.schemachange`)."""
+        if self._source_dsn is None:
+            raise RuntimeError("no source connection configured")
+        with _connect(self._source_dsn, self.connect_timeout, "pgsieve-schema") as src:
+            return [tuple(r) for r in src.execute(query, params).fetchall()]
+
     def fetch_source_rows(
         self,
         source: tuple[str, str],

@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from pgsieve.platform.models import Job, Subscription, SubscriptionTable
 from tests.api.conftest import assert_problem
@@ -129,6 +129,41 @@ def test_patch_options(client, env):
         "options"]
     assert_problem(client.patch("/api/v1/subscriptions/nope", json={"options": {}}), 404,
                    "subscription_not_found")
+
+
+def test_schema_change_options(client, env, metadata_engine):
+    """New subscriptions follow schema changes; one stored before the option existed
+    reads (and keeps, through a PATCH of another option) ``stop``; bad values are 422."""
+    sub = client.post("/api/v1/subscriptions", json=_body(env, enabled=False)).json()
+    assert sub["options"]["schema_changes"] == "follow"
+    assert sub["options"]["drop_columns"] is False
+    sid = sub["id"]
+    r = client.patch(f"/api/v1/subscriptions/{sid}",
+                     json={"options": {"schema_changes": "stop", "drop_columns": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["options"]["schema_changes"] == "stop"
+    assert r.json()["options"]["drop_columns"] is True
+    for bad in ({"options": {"schema_changes": "ignore"}},
+                {"options": {"schema_changes": None, "drop_columns": "maybe"}},
+                {"options": {"drop_columns": [1]}}):
+        assert_problem(client.patch(f"/api/v1/subscriptions/{sid}", json=bad), 422,
+                       "validation_error")
+    # A subscription stored before the option existed: no key at all.
+    with metadata_engine.begin() as conn:
+        stored = conn.execute(select(Subscription.options).where(
+            Subscription.id == sid)).scalar_one()
+        legacy = {k: v for k, v in stored.items()
+                  if k not in ("schema_changes", "drop_columns")}
+        conn.execute(update(Subscription).where(Subscription.id == sid)
+                     .values(options=legacy))
+    got = client.get(f"/api/v1/subscriptions/{sid}").json()["options"]
+    assert got["schema_changes"] == "stop" and got["drop_columns"] is False
+    r = client.patch(f"/api/v1/subscriptions/{sid}",
+                     json={"options": {"batch_max_wait_ms": 50}})
+    assert r.json()["options"]["schema_changes"] == "stop"
+    r = client.patch(f"/api/v1/subscriptions/{sid}",
+                     json={"options": {"schema_changes": "follow"}})
+    assert r.json()["options"]["schema_changes"] == "follow"
 
 
 def test_delete_drops_an_owned_slot_unless_kept(client, env, source_db, metadata_engine):
