@@ -9,8 +9,14 @@ from typing import Any
 import psycopg
 import pytest
 from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
 
-from pgsieve.platform.models import Job, Subscription, SubscriptionTable
+from pgsieve.platform.models import (
+    Job,
+    SchemaChangeRecord,
+    Subscription,
+    SubscriptionTable,
+)
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 
@@ -164,6 +170,38 @@ def test_schema_change_options(client, env, metadata_engine):
     r = client.patch(f"/api/v1/subscriptions/{sid}",
                      json={"options": {"schema_changes": "follow"}})
     assert r.json()["options"]["schema_changes"] == "follow"
+
+
+def test_schema_changes_listed_newest_first(client, env, metadata_engine):
+    sub = client.post("/api/v1/subscriptions", json=_body(env, enabled=False)).json()
+    sid = sub["id"]
+    assert client.get(f"/api/v1/subscriptions/{sid}/schema-changes").json() == []
+    with Session(metadata_engine) as session:
+        for i, (column, action) in enumerate([("a", "applied"), ("b", "resynced"),
+                                              ("c", "stopped")]):
+            session.add(SchemaChangeRecord(
+                subscription_id=sid, table_name="public.orders", lsn=0x1000 + i,
+                change="add_column", column_name=column, before=None,
+                after={"column": column, "type": "text"}, action=action,
+                code="schema_change_unsupported" if action == "stopped" else None,
+                ddl=[f'ALTER TABLE "public"."orders" ADD COLUMN "{column}" text']))
+        session.commit()
+    r = client.get(f"/api/v1/subscriptions/{sid}/schema-changes", params={"limit": 2})
+    assert r.status_code == 200, r.text
+    page = r.json()
+    assert [(c["after"]["column"], c["action"], c["lsn"]) for c in page] == [
+        ("c", "stopped", "0/1002"), ("b", "resynced", "0/1001")]
+    assert page[0]["code"] == "schema_change_unsupported" and page[1]["code"] is None
+    assert page[0]["table"] == "public.orders" and page[0]["change"] == "add_column"
+    assert 'rel="next"' in r.headers["link"]
+    following = r.headers["link"].split(";")[0].strip("<>")
+    rest = client.get(following).json()
+    assert [c["after"]["column"] for c in rest] == ["a"]
+    assert "link" not in client.get(following).headers
+    assert_problem(client.get(f"/api/v1/subscriptions/{sid}/schema-changes",
+                              params={"limit": 0}), 422, "validation_error")
+    assert_problem(client.get("/api/v1/subscriptions/nope/schema-changes"), 404,
+                   "subscription_not_found")
 
 
 def test_delete_drops_an_owned_slot_unless_kept(client, env, source_db, metadata_engine):
