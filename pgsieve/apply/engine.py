@@ -46,7 +46,7 @@ from pgsieve.apply.merge import StagedTable, merge, stage_table
 from pgsieve.apply.plan import BatchPlan, ColumnsMissing, TablePlan
 from pgsieve.apply.planbuilder import build_plan
 from pgsieve.apply.planner import DistributedPlanner, PlannerUnavailable
-from pgsieve.apply.schemachange import first_lsn, plan_added_columns
+from pgsieve.apply.schemachange import first_lsn, plan_added_columns, plan_type_changes
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings
 from pgsieve.wire.lsn import Lsn
@@ -250,9 +250,34 @@ def plan_following(batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None
             overrides[missing.route.target_table] = follow.target
             followed.extend(follow.changes)
             continue
+        if _follow_types(batch, writer, plan, overrides, followed):
+            continue
         plan.schema_changes = tuple(followed)
         return plan
     return build_plan(batch, resolve, expected, writer.relation_maps)
+
+
+def _follow_types(batch: ApplyBatch, writer: TargetWriter, plan: BatchPlan,
+                  overrides: dict[str, TargetTable], followed: list[SchemaChange]) -> bool:
+    """Compare the column types of the plan's relation maps not yet compared with their
+    target's (once per map: maps are kept across batches) and follow what the source
+    changed (:func:`~.schemachange.plan_type_changes`); whether the batch must be planned
+    again against a target shape after an ALTER COLUMN … TYPE."""
+    for rm in plan.relation_maps.values():  # (in the order the batch met them)
+        if rm.types_checked:
+            continue
+        retyped = rm.retyped_columns()
+        if retyped:
+            lsn = first_lsn(batch.transactions, rm.relation) or batch.commit_lsn
+            follow = plan_type_changes(writer.conn, rm, retyped, lsn, batch.schema_changes)
+            if follow is not None:
+                # Planned again against the shape after the DDL: the table's other
+                # relations (the same shape, sent again later) map onto it then.
+                overrides[rm.route.target_table] = follow.target
+                followed.extend(follow.changes)
+                return True
+        rm.types_checked = True
+    return False
 
 
 def _plan_and_stage(planner: DistributedPlanner, batch: ApplyBatch, writer: TargetWriter,

@@ -49,8 +49,8 @@ import psycopg
 from psycopg import sql
 
 from pgsieve.apply.batch import SchemaChange, SchemaChangePolicy, TableStopped
-from pgsieve.apply.columns import TargetColumn, TargetTable
-from pgsieve.apply.plan import ColumnsMissing
+from pgsieve.apply.columns import TargetColumn, TargetTable, compatible, split_type
+from pgsieve.apply.plan import ColumnsMissing, RelationMap
 from pgsieve.apply.staging import SCHEMA
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.wire.lsn import Lsn
@@ -167,15 +167,104 @@ def plan_added_columns(
         columns.append(TargetColumn(
             name, found.type_name, found.stage_type, None, False,
             found.not_null and not resync and found.missing_value is not None,
-            found.has_missing and found.missing_value is not None, True))
+            found.has_missing and found.missing_value is not None, True,
+            by_name[name].type_oid, by_name[name].type_modifier))
     if unsupported:
-        raise _stopped(missing, lsn, changes,
+        raise _stopped(missing.route.source_table, lsn, changes,
                        "a column the source added cannot be followed safely: "
                        + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
     if policy == "stop":
         stops = [replace(c, action="stopped", resync=False) for c in changes]
-        raise _stopped(missing, lsn, stops, "the source added a column (schema_changes: "
-                       "stop)", None, resync=any(c.resync for c in changes))
+        raise _stopped(missing.route.source_table, lsn, stops,
+                       "the source added a column (schema_changes: stop)", None,
+                       resync=any(c.resync for c in changes))
+    return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
+
+
+_INTEGER_RANK = {"smallint": 0, "integer": 1, "bigint": 2}
+
+_BINARY_CAST_SQL = """
+SELECT EXISTS (SELECT 1 FROM pg_cast
+               WHERE castsource = %s AND casttarget = %s AND castmethod = 'b')
+"""
+
+
+def widening(conn: psycopg.Connection[Any], before: str, after: str,
+             before_oid: int, after_oid: int, after_mod: int) -> bool:
+    """Whether a column of type ``before`` can become ``after`` keeping every value it
+    holds, unchanged in meaning: int2 → int4 → int8, varchar(n) → varchar(m ≥ n),
+    varchar → text, numeric(p,s) to one that takes all of it, or a cast the target calls
+    binary-coercible (``pg_cast.castmethod = 'b'``) to a type without a modifier (a
+    binary cast to varchar(n) would still cut values)."""
+    b, b_args = split_type(before)
+    a, a_args = split_type(after)
+    if b in _INTEGER_RANK and a in _INTEGER_RANK:
+        return _INTEGER_RANK[a] > _INTEGER_RANK[b]
+    if b == a == "character varying":
+        return not a_args or (bool(b_args) and a_args[0] >= b_args[0])
+    if b == "character varying" and a == "text":
+        return True
+    if b == a == "numeric":
+        return compatible(before, after)
+    if after_mod != -1:
+        return False
+    row = conn.execute(_BINARY_CAST_SQL, (before_oid, after_oid)).fetchone()
+    return bool(row and row[0])
+
+
+def plan_type_changes(conn: psycopg.Connection[Any], rm: RelationMap, retyped: Sequence[str],
+                      lsn: Lsn, policy: SchemaChangePolicy) -> FollowPlan | None:
+    """What the Relation's ``retyped`` columns (another built-in type than the
+    target's) take at the target (``conn``, which also names the types: a built-in OID
+    is the same on both servers): None when the target columns take every value as
+    they are (accepted, remembered on the shape); else the ALTER COLUMN … TYPE of the
+    widenings, or :class:`~.batch.TableStopped` (``stop``, or a change that is not a
+    widening: ``schema_change_unsupported``) with the DDL."""
+    target = rm.target
+    table = sql.Identifier(target.schema, target.name)
+    by_name = {c.name: c for c in rm.relation.columns}
+    columns = list(target.columns)
+    changes: list[SchemaChange] = []
+    unsupported: list[str] = []
+    for name in retyped:
+        col = by_name[name]
+        row = conn.execute("SELECT format_type(%s, %s)",
+                           (col.type_oid, col.type_modifier)).fetchone()
+        assert row is not None
+        after = str(row[0])
+        i = target.index[name]
+        tc = columns[i]
+        before = tc.stage_type  # (a domain: its base type)
+        if compatible(after, before):
+            target.accepted_types.add((name, col.type_oid, col.type_modifier))
+            continue
+        ddl = sql.SQL("ALTER TABLE {} ALTER COLUMN {} TYPE {}").format(
+            table, sql.Identifier(name), sql.SQL(after))  # after: format_type's
+        if not widening(conn, before, after, tc.type_oid, col.type_oid, col.type_modifier):
+            unsupported.append(f"column {name} changed from {before} to {after}, which is "
+                               "not a widening")
+            plan = sql.SQL("{} USING {}::{}").format(ddl, sql.Identifier(name),
+                                                     sql.SQL(after))
+            changes.append(SchemaChange(rm.route.source_table, lsn, "alter_type", name,
+                                        before, after, "stopped",
+                                        ErrorCode.SCHEMA_CHANGE_UNSUPPORTED,
+                                        (plan.as_string(conn),)))
+            continue
+        changes.append(SchemaChange(rm.route.source_table, lsn, "alter_type", name, before,
+                                    after, "applied", None, (ddl.as_string(conn),)))
+        columns[i] = replace(tc, type_name=after, stage_type=after, type_oid=col.type_oid,
+                             type_mod=col.type_modifier)
+    if unsupported:
+        raise _stopped(rm.route.source_table, lsn, [c for c in changes
+                                                    if c.action == "stopped"],
+                       "a column type the source changed cannot be followed safely: "
+                       + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
+    if not changes:
+        return None
+    if policy == "stop":
+        raise _stopped(rm.route.source_table, lsn,
+                       [replace(c, action="stopped") for c in changes],
+                       "the source changed a column's type (schema_changes: stop)", None)
     return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
 
 
@@ -193,14 +282,14 @@ def _add_column(table: sql.Identifier, name: str, col: SourceColumn
     return [add], col.default is not None
 
 
-def _stopped(missing: ColumnsMissing, lsn: Lsn, changes: list[SchemaChange], why: str,
+def _stopped(source_table: str, lsn: Lsn, changes: list[SchemaChange], why: str,
              code: str | None, resync: bool = False) -> TableStopped:
     ddl = [s for c in changes for s in c.ddl]
     plan = "; ".join(ddl)
     detail = (f"{why}. Run at the target: {plan}"
               + ("; then resync the table with mode diff" if resync else "")
               + "; then enable the subscription")
-    stopped = TableStopped(missing.route.source_table, lsn, detail, code)
+    stopped = TableStopped(source_table, lsn, detail, code)
     stopped.schema_change = changes[0] if changes else None
     return stopped
 

@@ -212,3 +212,86 @@ def test_ddl_rows_and_lsn_commit_together(pair: Pair, monkeypatch: pytest.Monkey
     assert pair.rows(pair.target, "orders") == [(1, "eu", 10, None), (2, "eu", 20, "two")]
     assert pair.writer.applied_lsn() == batch.end_lsn
     assert len(take_journal(pair.writer.conn, pair.subscription_id)) == 1
+
+
+TYPED = """
+CREATE TABLE measures(id int PRIMARY KEY, region text NOT NULL, n int, label varchar(10),
+                      flag int);
+CREATE PUBLICATION pm FOR TABLE measures WHERE (id > 0);
+"""
+
+
+@pytest.fixture
+def typed(source_db: Database, target_db: Database, native_db: Database) -> Iterator[Pair]:
+    p = Pair(source_db, target_db, native_db, ("pm",))
+    p.setup(TYPED, tables=["public.measures"])
+    yield p
+    p.close()
+
+
+def _type_of(db: Database, column: str) -> str:
+    return str(db.query("SELECT format_type(atttypid, atttypmod) FROM pg_attribute "
+                        "WHERE attrelid = 'measures'::regclass AND attname = %s",
+                        (column,))[0][0])
+
+
+@pytest.mark.parametrize("per_batch", [1, None], ids=["txn", "all"])
+def test_widening_type_changes_are_followed(typed: Pair, per_batch: int | None):
+    """int4 → int8 and varchar(10) → varchar(50) at the source, with values only the
+    wider types hold, in the ALTER's transaction and later ones."""
+    typed.run("INSERT INTO measures VALUES (1, 'eu', 1, 'short', 0)",
+              "ALTER TABLE measures ALTER COLUMN n TYPE bigint; "
+              "ALTER TABLE measures ALTER COLUMN label TYPE varchar(50); "
+              "INSERT INTO measures VALUES (2, 'eu', 9000000000, 'a label longer than ten', 0)",
+              "UPDATE measures SET n = 8000000000 WHERE id = 1")
+    changes = followed(apply_following(typed, per_batch))
+    assert sorted((c.change, c.column, c.before, c.after, c.action) for c in changes) == [
+        ("alter_type", "label", "character varying(10)", "character varying(50)", "applied"),
+        ("alter_type", "n", "integer", "bigint", "applied")]
+    assert _type_of(typed.target, "n") == "bigint"
+    assert _type_of(typed.target, "label") == "character varying(50)"
+    assert typed.rows(typed.target, "measures") == [
+        (1, "eu", 8000000000, "short", 0), (2, "eu", 9000000000, "a label longer than ten", 0)]
+    fix_native(typed, changes)
+    typed.assert_same("measures")
+
+
+def test_a_type_change_that_is_no_widening_stops(typed: Pair):
+    """int → text at the source: the target's integer column cannot take every value,
+    and ALTER … TYPE text is no widening: schema_change_unsupported with the plan."""
+    typed.run("INSERT INTO measures VALUES (1, 'eu', 1, 'a', 0)",
+              "ALTER TABLE measures ALTER COLUMN flag TYPE text",
+              "INSERT INTO measures VALUES (2, 'eu', 2, 'b', 'yes')")
+    with pytest.raises(TableStopped) as stopped:
+        apply_following(typed, None)
+    assert stopped.value.code == ErrorCode.SCHEMA_CHANGE_UNSUPPORTED
+    assert ('ALTER TABLE "public"."measures" ALTER COLUMN "flag" TYPE text USING "flag"::text'
+            in stopped.value.detail)
+    change = stopped.value.schema_change
+    assert change is not None and (change.change, change.action) == ("alter_type", "stopped")
+    assert typed.rows(typed.target, "measures") == []
+    assert _type_of(typed.target, "flag") == "integer"
+
+
+def test_a_target_column_that_takes_every_value_is_kept(typed: Pair):
+    """text → int at the source where the target column is text: every value still
+    fits, so nothing is followed or stopped (as a wider target column set up by hand is
+    accepted: issue 57, item 4), and nothing is recorded."""
+    typed.target.execute("ALTER TABLE measures ALTER COLUMN region TYPE text")
+    typed.run("ALTER TABLE measures ALTER COLUMN n TYPE smallint",
+              "INSERT INTO measures VALUES (1, 'eu', 5, 'a', 0)")
+    results = apply_following(typed, None)
+    assert followed(results) == []
+    assert _type_of(typed.target, "n") == "integer"
+    assert typed.rows(typed.target, "measures") == [(1, "eu", 5, "a", 0)]
+
+
+def test_stop_policy_stops_a_widening_with_its_ddl(typed: Pair):
+    typed.run("ALTER TABLE measures ALTER COLUMN n TYPE bigint",
+              "INSERT INTO measures VALUES (1, 'eu', 1, 'a', 0)")
+    with pytest.raises(TableStopped) as stopped:
+        apply_following(typed, None, policy="stop")
+    assert stopped.value.code is None
+    assert ('Run at the target: ALTER TABLE "public"."measures" ALTER COLUMN "n" TYPE bigint'
+            in stopped.value.detail)
+    assert _type_of(typed.target, "n") == "integer"
