@@ -24,6 +24,12 @@ decides:
   OID than the Relation message's (it changed again since): nothing is guessed, the table
   stops with ``schema_change_unsupported`` and the DDL a person would run.
 
+A Relation column whose built-in type (OID and typmod) differs from the target column's
+(:meth:`~.plan.RelationMap.retyped_columns`, once per relation map) goes to
+:func:`plan_type_changes`: a target column that takes every value already is kept (a
+target set up wider on purpose looks the same); a widening is followed by ``ALTER COLUMN
+… TYPE`` (:func:`widening`); anything else stops with ``schema_change_unsupported``.
+
 Under ``schema_changes: stop`` the table stops as it always did, and the stop names the
 same DDL.
 

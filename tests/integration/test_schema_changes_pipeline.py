@@ -3,7 +3,8 @@ with a constant default and one with a volatile default, mid-stream on a filtere
 the second asks for a diff resync, which the worker runs; the target ends equal to the
 source's rows under the filter, column by column, and the API lists both changes.
 
-One worker and one resync: about 20 s here."""
+Two pipelines (one worker each, one resync): about 35 s here — the resync and the
+stop are the worker's, not the apply engine's, so they need the real process."""
 
 from __future__ import annotations
 
@@ -57,3 +58,27 @@ def test_add_columns_followed_and_a_volatile_default_resynced(
         assert env.subscription(sub_id)["state"] == "streaming"
         jobs = target_db.query("SELECT count(*) FROM pgsieve.schema_changes")
         assert jobs == [(0,)], "the target's journal was delivered"
+
+
+def test_an_unsupported_change_stops_the_subscription_with_its_code(
+        tmp_path: Path, source_db: Database, target_db: Database, native_db: Database):
+    """int → text at the source: the subscription stops with
+    ``schema_change_unsupported``, the error names the DDL, the API lists the change."""
+    prepare(source_db, target_db, native_db)
+    with pipeline_env(tmp_path) as env:
+        sub_id = create_subscription(env, source_db, target_db)
+        env.start_worker()
+        source_db.execute("INSERT INTO items VALUES (2, 1, 'a')")
+        wait_until(lambda: len(table_rows(target_db, "items", "id")) == 1, 90,
+                   "the first row", env)
+        source_db.execute("ALTER TABLE items ALTER COLUMN grp TYPE text")
+        source_db.execute("INSERT INTO items VALUES (4, 'x', 'b')")
+        wait_until(lambda: env.subscription(sub_id)["state"] == "error", 90,
+                   "the subscription to stop", env)
+        sub = env.subscription(sub_id)
+        assert sub["error_code"] == "schema_change_unsupported"
+        assert 'ALTER COLUMN "grp" TYPE text USING "grp"::text' in sub["error"]
+        changes = env.api("GET", f"/subscriptions/{sub_id}/schema-changes")
+        assert [(c["change"], c["action"], c["code"]) for c in changes] == [
+            ("alter_type", "stopped", "schema_change_unsupported")]
+        assert table_rows(target_db, "items", "id") == [(2, 1, "a")]
