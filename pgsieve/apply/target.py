@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -371,6 +371,14 @@ class TargetWriter:
     def copy_in(self, staging: str, columns: Sequence[str], payload: bytes,
                 conn: psycopg.Connection[Any] | None = None) -> None:
         copy_rows(conn or self.conn, staging, columns, payload)
+
+    @contextlib.contextmanager
+    def side_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A short-lived second target connection (autocommit), for work beside a merge
+        that may be in flight on :attr:`conn` in another thread (merges behind the
+        reading): the schema-change journal's delivery (:mod:`.schemachange`)."""
+        with _connect(self._dsn, self.connect_timeout, "pgsieve-schema") as conn:
+            yield conn
 
     # -- the source, for values the stream did not carry ----------------------------------
     def read_source(self, query: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:

@@ -393,11 +393,12 @@ class StreamApplier:
     def _trims(self) -> ImageTrims:
         return self._image_trims if self.progress_book is None else self.progress_book.trims
 
-    def deliver_schema_changes(self) -> None:
+    def deliver_schema_changes(self, *, beside_merges: bool = True) -> None:
         """Make the schema changes the target committed visible (record, audit, metric,
-        the resync they asked for: :mod:`.schemarecords`)."""
+        the resync they asked for: :mod:`.schemarecords`). ``beside_merges=False`` only
+        where no merge can be in flight on the writer (a run's start)."""
         deliver_journal(self.cycle.sessions, self.cycle.settings, self.writer,
-                        self.cycle.subscription_id)
+                        self.cycle.subscription_id, beside_merges=beside_merges)
 
     def _after_apply(self, result: ApplyResult, elapsed: float) -> None:
         """Record an applied batch (see :mod:`.appliednotes`): into the scheduler's book,

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+import psycopg
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -41,10 +42,20 @@ log = logging.getLogger(__name__)
 
 
 def deliver_journal(sessions: sessionmaker[Session], settings: Settings,
-                    writer: TargetWriter, subscription_id: str) -> list[SchemaChange]:
+                    writer: TargetWriter, subscription_id: str, *,
+                    beside_merges: bool) -> list[SchemaChange]:
     """Move the target's journal rows of this subscription into the metadata store (see
-    the module doc); the changes recorded now."""
-    journal = take_journal(writer.conn, subscription_id)
+    the module doc); the changes recorded now. ``beside_merges``: a merge may be in
+    flight on the writer's connection (another thread's): a connection of its own."""
+    if beside_merges:
+        with writer.side_connection() as conn:
+            return _deliver(sessions, settings, conn, subscription_id)
+    return _deliver(sessions, settings, writer.conn, subscription_id)
+
+
+def _deliver(sessions: sessionmaker[Session], settings: Settings,
+             conn: psycopg.Connection[Any], subscription_id: str) -> list[SchemaChange]:
+    journal = take_journal(conn, subscription_id)
     if not journal:
         return []
     recorded: list[SchemaChange] = []
@@ -68,7 +79,7 @@ def deliver_journal(sessions: sessionmaker[Session], settings: Settings,
             job = None
     if job is not None:
         dispatch.initial_sync(settings, job.id)
-    drop_journal(writer.conn, subscription_id, [c for c, _ in journal])
+    drop_journal(conn, subscription_id, [c for c, _ in journal])
     for change in recorded:
         log.info("subscription %s: %s %s.%s at %s: %s", subscription_id, change.change,
                  change.table, change.column, change.lsn, change.action)

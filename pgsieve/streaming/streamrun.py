@@ -80,7 +80,8 @@ class StreamRun(StreamApplier):
         self.schema_changes = schema_change_policy(options)
         """Read once per cycle, as the batch options: a PATCH is seen by the next cycle
         (a table stopped by ``stop`` needs ``…/enable`` after the PATCH anyway)."""
-        self.deliver_schema_changes()  # a worker killed after a DDL's commit left them
+        # (a worker killed after a DDL's commit left them; no merge in flight yet)
+        self.deliver_schema_changes(beside_merges=False)
         self.batches = 0
         self.changes = 0
         self._control_at = time.monotonic()
