@@ -159,7 +159,7 @@ SCHEMA_CHANGES_MAX_PAGE = 1000
 def list_schema_changes(
     subscription_id: str, request: Request, response: Response, session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=SCHEMA_CHANGES_MAX_PAGE)] = SCHEMA_CHANGES_PAGE,
-    cursor: Annotated[str | None, Query(max_length=20, pattern="^[0-9]+$",
+    cursor: Annotated[str | None, Query(max_length=18, pattern="^[0-9]+$",
                                         description="from a Link rel=next")] = None,
 ) -> list[dict[str, Any]]:
     """The source DDL the stream met and what the target did, newest first (``Link:
