@@ -3,8 +3,8 @@ with a constant default and one with a volatile default, mid-stream on a filtere
 the second asks for a diff resync, which the worker runs; the target ends equal to the
 source's rows under the filter, column by column, and the API lists both changes.
 
-Two pipelines (one worker each, one resync): about 35 s here — the resync and the
-stop are the worker's, not the apply engine's, so they need the real process."""
+Three pipelines (one resync, one worker killed): about 55 s here — the resync, the stop
+and the kill are the worker's, not the apply engine's, so they need the real process."""
 
 from __future__ import annotations
 
@@ -82,3 +82,33 @@ def test_an_unsupported_change_stops_the_subscription_with_its_code(
         assert [(c["change"], c["action"], c["code"]) for c in changes] == [
             ("alter_type", "stopped", "schema_change_unsupported")]
         assert table_rows(target_db, "items", "id") == [(2, 1, "a")]
+
+
+def test_a_worker_killed_before_the_ddl_commits_follows_it_once(
+        tmp_path: Path, source_db: Database, target_db: Database, native_db: Database):
+    """kill -9 (the ``apply.before_commit`` fault point) with the ADD COLUMN run, its
+    rows merged and the applied LSN written, before the commit: nothing of it stays at
+    the target; the next worker follows it once, rows and record included."""
+    prepare(source_db, target_db, native_db)
+    with pipeline_env(tmp_path) as env:
+        sub_id = create_subscription(env, source_db, target_db)
+        source_db.execute("INSERT INTO items VALUES (2, 1, 'a')")
+        source_db.execute("ALTER TABLE items ADD COLUMN tier int DEFAULT 5")
+        source_db.execute("INSERT INTO items VALUES (4, 1, 'b', 6)")
+        source_lsn(source_db)
+        env.start_beat()
+        worker = env.start_worker(PGSIEVE_FAULTS="apply.before_commit@1")
+        wait_until(lambda: worker.poll() is not None, 90,
+                   "the worker to kill itself before its first commit", env)
+        assert table_rows(target_db, "items", "id") == []
+        assert target_db.query("SELECT count(*) FROM pg_attribute WHERE attrelid = "
+                               "'items'::regclass AND attname = 'tier'") == [(0,)]
+        env.start_worker(name="worker2")
+        wait_until(lambda: table_rows(target_db, "items", "id") == _filtered_source(source_db),
+                   120, "the next worker to follow the DDL", env)
+        assert table_rows(target_db, "items", "id") == [(2, 1, "a", 5), (4, 1, "b", 6)]
+        wait_until(lambda: len(env.api("GET", f"/subscriptions/{sub_id}/schema-changes")) > 0,
+                   30, "the change recorded", env)
+        changes = env.api("GET", f"/subscriptions/{sub_id}/schema-changes")
+        assert [(c["after"], c["action"]) for c in changes] == [
+            ({"column": "tier", "type": "integer"}, "applied")]
