@@ -55,6 +55,7 @@ ROLE_MATRIX: dict[tuple[str, str], Role] = {
     ("POST", "/subscriptions/{subscription_id}/sync"): OP,
     ("POST", "/subscriptions/{subscription_id}/refresh"): OP,
     ("GET", "/subscriptions/{subscription_id}/progress"): V,
+    ("GET", "/subscriptions/{subscription_id}/schema-changes"): V,
     ("GET", "/subscriptions/{subscription_id}/progress/history"): V,
     # jobs, metrics
     ("GET", "/jobs"): V,

@@ -24,6 +24,7 @@ import psycopg
 from psycopg import sql
 
 from pgsieve.apply.fetchmarks import FETCHED_DDL, FETCHED_TABLE
+from pgsieve.apply.schemachange import JOURNAL_DDL
 from pgsieve.apply.staging import SCHEMA
 from pgsieve.wire.lsn import Lsn
 
@@ -54,6 +55,7 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.{APPLIED_TABLE} (
 COMMENT ON TABLE {SCHEMA}.{APPLIED_TABLE} IS
     'pgsieve: per subscription, the end LSN of the last source transaction this database holds';
 {FETCHED_DDL}
+{JOURNAL_DDL}
 """
 
 _HAS_EPOCH = f"""

@@ -33,6 +33,26 @@ duplicate key stops the pipeline. ``error`` stops on both; ``skip`` skips both; 
 writes the change anyway."""
 DEFAULT_CONFLICT_POLICY: ConflictPolicy = "native"
 
+SchemaChangePolicy = Literal["follow", "stop"]
+"""What a source DDL the stream meets does at the target (the subscription option
+``schema_changes``): ``follow`` runs the matching DDL at the target in the batch's own
+transaction where it is safe (docs/schema-changes.md), ``stop`` stops the table with the
+DDL a person would run."""
+NEW_SCHEMA_CHANGE_POLICY: SchemaChangePolicy = "follow"
+"""The policy a subscription created now gets when it names none."""
+STORED_SCHEMA_CHANGE_POLICY: SchemaChangePolicy = "stop"
+"""The policy of a subscription whose stored options have no ``schema_changes`` key:
+those were created before the option existed, when every DDL stopped the table, and keep
+that behaviour until a PATCH sets the option (a deploy never changes what a running
+subscription does to its target)."""
+
+
+def schema_change_policy(options: Mapping[str, Any]) -> SchemaChangePolicy:
+    """The ``schema_changes`` policy of stored subscription options (absent: ``stop``,
+    see :data:`STORED_SCHEMA_CHANGE_POLICY`)."""
+    value = options.get("schema_changes", STORED_SCHEMA_CHANGE_POLICY)
+    return "follow" if value == "follow" else "stop"
+
 
 @dataclass(frozen=True, slots=True)
 class TableRoute:
@@ -69,6 +89,9 @@ class ApplyBatch:
     a batch planned before a resync took a table out of the stream is never committed
     after that resync's fence (:class:`RoutesChanged`). None: not checked (callers that
     do not read routes from the metadata store)."""
+    schema_changes: SchemaChangePolicy = STORED_SCHEMA_CHANGE_POLICY
+    """Whether a Relation message whose columns the target lacks is followed (DDL in
+    the batch's transaction) or stops the table (see :data:`SchemaChangePolicy`)."""
 
     @property
     def end_lsn(self) -> Lsn:
@@ -133,6 +156,33 @@ class UpdateImageRecord:
     new: dict[str, str | None]
 
 
+@dataclass(frozen=True, slots=True)
+class SchemaChange:
+    """A source DDL the stream met on one table, and what the target did about it: a
+    row of ``GET /subscriptions/{id}/schema-changes``. Written to the target's journal
+    in the batch's own transaction when followed, so that recording it (metadata store,
+    audit, metric, a resync) happens exactly once after that commit, even across a
+    crash (:mod:`.schemachange`)."""
+
+    table: str
+    """The source table (``schema.name`` as pgoutput names it)."""
+    lsn: Lsn
+    """Commit LSN of the first transaction that carries the new shape."""
+    change: Literal["add_column", "drop_column", "alter_type", "rename_column", "add_table"]
+    column: str
+    before: str | None
+    """The target column's type before (None: no such column)."""
+    after: str | None
+    """Its type after, as the source's ``format_type`` renders it (None: unknown)."""
+    action: Literal["applied", "resynced", "stopped"]
+    code: str | None = None
+    ddl: tuple[str, ...] = ()
+    """The statements, as run at the target (or as a person would run them: stopped)."""
+    resync: bool = False
+    """A diff resync of the table follows the commit (existing rows' values were not
+    streamed: a volatile default rewrote the source table)."""
+
+
 @dataclass
 class ApplyResult:
     end_lsn: Lsn
@@ -166,6 +216,8 @@ class ApplyResult:
     spark: dict[str, Any] = field(default_factory=dict)
     """What Spark ran for a batch staged by Spark tasks: its job group, jobs, stages, task
     failures and executors (empty for the driver path)."""
+    schema_changes: tuple[SchemaChange, ...] = ()
+    """Source DDL followed at the target in this batch's transaction (journaled there)."""
 
 
 class ApplyConflict(Exception):
@@ -217,8 +269,14 @@ class TableStopped(Exception):
     """A table cannot be applied correctly (e.g. a value that was not received and cannot
     be fetched); nothing of the batch was committed."""
 
-    def __init__(self, table: str, commit_lsn: Lsn, detail: str) -> None:
+    def __init__(self, table: str, commit_lsn: Lsn, detail: str,
+                 code: str | None = None) -> None:
         super().__init__(f"{table}: {detail} (transaction committed at {commit_lsn})")
         self.table = table
         self.commit_lsn = commit_lsn
         self.detail = detail
+        self.code = code
+        """A stable code for the subscription's ``error_code`` (e.g.
+        ``schema_change_unsupported``), None where the stop has none."""
+        self.schema_change: SchemaChange | None = None
+        """The source DDL that stopped the table, to record (:mod:`.schemachange`)."""

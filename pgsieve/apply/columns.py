@@ -34,6 +34,11 @@ class TargetColumn:
     has_default: bool = False
     has_equality: bool = True
     """The type has a default btree/hash equality (REPLICA IDENTITY FULL matching)."""
+    type_oid: int = 0
+    """The column's type (a domain's base type) as an OID, 0 when not read: compared
+    with a Relation message's to see a source type change (:mod:`.schemachange`)."""
+    type_mod: int = -1
+    """Its ``atttypmod`` (a domain's ``typtypmod``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,11 @@ class TargetTable:
     neither. A source table with REPLICA IDENTITY FULL is matched on these, not on every
     old value, when they are all published."""
     index: dict[str, int] = field(default_factory=dict, compare=False, hash=False)
+    accepted_types: set[tuple[str, int, int]] = field(
+        default_factory=set, compare=False, hash=False, repr=False)
+    """(column, source type OID, typmod) a Relation sends that differ from this shape's
+    type but that the column takes as it is (every value fits, ``compatible``): checked
+    once per shape (:mod:`.schemachange`), not for every batch."""
     sql_names: list[str] = field(default_factory=list, init=False, compare=False, hash=False,
                                  repr=False)
     """Filled by :meth:`quoted` on first use."""
@@ -112,7 +122,7 @@ _TEXT_SINKS = frozenset({"text"})
 _LENGTH = re.compile(r"^(character varying|character|bit varying|bit|numeric)\((\d+)(?:,(\d+))?\)$")
 
 
-def _split(type_name: str) -> tuple[str, tuple[int, ...]]:
+def split_type(type_name: str) -> tuple[str, tuple[int, ...]]:
     m = _LENGTH.match(type_name)
     if m is None:
         return type_name, ()
@@ -125,8 +135,8 @@ def compatible(source_type: str, target_type: str) -> bool:
     ``target_type`` unchanged in meaning. Conservative: unknown pairs are incompatible."""
     if source_type == target_type:
         return True
-    src, src_args = _split(source_type)
-    tgt, tgt_args = _split(target_type)
+    src, src_args = split_type(source_type)
+    tgt, tgt_args = split_type(target_type)
     if src.endswith("[]") or tgt.endswith("[]"):
         return (src.endswith("[]") and tgt.endswith("[]")
                 and compatible(source_type[:-2], target_type[:-2]))

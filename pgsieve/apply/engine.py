@@ -38,13 +38,15 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from pgsieve.apply.batch import ApplyBatch, ApplyResult
+from pgsieve.apply.batch import ApplyBatch, ApplyResult, SchemaChange
+from pgsieve.apply.columns import TargetTable
 from pgsieve.apply.direct import DirectTable, plan_apart, plan_direct
 from pgsieve.apply.driver import fetch_pending, resolver, stage_in_driver
 from pgsieve.apply.merge import StagedTable, merge, stage_table
-from pgsieve.apply.plan import BatchPlan, TablePlan
+from pgsieve.apply.plan import BatchPlan, ColumnsMissing, TablePlan
 from pgsieve.apply.planbuilder import build_plan
 from pgsieve.apply.planner import DistributedPlanner, PlannerUnavailable
+from pgsieve.apply.schemachange import first_lsn, plan_added_columns, plan_type_changes
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings
 from pgsieve.wire.lsn import Lsn
@@ -196,7 +198,7 @@ def prepare_batch(planner: DistributedPlanner | None, batch: ApplyBatch, writer:
         plan, staged, fetched, spark_report = _plan_and_stage(planner, batch, writer,
                                                               expected, timings)
     else:
-        plan = build_plan(batch, resolver(writer, batch), expected, writer.relation_maps)
+        plan = plan_following(batch, writer, expected)
         timings["plan"] = (now := time.perf_counter()) - t
         t = now
         fetched = fetch_pending(writer, plan)
@@ -214,6 +216,68 @@ def prepare_batch(planner: DistributedPlanner | None, batch: ApplyBatch, writer:
         timings["stage"] = time.perf_counter() - t
     return PreparedBatch(batch, writer, plan, staged, direct, fetched, expected,
                          distributed, spark_report, timings, started)
+
+
+MAX_FOLLOWED_RELATIONS = 64
+"""Relations whose new columns one batch plans again for, at most (each is a Relation
+message with columns its target lacks; a batch meeting more stops at the next one)."""
+
+
+def plan_following(batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None
+                   ) -> BatchPlan:
+    """:func:`~.planbuilder.build_plan`, following the columns the source added
+    (:mod:`.schemachange`): a Relation with columns its target lacks is planned again
+    against the target's shape after the DDL, which the merge runs first in its
+    transaction. Under ``schema_changes: stop`` (or without a source to read the
+    column's definition from) the table stops, as before, now with the DDL to run."""
+    overrides: dict[str, TargetTable] = {}
+    followed: list[SchemaChange] = []
+    base = resolver(writer, batch)
+
+    def resolve(name: str) -> TargetTable:
+        found = overrides.get(name)
+        return base(name) if found is None else found
+
+    for _ in range(MAX_FOLLOWED_RELATIONS):
+        try:
+            plan = build_plan(batch, resolve, expected, writer.relation_maps)
+        except ColumnsMissing as missing:
+            if writer.source_dsn is None:
+                raise
+            lsn = first_lsn(batch.transactions, missing.relation) or batch.commit_lsn
+            follow = plan_added_columns(writer.conn, writer.read_source, missing, lsn,
+                                        batch.schema_changes)
+            overrides[missing.route.target_table] = follow.target
+            followed.extend(follow.changes)
+            continue
+        if _follow_types(batch, writer, plan, overrides, followed):
+            continue
+        plan.schema_changes = tuple(followed)
+        return plan
+    return build_plan(batch, resolve, expected, writer.relation_maps)
+
+
+def _follow_types(batch: ApplyBatch, writer: TargetWriter, plan: BatchPlan,
+                  overrides: dict[str, TargetTable], followed: list[SchemaChange]) -> bool:
+    """Compare the column types of the plan's relation maps not yet compared with their
+    target's (once per map: maps are kept across batches) and follow what the source
+    changed (:func:`~.schemachange.plan_type_changes`); whether the batch must be planned
+    again against a target shape after an ALTER COLUMN … TYPE."""
+    for rm in plan.relation_maps.values():  # (in the order the batch met them)
+        if rm.types_checked:
+            continue
+        retyped = rm.retyped_columns()
+        if retyped:
+            lsn = first_lsn(batch.transactions, rm.relation) or batch.commit_lsn
+            follow = plan_type_changes(writer.conn, rm, retyped, lsn, batch.schema_changes)
+            if follow is not None:
+                # Planned again against the shape after the DDL: the table's other
+                # relations (the same shape, sent again later) map onto it then.
+                overrides[rm.route.target_table] = follow.target
+                followed.extend(follow.changes)
+                return True
+        rm.types_checked = True
+    return False
 
 
 def _plan_and_stage(planner: DistributedPlanner, batch: ApplyBatch, writer: TargetWriter,
@@ -245,8 +309,14 @@ def finish_prepared(p: PreparedBatch) -> ApplyResult:
     """The prepared batch's one target transaction (its merge), and what it did."""
     t = time.perf_counter()
     plan, timings = p.plan, p.timings
-    outcome = merge(p.writer, p.batch, plan, p.staged, plan.counts, p.expected,
-                    direct=None if p.distributed else p.direct)
+    try:
+        outcome = merge(p.writer, p.batch, plan, p.staged, plan.counts, p.expected,
+                        direct=None if p.distributed else p.direct)
+    finally:
+        if plan.schema_changes:
+            # The shapes (and statements prepared on them) were the DDL's: read again,
+            # whether the DDL committed or rolled back.
+            p.writer.invalidate()
     timings["merge"] = time.perf_counter() - t
     timings.update(outcome.timings)  # its parts: merge_lock, _delete, …, _commit
     timings["total"] = time.perf_counter() - p.started
@@ -272,6 +342,7 @@ def finish_prepared(p: PreparedBatch) -> ApplyResult:
         distributed=p.distributed,
         direct_tables=tuple(outcome.direct),
         spark=p.spark_report,
+        schema_changes=plan.schema_changes,
     )
 
 

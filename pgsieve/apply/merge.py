@@ -46,6 +46,7 @@ from pgsieve.apply.net_effect import (
     OP_UPDATE,
 )
 from pgsieve.apply.plan import BatchPlan, TablePlan, TruncateOp
+from pgsieve.apply.schemachange import run_in_merge
 from pgsieve.apply.sequential import apply_sequential
 from pgsieve.apply.staging import SCHEMA, StageEncoder, StageSummary, mask_text
 from pgsieve.apply.target import TargetWriter
@@ -125,8 +126,9 @@ def merge(
         try:
             # (a script never changes the counts: they are copied, to be put back after
             # a mismatch, only for the statements that may; nor the marks)
-            recorded = None if marked else _merge_small(writer, batch, plan, staged,
-                                                        expected_applied, direct, outcome)
+            # (nor DDL: the schema changes run first in _merge_in_transaction)
+            recorded = None if marked or plan.schema_changes else _merge_small(
+                writer, batch, plan, staged, expected_applied, direct, outcome)
             if recorded is None:
                 if direct:
                     before = {name: replace(c) for name, c in counts.items()}
@@ -206,6 +208,9 @@ def _merge_steps(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
             raise RoutesChanged(batch.subscription_id, batch.routes_epoch,
                                 writer.record.locked_epoch)
         writer.replica_role(conn)
+    if plan.schema_changes:
+        with outcome.timed("schema_changes"):
+            run_in_merge(conn, batch.subscription_id, plan.schema_changes)
     book = outcome.marks
     if book is not None:
         book.before_merge(conn, plan, {name: st.name for name, st in staged.items()})

@@ -25,6 +25,7 @@ from typing import Any, Literal, cast
 
 from pgsieve.apply.batch import (
     ApplyBatch,
+    SchemaChange,
     TableCounts,
     TableRoute,
     TableStopped,
@@ -52,12 +53,35 @@ Position = tuple[int, int]
 TableMode = Literal["key", "keyless", "full"]
 
 
+class ColumnsMissing(TableStopped):
+    """A Relation message carries columns its target table lacks: the source's DDL
+    (ADD COLUMN) the stream meets. The engine follows it or stops the table with the DDL
+    to run (:mod:`.schemachange`); left uncaught, it stops the table as before."""
+
+    def __init__(self, relation: Relation, route: TableRoute, target: TargetTable,
+                 missing: Sequence[str]) -> None:
+        super().__init__(
+            route.source_table, Lsn(0),
+            f"the target table {target.qualified_name} has no column "
+            f"{', '.join(missing)} that the source publishes (add it, or stop publishing "
+            "it)")
+        self.relation = relation
+        self.route = route
+        self.target = target
+        self.missing = tuple(missing)
+
+
+FIRST_NORMAL_OID = 16384
+"""OIDs below this are built in, the same on every server: a type OID a Relation message
+sends names the same type at the target only then."""
+
+
 class RelationMap:
     """How one Relation's tuples land in its target table."""
 
     __slots__ = ("always", "binary_oids", "fast", "given_mask", "identity", "key_positions",
                  "key_rel", "mode", "positions", "relation", "route", "source_table",
-                 "target", "width")
+                 "target", "types_checked", "width")
 
     def __init__(self, relation: Relation, route: TableRoute, target: TargetTable) -> None:
         self.relation = relation
@@ -67,11 +91,10 @@ class RelationMap:
         self.width = target.width
         missing = [c.name for c in relation.columns if c.name not in target.index]
         if missing:
-            raise TableStopped(
-                route.source_table, Lsn(0),
-                f"the target table {target.qualified_name} has no column "
-                f"{', '.join(missing)} that the source publishes (add it, or stop publishing "
-                "it)")
+            raise ColumnsMissing(relation, route, target, missing)
+        self.types_checked = False
+        """Whether the engine compared this map's column types with the target's
+        (:func:`retyped_columns`; once per map, not per batch)."""
         self.positions = tuple(target.index[c.name] for c in relation.columns)
         self.identity = self.positions == tuple(range(self.width))
         self.given_mask = 0
@@ -100,6 +123,21 @@ class RelationMap:
         self.always = route.sync_state == SyncState.READY and route.sync_lsn is None
         self.fast = self.mode == "key" and self.identity
         self.binary_oids = tuple(c.type_oid for c in relation.columns)
+
+    def retyped_columns(self) -> list[str]:
+        """Columns the Relation sends with another built-in type (OID and typmod; a
+        target domain by its base type) than the target column has, and that the target
+        has not accepted as they are (:attr:`.columns.TargetTable.accepted_types`): the
+        source may have changed them (ALTER COLUMN … TYPE, :mod:`.schemachange`)."""
+        target = self.target
+        out: list[str] = []
+        for c in self.relation.columns:
+            tc = target.columns[target.index[c.name]]
+            if (tc.type_oid and c.type_oid < FIRST_NORMAL_OID
+                    and (tc.type_oid, tc.type_mod) != (c.type_oid, c.type_modifier)
+                    and (c.name, c.type_oid, c.type_modifier) not in target.accepted_types):
+                out.append(c.name)
+        return out
 
     def to_target(self, values: Sequence[Any]) -> Sequence[Any]:
         if self.identity:
@@ -197,6 +235,9 @@ class BatchPlan:
     applied_positions: list[int]
     """Indexes of the batch's transactions that apply."""
     relation_maps: dict[int, RelationMap]
+    schema_changes: tuple[SchemaChange, ...] = ()
+    """Source DDL followed in this batch: its statements run first in the merge's
+    transaction (:mod:`.schemachange`); tables are planned against the shape after."""
 
 
 class RelationMaps:

@@ -70,7 +70,9 @@ SELECT a.attname,
        a.atthasdef,
        bt.typcategory IN ('A', 'E', 'R') OR bt.typtype = 'c' OR EXISTS (
            SELECT 1 FROM pg_opclass oc JOIN pg_am am ON am.oid = oc.opcmethod
-           WHERE oc.opcdefault AND am.amname IN ('btree', 'hash') AND oc.opcintype = bt.oid)
+           WHERE oc.opcdefault AND am.amname IN ('btree', 'hash') AND oc.opcintype = bt.oid),
+       bt.oid::bigint,
+       CASE WHEN t.typtype = 'd' THEN t.typtypmod ELSE a.atttypmod END
 FROM pg_attribute a
 JOIN pg_type t ON t.oid = a.atttypid
 JOIN pg_type bt ON bt.oid = CASE WHEN t.typtype = 'd' THEN t.typbasetype ELSE t.oid END
@@ -176,12 +178,14 @@ class TableShapes:
         columns: list[TargetColumn] = []
         generated: list[str] = []
         for row in conn.execute(_COLUMNS_SQL, (oid,)):
-            name_, type_name, stage_type, collation, gen, not_null, has_def, has_eq = row
+            (name_, type_name, stage_type, collation, gen, not_null, has_def, has_eq,
+             type_oid, type_mod) = row
             if gen:
                 generated.append(name_)
                 continue
             columns.append(TargetColumn(name_, type_name, stage_type, collation, False,
-                                        bool(not_null), bool(has_def), bool(has_eq)))
+                                        bool(not_null), bool(has_def), bool(has_eq),
+                                        int(type_oid), int(type_mod)))
         unique = tuple(frozenset(r[0]) for r in conn.execute(_UNIQUE_SQL, (oid,)))
         ident = conn.execute(IDENTITY_SQL, (oid,)).fetchone()
         table = TargetTable(nsp, relname, int(oid), relkind, tuple(columns), tuple(generated),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -372,7 +372,24 @@ class TargetWriter:
                 conn: psycopg.Connection[Any] | None = None) -> None:
         copy_rows(conn or self.conn, staging, columns, payload)
 
+    @contextlib.contextmanager
+    def side_connection(self) -> Iterator[psycopg.Connection[Any]]:
+        """A short-lived second target connection (autocommit), for work beside a merge
+        that may be in flight on :attr:`conn` in another thread (merges behind the
+        reading): the schema-change journal's delivery (:mod:`.schemachange`)."""
+        with _connect(self._dsn, self.connect_timeout, "pgsieve-schema") as conn:
+            yield conn
+
     # -- the source, for values the stream did not carry ----------------------------------
+    def read_source(self, query: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        """Rows of a catalog query on the source (a connection of its own, pinned by the
+        connection policy like every other): a column's definition when the stream
+        meets a schema change (:mod:`.schemachange`)."""
+        if self._source_dsn is None:
+            raise RuntimeError("no source connection configured")
+        with _connect(self._source_dsn, self.connect_timeout, "pgsieve-schema") as src:
+            return [tuple(r) for r in src.execute(query, params).fetchall()]
+
     def fetch_source_rows(
         self,
         source: tuple[str, str],

@@ -36,6 +36,7 @@ from pgsieve.platform.models import (
     ConsumerLock,
     Job,
     ProgressSample,
+    SchemaChangeRecord,
     Source,
     SourceSample,
     Subscription,
@@ -309,6 +310,24 @@ class MetadataCollector(Collector):
         yield from families
         yield from self._spark(session, apply_failures, spark_seen)
         yield self._jobs(session)
+        yield self._schema_changes(session)
+
+    def _schema_changes(self, session: Session) -> Metric:
+        """Source DDL the streams met, by what the target did (counted from the records
+        of ``GET /subscriptions/{id}/schema-changes``: written once each)."""
+        changes = CounterMetricFamily(
+            "pgsieve_schema_changes", "source DDL a subscription's stream met, per column: "
+            "change (add_column, alter_type, …) and action (applied, resynced, stopped)",
+            labels=["subscription", "change", "action"])
+        for name, change, action, count in session.execute(
+            select(Subscription.name, SchemaChangeRecord.change, SchemaChangeRecord.action,
+                   func.count())
+            .join(Subscription, Subscription.id == SchemaChangeRecord.subscription_id)
+            .group_by(Subscription.name, SchemaChangeRecord.change,
+                      SchemaChangeRecord.action)
+        ):
+            changes.add_metric([name, change, action], float(count))
+        return changes
 
     def _spark(self, session: Session, apply_failures: int,
                spark_seen: list[tuple[datetime | None, int]]) -> Iterator[Metric]:

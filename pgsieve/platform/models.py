@@ -387,6 +387,38 @@ class UpdateImage(Base):
     captured_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class SchemaChangeRecord(Base):
+    """A source DDL a subscription's stream met on one column of one table, and what
+    the target did: followed (``applied``; ``resynced`` when a diff resync of the table
+    was requested too) or ``stopped`` with a code and the DDL to run. Written after the
+    target's commit from the target's journal, so at most once per (subscription,
+    table, LSN, change, column): ``GET /subscriptions/{id}/schema-changes``."""
+
+    __tablename__ = "schema_changes"
+    __table_args__ = (
+        UniqueConstraint("subscription_id", "table_name", "lsn", "change", "column_name"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    subscription_id: Mapped[str] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), index=True
+    )
+    table_name: Mapped[str] = mapped_column(String(130))
+    lsn: Mapped[int] = mapped_column(BigInteger)
+    """Commit LSN of the first transaction that carried the new shape."""
+    change: Mapped[str] = mapped_column(String(32))
+    """add_column, drop_column, alter_type, rename_column or add_table."""
+    column_name: Mapped[str] = mapped_column(String(130))
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    action: Mapped[str] = mapped_column(String(16))
+    """applied, resynced or stopped."""
+    code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    ddl: Mapped[list[str]] = mapped_column(JSON)
+    """The statements run at the target (or to run there: stopped)."""
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class SyncPartition(Base):
     """One partition (ctid block range or key range) of a table's initial copy."""
 

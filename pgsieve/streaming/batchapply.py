@@ -25,6 +25,7 @@ from pgsieve.apply.batch import (
     ApplyFenced,
     ApplyResult,
     RoutesChanged,
+    SchemaChangePolicy,
     TableRoute,
     TableStopped,
 )
@@ -44,6 +45,7 @@ from pgsieve.streaming.appliednotes import (
 )
 from pgsieve.streaming.consumer import SlotConsumer
 from pgsieve.streaming.outcome import CycleOutcome, LeaseHolder, Stop
+from pgsieve.streaming.schemarecords import deliver_journal, record_stopped
 from pgsieve.streaming.transports.base import TransportError
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
@@ -73,6 +75,7 @@ class StreamApplier:
     routes: dict[str, TableRoute]
     routes_epoch: int
     on_conflict: str
+    schema_changes: SchemaChangePolicy
     skip_lsn: Lsn | None
     batches: int
     changes: int
@@ -105,6 +108,7 @@ class StreamApplier:
             on_conflict=self.on_conflict,  # type: ignore[arg-type]
             skip_lsn=self.skip_lsn,
             routes_epoch=self.routes_epoch,
+            schema_changes=self.schema_changes,
         )
         if behind_ok and self.cycle.settings.merge_behind_changes:
             self._merge_behind(batch)
@@ -153,7 +157,11 @@ class StreamApplier:
                     table=conflict.table)) from None
             except TableStopped as stopped:
                 self._apply_prefix(batch, stopped.commit_lsn)
-                raise Stop(self.cycle._fail(str(stopped), table=stopped.table)) from None
+                if stopped.schema_change is not None:
+                    record_stopped(self.cycle.sessions, self.cycle.subscription_id,
+                                   stopped.schema_change)
+                raise Stop(self.cycle._fail(str(stopped), table=stopped.table,
+                                            code=stopped.code)) from None
             except ApplyFenced as fenced:
                 # Another consumer applied past us (we lost the lease while working):
                 # nothing was committed; stop and let the lock holder carry on.
@@ -385,6 +393,13 @@ class StreamApplier:
     def _trims(self) -> ImageTrims:
         return self._image_trims if self.progress_book is None else self.progress_book.trims
 
+    def deliver_schema_changes(self, *, beside_merges: bool = True) -> None:
+        """Make the schema changes the target committed visible (record, audit, metric,
+        the resync they asked for: :mod:`.schemarecords`). ``beside_merges=False`` only
+        where no merge can be in flight on the writer (a run's start)."""
+        deliver_journal(self.cycle.sessions, self.cycle.settings, self.writer,
+                        self.cycle.subscription_id, beside_merges=beside_merges)
+
     def _after_apply(self, result: ApplyResult, elapsed: float) -> None:
         """Record an applied batch (see :mod:`.appliednotes`): into the scheduler's book,
         written with its heartbeat, or — a lone cycle, or a batch shown as pending — at
@@ -392,6 +407,8 @@ class StreamApplier:
         if result.skipped_transaction is not None and self.skip_lsn == (
                 result.skipped_transaction):
             self.skip_lsn = None
+        if result.schema_changes:
+            self.deliver_schema_changes()
         source_lsn = self._current_source_lsn(time.monotonic())
         sid = self.cycle.subscription_id
         book = self.progress_book

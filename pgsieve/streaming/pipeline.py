@@ -398,14 +398,14 @@ class ConsumeCycle:
         return CycleOutcome("retry", detail)
 
     def _fail(self, detail: str, conflict: dict[str, Any] | None = None,
-              table: str | None = None) -> CycleOutcome:
+              table: str | None = None, code: str | None = None) -> CycleOutcome:
         detail = scrub_secrets(detail)
         log.error("subscription %s stopped: %s", self.subscription_id, detail)
         with self.sessions() as session:
             sub = locked(session, Subscription, self.subscription_id)
             if sub is not None:
                 sub.state = SubscriptionState.ERROR
-                sub.error, sub.error_code = detail, None
+                sub.error, sub.error_code = detail, code
                 stats = dict(sub.stats)
                 if conflict is not None:
                     stats["last_conflict"] = conflict

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from pgsieve.apply import hotpath
+from pgsieve.apply.batch import schema_change_policy
 from pgsieve.apply.batcher import BatchLimits, MicroBatcher
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.connpolicy import Purpose, policy_in_force, secure_conninfo
@@ -76,6 +77,11 @@ class StreamRun(StreamApplier):
         ))
         self.routes_epoch = writer.read_routes_epoch()  # (before the routes: see _control)
         self.routes, self.enabled, self.on_conflict, self.skip_lsn, _ = cycle.load_routes()
+        self.schema_changes = schema_change_policy(options)
+        """Read once per cycle, as the batch options: a PATCH is seen by the next cycle
+        (a table stopped by ``stop`` needs ``…/enable`` after the PATCH anyway)."""
+        # (a worker killed after a DDL's commit left them; no merge in flight yet)
+        self.deliver_schema_changes(beside_merges=False)
         self.batches = 0
         self.changes = 0
         self._control_at = time.monotonic()

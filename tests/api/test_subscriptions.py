@@ -8,9 +8,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
 
-from pgsieve.platform.models import Job, Subscription, SubscriptionTable
+from pgsieve.platform.models import (
+    Job,
+    SchemaChangeRecord,
+    Subscription,
+    SubscriptionTable,
+)
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 
@@ -128,6 +134,73 @@ def test_patch_options(client, env):
     assert client.get(f"/api/v1/subscriptions/{sub['id']}").json()["options"] == r.json()[
         "options"]
     assert_problem(client.patch("/api/v1/subscriptions/nope", json={"options": {}}), 404,
+                   "subscription_not_found")
+
+
+def test_schema_change_options(client, env, metadata_engine):
+    """New subscriptions follow schema changes; one stored before the option existed
+    reads (and keeps, through a PATCH of another option) ``stop``; bad values are 422."""
+    sub = client.post("/api/v1/subscriptions", json=_body(env, enabled=False)).json()
+    assert sub["options"]["schema_changes"] == "follow"
+    assert sub["options"]["drop_columns"] is False
+    sid = sub["id"]
+    r = client.patch(f"/api/v1/subscriptions/{sid}",
+                     json={"options": {"schema_changes": "stop", "drop_columns": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["options"]["schema_changes"] == "stop"
+    assert r.json()["options"]["drop_columns"] is True
+    for bad in ({"options": {"schema_changes": "ignore"}},
+                {"options": {"schema_changes": None, "drop_columns": "maybe"}},
+                {"options": {"drop_columns": [1]}}):
+        assert_problem(client.patch(f"/api/v1/subscriptions/{sid}", json=bad), 422,
+                       "validation_error")
+    # A subscription stored before the option existed: no key at all.
+    with metadata_engine.begin() as conn:
+        stored = conn.execute(select(Subscription.options).where(
+            Subscription.id == sid)).scalar_one()
+        legacy = {k: v for k, v in stored.items()
+                  if k not in ("schema_changes", "drop_columns")}
+        conn.execute(update(Subscription).where(Subscription.id == sid)
+                     .values(options=legacy))
+    got = client.get(f"/api/v1/subscriptions/{sid}").json()["options"]
+    assert got["schema_changes"] == "stop" and got["drop_columns"] is False
+    r = client.patch(f"/api/v1/subscriptions/{sid}",
+                     json={"options": {"batch_max_wait_ms": 50}})
+    assert r.json()["options"]["schema_changes"] == "stop"
+    r = client.patch(f"/api/v1/subscriptions/{sid}",
+                     json={"options": {"schema_changes": "follow"}})
+    assert r.json()["options"]["schema_changes"] == "follow"
+
+
+def test_schema_changes_listed_newest_first(client, env, metadata_engine):
+    sub = client.post("/api/v1/subscriptions", json=_body(env, enabled=False)).json()
+    sid = sub["id"]
+    assert client.get(f"/api/v1/subscriptions/{sid}/schema-changes").json() == []
+    with Session(metadata_engine) as session:
+        for i, (column, action) in enumerate([("a", "applied"), ("b", "resynced"),
+                                              ("c", "stopped")]):
+            session.add(SchemaChangeRecord(
+                subscription_id=sid, table_name="public.orders", lsn=0x1000 + i,
+                change="add_column", column_name=column, before=None,
+                after={"column": column, "type": "text"}, action=action,
+                code="schema_change_unsupported" if action == "stopped" else None,
+                ddl=[f'ALTER TABLE "public"."orders" ADD COLUMN "{column}" text']))
+        session.commit()
+    r = client.get(f"/api/v1/subscriptions/{sid}/schema-changes", params={"limit": 2})
+    assert r.status_code == 200, r.text
+    page = r.json()
+    assert [(c["after"]["column"], c["action"], c["lsn"]) for c in page] == [
+        ("c", "stopped", "0/1002"), ("b", "resynced", "0/1001")]
+    assert page[0]["code"] == "schema_change_unsupported" and page[1]["code"] is None
+    assert page[0]["table"] == "public.orders" and page[0]["change"] == "add_column"
+    assert 'rel="next"' in r.headers["link"]
+    following = r.headers["link"].split(";")[0].strip("<>")
+    rest = client.get(following).json()
+    assert [c["after"]["column"] for c in rest] == ["a"]
+    assert "link" not in client.get(following).headers
+    assert_problem(client.get(f"/api/v1/subscriptions/{sid}/schema-changes",
+                              params={"limit": 0}), 422, "validation_error")
+    assert_problem(client.get("/api/v1/subscriptions/nope/schema-changes"), 404,
                    "subscription_not_found")
 
 

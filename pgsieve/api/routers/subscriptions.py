@@ -6,24 +6,26 @@ Thin: request validation and the answer's shape here; the rules are in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Response, status
+from fastapi import APIRouter, Query, Request, Response, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pgsieve.api import rowdata
 from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
 from pgsieve.api.schemas.subscriptions import (
+    SchemaChangeOut,
     SkipRequest,
     SubscriptionCreate,
     SubscriptionOptions,
     SubscriptionOut,
     SubscriptionPatch,
 )
+from pgsieve.apply.batch import schema_change_policy
 from pgsieve.apply.batcher import MAX_BATCH_BYTES, MAX_BATCH_CHANGES
 from pgsieve.platform.lookups import load_subscription
-from pgsieve.platform.models import Subscription
+from pgsieve.platform.models import SchemaChangeRecord, Subscription
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.security.tokens import Principal
@@ -31,6 +33,14 @@ from pgsieve.subscriptions import service
 from pgsieve.wire.lsn import format_lsn
 
 router = APIRouter(prefix="/subscriptions", tags=["subscriptions"])
+
+
+def shown_options(stored: dict[str, Any]) -> dict[str, Any]:
+    """Stored options with the schema-change options an older subscription lacks, as
+    they act: ``schema_changes`` absent reads ``stop`` (what it did when it was created,
+    :data:`~pgsieve.apply.batch.STORED_SCHEMA_CHANGE_POLICY`), ``drop_columns`` false."""
+    return {**stored, "schema_changes": schema_change_policy(stored),
+            "drop_columns": bool(stored.get("drop_columns", False))}
 
 
 def subscription_out(session: Session, sub: Subscription, settings: Settings
@@ -53,7 +63,7 @@ def subscription_out(session: Session, sub: Subscription, settings: Settings
         "slot_owned": sub.slot_owned,
         "copy_data": sub.copy_data,
         "enabled": sub.enabled,
-        "options": dict(sub.options),
+        "options": shown_options(sub.options),
         "consistent_lsn": format_lsn(sub.consistent_lsn),
         "received_lsn": format_lsn(sub.received_lsn),
         "applied_lsn": format_lsn(sub.applied_lsn),
@@ -134,9 +144,40 @@ def patch_subscription(
                        ("batch_max_bytes", MAX_BATCH_BYTES)):
         if key in stored:
             stored[key] = min(int(stored[key]), bound)
+    stored = shown_options(stored)  # (a PATCH of another option keeps schema_changes)
     sub.options = SubscriptionOptions(**{**stored, **changes}).model_dump()
     session.commit()
     return subscription_out(session, sub, settings)
+
+
+SCHEMA_CHANGES_PAGE = 100
+SCHEMA_CHANGES_MAX_PAGE = 1000
+
+
+@router.get("/{subscription_id}/schema-changes", response_model=list[SchemaChangeOut],
+            operation_id="list_schema_changes")
+def list_schema_changes(
+    subscription_id: str, request: Request, response: Response, session: SessionDep,
+    limit: Annotated[int, Query(ge=1, le=SCHEMA_CHANGES_MAX_PAGE)] = SCHEMA_CHANGES_PAGE,
+    cursor: Annotated[str | None, Query(max_length=18, pattern="^[0-9]+$",
+                                        description="from a Link rel=next")] = None,
+) -> list[dict[str, Any]]:
+    """The source DDL the stream met and what the target did, newest first (``Link:
+    rel="next"`` while more remain)."""
+    sub = load_subscription(session, subscription_id)
+    query = (select(SchemaChangeRecord)
+             .where(SchemaChangeRecord.subscription_id == sub.id)
+             .order_by(SchemaChangeRecord.id.desc()).limit(limit + 1))
+    if cursor is not None:
+        query = query.where(SchemaChangeRecord.id < int(cursor))
+    rows = list(session.scalars(query))
+    if len(rows) > limit:
+        rows = rows[:limit]
+        url = request.url.include_query_params(cursor=str(rows[-1].id), limit=limit)
+        response.headers["Link"] = f'<{url}>; rel="next"'
+    return [{"at": r.at, "lsn": format_lsn(r.lsn), "table": r.table_name,
+             "change": r.change, "before": r.before, "after": r.after,
+             "action": r.action, "code": r.code, "ddl": list(r.ddl)} for r in rows]
 
 
 @router.post("/{subscription_id}/enable", response_model=SubscriptionOut)

@@ -39,6 +39,17 @@ class SubscriptionOptions(StrictModel):
     )
     binary: bool = Field(default=False, description="pgoutput binary mode")
     streaming: bool = Field(default=True, description="receive large transactions early")
+    schema_changes: Literal["follow", "stop"] = Field(
+        default="follow",
+        description="a source DDL the stream meets (a Relation message whose columns "
+        "differ from the target's): follow (run the safe DDL at the target in the batch's "
+        "own transaction: ADD COLUMN, widening type changes) or stop (the table stops "
+        "with the exact DDL to run at the target). Subscriptions created before this "
+        "option read as stop until patched")
+    drop_columns: bool = Field(
+        default=False,
+        description="under follow, a column dropped at the source is dropped at the "
+        "target too (not yet followed: docs/schema-changes.md)")
 
 
 class SubscriptionCreate(StrictModel):
@@ -62,6 +73,8 @@ class SubscriptionOptionsPatch(StrictModel):
     transport: Literal["auto", "sql", "walsender"] | None = None
     binary: bool | None = None
     streaming: bool | None = None
+    schema_changes: Literal["follow", "stop"] | None = None
+    drop_columns: bool | None = None
 
 
 class SubscriptionPatch(StrictModel):
@@ -116,7 +129,9 @@ class SubscriptionOut(BaseModel):
     error_code: str | None = Field(
         default=None, description="the stable code of error when it has one: "
         "connection_not_allowed (the connection policy refuses the source or target now; "
-        "the subscription resumes by itself once it allows them), sync_failed")
+        "the subscription resumes by itself once it allows them), sync_failed, "
+        "schema_change_unsupported (a source DDL that cannot be followed safely: the "
+        "error names the DDL to run at the target; see GET …/schema-changes)")
     source_id: str
     target_id: str
     publications: list[str]
@@ -141,3 +156,26 @@ class SubscriptionOut(BaseModel):
     missing_skipped: int = Field(description="sum of the tables' missing_skipped")
     created_at: datetime
     updated_at: datetime
+
+
+class SchemaColumnOut(BaseModel):
+    column: str
+    type: str = Field(description="as the source's format_type renders it")
+
+
+class SchemaChangeOut(BaseModel):
+    """A source DDL the stream met on one column of one table, and what the target did."""
+
+    at: datetime = Field(description="when the target committed it (stopped: when it stopped)")
+    lsn: str = Field(description="commit LSN of the first transaction with the new shape")
+    table: str = Field(description="the source table, schema.name")
+    change: Literal["add_column", "drop_column", "alter_type", "rename_column", "add_table"]
+    before: SchemaColumnOut | None = Field(description="the target column before (null: none)")
+    after: SchemaColumnOut | None = Field(description="the column after (null: unknown)")
+    action: Literal["applied", "resynced", "stopped"] = Field(
+        description="applied: the DDL ran at the target in the batch's transaction; "
+        "resynced: and a diff resync of the table was requested (existing rows' values "
+        "were not streamed); stopped: the table stopped, ddl is what to run at the target")
+    code: str | None = Field(default=None, description="schema_change_unsupported when "
+                             "pgsieve will not follow the change")
+    ddl: list[str] = Field(description="the statements run at the target, or to run there")
