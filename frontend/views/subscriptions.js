@@ -1,7 +1,8 @@
 // Subscriptions: the list (state, lag), creating one, and one subscription's live view:
 // lag and LSN progress, the lag chart, per-table sync progress, enable/disable, resync
 // (a copy, or a diff that writes only the differences), and the subscription's recent
-// sync jobs — a reconciliation after a filter change among them — with their progress.
+// sync jobs — a reconciliation after a filter change among them — with their progress;
+// its schema-change policy and the source DDL its stream met (followed or stopped).
 
 import { del, get, post } from "../api.js";
 import { lineChart } from "../chart.js";
@@ -134,6 +135,7 @@ export async function subscriptionDetail(root, ctx, id) {
   const tablesBody = h("tbody");
   const jobs = h("div", { "data-test": "jobs" });
   const jobList = h("div", { "data-test": "job-list" });
+  const schemaBody = h("tbody");
   let metric = "lag_seconds";
   const metricButtons = h("div", { class: "toggle" },
     [["lag_seconds", "seconds"], ["lag_bytes", "bytes"]].map(([key, label]) =>
@@ -153,6 +155,7 @@ export async function subscriptionDetail(root, ctx, id) {
         `${source ? source.name : sub.source_id} → ${target ? target.name : sub.target_id} · `,
         `slot `, h("code", {}, sub.slot_name), " · publications ",
         sub.publications.map((p, i) => [i ? ", " : "", h("code", {}, p)])),
+      schemaPolicy(sub.options),
       message,
       alerts,
       h("div", { class: "stats" },
@@ -173,7 +176,13 @@ export async function subscriptionDetail(root, ctx, id) {
         tablesBody),
       jobs,
       h("h3", {}, "Sync jobs"),
-      jobList));
+      jobList),
+    h("section", { class: "card" },
+      h("h3", {}, "Schema changes"),
+      h("table", { class: "grid-table", "data-test": "schema-changes" },
+        h("thead", {}, h("tr", {}, ["Time", "Table", "Change", "Before → after", "Action",
+          "Code"].map((c) => h("th", {}, c)))),
+        schemaBody)));
 
   let progress = null;
   let history = [];
@@ -415,10 +424,48 @@ export async function subscriptionDetail(root, ctx, id) {
     drawChart();
   }
 
+  async function loadSchemaChanges() {
+    const list = await get(`/subscriptions/${id}/schema-changes?limit=10`, { signal: ctx.signal });
+    if (!ctx.active) return;
+    fill(schemaBody, ...list.map(schemaChangeRow));
+    if (!list.length) {
+      schemaBody.append(h("tr", {}, h("td", { colspan: 6, class: "muted" },
+        "no schema changes met yet")));
+    }
+  }
+
   ctx.poll(refresh, 2000);
   ctx.poll(loadJobs, 2000);
+  ctx.poll(loadSchemaChanges, 5000);
   ctx.poll(loadHistory, 10000);
   return progress;
+}
+
+/** What the stream does with a source DDL (GET /subscriptions/{id} options): follow or
+ *  stop, and whether a column dropped at the source is dropped at the target too. */
+function schemaPolicy(options) {
+  const policy = options.schema_changes || "stop";
+  return h("p", { class: "muted", "data-test": "schema-policy",
+    title: "follow: safe source DDL is run at the target in the batch's transaction; "
+      + "stop: the table stops with the DDL to run at the target" },
+  "schema changes: ", h("code", {}, policy), " · dropped columns: ",
+  options.drop_columns ? "dropped at the target" : "kept at the target");
+}
+
+const columnText = (c) => (c ? `${c.column} ${c.type}` : "—");
+
+/** One source DDL met by the stream: when, where, before → after, what was done; the
+ *  DDL (run at the target, or to run there) as the row's tooltip. */
+function schemaChangeRow(c) {
+  const kind = c.action === "stopped" ? "error" : "ok";
+  return h("tr", { "data-test": `schema-change-${c.table}-${c.change}`,
+    title: c.ddl.length ? c.ddl.join(";\n") : null },
+  h("td", {}, fmt.time(c.at)),
+  h("td", { class: "mono" }, c.table),
+  h("td", {}, c.change.replace("_", " ")),
+  h("td", { class: "mono" }, `${columnText(c.before)} → ${columnText(c.after)}`),
+  h("td", {}, badge(c.action, kind)),
+  h("td", { class: "mono" }, c.code || ""));
 }
 
 /** fn over items, at most `width` at once; the results in the items' order. */

@@ -24,7 +24,7 @@ import psycopg
 from psycopg import sql
 
 from pgsieve.apply.fetchmarks import FETCHED_DDL, FETCHED_TABLE
-from pgsieve.apply.schemachange import JOURNAL_DDL
+from pgsieve.apply.schemachange import JOURNAL_DDL, PUBLISHED_TABLE
 from pgsieve.apply.staging import SCHEMA
 from pgsieve.wire.lsn import Lsn
 
@@ -109,16 +109,21 @@ def fence_routes(conn: psycopg.Connection[Any], subscription_id: str,
 
 
 def forget_records(conn: psycopg.Connection[Any], subscription_id: str) -> None:
-    """Delete a subscription's applied record and its marks (:mod:`.fetchmarks`), where
-    their tables exist."""
+    """Delete a subscription's applied record, its marks (:mod:`.fetchmarks`) and the
+    columns its tables published (:mod:`.schemachange`), where their tables exist."""
     exists = conn.execute(
-        "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
-        (f"{SCHEMA}.{APPLIED_TABLE}", f"{SCHEMA}.{FETCHED_TABLE}")).fetchone()
+        "SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL, "
+        "to_regclass(%s) IS NOT NULL",
+        (f"{SCHEMA}.{APPLIED_TABLE}", f"{SCHEMA}.{FETCHED_TABLE}",
+         f"{SCHEMA}.{PUBLISHED_TABLE}")).fetchone()
     if exists and exists[0]:
         conn.execute(f"DELETE FROM {SCHEMA}.{APPLIED_TABLE} WHERE subscription_id = %s",
                      (subscription_id,))
     if exists and exists[1]:
         conn.execute(f"DELETE FROM {SCHEMA}.{FETCHED_TABLE} WHERE subscription_id = %s",
+                     (subscription_id,))
+    if exists and exists[2]:
+        conn.execute(f"DELETE FROM {SCHEMA}.{PUBLISHED_TABLE} WHERE subscription_id = %s",
                      (subscription_id,))
 
 

@@ -92,6 +92,9 @@ class ApplyBatch:
     schema_changes: SchemaChangePolicy = STORED_SCHEMA_CHANGE_POLICY
     """Whether a Relation message whose columns the target lacks is followed (DDL in
     the batch's transaction) or stops the table (see :data:`SchemaChangePolicy`)."""
+    drop_columns: bool = False
+    """Under ``follow``, a column the source dropped is dropped at the target too (else
+    kept, made nullable: :func:`~.schemachange.plan_dropped_columns`)."""
 
     @property
     def end_lsn(self) -> Lsn:
@@ -181,6 +184,9 @@ class SchemaChange:
     resync: bool = False
     """A diff resync of the table follows the commit (existing rows' values were not
     streamed: a volatile default rewrote the source table)."""
+    ddl_after_rows: int = 0
+    """The last this many statements of ``ddl`` run after the batch's rows (a column
+    dropped at the target: rows decoded before the source's DROP still carry it)."""
 
 
 @dataclass

@@ -46,7 +46,13 @@ from pgsieve.apply.merge import StagedTable, merge, stage_table
 from pgsieve.apply.plan import BatchPlan, ColumnsMissing, TablePlan
 from pgsieve.apply.planbuilder import build_plan
 from pgsieve.apply.planner import DistributedPlanner, PlannerUnavailable
-from pgsieve.apply.schemachange import first_lsn, plan_added_columns, plan_type_changes
+from pgsieve.apply.schemachange import (
+    first_lsn,
+    plan_added_columns,
+    plan_dropped_columns,
+    plan_type_changes,
+    read_published,
+)
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings
 from pgsieve.wire.lsn import Lsn
@@ -232,6 +238,8 @@ def plan_following(batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None
     column's definition from) the table stops, as before, now with the DDL to run."""
     overrides: dict[str, TargetTable] = {}
     followed: list[SchemaChange] = []
+    recorded: dict[str, tuple[str, ...] | None] = {}
+    drops: set[tuple[str, str]] = set()
     base = resolver(writer, batch)
 
     def resolve(name: str) -> TargetTable:
@@ -252,7 +260,11 @@ def plan_following(batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None
             continue
         if _follow_types(batch, writer, plan, overrides, followed):
             continue
+        published = _follow_drops(batch, writer, plan, overrides, followed, recorded, drops)
+        if published is None:
+            continue
         plan.schema_changes = tuple(followed)
+        plan.published = published
         return plan
     return build_plan(batch, resolve, expected, writer.relation_maps)
 
@@ -278,6 +290,44 @@ def _follow_types(batch: ApplyBatch, writer: TargetWriter, plan: BatchPlan,
                 return True
         rm.types_checked = True
     return False
+
+
+def _follow_drops(batch: ApplyBatch, writer: TargetWriter, plan: BatchPlan,
+                  overrides: dict[str, TargetTable], followed: list[SchemaChange],
+                  recorded: dict[str, tuple[str, ...] | None], drops: set[tuple[str, str]]
+                  ) -> dict[str, tuple[str, ...]] | None:
+    """Compare the columns of the plan's relation maps not yet compared (once per map)
+    with what the table published before — the target's record, or an earlier Relation
+    of the same batch — and follow the columns the source dropped
+    (:func:`~.schemachange.plan_dropped_columns`). None when the batch must be planned
+    again against the target's shape after the DDL; else the published columns to
+    record in the merge's transaction (those that differ from the target's record).
+    ``recorded`` (the record as read, per table) and ``drops`` (drops already planned)
+    are kept across the batch's plannings."""
+    newest: dict[str, tuple[str, ...]] = {}
+    for rm in plan.relation_maps.values():  # (in the order the batch met them)
+        if rm.columns_checked:
+            continue
+        table = rm.route.source_table
+        columns = tuple(c.name for c in rm.relation.columns)
+        if table not in recorded:
+            recorded[table] = read_published(writer.conn, batch.subscription_id, table)
+        before = newest.get(table, recorded[table])
+        newest[table] = columns
+        if before is None or before == columns:
+            continue
+        gone = [n for n in before if n not in columns and (table, n) not in drops]
+        if not gone:
+            continue
+        lsn = first_lsn(batch.transactions, rm.relation) or batch.commit_lsn
+        follow = plan_dropped_columns(writer.conn, rm, gone, lsn, batch.schema_changes,
+                                      batch.drop_columns)
+        drops.update((table, n) for n in gone)
+        if follow is not None:
+            overrides[rm.route.target_table] = follow.target
+            followed.extend(follow.changes)
+            return None
+    return {t: c for t, c in newest.items() if c != recorded.get(t)}
 
 
 def _plan_and_stage(planner: DistributedPlanner, batch: ApplyBatch, writer: TargetWriter,
@@ -317,6 +367,10 @@ def finish_prepared(p: PreparedBatch) -> ApplyResult:
             # The shapes (and statements prepared on them) were the DDL's: read again,
             # whether the DDL committed or rolled back.
             p.writer.invalidate()
+    # Compared and recorded in the transaction that committed: not again for these
+    # maps (a merge that failed leaves them to be compared, and recorded, again).
+    for rm in plan.relation_maps.values():
+        rm.columns_checked = True
     timings["merge"] = time.perf_counter() - t
     timings.update(outcome.timings)  # its parts: merge_lock, _delete, …, _commit
     timings["total"] = time.perf_counter() - p.started

@@ -46,7 +46,7 @@ from pgsieve.apply.net_effect import (
     OP_UPDATE,
 )
 from pgsieve.apply.plan import BatchPlan, TablePlan, TruncateOp
-from pgsieve.apply.schemachange import run_in_merge
+from pgsieve.apply.schemachange import run_after_rows, run_in_merge
 from pgsieve.apply.sequential import apply_sequential
 from pgsieve.apply.staging import SCHEMA, StageEncoder, StageSummary, mask_text
 from pgsieve.apply.target import TargetWriter
@@ -127,7 +127,7 @@ def merge(
             # (a script never changes the counts: they are copied, to be put back after
             # a mismatch, only for the statements that may; nor the marks)
             # (nor DDL: the schema changes run first in _merge_in_transaction)
-            recorded = None if marked or plan.schema_changes else _merge_small(
+            recorded = None if marked or plan.schema_changes or plan.published else _merge_small(
                 writer, batch, plan, staged, expected_applied, direct, outcome)
             if recorded is None:
                 if direct:
@@ -262,6 +262,9 @@ def _merge_steps(writer: TargetWriter, batch: ApplyBatch, plan: BatchPlan,
         log.info("applying %s change by change: %s", name, reason)
         outcome.rows_written += apply_sequential(
             conn, writer, batch, plan, tp, batch.on_conflict, counts, book)
+    if plan.schema_changes or plan.published:
+        with outcome.timed("schema_changes"):
+            run_after_rows(conn, batch.subscription_id, plan.schema_changes, plan.published)
     end = batch.end_lsn
     if book is not None:
         with outcome.timed("marks"):

@@ -79,9 +79,9 @@ sends names the same type at the target only then."""
 class RelationMap:
     """How one Relation's tuples land in its target table."""
 
-    __slots__ = ("always", "binary_oids", "fast", "given_mask", "identity", "key_positions",
-                 "key_rel", "mode", "positions", "relation", "route", "source_table",
-                 "target", "types_checked", "width")
+    __slots__ = ("always", "binary_oids", "columns_checked", "fast", "given_mask",
+                 "identity", "key_positions", "key_rel", "mode", "positions", "relation",
+                 "route", "source_table", "target", "types_checked", "width")
 
     def __init__(self, relation: Relation, route: TableRoute, target: TargetTable) -> None:
         self.relation = relation
@@ -93,6 +93,10 @@ class RelationMap:
         if missing:
             raise ColumnsMissing(relation, route, target, missing)
         self.types_checked = False
+        self.columns_checked = False
+        """Whether the engine compared this map's columns with the ones the target
+        recorded as published (:func:`~.schemachange.plan_dropped_columns`; once per
+        map)."""
         """Whether the engine compared this map's column types with the target's
         (:func:`retyped_columns`; once per map, not per batch)."""
         self.positions = tuple(target.index[c.name] for c in relation.columns)
@@ -238,6 +242,10 @@ class BatchPlan:
     schema_changes: tuple[SchemaChange, ...] = ()
     """Source DDL followed in this batch: its statements run first in the merge's
     transaction (:mod:`.schemachange`); tables are planned against the shape after."""
+    published: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """Source table -> the columns its newest Relation in this batch carried, where the
+    target's record (``pgsieve.published_columns``) differs: written in the merge's
+    transaction (:func:`~.schemachange.plan_dropped_columns`)."""
 
 
 class RelationMaps:

@@ -47,7 +47,7 @@ source catalog's ``format_type`` text; a default only ever a literal
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -62,6 +62,7 @@ from pgsieve.platform.errors import ErrorCode
 from pgsieve.wire.lsn import Lsn
 
 JOURNAL_TABLE = "schema_changes"
+PUBLISHED_TABLE = "published_columns"
 
 JOURNAL_DDL = f"""
 CREATE TABLE IF NOT EXISTS {SCHEMA}.{JOURNAL_TABLE} (
@@ -76,6 +77,14 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.{JOURNAL_TABLE} (
 );
 COMMENT ON TABLE {SCHEMA}.{JOURNAL_TABLE} IS
     'pgsieve: source DDL followed here, written with its batch; moved to pgsieve once committed';
+CREATE TABLE IF NOT EXISTS {SCHEMA}.{PUBLISHED_TABLE} (
+    subscription_id text NOT NULL,
+    source_table text NOT NULL,
+    columns text[] NOT NULL,
+    PRIMARY KEY (subscription_id, source_table)
+);
+COMMENT ON TABLE {SCHEMA}.{PUBLISHED_TABLE} IS
+    'pgsieve: per subscription and source table, the columns its last Relation message carried';
 """
 """Created with the applied record (:func:`.applied.ensure_applied_schema`)."""
 
@@ -274,6 +283,75 @@ def plan_type_changes(conn: psycopg.Connection[Any], rm: RelationMap, retyped: S
     return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
 
 
+def read_published(conn: psycopg.Connection[Any], subscription_id: str, source_table: str
+                   ) -> tuple[str, ...] | None:
+    """The columns the target recorded for ``source_table``'s last Relation message
+    (:data:`PUBLISHED_TABLE`), None when none was recorded yet."""
+    query = sql.SQL("SELECT columns FROM {}.{} WHERE subscription_id = %s "
+                    "AND source_table = %s").format(sql.Identifier(SCHEMA),
+                                                     sql.Identifier(PUBLISHED_TABLE))
+    row = conn.execute(query, (subscription_id, source_table)).fetchone()
+    return None if row is None else tuple(row[0])
+
+
+PUBLISHED_UPSERT = sql.SQL(
+    "INSERT INTO {}.{} AS p (subscription_id, source_table, columns) VALUES (%s, %s, %s) "
+    "ON CONFLICT (subscription_id, source_table) DO UPDATE SET columns = EXCLUDED.columns"
+).format(sql.Identifier(SCHEMA), sql.Identifier(PUBLISHED_TABLE))
+
+
+def plan_dropped_columns(conn: psycopg.Connection[Any], rm: RelationMap,
+                         published: Sequence[str], lsn: Lsn, policy: SchemaChangePolicy,
+                         drop_columns: bool) -> FollowPlan | None:
+    """What the target does about columns the source stopped publishing.
+
+    How a dropped column is told from the target's own extra column (which is accepted:
+    the target need not be pgsieve's alone): ``published`` is what the table's last
+    Relation message carried, as the target recorded it in the batch's transaction
+    (:data:`PUBLISHED_TABLE`, so it survives a kill -9 exactly as the rows do). A column
+    in it, absent from ``rm``'s Relation and present at the target, was published and is
+    not any more: dropped at the source (or taken out of the publication's column list:
+    the same for the target). The source catalog cannot tell it: a dropped column keeps
+    its ``pg_attribute`` row (``attisdropped``) but loses its name, and a column the
+    target added for itself is not at the source either.
+
+    The column is kept (a replica never destroys data) and made nullable when it is NOT
+    NULL without a default, so that later rows, which do not carry it, go in (NULL, as
+    at a native subscriber whose column is nullable); with ``drop_columns`` it is dropped
+    — after the batch's rows (:func:`run_after_rows`): rows decoded before the DROP still
+    carry it. Under ``stop`` a change that needs DDL stops the table with that DDL; one
+    that needs none (a nullable column kept) is recorded and applied, as natively."""
+    target = rm.target
+    table = sql.Identifier(target.schema, target.name)
+    names = {c.name for c in rm.relation.columns}
+    dropped = [n for n in published if n not in names and n in target.index]
+    if not dropped:
+        return None
+    columns = list(target.columns)
+    changes: list[SchemaChange] = []
+    for name in dropped:
+        i = target.index[name]
+        tc = columns[i]
+        ddl: list[str] = []
+        if tc.not_null and not tc.has_default and not tc.generated:
+            ddl.append(sql.SQL("ALTER TABLE {} ALTER COLUMN {} DROP NOT NULL").format(
+                table, sql.Identifier(name)).as_string(conn))
+            columns[i] = replace(tc, not_null=False)
+        after_rows = 0
+        if drop_columns and policy == "follow":
+            ddl.append(sql.SQL("ALTER TABLE {} DROP COLUMN {}").format(
+                table, sql.Identifier(name)).as_string(conn))
+            after_rows = 1
+        changes.append(SchemaChange(rm.route.source_table, lsn, "drop_column", name,
+                                    tc.type_name, None, "applied", None, tuple(ddl),
+                                    ddl_after_rows=after_rows))
+    if policy == "stop" and any(c.ddl for c in changes):
+        raise _stopped(rm.route.source_table, lsn,
+                       [replace(c, action="stopped") for c in changes if c.ddl],
+                       "the source dropped a column (schema_changes: stop)", None)
+    return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
+
+
 def _add_column(table: sql.Identifier, name: str, col: SourceColumn
                 ) -> tuple[list[sql.Composed], bool]:
     """The statements adding ``col`` as ``name``, and whether a resync must follow."""
@@ -318,12 +396,28 @@ def run_in_merge(conn: psycopg.Connection[Any], subscription_id: str,
     """In the merge's transaction, before any row: each change's DDL, and its journal
     row."""
     for c in changes:
-        for statement in c.ddl:
+        for statement in c.ddl[:len(c.ddl) - c.ddl_after_rows]:
             conn.execute(statement.encode())
     rows = journal_rows(subscription_id, changes)
     if rows:
         with conn.cursor() as cur:
             cur.executemany(JOURNAL_INSERT, rows)
+
+
+def run_after_rows(conn: psycopg.Connection[Any], subscription_id: str,
+                   changes: Sequence[SchemaChange],
+                   published: Mapping[str, Sequence[str]]) -> None:
+    """In the merge's transaction, after the rows: the DDL that must follow them (a
+    column dropped while rows decoded before the DROP still carry it), and the columns
+    each table's newest Relation published (:func:`plan_dropped_columns`)."""
+    for c in changes:
+        if c.ddl_after_rows:
+            for statement in c.ddl[len(c.ddl) - c.ddl_after_rows:]:
+                conn.execute(statement.encode())
+    if published:
+        with conn.cursor() as cur:
+            cur.executemany(PUBLISHED_UPSERT, [(subscription_id, table, list(columns))
+                                               for table, columns in published.items()])
 
 
 def change_body(c: SchemaChange) -> dict[str, Any]:

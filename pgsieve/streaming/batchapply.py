@@ -76,6 +76,7 @@ class StreamApplier:
     routes_epoch: int
     on_conflict: str
     schema_changes: SchemaChangePolicy
+    drop_columns: bool
     skip_lsn: Lsn | None
     batches: int
     changes: int
@@ -109,6 +110,7 @@ class StreamApplier:
             skip_lsn=self.skip_lsn,
             routes_epoch=self.routes_epoch,
             schema_changes=self.schema_changes,
+            drop_columns=self.drop_columns,
         )
         if behind_ok and self.cycle.settings.merge_behind_changes:
             self._merge_behind(batch)

@@ -80,6 +80,7 @@ class StreamRun(StreamApplier):
         self.schema_changes = schema_change_policy(options)
         """Read once per cycle, as the batch options: a PATCH is seen by the next cycle
         (a table stopped by ``stop`` needs ``…/enable`` after the PATCH anyway)."""
+        self.drop_columns = bool(options.get("drop_columns", False))
         # (a worker killed after a DDL's commit left them; no merge in flight yet)
         self.deliver_schema_changes(beside_merges=False)
         self.batches = 0

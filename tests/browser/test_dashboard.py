@@ -11,7 +11,7 @@ from playwright.sync_api import Page, expect
 from sqlalchemy import update
 
 from pgsieve.platform.db import session_factory
-from pgsieve.platform.models import Job, SubscriptionTable
+from pgsieve.platform.models import Job, SchemaChangeRecord, SubscriptionTable
 from tests.browser.conftest import shot
 from tests.browser.live import TOKEN, LiveDeployment
 from tests.conftest import Database
@@ -286,6 +286,49 @@ def test_table_sync_progress_bars(page: Page, live: LiveDeployment, source_db: D
     listed = page.get_by_test_id("subscription-all_orders")
     expect(listed).to_contain_text("paused")
     expect(listed.get_by_test_id("lag")).not_to_have_text("…")
+
+
+def test_schema_change_policy_and_recent_changes(page: Page, live: LiveDeployment,
+                                                 source_db: Database, target_db: Database):
+    """The subscription page shows its schema-change policy and the DDL its stream met:
+    one followed, one stopped with its code (what the worker's journal delivers:
+    tests/integration/test_schema_changes_pipeline.py; no worker runs here)."""
+    sub = _paused_subscription(live, source_db, target_db)
+    with session_factory(live.settings.effective_database_url)() as session:
+        session.add_all([
+            SchemaChangeRecord(
+                subscription_id=sub["id"], table_name="public.orders", lsn=0x1000,
+                change="add_column", column_name="note", before=None,
+                after={"column": "note", "type": "text"}, action="applied",
+                ddl=['ALTER TABLE "public"."orders" ADD COLUMN "note" text']),
+            SchemaChangeRecord(
+                subscription_id=sub["id"], table_name="public.orders", lsn=0x2000,
+                change="alter_type", column_name="total",
+                before={"column": "total", "type": "integer"},
+                after={"column": "total", "type": "text"}, action="stopped",
+                code="schema_change_unsupported",
+                ddl=['ALTER TABLE "public"."orders" ALTER COLUMN "total" TYPE text'])])
+        session.commit()
+    login(page)
+    page.goto(f"/#/subscriptions/{sub['id']}")
+    policy = page.get_by_test_id("schema-policy")
+    expect(policy).to_contain_text("schema changes: follow")
+    expect(policy).to_contain_text("dropped columns: kept at the target")
+    added = page.get_by_test_id("schema-change-public.orders-add_column")
+    expect(added).to_contain_text("— → note text")
+    expect(added).to_contain_text("applied")
+    stopped = page.get_by_test_id("schema-change-public.orders-alter_type")
+    expect(stopped).to_contain_text("total integer → total text")
+    expect(stopped).to_contain_text("schema_change_unsupported")
+    assert "ALTER COLUMN" in (stopped.get_attribute("title") or "")
+    rows = page.get_by_test_id("schema-changes").locator("tbody tr")
+    expect(rows.first).to_contain_text("alter type")  # newest first
+    shot(page, "schema-changes")
+    live.api("PATCH", f"/subscriptions/{sub['id']}",
+             json={"options": {"schema_changes": "stop", "drop_columns": True}})
+    page.reload()
+    expect(policy).to_contain_text("schema changes: stop")
+    expect(policy).to_contain_text("dropped columns: dropped at the target")
 
 
 def test_a_sync_job_waiting_for_source_transactions_says_which(

@@ -1,9 +1,10 @@
 """Schema changes through the running pipeline (API → worker → target): an ADD COLUMN
 with a constant default and one with a volatile default, mid-stream on a filtered table;
 the second asks for a diff resync, which the worker runs; the target ends equal to the
-source's rows under the filter, column by column, and the API lists both changes.
+source's rows under the filter, column by column, and the API lists both changes; a NOT
+NULL column dropped mid-stream is kept, nullable, by the worker.
 
-Three pipelines (one resync, one worker killed): about 55 s here — the resync, the stop
+Four pipelines (one resync, one worker killed): about 70 s here — the resync, the stop
 and the kill are the worker's, not the apply engine's, so they need the real process."""
 
 from __future__ import annotations
@@ -112,3 +113,33 @@ def test_a_worker_killed_before_the_ddl_commits_follows_it_once(
         changes = env.api("GET", f"/subscriptions/{sub_id}/schema-changes")
         assert [(c["after"], c["action"]) for c in changes] == [
             ({"column": "tier", "type": "integer"}, "applied")]
+
+
+def test_a_dropped_not_null_column_is_kept_nullable_by_the_worker(
+        tmp_path: Path, source_db: Database, target_db: Database, native_db: Database):
+    """DROP COLUMN of a NOT NULL column mid-stream, with inserts after it: the worker
+    keeps the column (old rows keep their values), drops its NOT NULL in the batch's
+    transaction, the inserts go in with NULL, and the API lists the change."""
+    prepare(source_db, target_db, native_db)
+    source_db.execute("ALTER TABLE items ADD COLUMN code text NOT NULL DEFAULT 'c'")
+    target_db.execute("ALTER TABLE items ADD COLUMN code text NOT NULL")
+    with pipeline_env(tmp_path) as env:
+        sub_id = create_subscription(env, source_db, target_db)
+        env.start_worker()
+        source_db.execute("INSERT INTO items VALUES (2, 1, 'a', 'x'), (3, 1, 'b', 'y')")
+        wait_until(lambda: table_rows(target_db, "items", "id") == [(2, 1, "a", "x")], 90,
+                   "the rows before the DROP", env)
+        source_db.execute("ALTER TABLE items DROP COLUMN code")
+        source_db.execute("INSERT INTO items VALUES (4, 1, 'c'), (5, 1, 'd')")
+        source_db.execute("UPDATE items SET val = 'aa' WHERE id = 2")
+        source_lsn(source_db)
+        wait_until(lambda: table_rows(target_db, "items", "id") == [
+            (2, 1, "aa", "x"), (4, 1, "c", None)], 90, "the rows after the DROP", env)
+        wait_until(lambda: len(env.api("GET", f"/subscriptions/{sub_id}/schema-changes")) > 0,
+                   30, "the change recorded", env)
+        changes = env.api("GET", f"/subscriptions/{sub_id}/schema-changes")
+        assert [(c["change"], c["before"], c["after"], c["action"], c["ddl"])
+                for c in changes] == [
+            ("drop_column", {"column": "code", "type": "text"}, None, "applied",
+             ['ALTER TABLE "public"."items" ALTER COLUMN "code" DROP NOT NULL'])]
+        assert env.subscription(sub_id)["state"] == "streaming"

@@ -49,7 +49,8 @@ class SubscriptionOptions(StrictModel):
     drop_columns: bool = Field(
         default=False,
         description="under follow, a column dropped at the source is dropped at the "
-        "target too (not yet followed: docs/schema-changes.md)")
+        "target too, after the batch's rows (else it is kept, made nullable: "
+        "docs/schema-changes.md)")
 
 
 class SubscriptionCreate(StrictModel):
