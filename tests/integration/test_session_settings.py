@@ -21,9 +21,13 @@ SHOW = ("SELECT current_setting('standard_conforming_strings'), current_setting(
 
 @pytest.fixture
 def hostile(source_db: Database) -> Database:
-    for setting in ("standard_conforming_strings = off", "search_path = public, pg_catalog",
-                    "statement_timeout = '1ms'", "client_encoding = 'SQL_ASCII'"):
-        source_db.execute(f'ALTER DATABASE "{source_db.name}" SET {setting}')
+    # One session for all four: a new session takes the database's settings, and one
+    # opened after statement_timeout = 1ms had its next ALTER cancelled (seen in CI).
+    with source_db.connect() as conn:
+        for setting in ("standard_conforming_strings = off",
+                        "search_path = public, pg_catalog", "statement_timeout = '1ms'",
+                        "client_encoding = 'SQL_ASCII'"):
+            conn.execute(f'ALTER DATABASE "{source_db.name}" SET {setting}'.encode())
     return source_db
 
 
