@@ -204,3 +204,17 @@ def test_lower_roles_cannot_create_sources(anon_client, metadata_engine, role):
                          headers={"Authorization": f"Bearer {tokens[role]}"})
     body = assert_problem(r, 403, "forbidden")
     assert tokens[role] not in r.text and "admin" in body["detail"]
+
+
+def test_the_route_table_matches_every_operation_of_the_schema(client):
+    """The security middleware matches a request to its route template before routing
+    (from the routes, without building the schema): every operation the schema lists must
+    match its own template, or a route would escape its role check."""
+    from pgsieve.api.security import RouteTable
+
+    table = RouteTable(client.app)
+    for method, path in _operations(client):
+        concrete = re.sub(r"\{[^}]+\}", "x1", path)
+        found = table.match(method, concrete)
+        assert found is not None and found[0] == path, (method, path, found)
+    assert table.match("GET", "/api/v1/no-such-route") is None
