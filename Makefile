@@ -34,7 +34,7 @@ test: deps
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # The randomized fault-injection runs at full size (make test runs 6 chosen seeds of the
 # pipeline's, 2 of the initial copy's kills).
