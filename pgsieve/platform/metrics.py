@@ -260,6 +260,10 @@ SUBSCRIPTION_METRICS: tuple[_Spec, ...] = (
     _Spec(GaugeMetricFamily, "pgsieve_sync_rows_total",
           "rows the table's initial sync expects to copy", _TAB,
           lambda r: _per_table(r, lambda t: t.rows_total)),
+    _Spec(GaugeMetricFamily, "pgsieve_table_error",
+          "1 while the table is stopped with an error (a schema change it will not follow, "
+          "a target that refuses its rows, …; GET /subscriptions/{id} says which)", _TAB,
+          lambda r: _per_table(r, lambda t: 1.0 if t.error else 0.0)),
     _Spec(GaugeMetricFamily, "pgsieve_table_sync_state",
           "1 for the table's current sync state", (*_TAB, "state"),
           lambda r: [([r.sub.name, t.table_name, t.sync_state], 1) for t in r.sub.tables]),

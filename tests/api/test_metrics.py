@@ -126,6 +126,7 @@ def test_metrics_parse_and_match_the_store(client, world):
     assert _value(m, "pgsieve_sync_rows_copied", **table) == 750
     assert _value(m, "pgsieve_sync_rows_total", **table) == 1000
     assert _value(m, "pgsieve_table_sync_state", state="ready", **table) == 1
+    assert _value(m, "pgsieve_table_error", **table) == 0
     assert _value(m, "pgsieve_consumer_alive", **sub) == 1
     assert 2 <= _value(m, "pgsieve_consumer_heartbeat_age_seconds", **sub) < 30
     assert 12 <= _value(m, "pgsieve_worker_heartbeat_age_seconds",
@@ -168,3 +169,12 @@ def test_record_batch_keeps_counting_across_sessions(metadata_engine, client, wo
     with Session(metadata_engine) as session:
         record_batch(session, "no-such-subscription", 1.0, 1)  # ignored, no error
         session.commit()
+
+
+def test_a_stopped_table_shows_in_table_error(client, world, metadata_engine):
+    with Session(metadata_engine) as session:
+        table = session.query(SubscriptionTable).one()
+        table.error = "schema_change_unsupported: column c changed type"
+        session.commit()
+    m = _scrape(client)
+    assert _value(m, "pgsieve_table_error", subscription="m", table="public.orders") == 1
