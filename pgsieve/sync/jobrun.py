@@ -161,6 +161,11 @@ class JobRun:
         gone with it: they are rebuilt from here)."""
         self.group = f"pgsieve-sync-{job_id}"
         self.timings: dict[str, float] = {}
+        self._start_phases()
+
+    def _start_phases(self) -> None:
+        """The subclass's phases, made once the state they share is (a hook, so that the
+        runner need not repeat this constructor's signature)."""
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:

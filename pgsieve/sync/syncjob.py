@@ -41,12 +41,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 import psycopg
-from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.apply.applied import fence_routes
 from pgsieve.platform import dispatch
@@ -58,12 +55,10 @@ from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.locks import SYNC_JOB_NAMESPACE, AdvisoryLocks, LeaseKeeper
 from pgsieve.platform.models import Job, Source, Subscription, Target, utcnow
-from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SubscriptionState, SyncState
 from pgsieve.sync.copyphase import CopyPhase
 from pgsieve.sync.diffphase import DiffPhase
 from pgsieve.sync.jobrun import (
-    PARTITION_BYTES,
     JobRun,
     Lost,
     Retry,
@@ -100,21 +95,11 @@ class SyncJobRunner(JobRun):
     """Runs one sync job to its end (or until it is not ours any more): the state
     machine; the copy, the diff, the moved rows and the snapshots are its phases'."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        job_id: str,
-        *,
-        spark: Callable[[], Any],
-        owner: str | None = None,
-        sessions: sessionmaker[Session] | None = None,
-        partition_bytes: int = PARTITION_BYTES,
-        after_copy: Callable[[ExportedSnapshot, str], None] | None = None,
-    ) -> None:
-        super().__init__(settings, job_id, spark=spark, owner=owner, sessions=sessions,
-                         partition_bytes=partition_bytes, after_copy=after_copy)
-        self._box = settings.secret_box()
-        self._target_dsn: str | None = None
+    _target_dsn: str | None = None
+    """The job's target, once it was read (the deferred index rebuild's)."""
+
+    def _start_phases(self) -> None:
+        self._box = self.settings.secret_box()
         self.copy = CopyPhase(self)
         self.diff = DiffPhase(self)
         self.moved_rows = MovedRowsPhase(self)
