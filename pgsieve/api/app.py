@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 from fastapi import Depends, FastAPI
 from fastapi.responses import FileResponse, RedirectResponse, Response
@@ -27,12 +26,13 @@ from pgsieve.api.routers import (
     tokens,
 )
 from pgsieve.api.security import RouteTable, SecurityMiddleware
+from pgsieve.platform.assets import asset_dir
 from pgsieve.platform.credentials import install_log_scrubber
 from pgsieve.platform.db import session_factory
 from pgsieve.platform.settings import Settings, get_settings
 from pgsieve.security.audit import FailedAuthLog
 
-FRONTEND = Path(__file__).resolve().parents[2] / "frontend"
+FRONTEND = asset_dir("frontend")
 
 log = logging.getLogger(__name__)
 

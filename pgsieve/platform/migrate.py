@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from alembic import command
 from alembic.config import Config
 
+from pgsieve.platform.assets import asset_dir
 from pgsieve.platform.db import private_sqlite_file
-
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def alembic_config(database_url: str) -> Config:
-    cfg = Config(str(PROJECT_ROOT / "alembic.ini"))
-    cfg.set_main_option("script_location", str(PROJECT_ROOT / "migrations"))
+    # No alembic.ini: its only other content is logging, which pgsieve configures itself
+    # (and an installed wheel has no checkout to read it from).
+    cfg = Config()
+    cfg.set_main_option("script_location", str(asset_dir("migrations")))
     # A literal % in a password would be read as interpolation by configparser.
     cfg.set_main_option("sqlalchemy.url", database_url.replace("%", "%%"))
     cfg.attributes["configure_logging"] = False
