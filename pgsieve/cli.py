@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Annotated
 import typer
 from sqlalchemy.exc import SQLAlchemyError
 
-from pgsieve.platform.credentials import install_log_scrubber
+from pgsieve.platform.logs import configure_logging
 from pgsieve.platform.settings import get_settings
 from pgsieve.security import audit
 
@@ -57,11 +56,8 @@ def _choose_hot_path(command: str) -> None:
 
 
 def _logging() -> None:
-    logging.basicConfig(
-        level=get_settings().log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    install_log_scrubber()
+    settings = get_settings()
+    configure_logging(settings.log_level, settings.log_format)
 
 
 @app.command()

@@ -44,10 +44,13 @@ from pgsieve.api.roles import required_role
 from pgsieve.platform.connpolicy import ConnectionPolicy, ConnectionScope, connection_scope
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.errors import ErrorCode
+from pgsieve.platform.logs import REQUEST_ID
 from pgsieve.security import audit
 from pgsieve.security.tokens import Principal, authenticate
 
 log = logging.getLogger(__name__)
+#: One line per request: mutations and errors at INFO, successful reads at DEBUG.
+request_log = logging.getLogger("pgsieve.api.requests")
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz", "/api/v1/healthz"})
@@ -130,12 +133,30 @@ class SecurityMiddleware:
         headers = Headers(scope=scope)
         given_id = headers.get("x-request-id", "")
         request_id = given_id if _REQUEST_ID.match(given_id) else uuid.uuid4().hex
+        outcome: dict[str, Any] = {"status": 500, "body": b"", "json": False}
+        started = time.perf_counter()
+        bound = REQUEST_ID.set(request_id)  # every log line of the request carries it
+        try:
+            await self._serve(scope, receive, send, headers, request_id, outcome)
+        finally:
+            # the route's template, never the query string (which may hold anything)
+            matched = self.routes.match(scope["method"], scope["path"])
+            route = matched[0] if matched else scope["path"]
+            status = int(outcome["status"])
+            quiet = scope["method"] in SAFE_METHODS and status < 400  # the dashboard polls
+            request_log.log(logging.DEBUG if quiet else logging.INFO, "%s %s %s",
+                            scope["method"], route, status, extra={
+                "method": scope["method"], "route": route, "status": status,
+                "duration_ms": round((time.perf_counter() - started) * 1000, 1)})
+            REQUEST_ID.reset(bound)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, headers: Headers,
+                     request_id: str, outcome: dict[str, Any]) -> None:
         state: dict[str, Any] = scope.setdefault("state", {})
         state["request_id"] = request_id
         path: str = scope["path"]
         method: str = scope["method"]
         protected = is_protected(path)
-        outcome: dict[str, Any] = {"status": 500, "body": b"", "json": False}
         mutating = method not in SAFE_METHODS
 
         async def send_with_headers(message: Message) -> None:

@@ -278,6 +278,11 @@ class Settings(BaseSettings):
         description="how often beat looks for pipelines whose consumer died",
     )
     log_level: str = "INFO"
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="json: one JSON object per log line (time, level, logger, message, "
+                    "request_id while serving a request), for a log pipeline",
+    )
 
     @field_validator("allowed_hosts", "dsn_allow")
     @classmethod
