@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -66,7 +67,7 @@ def test_json_lines_carry_the_request_id_and_no_secret(api_lines):
                             "Content-Type": "application/json"})
     assert r.status_code == 400
 
-    def request_lines() -> list[dict]:
+    def request_lines() -> list[dict[str, Any]]:
         parsed = [json.loads(line) for line in lines()]  # every line is one JSON object
         return [p for p in parsed if p.get("logger") == "pgsieve.api.requests"]
 
