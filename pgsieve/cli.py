@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from sqlalchemy.exc import SQLAlchemyError
 
+from pgsieve.configcode import commands as configcode
 from pgsieve.platform.logs import configure_logging
 from pgsieve.platform.settings import get_settings
 from pgsieve.security import audit
@@ -249,6 +250,11 @@ def sync(
                     verify=verify, defer_indexes=defer_indexes, freeze=freeze,
                     wait=wait)
     raise typer.Exit(code)
+
+
+app.command("plan")(configcode.plan_command)
+app.command("apply")(configcode.apply_command)
+app.command("export")(configcode.export_command)
 
 
 def _audit_failure(command: str, resource_id: str | None, status: int) -> None:

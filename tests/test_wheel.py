@@ -59,8 +59,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
     env.update(PGSIEVE_HOME=str(tmp_path / "home"),
                PGSIEVE_DATABASE_URL=f"sqlite:///{tmp_path / 'meta.db'}",
                PGSIEVE_API_TOKEN="wheel-test-token-" + "x" * 24,
-               PGSIEVE_SECRET_KEY="wheel-test-secret-" + "y" * 24,
-               PGSIEVE_BROKER_URL="redis://127.0.0.1:6379/15")
+               PGSIEVE_SECRET_KEY="wheel-test-secret-" + "y" * 24)
     return env
 
 

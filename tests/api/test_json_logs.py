@@ -5,57 +5,27 @@ one JSON object per line, each line of a request carries the id the response gav
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from pgsieve.platform.pgcluster import free_port
-from tests.metadata_template import migrated_sqlite
+from tests.api.live_api import TOKEN, LiveApi, live_api
 
-TOKEN = "json-log-token-" + "t" * 24
 PASSWORD = "hunter2-in-a-dsn-" + "p" * 8
 
 
 @pytest.fixture
-def api_lines(tmp_path: Path):
-    """Start the API with JSON logs; yields (base URL, a function returning its log
-    lines so far)."""
-    url = migrated_sqlite(tmp_path / "meta.db")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PGSIEVE_")}
-    env.update(PGSIEVE_HOME=str(tmp_path / "home"), PGSIEVE_DATABASE_URL=url,
-               PGSIEVE_API_TOKEN=TOKEN, PGSIEVE_SECRET_KEY="json-log-secret-" + "s" * 24,
-               PGSIEVE_ALLOWED_HOSTS="127.0.0.1", PGSIEVE_LOG_FORMAT="json")
-    port = free_port()
-    log_path = tmp_path / "api.log"
-    with log_path.open("w") as log_file:
-        api = subprocess.Popen([str(Path(sys.executable).parent / "pgsieve"), "api", "--host",
-                                "127.0.0.1", "--port", str(port)], env=env, cwd=tmp_path,
-                               stdout=log_file, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            assert api.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.1)
-    try:
-        yield base, lambda: log_path.read_text().splitlines()
-    finally:
-        api.terminate()
-        api.wait(timeout=30)
+def api(tmp_path: Path) -> Iterator[LiveApi]:
+    with live_api(tmp_path, PGSIEVE_LOG_FORMAT="json") as running:
+        yield running
 
 
-def test_json_lines_carry_the_request_id_and_no_secret(api_lines):
-    base, lines = api_lines
+def test_json_lines_carry_the_request_id_and_no_secret(api: LiveApi):
+    base, lines = api.url, api.lines
     headers = {"Authorization": f"Bearer {TOKEN}", "X-Request-Id": "req-json-log-1"}
     # a source on a host the allow-list refuses: refused, with the password in the body
     refused = httpx.post(f"{base}/api/v1/sources", headers=headers, json={
