@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -30,8 +31,9 @@ from pgsieve.apply.published import read_record
 from pgsieve.apply.schemachange import take_journal
 from pgsieve.platform.errors import ErrorCode
 from tests.conftest import Database
-from tests.integration.pipeline_env import wait_until
+from tests.integration.pipeline_env import pipeline_env, source_lsn, table_rows, wait_until
 from tests.integration.test_apply import Pair
+from tests.integration.test_pipeline import create_subscription, prepare
 from tests.integration.test_schema_changes import followed
 
 SCHEMA = """
@@ -392,3 +394,55 @@ def test_postgres_carries_a_rename_through_row_filters_and_column_lists(
         row = conn.execute("SELECT rowfilter FROM pg_publication_tables "
                            "WHERE pubname = 'pf'").fetchone()
         assert row == ("(kk = 'x'::text)",)
+
+
+@pytest.mark.parametrize("fault", ["apply.before_commit@2", "cycle.before_apply@2"],
+                         ids=["before_commit", "before_apply"])
+def test_a_worker_killed_mid_rename_follows_it_once(
+        tmp_path: Path, source_db: Database, target_db: Database, native_db: Database,
+        fault: str):
+    """The running pipeline: a worker kill -9s itself on the rename's batch — read, not
+    applied (``cycle.before_apply``), or with the RENAME and the rows run, not committed
+    (``apply.before_commit``). The next worker follows the rename once: data kept, the
+    rows after it under the new name, and the API lists one ``rename_column``."""
+    prepare(source_db, target_db, native_db)
+    with pipeline_env(tmp_path) as env:
+        sub_id = create_subscription(env, source_db, target_db)
+        env.start_beat()
+        worker = env.start_worker(PGSIEVE_FAULTS=fault)
+        source_db.execute("INSERT INTO items VALUES (2, 1, 'a'), (3, 1, 'b'), (6, 1, 'c')")
+        wait_until(lambda: len(table_rows(target_db, "items", "id")) == 2, 90,
+                   "the rows before the rename", env)
+        source_db.execute("UPDATE items SET val = 'aa' WHERE id = 2; "
+                          "ALTER TABLE items RENAME COLUMN val TO label; "
+                          "INSERT INTO items VALUES (4, 1, 'd'), (5, 1, 'e'); "
+                          "UPDATE items SET label = 'cc' WHERE id = 6")
+        source_lsn(source_db)
+        wait_until(lambda: worker.poll() is not None, 90,
+                   "the worker to kill itself on the rename's batch", env)
+        assert table_rows(target_db, "items", "id") == [(2, 1, "a"), (6, 1, "c")]
+        assert columns_of_items(target_db) == ["id", "grp", "val"]
+        env.start_worker(name="worker2")
+        wait_until(lambda: table_rows(target_db, "items", "id") == source_db.query(
+            "SELECT * FROM items WHERE id % 2 = 0 ORDER BY id"), 120,
+            "the next worker to follow the rename", env)
+        assert table_rows(target_db, "items", "id") == [(2, 1, "aa"), (4, 1, "d"),
+                                                        (6, 1, "cc")]
+        assert columns_of_items(target_db) == ["id", "grp", "label"]
+
+        def listed() -> list[dict[str, Any]]:
+            return list(env.api("GET", f"/subscriptions/{sub_id}/schema-changes"))
+
+        wait_until(lambda: len(listed()) > 0, 30, "the change recorded", env)
+        assert [(c["change"], c["before"], c["after"], c["action"], c["ddl"])
+                for c in listed()] == [
+            ("rename_column", {"column": "val", "type": "text"},
+             {"column": "label", "type": "text"}, "applied",
+             ['ALTER TABLE "public"."items" RENAME COLUMN "val" TO "label"'])]
+        assert env.subscription(sub_id)["state"] == "streaming"
+
+
+def columns_of_items(db: Database) -> list[str]:
+    return [str(r[0]) for r in db.query(
+        "SELECT attname FROM pg_attribute WHERE attrelid = 'items'::regclass "
+        "AND attnum > 0 AND NOT attisdropped ORDER BY attnum")]
