@@ -440,6 +440,11 @@ def test_a_worker_killed_mid_rename_follows_it_once(
              {"column": "label", "type": "text"}, "applied",
              ['ALTER TABLE "public"."items" RENAME COLUMN "val" TO "label"'])]
         assert env.subscription(sub_id)["state"] == "streaming"
+        events = env.api("GET", f"/audit?resource={sub_id}")["events"]
+        assert [(e["method"], e["route"]) for e in events if e["method"] == "STREAM"] == [
+            ("STREAM", "schema change rename_column applied")]
+        assert ('pgsieve_schema_changes_total{action="applied",change="rename_column",'
+                'subscription="pipe"} 1.0') in env.client.get("/metrics").text
 
 
 def columns_of_items(db: Database) -> list[str]:
