@@ -451,3 +451,31 @@ def columns_of_items(db: Database) -> list[str]:
     return [str(r[0]) for r in db.query(
         "SELECT attname FROM pg_attribute WHERE attrelid = 'items'::regclass "
         "AND attnum > 0 AND NOT attisdropped ORDER BY attnum")]
+
+
+def test_a_rename_in_a_replica_identity_full_table(source_db: Database, target_db: Database):
+    """REPLICA IDENTITY FULL (rows found by every old value, change by change): the
+    old images decoded before the RENAME and the ones after it find the same rows."""
+    pair = Pair(source_db, target_db, None, ("pf",))
+    pair.setup("""
+        CREATE TABLE ledger(account int, amount int, memo text);
+        ALTER TABLE ledger REPLICA IDENTITY FULL;
+        CREATE PUBLICATION pf FOR TABLE ledger WHERE (account > 0);
+    """, tables=["public.ledger"])
+    try:
+        pair.run("INSERT INTO ledger VALUES (1, 10, 'a'), (2, 20, 'b'), (-1, 5, 'x')")
+        apply_all(pair, None)
+        pair.run("UPDATE ledger SET amount = 11 WHERE account = 1; "
+                 "ALTER TABLE ledger RENAME COLUMN amount TO value; "
+                 "UPDATE ledger SET value = 12 WHERE account = 1; "
+                 "DELETE FROM ledger WHERE account = 2",
+                 "INSERT INTO ledger VALUES (3, 30, 'c')",
+                 "UPDATE ledger SET memo = 'cc' WHERE value = 30")
+        changes = followed(apply_all(pair, None))
+        assert renames(changes) == [("rename_column", "amount", "integer", "value",
+                                     "applied")]
+        assert pair.rows(pair.target, "ledger") == [(1, 12, "a"), (3, 30, "cc")]
+        assert pair.rows(pair.target, "ledger") == source_db.query(
+            "SELECT * FROM ledger WHERE account > 0 ORDER BY 1, 2, 3")
+    finally:
+        pair.close()
