@@ -3,10 +3,10 @@
 pgoutput says nothing about DDL: the first change of a table after an ``ALTER TABLE``
 is preceded by a Relation message with the new column list (its names and type OIDs, no
 defaults, no nullability, no attnum). When that list has a column the target table
-lacks, the planner raises :class:`~.plan.ColumnsMissing`; the engine calls
-:func:`plan_added_columns`, which reads the column from the SOURCE catalog (type through
-``format_type``, ``atthasmissing``/``attmissingval``, the default, ``attnotnull``) and
-decides:
+lacks, the planner raises :class:`~.plan.ColumnsMissing`; once :mod:`.renames` found no
+rename in it (:mod:`.following`), the engine calls :func:`plan_added_columns`, which
+reads the column from the SOURCE catalog (type through ``format_type``,
+``atthasmissing``/``attmissingval``, the default, ``attnotnull``) and decides:
 
 * a constant default PostgreSQL stored in ``attmissingval`` (no WAL was written for the
   source's existing rows, which read it): ``ADD COLUMN … DEFAULT <that value>`` at the
@@ -185,13 +185,13 @@ def plan_added_columns(
             by_name[name].type_oid, by_name[name].type_modifier))
     if unsupported:
         raise stopped_with_plan(missing.route.source_table, lsn, changes,
-                       "a column the source added cannot be followed safely: "
-                       + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
+                                "a column the source added cannot be followed safely: "
+                                + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
     if policy == "stop":
         stops = [replace(c, action="stopped", resync=False) for c in changes]
         raise stopped_with_plan(missing.route.source_table, lsn, stops,
-                       "the source added a column (schema_changes: stop)", None,
-                       resync=any(c.resync for c in changes))
+                                "the source added a column (schema_changes: stop)", None,
+                                resync=any(c.resync for c in changes))
     return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
 
 
@@ -270,15 +270,15 @@ def plan_type_changes(conn: psycopg.Connection[Any], rm: RelationMap, retyped: S
                              type_mod=col.type_modifier)
     if unsupported:
         raise stopped_with_plan(rm.route.source_table, lsn, [c for c in changes
-                                                    if c.action == "stopped"],
-                       "a column type the source changed cannot be followed safely: "
-                       + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
+                                                             if c.action == "stopped"],
+                                "a column type the source changed cannot be followed safely: "
+                                + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
     if not changes:
         return None
     if policy == "stop":
         raise stopped_with_plan(rm.route.source_table, lsn,
-                       [replace(c, action="stopped") for c in changes],
-                       "the source changed a column's type (schema_changes: stop)", None)
+                                [replace(c, action="stopped") for c in changes],
+                                "the source changed a column's type (schema_changes: stop)", None)
     return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
 
 
@@ -338,8 +338,8 @@ def plan_dropped_columns(conn: psycopg.Connection[Any], rm: RelationMap,
                                     ddl_after_rows=after_rows))
     if policy == "stop" and any(c.ddl for c in changes):
         raise stopped_with_plan(rm.route.source_table, lsn,
-                       [replace(c, action="stopped") for c in changes if c.ddl],
-                       "the source dropped a column (schema_changes: stop)", None)
+                                [replace(c, action="stopped") for c in changes if c.ddl],
+                                "the source dropped a column (schema_changes: stop)", None)
     return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
 
 
@@ -358,7 +358,9 @@ def _add_column(table: sql.Identifier, name: str, col: SourceColumn
 
 
 def stopped_with_plan(source_table: str, lsn: Lsn, changes: list[SchemaChange], why: str,
-             code: str | None, resync: bool = False) -> TableStopped:
+                      code: str | None, resync: bool = False) -> TableStopped:
+    """The stop of a table at a DDL not followed: the detail names the statements of
+    ``changes`` to run at the target, and the first change is recorded with it."""
     ddl = [s for c in changes for s in c.ddl]
     plan = "; ".join(ddl)
     detail = (f"{why}. Run at the target: {plan}"
