@@ -24,7 +24,8 @@ import psycopg
 from psycopg import sql
 
 from pgsieve.apply.fetchmarks import FETCHED_DDL, FETCHED_TABLE
-from pgsieve.apply.schemachange import JOURNAL_DDL, PUBLISHED_TABLE
+from pgsieve.apply.published import ADD_ATTNUMS, HAS_ATTNUMS, PUBLISHED_TABLE
+from pgsieve.apply.schemachange import JOURNAL_DDL
 from pgsieve.apply.staging import SCHEMA
 from pgsieve.wire.lsn import Lsn
 
@@ -78,6 +79,9 @@ def ensure_applied_schema(conn: psycopg.Connection[Any]) -> None:
         row = conn.execute(_HAS_EPOCH).fetchone()
         if row is None or not row[0]:
             conn.execute(_ADD_EPOCH)
+        row = conn.execute(HAS_ATTNUMS).fetchone()
+        if row is None or not row[0]:
+            conn.execute(ADD_ATTNUMS)
 
 
 def fence_routes(conn: psycopg.Connection[Any], subscription_id: str,

@@ -187,6 +187,8 @@ class SchemaChange:
     ddl_after_rows: int = 0
     """The last this many statements of ``ddl`` run after the batch's rows (a column
     dropped at the target: rows decoded before the source's DROP still carry it)."""
+    new_column: str | None = None
+    """``rename_column``: the column's new name (``column`` is its old one)."""
 
 
 @dataclass

@@ -66,6 +66,10 @@ class TargetTable:
     """(column, source type OID, typmod) a Relation sends that differ from this shape's
     type but that the column takes as it is (every value fits, ``compatible``): checked
     once per shape (:mod:`.schemachange`), not for every batch."""
+    renamed: tuple[tuple[str, str], ...] = field(default=(), compare=False, hash=False)
+    """(old, new) names of columns the batch planned against this shape renames at the
+    target before its rows (:mod:`.renames`): rows decoded before the source's RENAME
+    carry the old name and land in the new one (:func:`.plan.target_names`)."""
     sql_names: list[str] = field(default_factory=list, init=False, compare=False, hash=False,
                                  repr=False)
     """Filled by :meth:`quoted` on first use."""

@@ -38,21 +38,13 @@ from typing import Any, TypeVar
 
 import psycopg
 
-from pgsieve.apply.batch import ApplyBatch, ApplyResult, SchemaChange
-from pgsieve.apply.columns import TargetTable
+from pgsieve.apply.batch import ApplyBatch, ApplyResult
 from pgsieve.apply.direct import DirectTable, plan_apart, plan_direct
-from pgsieve.apply.driver import fetch_pending, resolver, stage_in_driver
+from pgsieve.apply.driver import fetch_pending, stage_in_driver
+from pgsieve.apply.following import plan_following
 from pgsieve.apply.merge import StagedTable, merge, stage_table
-from pgsieve.apply.plan import BatchPlan, ColumnsMissing, TablePlan
-from pgsieve.apply.planbuilder import build_plan
+from pgsieve.apply.plan import BatchPlan, TablePlan
 from pgsieve.apply.planner import DistributedPlanner, PlannerUnavailable
-from pgsieve.apply.schemachange import (
-    first_lsn,
-    plan_added_columns,
-    plan_dropped_columns,
-    plan_type_changes,
-    read_published,
-)
 from pgsieve.apply.target import TargetWriter
 from pgsieve.platform.settings import get_settings
 from pgsieve.wire.lsn import Lsn
@@ -222,112 +214,6 @@ def prepare_batch(planner: DistributedPlanner | None, batch: ApplyBatch, writer:
         timings["stage"] = time.perf_counter() - t
     return PreparedBatch(batch, writer, plan, staged, direct, fetched, expected,
                          distributed, spark_report, timings, started)
-
-
-MAX_FOLLOWED_RELATIONS = 64
-"""Relations whose new columns one batch plans again for, at most (each is a Relation
-message with columns its target lacks; a batch meeting more stops at the next one)."""
-
-
-def plan_following(batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None
-                   ) -> BatchPlan:
-    """:func:`~.planbuilder.build_plan`, following the columns the source added
-    (:mod:`.schemachange`): a Relation with columns its target lacks is planned again
-    against the target's shape after the DDL, which the merge runs first in its
-    transaction. Under ``schema_changes: stop`` (or without a source to read the
-    column's definition from) the table stops, as before, now with the DDL to run."""
-    overrides: dict[str, TargetTable] = {}
-    followed: list[SchemaChange] = []
-    recorded: dict[str, tuple[str, ...] | None] = {}
-    drops: set[tuple[str, str]] = set()
-    base = resolver(writer, batch)
-
-    def resolve(name: str) -> TargetTable:
-        found = overrides.get(name)
-        return base(name) if found is None else found
-
-    for _ in range(MAX_FOLLOWED_RELATIONS):
-        try:
-            plan = build_plan(batch, resolve, expected, writer.relation_maps)
-        except ColumnsMissing as missing:
-            if writer.source_dsn is None:
-                raise
-            lsn = first_lsn(batch.transactions, missing.relation) or batch.commit_lsn
-            follow = plan_added_columns(writer.conn, writer.read_source, missing, lsn,
-                                        batch.schema_changes)
-            overrides[missing.route.target_table] = follow.target
-            followed.extend(follow.changes)
-            continue
-        if _follow_types(batch, writer, plan, overrides, followed):
-            continue
-        published = _follow_drops(batch, writer, plan, overrides, followed, recorded, drops)
-        if published is None:
-            continue
-        plan.schema_changes = tuple(followed)
-        plan.published = published
-        return plan
-    return build_plan(batch, resolve, expected, writer.relation_maps)
-
-
-def _follow_types(batch: ApplyBatch, writer: TargetWriter, plan: BatchPlan,
-                  overrides: dict[str, TargetTable], followed: list[SchemaChange]) -> bool:
-    """Compare the column types of the plan's relation maps not yet compared with their
-    target's (once per map: maps are kept across batches) and follow what the source
-    changed (:func:`~.schemachange.plan_type_changes`); whether the batch must be planned
-    again against a target shape after an ALTER COLUMN … TYPE."""
-    for rm in plan.relation_maps.values():  # (in the order the batch met them)
-        if rm.types_checked:
-            continue
-        retyped = rm.retyped_columns()
-        if retyped:
-            lsn = first_lsn(batch.transactions, rm.relation) or batch.commit_lsn
-            follow = plan_type_changes(writer.conn, rm, retyped, lsn, batch.schema_changes)
-            if follow is not None:
-                # Planned again against the shape after the DDL: the table's other
-                # relations (the same shape, sent again later) map onto it then.
-                overrides[rm.route.target_table] = follow.target
-                followed.extend(follow.changes)
-                return True
-        rm.types_checked = True
-    return False
-
-
-def _follow_drops(batch: ApplyBatch, writer: TargetWriter, plan: BatchPlan,
-                  overrides: dict[str, TargetTable], followed: list[SchemaChange],
-                  recorded: dict[str, tuple[str, ...] | None], drops: set[tuple[str, str]]
-                  ) -> dict[str, tuple[str, ...]] | None:
-    """Compare the columns of the plan's relation maps not yet compared (once per map)
-    with what the table published before — the target's record, or an earlier Relation
-    of the same batch — and follow the columns the source dropped
-    (:func:`~.schemachange.plan_dropped_columns`). None when the batch must be planned
-    again against the target's shape after the DDL; else the published columns to
-    record in the merge's transaction (those that differ from the target's record).
-    ``recorded`` (the record as read, per table) and ``drops`` (drops already planned)
-    are kept across the batch's plannings."""
-    newest: dict[str, tuple[str, ...]] = {}
-    for rm in plan.relation_maps.values():  # (in the order the batch met them)
-        if rm.columns_checked:
-            continue
-        table = rm.route.source_table
-        columns = tuple(c.name for c in rm.relation.columns)
-        if table not in recorded:
-            recorded[table] = read_published(writer.conn, batch.subscription_id, table)
-        before = newest.get(table, recorded[table])
-        newest[table] = columns
-        if before is None or before == columns:
-            continue
-        gone = [n for n in before if n not in columns and (table, n) not in drops]
-        if not gone:
-            continue
-        lsn = first_lsn(batch.transactions, rm.relation) or batch.commit_lsn
-        follow = plan_dropped_columns(writer.conn, rm, gone, lsn, batch.schema_changes,
-                                      batch.drop_columns)
-        drops.update((table, n) for n in gone)
-        if follow is not None:
-            overrides[rm.route.target_table] = follow.target
-            followed.extend(follow.changes)
-            return None
-    return {t: c for t, c in newest.items() if c != recorded.get(t)}
 
 
 def _plan_and_stage(planner: DistributedPlanner, batch: ApplyBatch, writer: TargetWriter,

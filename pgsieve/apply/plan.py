@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pgsieve.apply.batch import (
     ApplyBatch,
@@ -47,6 +47,9 @@ from pgsieve.wire.messages import (
 )
 from pgsieve.wire.values import ValueConversionError, pg_text
 
+if TYPE_CHECKING:
+    from pgsieve.apply.published import PublishedColumns
+
 Position = tuple[int, int]
 """(transaction index in the batch, change index in the transaction)."""
 
@@ -71,6 +74,19 @@ class ColumnsMissing(TableStopped):
         self.missing = tuple(missing)
 
 
+def target_names(relation: Relation, target: TargetTable) -> tuple[str, ...]:
+    """The target column of each of ``relation``'s columns: its own name, except for a
+    column the batch renames at the target (``target.renamed``, old → new) in a
+    Relation that still carries the old name and not the new one — one decoded before
+    the source's RENAME, whose rows the merge writes after the target's RENAME."""
+    names = tuple(c.name for c in relation.columns)
+    if not target.renamed:
+        return names
+    carried = set(names)
+    alias = {old: new for old, new in target.renamed if new not in carried}
+    return tuple(alias.get(n, n) for n in names)
+
+
 FIRST_NORMAL_OID = 16384
 """OIDs below this are built in, the same on every server: a type OID a Relation message
 sends names the same type at the target only then."""
@@ -80,8 +96,8 @@ class RelationMap:
     """How one Relation's tuples land in its target table."""
 
     __slots__ = ("always", "binary_oids", "columns_checked", "fast", "given_mask",
-                 "identity", "key_positions", "key_rel", "mode", "positions", "relation",
-                 "route", "source_table", "target", "types_checked", "width")
+                 "identity", "key_positions", "key_rel", "mode", "names", "positions",
+                 "relation", "route", "source_table", "target", "types_checked", "width")
 
     def __init__(self, relation: Relation, route: TableRoute, target: TargetTable) -> None:
         self.relation = relation
@@ -89,7 +105,10 @@ class RelationMap:
         self.target = target
         self.source_table = route.source_table
         self.width = target.width
-        missing = [c.name for c in relation.columns if c.name not in target.index]
+        self.names = target_names(relation, target)
+        """The target column each Relation column lands in (its own name, or the new
+        one of a column this batch renames: :func:`target_names`)."""
+        missing = [n for n in self.names if n not in target.index]
         if missing:
             raise ColumnsMissing(relation, route, target, missing)
         self.types_checked = False
@@ -99,12 +118,13 @@ class RelationMap:
         map)."""
         """Whether the engine compared this map's column types with the target's
         (:func:`retyped_columns`; once per map, not per batch)."""
-        self.positions = tuple(target.index[c.name] for c in relation.columns)
+        names = self.names
+        self.positions = tuple(target.index[n] for n in names)
         self.identity = self.positions == tuple(range(self.width))
         self.given_mask = 0
         for p in self.positions:
             self.given_mask |= 1 << p
-        keys = sorted((target.index[c.name], i) for i, c in enumerate(relation.columns)
+        keys = sorted((target.index[names[i]], i) for i, c in enumerate(relation.columns)
                       if c.is_key)
         full = relation.replica_identity == "f"
         if full and target.identity:
@@ -112,7 +132,7 @@ class RelationMap:
             # every old value, and the subscriber finds the row by ITS OWN replica
             # identity index or primary key when those columns are all published — a
             # target row whose other columns differ is still the row to change.
-            by_name = {c.name: i for i, c in enumerate(relation.columns)}
+            by_name = {n: i for i, n in enumerate(names)}
             if all(n in by_name and n in target.index for n in target.identity):
                 keys = sorted((target.index[n], by_name[n]) for n in target.identity)
                 full = False
@@ -135,12 +155,12 @@ class RelationMap:
         source may have changed them (ALTER COLUMN … TYPE, :mod:`.schemachange`)."""
         target = self.target
         out: list[str] = []
-        for c in self.relation.columns:
-            tc = target.columns[target.index[c.name]]
+        for c, name in zip(self.relation.columns, self.names, strict=True):
+            tc = target.columns[target.index[name]]
             if (tc.type_oid and c.type_oid < FIRST_NORMAL_OID
                     and (tc.type_oid, tc.type_mod) != (c.type_oid, c.type_modifier)
-                    and (c.name, c.type_oid, c.type_modifier) not in target.accepted_types):
-                out.append(c.name)
+                    and (name, c.type_oid, c.type_modifier) not in target.accepted_types):
+                out.append(name)
         return out
 
     def to_target(self, values: Sequence[Any]) -> Sequence[Any]:
@@ -242,10 +262,10 @@ class BatchPlan:
     schema_changes: tuple[SchemaChange, ...] = ()
     """Source DDL followed in this batch: its statements run first in the merge's
     transaction (:mod:`.schemachange`); tables are planned against the shape after."""
-    published: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """Source table -> the columns its newest Relation in this batch carried, where the
-    target's record (``pgsieve.published_columns``) differs: written in the merge's
-    transaction (:func:`~.schemachange.plan_dropped_columns`)."""
+    published: dict[str, PublishedColumns] = field(default_factory=dict)
+    """Source table -> the columns (and their attnums) its newest Relation in this batch
+    carried, where the target's record (``pgsieve.published_columns``) differs: written
+    in the merge's transaction (:mod:`.published`)."""
 
 
 class RelationMaps:

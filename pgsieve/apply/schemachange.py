@@ -3,10 +3,10 @@
 pgoutput says nothing about DDL: the first change of a table after an ``ALTER TABLE``
 is preceded by a Relation message with the new column list (its names and type OIDs, no
 defaults, no nullability, no attnum). When that list has a column the target table
-lacks, the planner raises :class:`~.plan.ColumnsMissing`; the engine calls
-:func:`plan_added_columns`, which reads the column from the SOURCE catalog (type through
-``format_type``, ``atthasmissing``/``attmissingval``, the default, ``attnotnull``) and
-decides:
+lacks, the planner raises :class:`~.plan.ColumnsMissing`; once :mod:`.renames` found no
+rename in it (:mod:`.following`), the engine calls :func:`plan_added_columns`, which
+reads the column from the SOURCE catalog (type through ``format_type``,
+``atthasmissing``/``attmissingval``, the default, ``attnotnull``) and decides:
 
 * a constant default PostgreSQL stored in ``attmissingval`` (no WAL was written for the
   source's existing rows, which read it): ``ADD COLUMN … DEFAULT <that value>`` at the
@@ -57,12 +57,18 @@ from psycopg import sql
 from pgsieve.apply.batch import SchemaChange, SchemaChangePolicy, TableStopped
 from pgsieve.apply.columns import TargetColumn, TargetTable, compatible, split_type
 from pgsieve.apply.plan import ColumnsMissing, RelationMap
+from pgsieve.apply.published import (
+    PUBLISHED_DDL,
+    PUBLISHED_UPSERT,
+    PublishedColumns,
+    read_record,
+    upsert_rows,
+)
 from pgsieve.apply.staging import SCHEMA
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.wire.lsn import Lsn
 
 JOURNAL_TABLE = "schema_changes"
-PUBLISHED_TABLE = "published_columns"
 
 JOURNAL_DDL = f"""
 CREATE TABLE IF NOT EXISTS {SCHEMA}.{JOURNAL_TABLE} (
@@ -77,14 +83,7 @@ CREATE TABLE IF NOT EXISTS {SCHEMA}.{JOURNAL_TABLE} (
 );
 COMMENT ON TABLE {SCHEMA}.{JOURNAL_TABLE} IS
     'pgsieve: source DDL followed here, written with its batch; moved to pgsieve once committed';
-CREATE TABLE IF NOT EXISTS {SCHEMA}.{PUBLISHED_TABLE} (
-    subscription_id text NOT NULL,
-    source_table text NOT NULL,
-    columns text[] NOT NULL,
-    PRIMARY KEY (subscription_id, source_table)
-);
-COMMENT ON TABLE {SCHEMA}.{PUBLISHED_TABLE} IS
-    'pgsieve: per subscription and source table, the columns its last Relation message carried';
+{PUBLISHED_DDL}
 """
 """Created with the applied record (:func:`.applied.ensure_applied_schema`)."""
 
@@ -185,14 +184,14 @@ def plan_added_columns(
             found.has_missing and found.missing_value is not None, True,
             by_name[name].type_oid, by_name[name].type_modifier))
     if unsupported:
-        raise _stopped(missing.route.source_table, lsn, changes,
-                       "a column the source added cannot be followed safely: "
-                       + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
+        raise stopped_with_plan(missing.route.source_table, lsn, changes,
+                                "a column the source added cannot be followed safely: "
+                                + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
     if policy == "stop":
         stops = [replace(c, action="stopped", resync=False) for c in changes]
-        raise _stopped(missing.route.source_table, lsn, stops,
-                       "the source added a column (schema_changes: stop)", None,
-                       resync=any(c.resync for c in changes))
+        raise stopped_with_plan(missing.route.source_table, lsn, stops,
+                                "the source added a column (schema_changes: stop)", None,
+                                resync=any(c.resync for c in changes))
     return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
 
 
@@ -270,34 +269,26 @@ def plan_type_changes(conn: psycopg.Connection[Any], rm: RelationMap, retyped: S
         columns[i] = replace(tc, type_name=after, stage_type=after, type_oid=col.type_oid,
                              type_mod=col.type_modifier)
     if unsupported:
-        raise _stopped(rm.route.source_table, lsn, [c for c in changes
-                                                    if c.action == "stopped"],
-                       "a column type the source changed cannot be followed safely: "
-                       + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
+        raise stopped_with_plan(rm.route.source_table, lsn, [c for c in changes
+                                                             if c.action == "stopped"],
+                                "a column type the source changed cannot be followed safely: "
+                                + "; ".join(unsupported), ErrorCode.SCHEMA_CHANGE_UNSUPPORTED)
     if not changes:
         return None
     if policy == "stop":
-        raise _stopped(rm.route.source_table, lsn,
-                       [replace(c, action="stopped") for c in changes],
-                       "the source changed a column's type (schema_changes: stop)", None)
+        raise stopped_with_plan(rm.route.source_table, lsn,
+                                [replace(c, action="stopped") for c in changes],
+                                "the source changed a column's type (schema_changes: stop)", None)
     return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
 
 
 def read_published(conn: psycopg.Connection[Any], subscription_id: str, source_table: str
                    ) -> tuple[str, ...] | None:
     """The columns the target recorded for ``source_table``'s last Relation message
-    (:data:`PUBLISHED_TABLE`), None when none was recorded yet."""
-    query = sql.SQL("SELECT columns FROM {}.{} WHERE subscription_id = %s "
-                    "AND source_table = %s").format(sql.Identifier(SCHEMA),
-                                                     sql.Identifier(PUBLISHED_TABLE))
-    row = conn.execute(query, (subscription_id, source_table)).fetchone()
-    return None if row is None else tuple(row[0])
-
-
-PUBLISHED_UPSERT = sql.SQL(
-    "INSERT INTO {}.{} AS p (subscription_id, source_table, columns) VALUES (%s, %s, %s) "
-    "ON CONFLICT (subscription_id, source_table) DO UPDATE SET columns = EXCLUDED.columns"
-).format(sql.Identifier(SCHEMA), sql.Identifier(PUBLISHED_TABLE))
+    (:data:`PUBLISHED_TABLE`; with their attnums: :func:`.published.read_record`), None
+    when none was recorded yet."""
+    record = read_record(conn, subscription_id, source_table)
+    return None if record is None else record.columns
 
 
 def plan_dropped_columns(conn: psycopg.Connection[Any], rm: RelationMap,
@@ -346,9 +337,9 @@ def plan_dropped_columns(conn: psycopg.Connection[Any], rm: RelationMap,
                                     tc.type_name, None, "applied", None, tuple(ddl),
                                     ddl_after_rows=after_rows))
     if policy == "stop" and any(c.ddl for c in changes):
-        raise _stopped(rm.route.source_table, lsn,
-                       [replace(c, action="stopped") for c in changes if c.ddl],
-                       "the source dropped a column (schema_changes: stop)", None)
+        raise stopped_with_plan(rm.route.source_table, lsn,
+                                [replace(c, action="stopped") for c in changes if c.ddl],
+                                "the source dropped a column (schema_changes: stop)", None)
     return FollowPlan(replace(target, columns=tuple(columns), index={}), tuple(changes))
 
 
@@ -366,8 +357,10 @@ def _add_column(table: sql.Identifier, name: str, col: SourceColumn
     return [add], col.default is not None
 
 
-def _stopped(source_table: str, lsn: Lsn, changes: list[SchemaChange], why: str,
-             code: str | None, resync: bool = False) -> TableStopped:
+def stopped_with_plan(source_table: str, lsn: Lsn, changes: list[SchemaChange], why: str,
+                      code: str | None, resync: bool = False) -> TableStopped:
+    """The stop of a table at a DDL not followed: the detail names the statements of
+    ``changes`` to run at the target, and the first change is recorded with it."""
     ddl = [s for c in changes for s in c.ddl]
     plan = "; ".join(ddl)
     detail = (f"{why}. Run at the target: {plan}"
@@ -406,7 +399,7 @@ def run_in_merge(conn: psycopg.Connection[Any], subscription_id: str,
 
 def run_after_rows(conn: psycopg.Connection[Any], subscription_id: str,
                    changes: Sequence[SchemaChange],
-                   published: Mapping[str, Sequence[str]]) -> None:
+                   published: Mapping[str, PublishedColumns]) -> None:
     """In the merge's transaction, after the rows: the DDL that must follow them (a
     column dropped while rows decoded before the DROP still carry it), and the columns
     each table's newest Relation published (:func:`plan_dropped_columns`)."""
@@ -416,14 +409,14 @@ def run_after_rows(conn: psycopg.Connection[Any], subscription_id: str,
                 conn.execute(statement.encode())
     if published:
         with conn.cursor() as cur:
-            cur.executemany(PUBLISHED_UPSERT, [(subscription_id, table, list(columns))
-                                               for table, columns in published.items()])
+            cur.executemany(PUBLISHED_UPSERT, upsert_rows(subscription_id, published))
 
 
 def change_body(c: SchemaChange) -> dict[str, Any]:
     """A change as the journal and the metadata store keep it (JSON)."""
     return {"column": c.column, "before": c.before, "after": c.after, "action": c.action,
-            "code": c.code, "ddl": list(c.ddl), "resync": c.resync}
+            "code": c.code, "ddl": list(c.ddl), "resync": c.resync,
+            **({"new_column": c.new_column} if c.new_column is not None else {})}
 
 
 def change_from(table: str, lsn: str, change: str, body: dict[str, Any]) -> SchemaChange:
@@ -431,7 +424,8 @@ def change_from(table: str, lsn: str, change: str, body: dict[str, Any]) -> Sche
     return SchemaChange(table, Lsn.parse(lsn), change,  # type: ignore[arg-type]
                         str(body.get("column") or ""), body.get("before"), body.get("after"),
                         body.get("action", "applied"), body.get("code"),
-                        tuple(body.get("ddl") or ()), bool(body.get("resync")))
+                        tuple(body.get("ddl") or ()), bool(body.get("resync")),
+                        new_column=body.get("new_column"))
 
 
 def take_journal(conn: psycopg.Connection[Any], subscription_id: str

@@ -108,7 +108,8 @@ def _add(session: Session, subscription_id: str, change: SchemaChange,
     session.add(SchemaChangeRecord(
         subscription_id=subscription_id, table_name=change.table, lsn=change.lsn.value,
         change=change.change, column_name=change.column,
-        before=_side(change.column, change.before), after=_side(change.column, change.after),
+        before=_side(change.column, change.before),
+        after=_side(change.new_column or change.column, change.after),
         action=change.action, code=change.code, ddl=list(change.ddl), at=at))
     audit.record(session, audit.AuditRecord(
         actor=f"worker:{socket.gethostname()}"[:63], role=None, method="STREAM",
