@@ -66,11 +66,12 @@ def refresh_publication(subscription_id: str, response: Response, session: Sessi
     sub = load_subscription(session, subscription_id)
     done = sync_jobs.refresh_publication(session, settings, box, sub, body.copy_data,
                                          _copy_options(body), actor=principal.name)
-    if done.job_id is None:
-        return {"added": done.added, "removed": done.removed, "created": done.created}
-    response.status_code = status.HTTP_202_ACCEPTED
-    return {"job_id": done.job_id, "added": done.added, "removed": done.removed,
-            "created": done.created}
+    out: dict[str, Any] = {"added": done.added, "removed": done.removed,
+                           "created": done.created or None}
+    if done.job_id is not None:
+        response.status_code = status.HTTP_202_ACCEPTED
+        out["job_id"] = done.job_id
+    return out
 
 
 def _as_seen_by(principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
