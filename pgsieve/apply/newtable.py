@@ -86,7 +86,7 @@ class TableDefinition:
                f"CREATE TABLE {name} ({', '.join(parts)})"]
         if self.unique_key:
             out.append(f"ALTER TABLE {name} REPLICA IDENTITY USING INDEX {_ident(constraint)}")
-        elif self.replica_full:
+        elif self.replica_full and not self.primary_key:
             out.append(f"ALTER TABLE {name} REPLICA IDENTITY FULL")
         return out
 
