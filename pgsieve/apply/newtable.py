@@ -62,8 +62,8 @@ def _qualified(schema: str, rel: str) -> str:
 class TableDefinition:
     """A source table as the target will get it."""
 
-    table: str
-    """``schema.name``, unquoted (as pgoutput names it)."""
+    schema: str
+    name: str
     columns: tuple[tuple[str, str, bool], ...]
     """(name, type as ``format_type``, not null), published columns in source order."""
     primary_key: tuple[str, ...] = ()
@@ -71,9 +71,14 @@ class TableDefinition:
     """The replica-identity index's columns, when the source has no primary key."""
     replica_full: bool = False
 
+    @property
+    def table(self) -> str:
+        """``schema.name``, unquoted (as pgoutput names it)."""
+        return f"{self.schema}.{self.name}"
+
     def ddl(self) -> list[str]:
         """The statements that create the table at the target (schema first)."""
-        schema, rel = split_name(self.table)
+        schema, rel = self.schema, self.name
         name = _qualified(schema, rel)
         parts = [f"{_ident(c)} {t}{' NOT NULL' if nn else ''}" for c, t, nn in self.columns]
         if self.primary_key:
@@ -104,8 +109,9 @@ def read_definitions(conn: psycopg.Connection[Any], tables: Sequence[str],
                      publications: Sequence[str]) -> list[TableDefinition]:
     """Each source table's definition as the target will get it (see the module doc)."""
     out: list[TableDefinition] = []
-    for spec in read_source_columns(conn, tables, publications):
-        schema, rel = split_name(spec.source_table)
+    specs = read_source_columns(conn, tables, publications)
+    for name, spec in zip(tables, specs, strict=True):
+        schema, rel = split_name(name)  # (as given: quoted where needed)
         regclass = _qualified(schema, rel)
         published = {c for c, _ in spec.columns}
         columns = tuple((c, t, c in spec.not_null) for c, t in spec.columns)
@@ -121,7 +127,7 @@ def read_definitions(conn: psycopg.Connection[Any], tables: Sequence[str],
         unique = replident if not primary and set(replident) <= published else ()
         row = conn.execute(_REPLIDENT_SQL, (regclass,)).fetchone()
         full = row is not None and row[0] == "f"
-        out.append(TableDefinition(f"{schema}.{rel}", columns, primary, unique, full))
+        out.append(TableDefinition(schema, rel, columns, primary, unique, full))
     return out
 
 
@@ -156,7 +162,8 @@ def create_tables(target_dsn: str, definitions: Mapping[str, TableDefinition], *
         try:
             with conn.transaction():
                 for name, definition in definitions.items():
-                    if conn.execute(_EXISTS_SQL, split_name(definition.table)).fetchone():
+                    if conn.execute(_EXISTS_SQL, (definition.schema, definition.name)
+                                    ).fetchone():
                         ran[name] = []
                         continue
                     statements = definition.ddl()

@@ -72,21 +72,26 @@ the refresh cannot add (a sync job running, a refusal) is not asked for at every
 _asked: dict[tuple[str, str], float] = {}
 
 
-def ask_to_follow(settings: Settings, subscription_id: str, tables: Iterable[str],
-                  now: float | None = None) -> bool:
-    """Enqueue the follow of new tables (``pgsieve.follow_new_tables``: the refresh
-    that adds them, :mod:`pgsieve.subscriptions.newtables`) for tables the stream met
-    without a route, unless asked for within :data:`FOLLOW_ASK_SECONDS`; whether it
-    was enqueued. Called after the batch's commit."""
-    now = time.monotonic() if now is None else now
-    fresh = [t for t in tables
-             if now - _asked.get((subscription_id, t), -FOLLOW_ASK_SECONDS) >= FOLLOW_ASK_SECONDS]
-    if not fresh:
-        return False
+def tables_to_ask(subscription_id: str, tables: Iterable[str], now: float) -> list[str]:
+    """Of the tables the stream met without a route, those not asked for within
+    :data:`FOLLOW_ASK_SECONDS` (per worker process), now noted as asked."""
+    fresh = sorted(t for t in set(tables) if now - _asked.get(
+        (subscription_id, t), now - FOLLOW_ASK_SECONDS) >= FOLLOW_ASK_SECONDS)
     for table in fresh:
         _asked[(subscription_id, table)] = now
+    return fresh
+
+
+def ask_to_follow(settings: Settings, subscription_id: str, tables: Iterable[str]) -> bool:
+    """Enqueue the follow of new tables (``pgsieve.follow_new_tables``: the refresh
+    that adds them, :mod:`pgsieve.subscriptions.newtables`) for tables the stream met
+    without a route, unless all were asked for lately (:func:`tables_to_ask`); whether
+    it was enqueued. Called after the batch's commit."""
+    fresh = tables_to_ask(subscription_id, tables, time.monotonic())
+    if not fresh:
+        return False
     log.info("subscription %s: changes of %s, which it does not have: following the "
-             "new tables", subscription_id, ", ".join(sorted(fresh)))
+             "new tables", subscription_id, ", ".join(fresh))
     dispatch.follow_new_tables(settings, subscription_id)
     return True
 

@@ -65,16 +65,18 @@ def test_refresh_creates_the_new_tables_from_the_source_definition(
     CREATE TABLE "Sales"."Order Lines" ("select" bigint NOT NULL, qty numeric(10, 2),
         note varchar(20) NOT NULL DEFAULT 'x', secret text, at timestamptz,
         PRIMARY KEY ("select"));
+    CREATE TABLE "Sales"."Orders" ("Id" int PRIMARY KEY);
     CREATE TABLE public.nopk (a int NOT NULL, b int NOT NULL, c text);
     CREATE UNIQUE INDEX nopk_ab ON public.nopk (b, a);
     ALTER TABLE public.nopk REPLICA IDENTITY USING INDEX nopk_ab;
     ALTER PUBLICATION pub ADD TABLE "Sales"."Order Lines" ("select", qty, note, at)
-        WHERE (qty > 1), public.nopk;
+        WHERE (qty > 1), "Sales"."Orders", public.nopk;
     """)
     r = client.post(base)
     assert r.status_code == 202, r.text
     body = r.json()
-    assert sorted(body["added"]) == ['"Sales"."Order Lines"', "public.nopk"]
+    assert sorted(body["added"]) == ['"Sales"."Order Lines"', '"Sales"."Orders"',
+                                     "public.nopk"]
     assert sorted(body["created"]) == sorted(body["added"])
     # Published columns only (the column list), the source's types and NOT NULLs; no
     # default (the stream sends every value), the key.
@@ -86,10 +88,11 @@ def test_refresh_creates_the_new_tables_from_the_source_definition(
     assert _columns(target_db, "public.nopk") == [
         ("a", "integer", True), ("b", "integer", True), ("c", "text", False)]
     assert _key(target_db, "public.nopk") == [(False, True, ["a", "b"])]
+    assert _key(target_db, '"Sales"."Orders"') == [(True, False, ["Id"])]
     # Recorded: add_table, applied, with the table and the DDL, and audited.
     changes = client.get(f"/api/v1/subscriptions/{sub['id']}/schema-changes").json()
     by_table = {c["table"]: c for c in changes}
-    assert set(by_table) == {"Sales.Order Lines", "public.nopk"}
+    assert set(by_table) == {"Sales.Order Lines", "Sales.Orders", "public.nopk"}
     lines = by_table["Sales.Order Lines"]
     assert (lines["change"], lines["action"], lines["before"]) == ("add_table", "applied", None)
     assert lines["after"]["table"] == "Sales.Order Lines"
@@ -101,12 +104,12 @@ def test_refresh_creates_the_new_tables_from_the_source_definition(
     with Session(metadata_engine) as session:
         audited = session.scalars(select(AuditEvent).where(
             AuditEvent.route == "schema change add_table applied")).all()
-        assert len(audited) == 2 and all(a.actor for a in audited)
+        assert len(audited) == 3 and all(a.actor for a in audited)
     metrics = client.get("/metrics").text
     assert 'change="add_table"' in metrics
     # Again while the copy's job is queued: refused, nothing twice.
     assert_problem(client.post(base), 409, "sync_in_progress")
-    assert len(client.get(f"/api/v1/subscriptions/{sub['id']}/schema-changes").json()) == 2
+    assert len(client.get(f"/api/v1/subscriptions/{sub['id']}/schema-changes").json()) == 3
 
 
 def test_stop_creates_nothing_and_answers_the_ddl(client, sub, source_db: Database,
