@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import Any
 
 import psycopg
 from psycopg.rows import tuple_row
@@ -43,6 +44,7 @@ from pgsieve.platform.models import Subscription
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.subscriptions.newtablerecords import worker_actor
+from pgsieve.subscriptions.service import published_relations
 from pgsieve.subscriptions.sync_jobs import CopyOptions, Refreshed, refresh_publication
 from pgsieve.sync.queue import active_sync_job
 
@@ -104,10 +106,22 @@ def follow_publication(session: Session, settings: Settings, source_id: str,
     return ids
 
 
+def _confirmed(conn: psycopg.Connection[Any], sub: Subscription, have: set[str]) -> bool:
+    """Whether the refresh would add a table: PostgreSQL's rules, as the refresh reads
+    them (a partition published on its own beside its root published via the root is
+    listed by ``pg_publication_tables`` but travels as the root)."""
+    try:
+        published = published_relations(conn, list(sub.publications))
+    except PgsieveError:
+        return True  # the refresh says why (logged)
+    return any("{}.{}".format(*split_name(name)) not in have for name in published)
+
+
 def pending_follows(session: Session, settings: Settings, box: SecretBox) -> list[str]:
     """Subscriptions that follow and whose publications publish a table they do not
     have (``pg_publication_tables``, one query per subscription on a connection per
-    source), without a sync job running: their follow enqueued; their ids. A source
+    source; a difference confirmed by the refresh's own reading), without a sync job
+    running: their follow enqueued; their ids. A source
     that does not answer is skipped (the sampler reports it)."""
     by_source: dict[str, list[Subscription]] = defaultdict(list)
     for sub in session.scalars(select(Subscription)):
@@ -122,7 +136,7 @@ def pending_follows(session: Session, settings: Settings, box: SecretBox) -> lis
                     published = {f"{s}.{t}" for s, t in conn.execute(
                         _PUBLISHED_SQL, (list(sub.publications),)).fetchall()}
                     have = {"{}.{}".format(*split_name(t.table_name)) for t in sub.tables}
-                    if published - have:
+                    if published - have and _confirmed(conn, sub, have):
                         due.append(sub.id)
         except (PgsieveError, psycopg.Error) as exc:
             log.debug("source %s: new tables not checked: %s", source_id, exc)

@@ -180,3 +180,29 @@ def test_the_automatic_follow_only_adds_and_waits_for_streaming(
     assert newtables.follow_new_tables(settings, sub["id"]) is None
     with Session(metadata_engine) as session:
         assert newtables.pending_follows(session, settings, settings.secret_box()) == []
+
+
+def test_beat_is_not_fooled_by_a_partition_travelling_as_its_root(
+        client, source_db: Database, target_db: Database, settings: Settings,
+        metadata_engine):
+    """``pg_publication_tables`` lists a partition published on its own beside its root
+    published via the root; its rows travel as the root's, the refresh adds nothing:
+    beat's check does not enqueue a follow for it at every round."""
+    ddl = ("CREATE TABLE r (a int PRIMARY KEY, b int) PARTITION BY RANGE (a);"
+           "CREATE TABLE r1 PARTITION OF r FOR VALUES FROM (0) TO (100);")
+    source_db.execute(ddl + "CREATE PUBLICATION p_root FOR TABLE r WITH "
+                      "(publish_via_partition_root = true);"
+                      "CREATE PUBLICATION p_leaf FOR TABLE r1;")
+    target_db.execute("CREATE TABLE r (a int PRIMARY KEY, b int)")
+    src = client.post("/api/v1/sources", json={"name": "src", "dsn": source_db.dsn}).json()
+    tgt = client.post("/api/v1/targets", json={"name": "tgt", "dsn": target_db.dsn}).json()
+    r = client.post("/api/v1/subscriptions", json={
+        "name": "parts", "source_id": src["id"], "target_id": tgt["id"],
+        "publications": ["p_root", "p_leaf"], "copy_data": False, "enabled": False})
+    assert r.status_code == 201, r.text
+    with Session(metadata_engine) as session:
+        row = session.get(Subscription, r.json()["id"])
+        assert row is not None and [t.table_name for t in row.tables] == ["public.r"]
+        row.state = SubscriptionState.STREAMING
+        session.commit()
+        assert newtables.pending_follows(session, settings, settings.secret_box()) == []
