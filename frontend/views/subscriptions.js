@@ -452,7 +452,14 @@ function schemaPolicy(options) {
   options.drop_columns ? "dropped at the target" : "kept at the target");
 }
 
-const columnText = (c) => (c ? `${c.column} ${c.type}` : "—");
+const columnText = (c) => {
+  if (!c) return "—";
+  if (c.table) {  // add_table: the table created at the target
+    const cols = (c.columns || []).map((col) => `${col.column} ${col.type}`).join(", ");
+    return `table ${c.table}${cols ? ` (${cols})` : ""}`;
+  }
+  return `${c.column} ${c.type}`;
+};
 
 /** One source DDL met by the stream: when, where, before → after, what was done; the
  *  DDL (run at the target, or to run there) as the row's tooltip. */

@@ -226,6 +226,9 @@ class ApplyResult:
     failures and executors (empty for the driver path)."""
     schema_changes: tuple[SchemaChange, ...] = ()
     """Source DDL followed at the target in this batch's transaction (journaled there)."""
+    unrouted: frozenset[str] = frozenset()
+    """Tables (``schema.name``) whose changes the batch carried and the subscription
+    does not have: published, but new to it (skipped, as natively)."""
 
 
 class ApplyConflict(Exception):

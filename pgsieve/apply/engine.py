@@ -283,6 +283,7 @@ def finish_prepared(p: PreparedBatch) -> ApplyResult:
         direct_tables=tuple(outcome.direct),
         spark=p.spark_report,
         schema_changes=plan.schema_changes,
+        unrouted=plan.unrouted,
     )
 
 

@@ -259,6 +259,8 @@ class BatchPlan:
     applied_positions: list[int]
     """Indexes of the batch's transactions that apply."""
     relation_maps: dict[int, RelationMap]
+    unrouted: frozenset[str] = frozenset()
+    """Relations (``schema.name``) with changes and no route: not the subscription's."""
     schema_changes: tuple[SchemaChange, ...] = ()
     """Source DDL followed in this batch: its statements run first in the merge's
     transaction (:mod:`.schemachange`); tables are planned against the shape after."""

@@ -143,6 +143,9 @@ class PlanBuilder:
         self.truncates: list[TruncateOp] = []
         self._hot: tuple[Any, ...] | None = None
         """The hot path's routing of the last relation, kept across transactions."""
+        self.unrouted: set[str] = set()
+        """Relations with changes in the batch and no route: tables the subscription
+        does not have (new in a publication: :mod:`pgsieve.subscriptions.newtables`)."""
 
     def relation_map(self, rel: Relation) -> RelationMap | None:
         if id(rel) in self.maps:
@@ -150,6 +153,7 @@ class PlanBuilder:
         route = self.batch.routes.get(rel.qualified_name)
         if route is None:
             result = None
+            self.unrouted.add(rel.qualified_name)
         elif self.known is not None:
             result = self.known.get(rel, route, self.resolve(route.target_table))
         else:
@@ -257,6 +261,7 @@ class PlanBuilder:
             already_applied=already,
             applied_positions=applied,
             relation_maps={k: v for k, v in self.maps.items() if v is not None},
+            unrouted=frozenset(self.unrouted),
         )
 
     def _route(self, rel: Relation, ti: int, ci: int,

@@ -16,6 +16,7 @@ from pgsieve.platform.taskqueue import make_celery
 
 CONSUME_CYCLE = "pgsieve.consume_cycle"
 INITIAL_SYNC = "pgsieve.initial_sync"
+FOLLOW_NEW_TABLES = "pgsieve.follow_new_tables"
 
 
 @lru_cache(maxsize=4)
@@ -35,3 +36,9 @@ def consume_cycle(settings: Settings, subscription_id: str, countdown: float = 0
 
 def initial_sync(settings: Settings, job_id: str) -> None:
     _celery(settings).send_task(INITIAL_SYNC, args=[job_id])
+
+
+def follow_new_tables(settings: Settings, subscription_id: str, countdown: float = 0) -> None:
+    """A subscription's new published tables followed (``schema_changes: follow``)."""
+    _celery(settings).send_task(FOLLOW_NEW_TABLES, args=[subscription_id],
+                                countdown=countdown or None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -34,9 +35,11 @@ from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.mergebehind import MergeBehind, MergedBehind, MergesFailed
 from pgsieve.apply.planner import planner_unavailable
 from pgsieve.apply.target import TargetWriter
+from pgsieve.platform import dispatch
 from pgsieve.platform.errors import describe_error
 from pgsieve.platform.faults import fault_point
 from pgsieve.platform.models import Subscription
+from pgsieve.platform.settings import Settings
 from pgsieve.streaming.appliednotes import (
     AppliedProgress,
     ImageTrims,
@@ -61,6 +64,36 @@ routes read then, this many times before the last try's error stands (each fence
 the epoch once: more than one in a row means resyncs starting back to back)."""
 SHOW_PENDING_CHANGES = 5_000
 """A batch this big records what it holds before it applies (see _before_apply)."""
+FOLLOW_ASK_SECONDS = 30.0
+"""A table the subscription does not have, met by the stream again, is asked for again
+after this long at the earliest (per worker process): its refresh runs once, and a table
+the refresh cannot add (a sync job running, a refusal) is not asked for at every batch."""
+
+_asked: dict[tuple[str, str], float] = {}
+
+
+def tables_to_ask(subscription_id: str, tables: Iterable[str], now: float) -> list[str]:
+    """Of the tables the stream met without a route, those not asked for within
+    :data:`FOLLOW_ASK_SECONDS` (per worker process), now noted as asked."""
+    fresh = sorted(t for t in set(tables) if now - _asked.get(
+        (subscription_id, t), now - FOLLOW_ASK_SECONDS) >= FOLLOW_ASK_SECONDS)
+    for table in fresh:
+        _asked[(subscription_id, table)] = now
+    return fresh
+
+
+def ask_to_follow(settings: Settings, subscription_id: str, tables: Iterable[str]) -> bool:
+    """Enqueue the follow of new tables (``pgsieve.follow_new_tables``: the refresh
+    that adds them, :mod:`pgsieve.subscriptions.newtables`) for tables the stream met
+    without a route, unless all were asked for lately (:func:`tables_to_ask`); whether
+    it was enqueued. Called after the batch's commit."""
+    fresh = tables_to_ask(subscription_id, tables, time.monotonic())
+    if not fresh:
+        return False
+    log.info("subscription %s: changes of %s, which it does not have: following the "
+             "new tables", subscription_id, ", ".join(fresh))
+    dispatch.follow_new_tables(settings, subscription_id)
+    return True
 
 
 class StreamApplier:
@@ -411,6 +444,8 @@ class StreamApplier:
             self.skip_lsn = None
         if result.schema_changes:
             self.deliver_schema_changes()
+        if result.unrouted and self.schema_changes == "follow":
+            ask_to_follow(self.cycle.settings, self.cycle.subscription_id, result.unrouted)
         source_lsn = self._current_source_lsn(time.monotonic())
         sid = self.cycle.subscription_id
         book = self.progress_book

@@ -29,6 +29,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.publications import store
 from pgsieve.publications.patch import PublicationEdits, patched_definition
 from pgsieve.publications.service import publication_lock
+from pgsieve.subscriptions.newtables import follow_publication
 from pgsieve.sync.queue import active_sync_job
 from pgsieve.sync.reconcile import filterchange
 
@@ -64,6 +65,8 @@ def change_publication(
     for item in reconciled or []:
         if item["job_id"] is not None:
             dispatch.initial_sync(settings, item["job_id"])
+    if not dry_run:  # tables it publishes now, followed by the subscriptions using it
+        follow_publication(session, settings, source.id, name)
     return saved, reconciled
 
 

@@ -26,13 +26,20 @@ columns), and the changes and the job commit together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from psycopg.rows import tuple_row
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from pgsieve.apply.batch import schema_change_policy
+from pgsieve.apply.newtable import (
+    TableDefinition,
+    create_tables,
+    missing_tables,
+    read_definitions,
+)
 from pgsieve.apply.target import check_target_tables
 from pgsieve.platform import dispatch
 from pgsieve.platform.credentials import SecretBox
@@ -43,9 +50,11 @@ from pgsieve.platform.models import Job, Subscription, SubscriptionTable, SyncPa
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SyncState
 from pgsieve.rowfilter.parse import TableNameError, parse_table_name, quote_qualified
+from pgsieve.subscriptions.newtablerecords import record_added_tables
 from pgsieve.subscriptions.service import published_relations
 from pgsieve.sync.queue import active_sync_job, add_sync_job, initial_sync_pending
 from pgsieve.sync.tablesync import drop_sync_slot
+from pgsieve.wire.lsn import Lsn
 
 __all__ = [
     "CopyOptions",
@@ -85,6 +94,8 @@ class Refreshed:
     added: list[str]
     removed: list[str]
     job_id: str | None = None
+    created: list[str] = field(default_factory=list)
+    """Added tables created at the target (``schema_changes: follow``)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -235,25 +246,54 @@ def start_sync(session: Session, settings: Settings, sub: Subscription,
 
 
 def refresh_publication(session: Session, settings: Settings, box: SecretBox,
-                        sub: Subscription, copy_data: bool, copy: CopyOptions) -> Refreshed:
+                        sub: Subscription, copy_data: bool, copy: CopyOptions, *,
+                        remove: bool = True, actor: str | None = None) -> Refreshed:
     """``ALTER SUBSCRIPTION … REFRESH PUBLICATION``: add the tables the publications
     publish now (copied by a job, or ready at once without ``copy_data``), drop the ones
-    they no longer publish (and their sync slots)."""
+    they no longer publish (and their sync slots) unless ``remove`` is false.
+
+    Under ``schema_changes: follow`` an added table the target lacks is created there
+    from the source's definition (:mod:`pgsieve.apply.newtable`) and recorded as an
+    ``add_table`` schema change; under ``stop`` the refresh is refused with
+    ``target_table_missing`` and the DDL to run. Everything is checked before anything
+    is written; the target's tables are created (one target transaction) only then,
+    before the metadata commit. ``actor``: who the records' audit names."""
     _refuse_if_syncing(session, sub)
     source = load_source(session, sub.source_id)
     target = load_target(session, sub.target_id)
+    target_dsn = load_dsn(box, target)
     publications = list(sub.publications)
     current = {t.table_name for t in sub.tables}
+    follow = schema_change_policy(sub.options) == "follow"
+    to_create: dict[str, TableDefinition] = {}
+    lsn = 0
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         published = published_relations(conn, publications)
         added = [name for name in published if name not in current]
-        removed = sorted(current - set(published))
+        removed = sorted(current - set(published)) if remove else []
         if added:
-            check_target_tables(conn, load_dsn(box, target), added,
-                                connect_timeout=settings.connect_timeout,
-                                publications=publications)
+            missing = missing_tables(target_dsn, added, connect_timeout=settings.connect_timeout)
+            if missing:
+                definitions = read_definitions(conn, missing, publications)
+                if not follow:
+                    raise Unprocessable(
+                        f"the target database has no table {', '.join(missing)}: create "
+                        f"{'them' if len(missing) > 1 else 'it'} with the source's columns "
+                        "first (schema_changes is stop; the ddl is what follow would run)",
+                        code=ErrorCode.TARGET_TABLE_MISSING, tables=missing,
+                        ddl=[s for d in definitions for s in d.ddl()])
+                to_create = dict(zip(missing, definitions, strict=True))
+            present = [name for name in added if name not in to_create]
+            if present:
+                check_target_tables(conn, target_dsn, present,
+                                    connect_timeout=settings.connect_timeout,
+                                    publications=publications)
+            row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+            lsn = Lsn.parse(row[0]).value if row is not None else 0
     if not added and not removed:
         return Refreshed([], [])
+    created = create_tables(target_dsn, to_create, connect_timeout=settings.connect_timeout
+                            ) if to_create else {}
     kind = _job_kind(session, sub)
     sync_slots = [t.sync_slot for t in sub.tables if t.table_name in removed and t.sync_slot]
     for table in [t for t in sub.tables if t.table_name in removed]:
@@ -261,19 +301,22 @@ def refresh_publication(session: Session, settings: Settings, box: SecretBox,
     for name in added:
         sub.tables.append(SubscriptionTable(
             table_name=name, sync_state=SyncState.INIT if copy_data else "ready"))
+    if follow:
+        record_added_tables(session, sub.id, added, to_create, created, lsn, actor=actor)
     job_id: str | None = None
     if added and copy_data:
         job_id = _commit_job(session, sub, Job(
             kind=kind, subscription_id=sub.id, state=JobState.QUEUED,
             details={"tables": added, **copy.details(), "reason": "refresh",
-                     "refresh": {"added": added, "removed": removed}}))
+                     "refresh": {"added": added, "removed": removed,
+                                 "created": [n for n, ddl in created.items() if ddl]}}))
     else:
         session.commit()
     if sync_slots:
         _drop_sync_slots(settings, load_dsn(box, source), sync_slots)
     if job_id is not None:
         dispatch.initial_sync(settings, job_id)
-    return Refreshed(added, removed, job_id)
+    return Refreshed(added, removed, job_id, [n for n, ddl in created.items() if ddl])
 
 
 def _drop_sync_slots(settings: Settings, source_dsn: str, slots: list[str]) -> None:

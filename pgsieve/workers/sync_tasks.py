@@ -33,6 +33,7 @@ from pgsieve.platform import dispatch
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.settings import Settings
 from pgsieve.spark.session import get_spark
+from pgsieve.subscriptions import newtables
 from pgsieve.sync.syncjob import SyncJobRunner
 from pgsieve.sync.tablesync import drop_leftover_sync_slots, retry_table_syncs, stale_sync_jobs
 from pgsieve.workers.celery_app import celery_app
@@ -66,6 +67,14 @@ def requeue_stale_jobs(settings: Settings) -> list[str]:
     for job_id in jobs:
         dispatch.initial_sync(settings, job_id)
     return jobs
+
+
+@celery_app.task(name=dispatch.FOLLOW_NEW_TABLES, bind=True, acks_late=True)
+def follow_new_tables(self: Task[Any, Any], subscription_id: str) -> str:
+    """A subscription's new published tables created at the target and copied
+    (``schema_changes: follow``); idempotent."""
+    done = newtables.follow_new_tables(_settings(self), subscription_id)
+    return "not followed" if done is None else f"added {done.added}"
 
 
 @celery_app.task(name="pgsieve.sync_watchdog", bind=True, acks_late=True, expires=60)

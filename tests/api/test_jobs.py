@@ -259,8 +259,17 @@ def test_refresh_checks_everything_before_it_writes(client, sub, metadata_engine
         FROM generate_series(1, 10) g;
     ALTER PUBLICATION pub_notes ADD TABLE public.extra WHERE (k = 'keep');
     """)
+    # Under schema_changes: stop a missing table is refused with what follow would run.
+    r = client.patch(f"/api/v1/subscriptions/{sub['id']}",
+                     json={"options": {"schema_changes": "stop"}})
+    assert r.status_code == 200, r.text
     body = assert_problem(client.post(base), 422, "target_table_missing")
     assert body["tables"] == ["public.extra"]
+    assert body["ddl"] == [
+        'CREATE SCHEMA IF NOT EXISTS "public"',
+        'CREATE TABLE "public"."extra" ("id" integer NOT NULL, "k" text NOT NULL, '
+        '"n" integer, PRIMARY KEY ("id"))']
+    assert target_db.query("SELECT to_regclass('public.extra') IS NULL") == [(True,)]
     target_db.execute("CREATE TABLE public.extra (id int PRIMARY KEY, k text NOT NULL)")
     assert_problem(client.post(base), 422, "target_column_mismatch")
     assert _tables(client, sub["id"]) == before and _jobs(metadata_engine) == 0

@@ -302,6 +302,15 @@ def test_schema_change_policy_and_recent_changes(page: Page, live: LiveDeploymen
                 after={"column": "note", "type": "text"}, action="applied",
                 ddl=['ALTER TABLE "public"."orders" ADD COLUMN "note" text']),
             SchemaChangeRecord(
+                subscription_id=sub["id"], table_name="public.extra", lsn=0x1800,
+                change="add_table", column_name="", before=None,
+                after={"table": "public.extra", "primary_key": ["id"],
+                       "replica_identity": None,
+                       "columns": [{"column": "id", "type": "integer", "not_null": True}]},
+                action="applied",
+                ddl=['CREATE TABLE "public"."extra" ("id" integer NOT NULL, '
+                     'PRIMARY KEY ("id"))']),
+            SchemaChangeRecord(
                 subscription_id=sub["id"], table_name="public.orders", lsn=0x2000,
                 change="alter_type", column_name="total",
                 before={"column": "total", "type": "integer"},
@@ -317,6 +326,8 @@ def test_schema_change_policy_and_recent_changes(page: Page, live: LiveDeploymen
     added = page.get_by_test_id("schema-change-public.orders-add_column")
     expect(added).to_contain_text("— → note text")
     expect(added).to_contain_text("applied")
+    created = page.get_by_test_id("schema-change-public.extra-add_table")
+    expect(created).to_contain_text("— → table public.extra (id integer)")
     stopped = page.get_by_test_id("schema-change-public.orders-alter_type")
     expect(stopped).to_contain_text("total integer → total text")
     expect(stopped).to_contain_text("schema_change_unsupported")

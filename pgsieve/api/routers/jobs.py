@@ -54,20 +54,24 @@ def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
                      "description": "tables were added and a job copies them (job_id)"}},
 )
 def refresh_publication(subscription_id: str, response: Response, session: SessionDep,
-                        settings: SettingsDep, box: SecretBoxDep,
+                        settings: SettingsDep, box: SecretBoxDep, principal: PrincipalDep,
                         body: RefreshRequest | None = None) -> dict[str, Any]:
     """``ALTER SUBSCRIPTION … REFRESH PUBLICATION``: add the tables the publications
     publish now (copied, or ready at once with ``copy_data: false``), drop the ones they
-    no longer publish. 202 with ``job_id`` when a copy job started, else 200."""
+    no longer publish. 202 with ``job_id`` when a copy job started, else 200. Under
+    ``schema_changes: follow`` an added table the target lacks is created there
+    (``created``); under ``stop`` that is 422 ``target_table_missing`` with the DDL."""
 
     body = body or RefreshRequest()
     sub = load_subscription(session, subscription_id)
     done = sync_jobs.refresh_publication(session, settings, box, sub, body.copy_data,
-                                         _copy_options(body))
-    if done.job_id is None:
-        return {"added": done.added, "removed": done.removed}
-    response.status_code = status.HTTP_202_ACCEPTED
-    return {"job_id": done.job_id, "added": done.added, "removed": done.removed}
+                                         _copy_options(body), actor=principal.name)
+    out: dict[str, Any] = {"added": done.added, "removed": done.removed,
+                           "created": done.created or None}
+    if done.job_id is not None:
+        response.status_code = status.HTTP_202_ACCEPTED
+        out["job_id"] = done.job_id
+    return out
 
 
 def _as_seen_by(principal: Principal, body: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from pgsieve.publications.drift import drift
 from pgsieve.publications.patch import PublicationEdits, TableAlter
 from pgsieve.publications.validate import unapplied_filters
 from pgsieve.rowfilter.effective import Publication
-from pgsieve.subscriptions import publication_change
+from pgsieve.subscriptions import newtables, publication_change
 
 router = APIRouter(prefix="/sources/{source_id}/publications", tags=["publications"])
 
@@ -175,6 +175,8 @@ def create_publication(
         saved = store.create(session, conn, source, pub, dry_run=dry_run)
     if dry_run:
         response.status_code = status.HTTP_200_OK
+    else:  # a subscription may name it already (re-created after a drop by hand)
+        newtables.follow_publication(session, settings, source.id, body.name)
     return _out(body.name, saved.definition, saved.live, saved.warnings, dry_run=dry_run)
 
 

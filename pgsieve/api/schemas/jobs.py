@@ -75,6 +75,9 @@ class RefreshResult(BaseModel):
                              "subscription did not have (schema.name)")
     removed: list[str] = Field(description="tables no longer published: dropped from the "
                                "subscription, their target rows left alone")
+    created: list[str] | None = Field(
+        default=None, description="added tables created at the target from the source's "
+        "definition (schema_changes: follow); absent when none was")
 
 
 class JobProgress(BaseModel):

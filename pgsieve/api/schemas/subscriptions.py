@@ -164,6 +164,23 @@ class SchemaColumnOut(BaseModel):
     type: str = Field(description="as the source's format_type renders it")
 
 
+class SchemaTableColumnOut(BaseModel):
+    column: str
+    type: str = Field(description="as the source's format_type renders it")
+    not_null: bool
+
+
+class SchemaTableOut(BaseModel):
+    """A table created at the target (``add_table``)."""
+
+    table: str = Field(description="schema.name")
+    columns: list[SchemaTableColumnOut] | None = None
+    primary_key: list[str] | None = None
+    replica_identity: list[str] | Literal["full"] | None = Field(
+        default=None, description="the replica-identity index's columns (no primary key), "
+        "or full")
+
+
 class SchemaChangeOut(BaseModel):
     """A source DDL the stream met on one column of one table, and what the target did."""
 
@@ -172,7 +189,8 @@ class SchemaChangeOut(BaseModel):
     table: str = Field(description="the source table, schema.name")
     change: Literal["add_column", "drop_column", "alter_type", "rename_column", "add_table"]
     before: SchemaColumnOut | None = Field(description="the target column before (null: none)")
-    after: SchemaColumnOut | None = Field(description="the column after (null: unknown)")
+    after: SchemaColumnOut | SchemaTableOut | None = Field(
+        description="the column after (null: unknown); add_table: the table created")
     action: Literal["applied", "resynced", "stopped"] = Field(
         description="applied: the DDL ran at the target in the batch's transaction; "
         "resynced: and a diff resync of the table was requested (existing rows' values "
