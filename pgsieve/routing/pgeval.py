@@ -10,7 +10,8 @@ One statement per batch::
 
     SELECT r.ord, CASE r.fid WHEN 1 THEN (<filter 1>) WHEN 2 THEN (<filter 2>) … END
     FROM (SELECT u.ord, u.fid, CAST(u.c1 AS <type of a>) COLLATE <collation of a> AS a, …
-          FROM unnest($fids::int4[], $c1::text[], …) WITH ORDINALITY AS u(fid, c1, …, ord)) r
+          FROM ROWS FROM (unnest($1::int4[]), unnest($2::text[]), …) WITH ORDINALITY
+          AS u(fid, c1, …, ord)) r
 
 Each value is the pgoutput text of its column, read by the column's type
 (``format_type(atttypid, atttypmod)``: the input function, as the row was written) and
@@ -135,8 +136,10 @@ class PostgresFilterEvaluator:
         cases = sql.SQL(" ").join(
             sql.SQL("WHEN {} THEN ({})").format(sql.Literal(i + 1), sql.SQL(text))
             for i, text in enumerate(filters))
-        arrays = sql.SQL(", ").join([sql.SQL("%s::pg_catalog.int4[]")] + [
-            sql.SQL("%s::pg_catalog.text[]") for _ in columns])
+        # $n parameters (run by a RawCursor): a filter's own % stays an operator
+        arrays = sql.SQL(", ").join([sql.SQL("pg_catalog.unnest($1::pg_catalog.int4[])")] + [
+            sql.SQL(f"pg_catalog.unnest(${i + 2}::pg_catalog.text[])")
+            for i in range(len(columns))])
         inner = [sql.Identifier(f"c{i}") for i in range(len(columns))]
         projected = sql.SQL(", ").join(
             [sql.SQL("u.{o} AS {o}").format(o=sql.Identifier(ordinal)),
@@ -147,7 +150,7 @@ class PostgresFilterEvaluator:
         aliases = sql.SQL(", ").join([sql.Identifier(fid), *inner, sql.Identifier(ordinal)])
         query = sql.SQL(
             "SELECT r.{o}, CASE r.{f} {cases} END FROM (SELECT {projected} FROM "
-            "pg_catalog.unnest({arrays}) WITH ORDINALITY AS u({aliases})) AS r ORDER BY 1"
+            "ROWS FROM ({arrays}) WITH ORDINALITY AS u({aliases})) AS r ORDER BY 1"
         ).format(o=sql.Identifier(ordinal), f=sql.Identifier(fid), cases=cases,
                  projected=projected, arrays=arrays, aliases=aliases)
         return query, ordinal, fid
@@ -194,7 +197,8 @@ class PostgresFilterEvaluator:
                             ("statement_timeout", f"{int(self.statement_timeout_ms)}ms")]
                 for name, value in settings:
                     conn.execute("SELECT pg_catalog.set_config(%s, %s, true)", (name, value))
-                rows = conn.execute(rendered.encode(), params).fetchall()
+                with psycopg.RawCursor(conn) as cur:
+                    rows = cur.execute(rendered.encode(), params).fetchall()
         except psycopg.errors.QueryCanceled:
             raise
         except psycopg.Error as exc:
