@@ -314,7 +314,8 @@ class _Compiler:
             return self.in_list(node)
         if kind in (A_Expr_Kind.AEXPR_BETWEEN, A_Expr_Kind.AEXPR_NOT_BETWEEN):
             return self.between(node)
-        raise _NeedsPostgres(f"{kind} is not in the fast subset")
+        name = kind.name.removeprefix("AEXPR_") if kind is not None else "?"
+        raise _NeedsPostgres(f"{name} is not in the fast subset")
 
     def comparison(self, node: ast.A_Expr) -> FastPredicate:
         op = self.operator(node)
