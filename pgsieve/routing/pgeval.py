@@ -33,6 +33,7 @@ from pglast.parser import ParseError, parse_sql
 from psycopg import pq, sql
 
 from pgsieve.routing.columns import TableColumn, TableShape
+from pgsieve.routing.predicate import ValueUnavailable
 from pgsieve.routing.router import FilterCheck
 from pgsieve.rowfilter.parse import parse_filter
 from pgsieve.rowfilter.updates import unqualified_filter
@@ -171,10 +172,12 @@ class PostgresFilterEvaluator:
         for check in checks:
             fids.append(filters[self._filter(check.filter.normalized)[0]])
             for i, column in enumerate(columns):
-                value = check.row.get(column.name)
+                if column.name not in check.row:  # never read as NULL: it is unknown
+                    raise ValueUnavailable(f"the row image has no column {column.name}")
+                value = check.row[column.name]
                 if isinstance(value, _Unchanged):
-                    raise ValueError(f"column {column.name} is an unchanged TOAST value "
-                                     "that the change did not carry")
+                    raise ValueUnavailable(f"column {column.name} is an unchanged TOAST "
+                                           "value that the change did not carry")
                 values[i].append(value)
         query, _, _ = self.statement(list(filters), columns)
         rendered = query.as_string(self.conn)

@@ -40,7 +40,7 @@ from pgsieve.routing.predicate import (
     UnreadableValue,
     ValueUnavailable,
 )
-from pgsieve.wire.messages import _Unchanged
+from pgsieve.wire.messages import Relation, _Unchanged
 
 __all__ = [
     "ChangeKind",
@@ -50,6 +50,7 @@ __all__ = [
     "Router",
     "Routing",
     "RowChange",
+    "ShapeMismatch",
     "SubscriptionFilters",
     "ValueUnavailable",
     "effective_new_image",
@@ -57,6 +58,10 @@ __all__ = [
 ]
 
 ChangeKind = Literal["insert", "update", "delete"]
+
+
+class ShapeMismatch(Exception):
+    """The stream's table no longer has the columns the router was built for."""
 
 
 class Operation(StrEnum):
@@ -229,6 +234,16 @@ class Router:
                         compiled[text] = compile_filter(text, shape)
                     filt = compiled[text]
                 self.indexes[op].add(sub.subscription, filt)
+
+    def check_relation(self, relation: Relation) -> None:
+        """Raise :class:`ShapeMismatch` unless every column the stream describes has the
+        name and type the filters were compiled for: a Relation message that changes them
+        (ALTER TABLE) means the router must be rebuilt from a fresh shape first."""
+        for column in relation.columns:
+            known = self.shape.column(column.name)
+            if known is None or known.type_oid != column.type_oid:
+                raise ShapeMismatch(f"{relation.qualified_name}.{column.name} is not what the "
+                                    "routing filters were compiled for; rebuild the router")
 
     def verdicts(self, kind: ChangeKind, image: Row) -> ImageVerdicts:
         """Who matches ``image`` under the filters of operation ``kind`` (see above)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import random
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -35,7 +36,7 @@ from pgsieve.routing.pgeval import (
 )
 from pgsieve.routing.predicate import RowReader
 from pgsieve.routing.router import FilterCheck
-from pgsieve.routing.shadow import ShadowChecker
+from pgsieve.routing.shadow import RoutingDivergence, ShadowChecker
 from pgsieve.wire import Decoder, Delete, Insert, Relation, RelationCache, Update, text_row
 
 #: Fixed, so a failure reproduces; PGSIEVE_ROUTING_SEED explores further.
@@ -154,7 +155,7 @@ def _row(rng: random.Random, key: int) -> dict[str, str | None]:
         "i8": i8, "b": _pick(rng, ["t", "f"]), "u": _pick(rng, _UUIDS),
         "tx": _pick(rng, _TEXTS), "tc": _pick(rng, _TEXTS), "vc": _pick(rng, _TEXTS),
         "tl": _pick(rng, _TEXTS), "tnd": _pick(rng, _TEXTS), "ti": _pick(rng, _TEXTS),
-        "ch": _pick(rng, ["ab", "ab ", "a"]),
+        "ch": _pick(rng, ["ab", "ab ", "a"]), "qc": _pick(rng, ["a", "é", "\\", "A"]),
         "n": _pick(rng, _NUMERICS), "f8": _pick(rng, _FLOATS),
         "f4": _pick(rng, ["0", "-0", "NaN", "0.1", "Infinity", "1"]),
     }
@@ -229,6 +230,9 @@ class _Filters:
             if self.libc:
                 options.append(f'{col} < {value} COLLATE "{self.libc}"')
             return rng.choice(options)
+        if kind == 7 and rng.random() < 0.2:
+            return rng.choice(["qc = 'a'", "qc = 'é'", "qc < 'b'", "qc = '\\'",
+                               "qc::text = '\\303'"])
         if kind == 7:
             return rng.choice(["n = 1.0", "n = 'NaN'", "n > 0", "n = 0", "n = -0.0",
                                "n < 'NaN'", "n IN (0.1, 1)", "n::int4 = 1", "n = 1",
@@ -274,7 +278,7 @@ def _setup_types_table(conn: psycopg.Connection[Any]) -> str | None:
         + (f'tl text COLLATE "{libc}", ' if libc else "tl text, ")
         + ('tnd text COLLATE ci, ti text COLLATE "und-x-icu", ' if icu
            else "tnd text, ti text, ")
-        + "ch char(3), n numeric, f8 float8, f4 float4)")
+        + 'ch char(3), qc "char", n numeric, f8 float8, f4 float4)')
     return libc
 
 
@@ -441,3 +445,37 @@ def test_update_rule_matches_pgoutput(source_db: Any) -> None:
             checker = ShadowChecker(rate=1.0, seed=SEED)
             assert checker.divergences(router, changes, evaluator) == []
         conn.execute("SELECT pg_drop_replication_slot('route_rule')")
+
+
+def test_the_shadow_check_catches_a_wrong_fast_path(source_db: Any) -> None:
+    """A router built on a wrong idea of the table (its case-insensitive collation taken
+    for a deterministic one) routes 'ABC' away from ``name = 'abc'``; PostgreSQL says it
+    matches, and the shadow check stops with routing_divergence."""
+    with _connect(source_db) as conn:
+        if not conn.execute("SELECT count(*) FROM pg_collation WHERE collprovider = 'i'"
+                            ).fetchone()[0]:  # type: ignore[index]
+            pytest.skip("this PostgreSQL has no ICU")
+        conn.execute("CREATE COLLATION ci (provider = icu, locale = 'und-u-ks-level2', "
+                     "deterministic = false)")
+        conn.execute("CREATE TABLE tenants_t (id int4 PRIMARY KEY, name text COLLATE ci)")
+        shape = read_table_shape(conn, "public", "tenants_t")
+        filters = [SubscriptionFilters("abc", {"insert": "name = 'abc'"})]
+        honest = Router(shape, filters)
+        assert not honest.indexes["insert"].fast  # non-deterministic: PostgreSQL decides
+        wrong_shape = replace(shape, columns=tuple(
+            replace(c, collation_deterministic=True) for c in shape.columns))
+        wrong = Router(wrong_shape, filters)
+        changes = [RowChange("insert", new={"id": str(i), "name": name})
+                   for i, name in enumerate(["abc", "ABC", "x", None])]
+        evaluator = PostgresFilterEvaluator(conn, shape)
+        assert [ops.get("abc") for ops in honest.route_batch(changes, evaluator)] == [
+            Operation.INSERT, Operation.INSERT, None, None]
+        checker = ShadowChecker(rate=1.0)
+        checker.check(honest, changes, evaluator)  # nothing fast to check: no divergence
+        with pytest.raises(RoutingDivergence) as caught:
+            checker.check(wrong, changes, evaluator)
+        assert caught.value.code == "routing_divergence"
+        [divergence] = caught.value.divergences
+        assert divergence.row["name"] == "ABC"
+        assert divergence.fast_matched is False
+        assert divergence.postgres_value is True

@@ -331,3 +331,15 @@ def test_the_shadow_check_stops_on_a_divergence() -> None:
     metric = divergence_metric({"shared_slot": 2})
     assert metric.name == "pgsieve_routing_divergences"
     assert metric.samples[0].value == 2
+
+
+def test_a_changed_table_needs_a_new_router() -> None:
+    from pgsieve.routing.router import ShapeMismatch
+    from pgsieve.wire import Column, Relation
+
+    router = Router(SHAPE, [SubscriptionFilters("s", {"insert": "tenant = 1"})])
+    same = Relation(1, "public", "t", "d", (Column(1, "id", 23, -1), Column(0, "tenant", 20, -1)))
+    router.check_relation(same)
+    retyped = Relation(1, "public", "t", "d", (Column(0, "tenant", 1700, -1),))
+    with pytest.raises(ShapeMismatch):
+        router.check_relation(retyped)
