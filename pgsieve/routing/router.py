@@ -160,6 +160,7 @@ class _OperationIndex:
         self.scanned: list[tuple[str, FastPredicate]] = []
         self.postgres: list[tuple[str, CompiledFilter]] = []
         self.fast: list[tuple[str, CompiledFilter]] = []
+        self.fast_filter_of: dict[str, CompiledFilter] = {}
 
     def add(self, subscription: str, compiled: CompiledFilter | None) -> None:
         if compiled is None:
@@ -170,6 +171,7 @@ class _OperationIndex:
             self.postgres.append((subscription, compiled))
             return
         self.fast.append((subscription, compiled))
+        self.fast_filter_of[subscription] = compiled
         guard = predicate.guard()
         if guard is None:
             self.scanned.append((subscription, predicate))
@@ -194,13 +196,12 @@ class _OperationIndex:
                 continue
             if key is not None:
                 candidates += bucket.entries.get(key, ())
-        by_subscription = dict(self.fast)
         for subscription, predicate in candidates:
             try:
                 if predicate.evaluate(reader) is True:
                     matched.add(subscription)
             except UnreadableValue:
-                postgres.append((subscription, by_subscription[subscription]))
+                postgres.append((subscription, self.fast_filter_of[subscription]))
         return ImageVerdicts(frozenset(matched), tuple(dict(postgres).items()))
 
 
