@@ -4,7 +4,8 @@ Three proofs against a real PostgreSQL 15:
 
 1. The fast path's readers of text (int2/int4/int8, bool, uuid) accept exactly what the
    input functions accept, with the same value.
-2. Random filters from the whole row-filter grammar (comparisons, IN, BETWEEN, IS NULL,
+2. Random filters (drawn by Hypothesis) from the whole row-filter grammar
+   (comparisons, IN, BETWEEN, IS NULL,
    boolean tests and operators, arithmetic, casts, functions, collations — "C", libc,
    ICU non-deterministic —, numeric and float with NaN, ±Infinity and -0, boundary
    integers) on random rows with NULLs: the router's decision (fast path or
@@ -26,6 +27,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pgsieve.routing import Operation, Router, RowChange, SubscriptionFilters, compile_filter
 from pgsieve.routing.columns import parse_bool, parse_int, parse_uuid
@@ -283,6 +286,9 @@ def _setup_types_table(conn: psycopg.Connection[Any]) -> str | None:
 
 
 def test_random_filters_route_as_postgres_evaluates(source_db: Any) -> None:
+    """Hypothesis draws the filters (its Random is shrinkable: a failure shrinks to a
+    small filter); the rows are seeded. Then all accepted filters at once, as one
+    router's subscriptions, in one batch."""
     rng = random.Random(SEED)
     with _connect(source_db) as conn:
         libc = _setup_types_table(conn)
@@ -298,18 +304,19 @@ def test_random_filters_route_as_postgres_evaluates(source_db: Any) -> None:
         images = [new for _, _, _, new in _stream(conn, "route_exact", "everything")
                   if new is not None]
         assert len(images) == len(rows)
+        inserts = [RowChange("insert", new=image) for image in images]
         shape = read_table_shape(conn, "public", "t")
         evaluator = PostgresFilterEvaluator(conn, shape)
-        generator = _Filters(rng, libc)
         seen = {"fast": 0, "postgres": 0, "rejected": 0, "raises": 0}
-        for _ in range(260):
-            text = generator.filter()
+        accepted: dict[str, dict[str, bool | None]] = {}
+
+        def check(text: str) -> None:
             try:
                 with conn.transaction():
                     conn.execute(f"EXPLAIN SELECT ({text}) FROM t")
             except psycopg.Error:
                 seen["rejected"] += 1  # PostgreSQL does not accept it: not a row filter
-                continue
+                return
             compiled = compile_filter(text, shape)
             try:
                 with conn.transaction():
@@ -319,27 +326,47 @@ def test_random_filters_route_as_postgres_evaluates(source_db: Any) -> None:
                 assert not compiled.fast, text
                 with pytest.raises(FilterEvaluationError):
                     Router(shape, [SubscriptionFilters("s", {"insert": text})]).route_batch(
-                        [RowChange("insert", new=image) for image in images], evaluator)
+                        inserts, evaluator)
                 seen["raises"] += 1
-                continue
+                return
             seen["fast" if compiled.fast else "postgres"] += 1
-            if compiled.predicate is not None:
+            accepted[text] = truth
+            if compiled.predicate is not None:  # the fast path's NULL is PostgreSQL's NULL
                 for image in images:
                     assert compiled.predicate.evaluate(RowReader(image)) == truth[image["id"]], (
                         text, image)
+            else:  # PostgreSQL's path, rebuilt from text, is exact too
+                values = evaluator.evaluate([FilterCheck(compiled, image) for image in images])
+                assert values == [truth[image["id"]] for image in images], text
             router = Router(shape, [SubscriptionFilters("s", {"insert": text}),
                                     SubscriptionFilters("all", {"insert": None})])
-            routed = router.route_batch([RowChange("insert", new=image) for image in images],
-                                        evaluator)
-            for image, operations in zip(images, routed, strict=True):
+            for image, operations in zip(images, router.route_batch(inserts, evaluator),
+                                         strict=True):
                 expected = Operation.INSERT if truth[image["id"]] is True else None
                 assert operations.get("s") == expected, (text, image)
                 assert operations["all"] is Operation.INSERT
-            if not compiled.fast:  # PostgreSQL's path, rebuilt from text, is exact too
-                values = evaluator.evaluate([FilterCheck(compiled, image) for image in images])
-                assert values == [truth[image["id"]] for image in images], text
+
+        @settings(max_examples=250, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=[HealthCheck.too_slow])
+        @given(st.randoms(use_true_random=False))
+        def random_filter(draw: random.Random) -> None:
+            check(_Filters(draw, libc).filter())
+
+        random_filter()
         print("filters:", seen)
-        assert seen["fast"] >= 40 and seen["postgres"] >= 40, seen
+        assert seen["fast"] >= 40, seen
+        assert seen["postgres"] >= 40, seen
+
+        # every accepted filter a subscription of one router: one batch, one round trip
+        texts = list(accepted)
+        router = Router(shape, [SubscriptionFilters(str(i), {"insert": text})
+                                for i, text in enumerate(texts)])
+        before = evaluator.round_trips
+        routed = router.route_batch(inserts, evaluator)
+        assert evaluator.round_trips == before + 1
+        for image, operations in zip(images, routed, strict=True):
+            assert {int(s) for s in operations} == {
+                i for i, text in enumerate(texts) if accepted[text][image["id"]] is True}
 
 
 # -- 3. the UPDATE rule, against real publications ---------------------------------------
