@@ -29,6 +29,7 @@ the widest integer), an integer literal too big for int4 is int8 (``make_const``
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -125,12 +126,14 @@ class _Literal:
     is_null: bool = False
 
 
+@functools.lru_cache(maxsize=4096)
 def compile_filter(text: str, shape: TableShape) -> CompiledFilter:
     """The fast predicate for ``text`` on ``shape``'s table, or why it needs PostgreSQL.
 
     ``text`` is a filter PostgreSQL accepted (pgsieve's stored form, or
     ``pg_get_expr`` of ``prqual``); raises :class:`FilterParseError` only for text that
-    is not one expression at all.
+    is not one expression at all. Cached: tenants often share a filter's text, and a
+    router is rebuilt whenever its table's subscriptions or columns change.
     """
     parsed = parse_filter(text)
     normalized = parsed.normalized
