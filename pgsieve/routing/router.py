@@ -46,7 +46,9 @@ __all__ = [
     "ChangeKind",
     "FilterCheck",
     "FilterEvaluator",
+    "ImageVerdicts",
     "Operation",
+    "PendingRoute",
     "Router",
     "Routing",
     "RowChange",
@@ -206,12 +208,22 @@ class _OperationIndex:
 
 
 @dataclass(frozen=True)
+class PendingRoute:
+    """A subscription whose verdict on a change waits for PostgreSQL: the filter on the
+    old image (DELETE, UPDATE with one) and on the new image (INSERT, UPDATE)."""
+
+    subscription: str
+    old_check: FilterCheck | None
+    new_check: FilterCheck | None
+
+
+@dataclass(frozen=True)
 class Routing:
     """One change routed: the operations decided (SKIP left out) and the subscriptions
     whose verdict waits for PostgreSQL, with the checks it must evaluate."""
 
     operations: Mapping[str, Operation]
-    pending: tuple[tuple[str, FilterCheck | None, FilterCheck | None], ...] = ()
+    pending: tuple[PendingRoute, ...] = ()
 
     def operation_for(self, subscription: str) -> Operation:
         return self.operations.get(subscription, Operation.SKIP)
@@ -264,8 +276,8 @@ class Router:
             found = self.verdicts(kind, image)
             op = Operation.INSERT if kind == "insert" else Operation.DELETE
             pending = tuple(
-                (s, FilterCheck(f, image), None) if kind == "delete"
-                else (s, None, FilterCheck(f, image))
+                PendingRoute(s, FilterCheck(f, image), None) if kind == "delete"
+                else PendingRoute(s, None, FilterCheck(f, image))
                 for s, f in found.needs_postgres)
             return Routing(dict.fromkeys(found.matched, op), pending)
         if change.new is None:
@@ -273,7 +285,8 @@ class Router:
         if change.old is None:
             found = self.verdicts("update", change.new)
             return Routing(dict.fromkeys(found.matched, Operation.UPDATE), tuple(
-                (s, None, FilterCheck(f, change.new)) for s, f in found.needs_postgres))
+                PendingRoute(s, None, FilterCheck(f, change.new))
+                for s, f in found.needs_postgres))
         new = effective_new_image(change.old, change.new)
         old_found = self.verdicts("update", change.old)
         new_found = self.verdicts("update", new)
@@ -283,7 +296,8 @@ class Router:
             operations[subscription] = table_31_1(subscription in old_found.matched,
                                                   subscription in new_found.matched, True)
         return Routing(operations, tuple(
-            (s, FilterCheck(f, change.old), FilterCheck(f, new)) for s, f in waiting.items()))
+            PendingRoute(s, FilterCheck(f, change.old), FilterCheck(f, new))
+            for s, f in waiting.items()))
 
     def route_batch(self, changes: Sequence[RowChange],
                     evaluator: FilterEvaluator) -> list[dict[str, Operation]]:
@@ -293,22 +307,22 @@ class Router:
         routed = [self.route(change) for change in changes]
         checks: list[FilterCheck] = []
         for routing in routed:
-            for _, old_check, new_check in routing.pending:
-                checks += [c for c in (old_check, new_check) if c is not None]
+            for waiting in routing.pending:
+                checks += [c for c in (waiting.old_check, waiting.new_check) if c is not None]
         values = iter(evaluator.evaluate(checks)) if checks else iter(())
         out: list[dict[str, Operation]] = []
         for change, routing in zip(changes, routed, strict=True):
             operations = dict(routing.operations)
-            for subscription, old_check, new_check in routing.pending:
-                old_value = next(values) if old_check is not None else None
-                new_value = next(values) if new_check is not None else None
+            for waiting in routing.pending:
+                old_value = next(values) if waiting.old_check is not None else None
+                new_value = next(values) if waiting.new_check is not None else None
                 if change.kind == "insert":
                     op = Operation.INSERT if new_value is True else Operation.SKIP
                 elif change.kind == "delete":
                     op = Operation.DELETE if old_value is True else Operation.SKIP
                 else:
-                    op = table_31_1(old_value, new_value, old_check is not None)
+                    op = table_31_1(old_value, new_value, waiting.old_check is not None)
                 if op is not Operation.SKIP:
-                    operations[subscription] = op
+                    operations[waiting.subscription] = op
             out.append(operations)
         return out

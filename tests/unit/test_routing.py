@@ -226,14 +226,14 @@ def test_or_of_one_column_and_and_are_indexed_too() -> None:
     routing = router.route(RowChange("insert", new={"tenant": "3", "id": "9", "code": "x",
                                                     "amount": "2"}))
     assert routing.operations == dict.fromkeys(["or", "and", "scan", "all"], Operation.INSERT)
-    assert [s for s, _, _ in routing.pending] == ["pg"]
+    assert [p.subscription for p in routing.pending] == ["pg"]
 
 
 def test_an_unreadable_value_goes_to_postgres() -> None:
     router = Router(SHAPE, [SubscriptionFilters("s", {"insert": "tenant = 1"})])
     routing = router.route(RowChange("insert", new={"tenant": "0x1"}))
     assert routing.operations == {}
-    assert [s for s, _, _ in routing.pending] == ["s"]
+    assert [p.subscription for p in routing.pending] == ["s"]
 
 
 # -- the UPDATE rule --------------------------------------------------------------------
