@@ -40,7 +40,8 @@ from pgsieve.routing.predicate import (
     UnreadableValue,
     ValueUnavailable,
 )
-from pgsieve.wire.messages import Relation, _Unchanged
+from pgsieve.wire.messages import Delete, Insert, Relation, Update, _Unchanged
+from pgsieve.wire.relations import text_row
 
 __all__ = [
     "ChangeKind",
@@ -56,6 +57,7 @@ __all__ = [
     "SubscriptionFilters",
     "ValueUnavailable",
     "effective_new_image",
+    "row_change",
     "table_31_1",
 ]
 
@@ -108,6 +110,17 @@ class FilterEvaluator(Protocol):
     """Evaluates filters PostgreSQL's way: one value (true/false/NULL) per check."""
 
     def evaluate(self, checks: Sequence[FilterCheck]) -> Sequence[bool | None]: ...
+
+
+def row_change(relation: Relation, message: Insert | Update | Delete) -> RowChange:
+    """A decoded pgoutput change as the router reads it: each image ``{column: text}``
+    (binary values rendered as text their type reads back; NULL None; UNCHANGED kept)."""
+    if isinstance(message, Insert):
+        return RowChange("insert", new=text_row(relation, message.new))
+    if isinstance(message, Delete):
+        return RowChange("delete", old=text_row(relation, message.old))
+    old = text_row(relation, message.old) if message.old is not None else None
+    return RowChange("update", new=text_row(relation, message.new), old=old)
 
 
 def table_31_1(old_match: bool | None, new_match: bool | None, has_old: bool) -> Operation:

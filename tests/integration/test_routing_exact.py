@@ -37,10 +37,10 @@ from pgsieve.routing.pgeval import (
     PostgresFilterEvaluator,
     read_table_shape,
 )
-from pgsieve.routing.predicate import RowReader
-from pgsieve.routing.router import FilterCheck
+from pgsieve.routing.predicate import Row, RowReader
+from pgsieve.routing.router import FilterCheck, row_change
 from pgsieve.routing.shadow import RoutingDivergence, ShadowChecker
-from pgsieve.wire import Decoder, Delete, Insert, Relation, RelationCache, Update, text_row
+from pgsieve.wire import Decoder, Delete, Insert, Relation, RelationCache, Update
 
 #: Fixed, so a failure reproduces; PGSIEVE_ROUTING_SEED explores further.
 SEED = int(os.environ.get("PGSIEVE_ROUTING_SEED", "58"))
@@ -110,27 +110,21 @@ def _connect(source_db: Any) -> psycopg.Connection[Any]:
 
 
 def _stream(conn: psycopg.Connection[Any], slot: str, publication: str
-            ) -> list[tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]]:
+            ) -> list[tuple[str, str, Row | None, Row | None]]:
     """(table, kind, old, new) per change, as pgoutput sent them for ``publication``."""
     rows = conn.execute(
         "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
         "'proto_version', '1', 'publication_names', %s)", (slot, publication)).fetchall()
     decoder, cache = Decoder(1), RelationCache()
-    out: list[tuple[str, str, dict[str, Any] | None, dict[str, Any] | None]] = []
+    out: list[tuple[str, str, Row | None, Row | None]] = []
     for (data,) in rows:
         msg = decoder.decode(bytes(data))
         if isinstance(msg, Relation):
             cache.update(msg)
-        elif isinstance(msg, Insert):
+        elif isinstance(msg, Insert | Update | Delete):
             rel = cache.get(msg.relation_id)
-            out.append((rel.name, "insert", None, text_row(rel, msg.new)))
-        elif isinstance(msg, Update):
-            rel = cache.get(msg.relation_id)
-            old = text_row(rel, msg.old) if msg.old is not None else None
-            out.append((rel.name, "update", old, text_row(rel, msg.new)))
-        elif isinstance(msg, Delete):
-            rel = cache.get(msg.relation_id)
-            out.append((rel.name, "delete", text_row(rel, msg.old), None))
+            change = row_change(rel, msg)
+            out.append((rel.name, change.kind, change.old, change.new))
     return out
 
 
@@ -369,7 +363,7 @@ def test_random_filters_route_as_postgres_evaluates(source_db: Any) -> None:
         assert evaluator.round_trips == before + 1
         for image, operations in zip(images, routed, strict=True):
             assert {int(s) for s in operations} == {
-                i for i, text in enumerate(texts) if accepted[text][image["id"]] is True}
+                i for i, text in enumerate(texts) if accepted[text][str(image["id"])] is True}
 
 
 # -- 3. the UPDATE rule, against real publications ---------------------------------------
