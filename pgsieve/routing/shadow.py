@@ -105,8 +105,13 @@ class ShadowChecker:
         checks: list[FilterCheck] = []
         for change in changes:
             for kind, image in _images(change):
-                matched = router.verdicts(kind, image).matched
+                verdicts = router.verdicts(kind, image)
+                # a value the fast path could not read went to PostgreSQL: not its decision
+                deferred = {s for s, _ in verdicts.needs_postgres}
                 for subscription, compiled in router.fast_filters(kind):
+                    if subscription in deferred:
+                        continue
+                    matched = verdicts.matched
                     cases.append((subscription, kind, image, subscription in matched))
                     checks.append(FilterCheck(compiled, image))
         if not checks:

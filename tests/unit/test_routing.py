@@ -343,3 +343,9 @@ def test_a_changed_table_needs_a_new_router() -> None:
     retyped = Relation(1, "public", "t", "d", (Column(0, "tenant", 1700, -1),))
     with pytest.raises(ShapeMismatch):
         router.check_relation(retyped)
+
+
+def test_the_shadow_check_leaves_postgres_decisions_alone() -> None:
+    router = Router(SHAPE, [SubscriptionFilters("s", {"insert": "tenant = 1"})])
+    unreadable = [RowChange("insert", new={"tenant": "0x1"})]  # went to PostgreSQL
+    assert ShadowChecker(rate=1.0).divergences(router, unreadable, FakeEvaluator(lie=True)) == []
