@@ -30,7 +30,7 @@ def test_every_operation_has_a_readable_unique_operation_id(client) -> None:
         assert op_id, f"{method} {path} has no operationId"
         assert not FASTAPI_DEFAULT.search(op_id), f"{method} {path}: FastAPI's {op_id}"
         assert CAMEL.match(op_id), f"{method} {path}: {op_id} is not camelCase"
-    assert len(set(ids)) == len(ids), sorted(i for i in ids if ids.count(i) > 1)
+    assert len(set(ids)) == len(ids), sorted(str(i) for i in ids if ids.count(i) > 1)
     by_route = {(m, p): op["operationId"] for m, p, op in ops}
     assert by_route[("GET", "/api/v1/subscriptions")] == "listSubscriptions"
     assert by_route[("GET", "/api/v1/subscriptions/{subscription_id}/progress")] == \
