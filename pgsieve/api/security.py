@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz", "/api/v1/healthz"})
 API_PREFIX = "/api/v1"
+ROOT_ALIASES = frozenset({"/healthz", "/metrics"})
+"""Served at the root too (compose's health check, Prometheus' default path)."""
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CAPTURE_LIMIT = 64 * 1024  # a create's answer, read for the new resource's id
 UNKNOWN_ROUTE = "(no such route)"
@@ -84,9 +86,13 @@ class RouteTable:
         if self._routes is None:
             routes = []
             for template, item in self._app.openapi()["paths"].items():
-                regex, _, _ = compile_path(template)
                 methods = frozenset(m.upper() for m in item)
-                routes.append((regex, methods, template))
+                # /healthz and /metrics are also served at the root, left out of the
+                # schema (one operationId each): the same routes
+                alias = template.removeprefix(API_PREFIX)
+                for spelling in {template, alias} if alias in ROOT_ALIASES else {template}:
+                    regex, _, _ = compile_path(spelling)
+                    routes.append((regex, methods, spelling))
             # the most specific first (".../publications/import" before ".../{name}")
             routes.sort(key=lambda r: (r[2].count("{"), -len(r[2])))
             self._routes = routes

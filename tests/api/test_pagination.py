@@ -11,9 +11,10 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from pgsieve.platform.models import Job, utcnow
+from pgsieve.platform.models import Job, SchemaChangeRecord, utcnow
 from tests.api.conftest import assert_problem
 from tests.conftest import Database
 
@@ -95,6 +96,11 @@ def populated(client, metadata_engine, source_db: Database, target_db: Database
     with Session(metadata_engine) as session:
         session.add_all(Job(kind="sync", subscription_id=subs[i % 3], state="done",
                             created_at=at - timedelta(seconds=i // 10)) for i in range(205))
+        session.add_all(SchemaChangeRecord(
+            subscription_id=subs[0], table_name="public.t", lsn=0x1000 + i,
+            change="add_column", column_name=f"c{i}", before=None,
+            after={"column": f"c{i}", "type": "text"}, action="applied", code=None,
+            ddl=[]) for i in range(5))
         session.commit()
     return {"source_id": source_id, "subscriptions": subs}
 
@@ -111,6 +117,7 @@ def test_every_collection_pages_each_item_exactly_once(client, populated) -> Non
     sub = populated["subscriptions"][0]
     assert _check_walk(client, f"/api/v1/jobs?subscription_id={sub}", "id", 7) == 69
     assert _check_walk(client, "/api/v1/audit", "id", 4, items="events", whole=500) > 10
+    assert _check_walk(client, f"/api/v1/subscriptions/{sub}/schema-changes", "lsn", 2) == 5
     # a page exactly as long as what remains has no Link
     assert _check_walk(client, "/api/v1/sources", "id", 3) == 3
 
@@ -142,6 +149,16 @@ def test_audit_keeps_before_and_next_before(client, populated) -> None:
     by_before = client.get("/api/v1/audit",
                            params={"limit": 3, "before": body["next_before"]}).json()
     assert by_link["events"] == by_before["events"]
+
+
+def test_schema_changes_take_the_cursor_their_links_carried_before(
+        client, populated, metadata_engine) -> None:
+    sub = populated["subscriptions"][0]
+    with Session(metadata_engine) as session:
+        ids = sorted(session.scalars(select(SchemaChangeRecord.id)))
+    older = client.get(f"/api/v1/subscriptions/{sub}/schema-changes",
+                       params={"cursor": str(ids[2]), "limit": 10})
+    assert [c["lsn"] for c in older.json()] == ["0/1001", "0/1000"]
 
 
 def test_bad_cursors_and_limits_are_refused(client, populated) -> None:

@@ -6,15 +6,16 @@ Thin: request validation and the answer's shape here; the rules are in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Query, Response, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pgsieve.api import rowdata
 from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
-from pgsieve.api.pagination import PageDep
+from pgsieve.api.pagination import Page, PageDep, encode_cursor, paged
 from pgsieve.api.schemas.subscriptions import (
     SchemaChangeOut,
     SkipRequest,
@@ -161,24 +162,17 @@ SCHEMA_CHANGES_MAX_PAGE = 1000
 @router.get("/{subscription_id}/schema-changes", operation_id="listSchemaChanges",
             response_model=list[SchemaChangeOut])
 def list_schema_changes(
-    subscription_id: str, request: Request, response: Response, session: SessionDep,
-    limit: Annotated[int, Query(ge=1, le=SCHEMA_CHANGES_MAX_PAGE)] = SCHEMA_CHANGES_PAGE,
-    cursor: Annotated[str | None, Query(max_length=18, pattern="^[0-9]+$",
-                                        description="from a Link rel=next")] = None,
+    subscription_id: str, session: SessionDep,
+    page: Annotated[Page, Depends(paged(SCHEMA_CHANGES_PAGE, SCHEMA_CHANGES_MAX_PAGE))],
 ) -> list[dict[str, Any]]:
     """The source DDL the stream met and what the target did, newest first (``Link:
     rel="next"`` while more remain)."""
     sub = load_subscription(session, subscription_id)
-    query = (select(SchemaChangeRecord)
-             .where(SchemaChangeRecord.subscription_id == sub.id)
-             .order_by(SchemaChangeRecord.id.desc()).limit(limit + 1))
-    if cursor is not None:
-        query = query.where(SchemaChangeRecord.id < int(cursor))
-    rows = list(session.scalars(query))
-    if len(rows) > limit:
-        rows = rows[:limit]
-        url = request.url.include_query_params(cursor=str(rows[-1].id), limit=limit)
-        response.headers["Link"] = f'<{url}>; rel="next"'
+    query = select(SchemaChangeRecord).where(SchemaChangeRecord.subscription_id == sub.id)
+    if page.cursor is not None and page.cursor.isdigit():
+        # the bare record id this route's Link carried before the common cursor
+        page = replace(page, cursor=encode_cursor((int(page.cursor),)))
+    rows = page.of_query(session, query, [SchemaChangeRecord.id], descending=True)
     return [{"at": r.at, "lsn": format_lsn(r.lsn), "table": r.table_name,
              "change": r.change, "before": r.before, "after": r.after,
              "action": r.action, "code": r.code, "ddl": list(r.ddl)} for r in rows]
