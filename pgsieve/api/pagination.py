@@ -115,9 +115,12 @@ class Page:
     # ---------------------------------------------------------------------------------
 
     def of_list(self, items: Sequence[T], key: Callable[[T], Key], arity: int) -> list[T]:
-        """A page of an in-memory list already sorted ascending by ``key`` (a tuple of
-        ``arity`` values; collections read live from a source: slots, publications)."""
+        """A page of an in-memory list in ascending ``key`` order (a tuple of ``arity``
+        values; collections read live from a source: slots, publications). The items are
+        sorted here by Python's comparison, the one the cursor is compared by (a
+        database's collation may order names otherwise)."""
         after = self.after(arity)
+        items = sorted(items, key=lambda i: _comparable(key(i)))
         if after is not None:
             items = [i for i in items if _comparable(key(i)) > _comparable(after)]
         return self.finish(items[:self.limit + 1], key)
