@@ -42,7 +42,8 @@ test-slow: deps
 	PGSIEVE_TEST_CHAOS_RUNS=24 $(BIN)/pytest tests/integration/test_pipeline_faults.py
 	PGSIEVE_TEST_CHAOS_RUNS=16 $(BIN)/pytest tests/integration/test_sync_takeover.py
 
-# Re-resolve the lock after changing pyproject.toml's pins (or scripts/uv.in's).
+# Re-resolve the lock after changing pyproject.toml's pins (or scripts/uv.in's, or
+# scripts/codegen.in's: the client generator's own venv, scripts/codegen-venv.sh).
 # requirements-runtime.lock (no dev extra) is what the production image installs. Every
 # lock carries the sha256 of each file it may install, and every install checks them
 # (--require-hashes: scripts/bootstrap.sh, the Dockerfile).
@@ -50,6 +51,7 @@ lock:
 	$(BIN)/uv pip compile pyproject.toml --extra dev --generate-hashes -o requirements.lock --python $(BIN)/python
 	$(BIN)/uv pip compile pyproject.toml --generate-hashes -o requirements-runtime.lock --python $(BIN)/python
 	$(BIN)/uv pip compile scripts/uv.in --generate-hashes -o requirements-uv.lock --python $(BIN)/python
+	$(BIN)/uv pip compile scripts/codegen.in --generate-hashes -o requirements-codegen.lock --python $(BIN)/python
 
 bench: deps
 	$(BIN)/python -m bench

@@ -1,4 +1,6 @@
-"""The ``pgsieve`` console script: run, api, worker, beat, db upgrade (and more later)."""
+"""The ``pgsieve`` console script: run, api, worker, beat, db upgrade, …, and the API's
+resources (``sources``, ``targets``, ``publications``, ``subscriptions``, ``lag``:
+:mod:`pgsieve.resourcecli`)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Annotated
 import typer
 from sqlalchemy.exc import SQLAlchemyError
 
+from pgsieve import resourcecli
 from pgsieve.configcode import commands as configcode
 from pgsieve.platform.logs import configure_logging
 from pgsieve.platform.settings import get_settings
@@ -18,7 +21,8 @@ from pgsieve.security import audit
 app = typer.Typer(
     help="pgsieve: PostgreSQL logical replication with row filters, run over HTTP.",
     no_args_is_help=True,
-    add_completion=False,
+    # `pgsieve --install-completion` (bash, zsh, fish, PowerShell) / `--show-completion`
+    add_completion=True,
 )
 db_app = typer.Typer(help="Metadata store maintenance.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
@@ -27,6 +31,12 @@ token_app = typer.Typer(help="Named API tokens with roles (viewer, operator, adm
 app.add_typer(token_app, name="token")
 secrets_app = typer.Typer(help="Stored credentials.", no_args_is_help=True)
 app.add_typer(secrets_app, name="secrets")
+# the API's resources, read over HTTP (PGSIEVE_API_URL, PGSIEVE_API_TOKEN)
+app.add_typer(resourcecli.sources_app, name="sources")
+app.add_typer(resourcecli.targets_app, name="targets")
+app.add_typer(resourcecli.publications_app, name="publications")
+app.add_typer(resourcecli.subscriptions_app, name="subscriptions")
+app.command("lag")(resourcecli.lag)
 
 
 def _require_secrets(command: str) -> None:

@@ -79,3 +79,6 @@ fi
 .venv/bin/python scripts/build_compiled.py || true
 # pgsieve's own bytecode too (stale files are recompiled in memory, never trusted).
 .venv/bin/python -m compileall -q pgsieve >/dev/null || true
+# The client generator of the generated-client test, in a venv of its own (a no-op when
+# up to date; see the script).
+scripts/codegen-venv.sh

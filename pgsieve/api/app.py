@@ -11,6 +11,7 @@ from fastapi.staticfiles import StaticFiles
 from pgsieve.api.deps import authorize
 from pgsieve.api.docs import install_docs
 from pgsieve.api.limits import ConnectionLimits, FailedAuthLimiter
+from pgsieve.api.openapi import document_routes
 from pgsieve.api.problems import install_problem_handlers
 from pgsieve.api.routers import (
     audit,
@@ -62,10 +63,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                    jobs, tokens, audit):
         app.include_router(module.router, prefix="/api/v1", dependencies=authed)
     # docs/api.md lists /healthz and /metrics with the /api/v1 resources; compose's health
-    # check and docs/operations.md use them at the root: serve both spellings.
-    for prefix in ("", "/api/v1"):
-        app.include_router(health.router, prefix=prefix)
-        app.include_router(health.metrics_router, prefix=prefix, dependencies=authed)
+    # check and docs/operations.md use them at the root: serve both spellings, the
+    # /api/v1 ones in the OpenAPI schema (one operationId each), the root ones as aliases.
+    for prefix, documented in (("", False), ("/api/v1", True)):
+        app.include_router(health.router, prefix=prefix, include_in_schema=documented)
+        app.include_router(health.metrics_router, prefix=prefix, dependencies=authed,
+                           include_in_schema=documented)
 
     if (FRONTEND / "index.html").exists():
         app.mount("/static", StaticFiles(directory=FRONTEND), name="static")
@@ -78,6 +81,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         @app.get("/", include_in_schema=False)
         def root() -> Response:
             return RedirectResponse("/docs")
+
+    document_routes(app)
 
     app.state.failed_auth_log = FailedAuthLog(app.state.sessionmaker)
     app.state.connection_limits = ConnectionLimits(settings.api_concurrency_per_token,

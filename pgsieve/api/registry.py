@@ -20,6 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
+from pgsieve.api.pagination import Page
 from pgsieve.platform.credentials import SecretBox, dsn_summary, mask_dsn, parse_dsn
 from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.errors import Conflict, ErrorCode
@@ -75,6 +76,11 @@ class Registry(Generic[Row]):
         """Every row, oldest first."""
         return list(session.scalars(
             select(self.model).order_by(self.model.created_at, self.model.name)))
+
+    def page(self, session: Session, page: Page) -> list[Row]:
+        """A page of :meth:`all`'s order (the name breaks a tie of ``created_at``)."""
+        return page.of_query(session, select(self.model),
+                             [self.model.created_at, self.model.name])
 
     def delete(self, session: Session, row_id: str) -> None:
         """Forget the row; 409 with the registry's in-use code while a subscription uses

@@ -55,6 +55,8 @@ request_log = logging.getLogger("pgsieve.api.requests")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = frozenset({"/healthz", "/api/v1/healthz"})
 API_PREFIX = "/api/v1"
+ROOT_ALIASES = frozenset({"/healthz", "/metrics"})
+"""Served at the root too (compose's health check, Prometheus' default path)."""
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 _CAPTURE_LIMIT = 64 * 1024  # a create's answer, read for the new resource's id
 UNKNOWN_ROUTE = "(no such route)"
@@ -94,8 +96,13 @@ class RouteTable:
                 if not isinstance(route.original_route, APIRoute) or not route.include_in_schema:
                     continue
                 template = str(route.path_format)
-                regex, _, _ = compile_path(template)
-                routes.append((regex, frozenset(route.methods or ()), template))
+                methods = frozenset(route.methods or ())
+                # /healthz and /metrics are also served at the root, left out of the
+                # schema (one operationId each): the same routes
+                alias = template.removeprefix(API_PREFIX)
+                for spelling in {template, alias} if alias in ROOT_ALIASES else {template}:
+                    regex, _, _ = compile_path(spelling)
+                    routes.append((regex, methods, spelling))
             # the most specific first (".../publications/import" before ".../{name}")
             routes.sort(key=lambda r: (r[2].count("{"), -len(r[2])))
             self._routes = routes

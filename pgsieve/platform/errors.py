@@ -38,6 +38,7 @@ class ErrorCode(StrEnum):
     FORBIDDEN = "forbidden"
     HTTP_ERROR = "http_error"
     INDEX_REBUILD_FAILED = "index_rebuild_failed"
+    INVALID_CURSOR = "invalid_cursor"
     INVALID_DSN = "invalid_dsn"
     INVALID_LSN = "invalid_lsn"
     INVALID_PUBLICATION_KIND = "invalid_publication_kind"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Depends, Query
 
 from pgsieve.api.deps import SessionDep
+from pgsieve.api.pagination import InvalidCursor, Page, paged
 from pgsieve.api.schemas.security import AuditPage
 from pgsieve.platform.models import AuditEvent
 from pgsieve.security import audit
@@ -20,9 +21,10 @@ def _out(event: AuditEvent) -> dict[str, Any]:
         "resource_id", "request_id", "status", "client", "count")}
 
 
-@router.get("", response_model=AuditPage)
+@router.get("", operation_id="listAuditEvents", response_model=AuditPage)
 def get_audit(
     session: SessionDep,
+    page: Annotated[Page, Depends(paged(default=100, maximum=500))],
     resource: Annotated[str | None, Query(
         max_length=300, description="a resource id: its events and those of what is "
                                     "under it (a source's slots and publications)")] = None,
@@ -30,12 +32,17 @@ def get_audit(
     actor: Annotated[str | None, Query(max_length=63, description="a token name")] = None,
     before: Annotated[int | None, Query(ge=1, le=2**63 - 1,
                                         description="events older than this id")] = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 100,
 ) -> dict[str, Any]:
-    """Newest first, ``limit`` per page; follow ``next_before`` for older events."""
+    """Newest first, ``limit`` per page; the next (older) page is the ``Link: rel="next"``
+    header's URL (``cursor``), or ``?before=`` the body's ``next_before`` (both stay)."""
+    after = page.after(1)
+    if after is not None:
+        if not isinstance(after[0], int) or isinstance(after[0], bool):
+            raise InvalidCursor()
+        before = after[0] if before is None else min(before, after[0])
     events = audit.query(session, resource=resource, resource_type=resource_type,
-                         actor=actor, before=before, limit=limit + 1)
-    more = len(events) > limit
-    events = events[:limit]
+                         actor=actor, before=before, limit=page.limit + 1)
+    events = page.finish(events, lambda e: (e.id,))
+    more = "Link" in page.response.headers
     return {"events": [_out(e) for e in events],
             "next_before": events[-1].id if more and events else None}

@@ -52,7 +52,8 @@ def _request(body: FilterPreviewRequest, stored: service.StoredFilter | None,
     )
 
 
-@router.post("/sources/{source_id}/filter-preview", response_model=FilterPreviewResponse)
+@router.post("/sources/{source_id}/filter-preview", operation_id="previewFilter",
+             response_model=FilterPreviewResponse)
 def filter_preview(
     source_id: str,
     body: FilterPreviewRequest,
@@ -97,7 +98,7 @@ def filter_preview(
     return out
 
 
-@router.get("/sources/{source_id}/effective-filters")
+@router.get("/sources/{source_id}/effective-filters", operation_id="getSourceEffectiveFilters")
 def source_effective_filters(
     source_id: str,
     session: SessionDep,
@@ -113,7 +114,8 @@ def source_effective_filters(
         return service.effective_of_publications(conn, publications)
 
 
-@router.get("/subscriptions/{subscription_id}/effective-filters")
+@router.get("/subscriptions/{subscription_id}/effective-filters",
+            operation_id="getSubscriptionEffectiveFilters")
 def subscription_effective_filters(
     subscription_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:

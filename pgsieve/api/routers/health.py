@@ -26,7 +26,7 @@ router = APIRouter(tags=["health"])
 metrics_router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
+@router.get("/healthz", operation_id="getHealth")
 def healthz(request: Request, session: SessionDep) -> dict[str, Any]:
     """Liveness and metadata-store reachability (used by compose and load balancers), and
     which apply hot path runs: this installation's, and the live workers running the
@@ -70,7 +70,7 @@ def _registry(request: Request) -> CollectorRegistry:
     return registry
 
 
-@metrics_router.get("/metrics")
+@metrics_router.get("/metrics", operation_id="getMetrics")
 def metrics(request: Request) -> Response:
     """Prometheus text format: lag, applied changes and batches, batch apply time,
     slots' retained WAL, sync rows, consumer and worker heartbeats (see README)."""

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Query, Response, status
+from sqlalchemy import select
 
 from pgsieve.api import rowdata
 from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
+from pgsieve.api.pagination import PageDep
 from pgsieve.api.schemas.jobs import (
     JobOut,
     RefreshRequest,
@@ -22,6 +24,7 @@ from pgsieve.api.schemas.jobs import (
     SyncRequest,
 )
 from pgsieve.platform.lookups import load_subscription
+from pgsieve.platform.models import Job
 from pgsieve.security.tokens import Principal
 from pgsieve.subscriptions import sync_jobs
 from pgsieve.subscriptions.sync_jobs import CopyOptions
@@ -34,7 +37,8 @@ def _copy_options(body: SyncRequest | RefreshRequest) -> CopyOptions:
                        partition_mb=body.partition_mb, freeze=body.freeze)
 
 
-@router.post("/subscriptions/{subscription_id}/sync", status_code=status.HTTP_202_ACCEPTED,
+@router.post("/subscriptions/{subscription_id}/sync", operation_id="startSubscriptionSync",
+             status_code=status.HTTP_202_ACCEPTED,
              response_model=SyncAccepted)
 def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
                body: SyncRequest | None = None) -> dict[str, str]:
@@ -48,7 +52,8 @@ def start_sync(subscription_id: str, session: SessionDep, settings: SettingsDep,
 
 
 @router.post(
-    "/subscriptions/{subscription_id}/refresh", response_model=RefreshResult,
+    "/subscriptions/{subscription_id}/refresh", operation_id="refreshSubscription",
+    response_model=RefreshResult,
     response_model_exclude_none=True,
     responses={202: {"model": RefreshResult,
                      "description": "tables were added and a job copies them (job_id)"}},
@@ -78,17 +83,20 @@ def _as_seen_by(principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
     return body if may_see_rows(principal) else rowdata.job(body)
 
 
-@router.get("/jobs", response_model=list[JobOut])
-def list_jobs(session: SessionDep, principal: PrincipalDep,
+@router.get("/jobs", operation_id="listJobs", response_model=list[JobOut])
+def list_jobs(session: SessionDep, principal: PrincipalDep, page: PageDep,
               subscription_id: str | None = Query(default=None, max_length=64)
               ) -> list[dict[str, Any]]:
-    """The newest 200 jobs; a viewer token gets no row data (errors and checksums
-    withheld)."""
-    return [_as_seen_by(principal, sync_jobs.describe_job(session, j))
-            for j in sync_jobs.recent_jobs(session, subscription_id)]
+    """Newest first, ``limit`` per page (``Link: rel="next"`` while more remain: every job
+    can be listed); a viewer token gets no row data (errors and checksums withheld)."""
+    query = select(Job)
+    if subscription_id is not None:
+        query = query.where(Job.subscription_id == subscription_id)
+    jobs = page.of_query(session, query, [Job.created_at, Job.id], descending=True)
+    return [_as_seen_by(principal, sync_jobs.describe_job(session, j)) for j in jobs]
 
 
-@router.get("/jobs/{job_id}", response_model=JobOut)
+@router.get("/jobs/{job_id}", operation_id="getJob", response_model=JobOut)
 def get_job(job_id: str, session: SessionDep, principal: PrincipalDep) -> dict[str, Any]:
     """State, rows done / estimated total per table (as partitions finish), the verify
     result when asked for; a viewer token gets no row data (see the list)."""

@@ -21,7 +21,8 @@ router = APIRouter(tags=["progress"])
 MAX_POINTS = int(HISTORY_RETENTION / HISTORY_RESOLUTION) * 2
 
 
-@router.get("/subscriptions/{subscription_id}/progress", response_model=ProgressOut)
+@router.get("/subscriptions/{subscription_id}/progress", operation_id="getSubscriptionProgress",
+            response_model=ProgressOut)
 def subscription_progress(
     subscription_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep,
     principal: PrincipalDep,
@@ -38,7 +39,7 @@ def subscription_progress(
 
 
 @router.get("/subscriptions/{subscription_id}/progress/history",
-            response_model=ProgressHistory)
+            operation_id="getSubscriptionProgressHistory", response_model=ProgressHistory)
 def subscription_progress_history(
     subscription_id: str,
     session: SessionDep,
@@ -62,7 +63,8 @@ def subscription_progress_history(
     }
 
 
-@router.get("/sources/{source_id}/health", response_model=SourceHealthOut)
+@router.get("/sources/{source_id}/health", operation_id="getSourceHealth",
+            response_model=SourceHealthOut)
 def source_health(
     source_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Path, Query, Response, status
 from psycopg.rows import tuple_row
 
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
+from pgsieve.api.pagination import PageDep
 from pgsieve.api.schemas.publications import (
     AnyPublicationName,
     PublicationCreate,
@@ -133,19 +134,22 @@ def _edits(body: PublicationPatch) -> PublicationEdits:
 # endpoints
 
 
-@router.get("", response_model=list[PublicationOut])
+@router.get("", operation_id="listPublications", response_model=list[PublicationOut])
 def list_publications(
-    source_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+    source_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep,
+    page: PageDep,
 ) -> list[dict[str, Any]]:
     """Managed publications (desired state, live state, drift) and, with
-    ``managed: false``, the source's other publications (importable)."""
+    ``managed: false``, the source's other publications (importable). By name, ``limit``
+    per page (``Link: rel="next"`` while more remain)."""
     source = load_source(session, source_id)
     with source_connection(source, settings, box, row_factory=tuple_row) as conn:
         found = store.read_all(session, source, conn)
-    return [_out(name, desired, live) for name, desired, live in found]
+    shown = page.of_list(found, lambda f: (f[0],), 1)
+    return [_out(name, desired, live) for name, desired, live in shown]
 
 
-@router.get("/{name}", response_model=PublicationOut)
+@router.get("/{name}", operation_id="getPublication", response_model=PublicationOut)
 def get_publication(
     source_id: str, name: NameParam, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:
@@ -155,7 +159,8 @@ def get_publication(
     return _out(name, desired, live)
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=PublicationOut)
+@router.post("", operation_id="createPublication",
+             status_code=status.HTTP_201_CREATED, response_model=PublicationOut)
 def create_publication(
     source_id: str,
     body: PublicationCreate,
@@ -180,7 +185,7 @@ def create_publication(
     return _out(body.name, saved.definition, saved.live, saved.warnings, dry_run=dry_run)
 
 
-@router.patch("/{name}", response_model=PublicationOut)
+@router.patch("/{name}", operation_id="updatePublication", response_model=PublicationOut)
 def patch_publication(
     source_id: str,
     name: NameParam,
@@ -202,7 +207,8 @@ def patch_publication(
     return out
 
 
-@router.post("/{name}/plan", response_model=PublicationPlanOut)
+@router.post("/{name}/plan", operation_id="planPublicationChange",
+             response_model=PublicationPlanOut)
 def plan_publication_change(
     source_id: str,
     name: NameParam,
@@ -221,7 +227,7 @@ def plan_publication_change(
     return publication_change.plan_change(session, settings, box, source, name, _edits(body))
 
 
-@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{name}", operation_id="deletePublication", status_code=status.HTTP_204_NO_CONTENT)
 def delete_publication(
     source_id: str,
     name: NameParam,
@@ -240,7 +246,7 @@ def delete_publication(
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-@router.post("/import", status_code=status.HTTP_201_CREATED,
+@router.post("/import", operation_id="importPublications", status_code=status.HTTP_201_CREATED,
              response_model=list[PublicationOut])
 def import_publications(
     source_id: str,

@@ -9,6 +9,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
+from pgsieve.api.pagination import PageDep
 from pgsieve.api.schemas.progress import SlotHealthOut
 from pgsieve.api.schemas.slots import SlotCreate, SlotOut
 from pgsieve.monitoring import observe
@@ -20,20 +21,22 @@ from pgsieve.platform.models import Slot, Subscription, SubscriptionTable
 router = APIRouter(prefix="/sources/{source_id}/slots", tags=["slots"])
 
 
-@router.get("", response_model=list[SlotHealthOut])
+@router.get("", operation_id="listSlots", response_model=list[SlotHealthOut])
 def list_slots(
-    source_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
+    source_id: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep,
+    page: PageDep,
 ) -> list[dict[str, Any]]:
     """Live slots with the WAL each retains, which subscription uses it (``owned_by``;
     ``orphaned`` when inactive and nobody's), ``warnings``, a ``health`` colour and the
-    projected time until ``max_slot_wal_keep_size`` would invalidate it."""
+    projected time until ``max_slot_wal_keep_size`` would invalidate it. By name,
+    ``limit`` per page (``Link: rel="next"`` while more remain)."""
     source = load_source(session, source_id)
     with source_connection(source, settings, box) as conn:
         slots, _facts = observe.slots_with_health(session, source, conn, settings.consumer_lease)
-    return slots
+    return page.of_list(slots, lambda s: (s["name"],), 1)
 
 
-@router.get("/{name}", response_model=SlotHealthOut)
+@router.get("/{name}", operation_id="getSlot", response_model=SlotHealthOut)
 def get_slot(
     source_id: str, name: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:
@@ -46,7 +49,8 @@ def get_slot(
     return slot
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=SlotOut)
+@router.post("", operation_id="createSlot",
+             status_code=status.HTTP_201_CREATED, response_model=SlotOut)
 def create_slot(
     source_id: str,
     body: SlotCreate,
@@ -83,7 +87,7 @@ def _user_of(session: Session, source_id: str, name: str) -> str | None:
         .where(Subscription.source_id == source_id, SubscriptionTable.sync_slot == name))
 
 
-@router.delete("/{name}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{name}", operation_id="deleteSlot", status_code=status.HTTP_204_NO_CONTENT)
 def drop_slot(
     source_id: str, name: str, session: SessionDep, settings: SettingsDep, box: SecretBoxDep,
     force: Annotated[bool, Query(

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response, status
 
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
+from pgsieve.api.pagination import PageDep
 from pgsieve.api.registry import Registry
 from pgsieve.api.schemas.connections import SourceCreate, SourceOut
 from pgsieve.platform.credentials import SecretBox
@@ -25,7 +26,8 @@ def source_out(source: Source, box: SecretBox) -> dict[str, Any]:
     return SOURCES.out(source, box, wal_level=source.wal_level)
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=SourceOut)
+@router.post("", operation_id="createSource",
+             status_code=status.HTTP_201_CREATED, response_model=SourceOut)
 def create_source(
     body: SourceCreate, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:
@@ -41,17 +43,18 @@ def create_source(
     return source_out(source, box)
 
 
-@router.get("", response_model=list[SourceOut])
-def list_sources(session: SessionDep, box: SecretBoxDep) -> list[dict[str, Any]]:
-    return [source_out(s, box) for s in SOURCES.all(session)]
+@router.get("", operation_id="listSources", response_model=list[SourceOut])
+def list_sources(session: SessionDep, box: SecretBoxDep, page: PageDep) -> list[dict[str, Any]]:
+    """Oldest first, ``limit`` per page (``Link: rel="next"`` while more remain)."""
+    return [source_out(s, box) for s in SOURCES.page(session, page)]
 
 
-@router.get("/{source_id}", response_model=SourceOut)
+@router.get("/{source_id}", operation_id="getSource", response_model=SourceOut)
 def get_source(source_id: str, session: SessionDep, box: SecretBoxDep) -> dict[str, Any]:
     return source_out(load_source(session, source_id), box)
 
 
-@router.delete("/{source_id}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{source_id}", operation_id="deleteSource", status_code=status.HTTP_204_NO_CONTENT)
 def delete_source(source_id: str, session: SessionDep) -> Response:
     SOURCES.delete(session, source_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)

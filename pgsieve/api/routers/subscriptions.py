@@ -6,14 +6,16 @@ Thin: request validation and the answer's shape here; the rules are in
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response, status
+from fastapi import APIRouter, Depends, Query, Response, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from pgsieve.api import rowdata
 from pgsieve.api.deps import PrincipalDep, SecretBoxDep, SessionDep, SettingsDep, may_see_rows
+from pgsieve.api.pagination import Page, PageDep, encode_cursor, paged
 from pgsieve.api.schemas.subscriptions import (
     SchemaChangeOut,
     SkipRequest,
@@ -98,7 +100,8 @@ def subscription_out(session: Session, sub: Subscription, settings: Settings
     }
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=SubscriptionOut)
+@router.post("", operation_id="createSubscription",
+             status_code=status.HTTP_201_CREATED, response_model=SubscriptionOut)
 def create_subscription(
     body: SubscriptionCreate, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:
@@ -113,16 +116,17 @@ def _as_seen_by(principal: Principal, body: dict[str, Any]) -> dict[str, Any]:
     return body if may_see_rows(principal) else rowdata.subscription(body)
 
 
-@router.get("", response_model=list[SubscriptionOut])
-def list_subscriptions(session: SessionDep, settings: SettingsDep, principal: PrincipalDep
-                       ) -> list[dict[str, Any]]:
-    """Every subscription; a viewer token gets no row data (errors, conflict and missing
-    rows' keys withheld)."""
-    subs = session.scalars(select(Subscription).order_by(Subscription.created_at))
+@router.get("", operation_id="listSubscriptions", response_model=list[SubscriptionOut])
+def list_subscriptions(session: SessionDep, settings: SettingsDep, principal: PrincipalDep,
+                       page: PageDep) -> list[dict[str, Any]]:
+    """Oldest first, ``limit`` per page (``Link: rel="next"`` while more remain); a viewer
+    token gets no row data (errors, conflict and missing rows' keys withheld)."""
+    subs = page.of_query(session, select(Subscription),
+                         [Subscription.created_at, Subscription.id])
     return [_as_seen_by(principal, subscription_out(session, s, settings)) for s in subs]
 
 
-@router.get("/{subscription_id}", response_model=SubscriptionOut)
+@router.get("/{subscription_id}", operation_id="getSubscription", response_model=SubscriptionOut)
 def get_subscription(subscription_id: str, session: SessionDep, settings: SettingsDep,
                      principal: PrincipalDep) -> dict[str, Any]:
     """The subscription; a viewer token gets no row data (see the list)."""
@@ -130,7 +134,8 @@ def get_subscription(subscription_id: str, session: SessionDep, settings: Settin
         session, load_subscription(session, subscription_id), settings))
 
 
-@router.patch("/{subscription_id}", response_model=SubscriptionOut)
+@router.patch("/{subscription_id}", operation_id="updateSubscription",
+              response_model=SubscriptionOut)
 def patch_subscription(
     subscription_id: str, body: SubscriptionPatch, session: SessionDep, settings: SettingsDep
 ) -> dict[str, Any]:
@@ -154,33 +159,27 @@ SCHEMA_CHANGES_PAGE = 100
 SCHEMA_CHANGES_MAX_PAGE = 1000
 
 
-@router.get("/{subscription_id}/schema-changes", response_model=list[SchemaChangeOut],
-            operation_id="list_schema_changes")
+@router.get("/{subscription_id}/schema-changes", operation_id="listSchemaChanges",
+            response_model=list[SchemaChangeOut])
 def list_schema_changes(
-    subscription_id: str, request: Request, response: Response, session: SessionDep,
-    limit: Annotated[int, Query(ge=1, le=SCHEMA_CHANGES_MAX_PAGE)] = SCHEMA_CHANGES_PAGE,
-    cursor: Annotated[str | None, Query(max_length=18, pattern="^[0-9]+$",
-                                        description="from a Link rel=next")] = None,
+    subscription_id: str, session: SessionDep,
+    page: Annotated[Page, Depends(paged(SCHEMA_CHANGES_PAGE, SCHEMA_CHANGES_MAX_PAGE))],
 ) -> list[dict[str, Any]]:
     """The source DDL the stream met and what the target did, newest first (``Link:
     rel="next"`` while more remain)."""
     sub = load_subscription(session, subscription_id)
-    query = (select(SchemaChangeRecord)
-             .where(SchemaChangeRecord.subscription_id == sub.id)
-             .order_by(SchemaChangeRecord.id.desc()).limit(limit + 1))
-    if cursor is not None:
-        query = query.where(SchemaChangeRecord.id < int(cursor))
-    rows = list(session.scalars(query))
-    if len(rows) > limit:
-        rows = rows[:limit]
-        url = request.url.include_query_params(cursor=str(rows[-1].id), limit=limit)
-        response.headers["Link"] = f'<{url}>; rel="next"'
+    query = select(SchemaChangeRecord).where(SchemaChangeRecord.subscription_id == sub.id)
+    if page.cursor is not None and page.cursor.isdigit():
+        # the bare record id this route's Link carried before the common cursor
+        page = replace(page, cursor=encode_cursor((int(page.cursor),)))
+    rows = page.of_query(session, query, [SchemaChangeRecord.id], descending=True)
     return [{"at": r.at, "lsn": format_lsn(r.lsn), "table": r.table_name,
              "change": r.change, "before": r.before, "after": r.after,
              "action": r.action, "code": r.code, "ddl": list(r.ddl)} for r in rows]
 
 
-@router.post("/{subscription_id}/enable", response_model=SubscriptionOut)
+@router.post("/{subscription_id}/enable", operation_id="enableSubscription",
+             response_model=SubscriptionOut)
 def enable_subscription(
     subscription_id: str, session: SessionDep, settings: SettingsDep
 ) -> dict[str, Any]:
@@ -190,7 +189,8 @@ def enable_subscription(
     return subscription_out(session, sub, settings)
 
 
-@router.post("/{subscription_id}/disable", response_model=SubscriptionOut)
+@router.post("/{subscription_id}/disable", operation_id="disableSubscription",
+             response_model=SubscriptionOut)
 def disable_subscription(subscription_id: str, session: SessionDep, settings: SettingsDep
                          ) -> dict[str, Any]:
     """Stop consuming; the running cycle notices within a second or two and lets go."""
@@ -199,7 +199,8 @@ def disable_subscription(subscription_id: str, session: SessionDep, settings: Se
     return subscription_out(session, sub, settings)
 
 
-@router.post("/{subscription_id}/skip", response_model=SubscriptionOut)
+@router.post("/{subscription_id}/skip", operation_id="skipSubscriptionTransaction",
+             response_model=SubscriptionOut)
 def skip_transaction(
     subscription_id: str, body: SkipRequest, session: SessionDep, settings: SettingsDep
 ) -> dict[str, Any]:
@@ -210,7 +211,8 @@ def skip_transaction(
     return subscription_out(session, sub, settings)
 
 
-@router.delete("/{subscription_id}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{subscription_id}", operation_id="deleteSubscription",
+               status_code=status.HTTP_204_NO_CONTENT)
 def delete_subscription(
     subscription_id: str,
     session: SessionDep,

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, Response, status
 
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
+from pgsieve.api.pagination import PageDep
 from pgsieve.api.registry import Registry
 from pgsieve.api.schemas.connections import TargetCreate, TargetOut
 from pgsieve.platform.credentials import SecretBox
@@ -28,7 +29,8 @@ def target_out(target: Target, box: SecretBox) -> dict[str, Any]:
     return TARGETS.out(target, box, kind=target.kind)
 
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=TargetOut)
+@router.post("", operation_id="createTarget",
+             status_code=status.HTTP_201_CREATED, response_model=TargetOut)
 def create_target(
     body: TargetCreate, session: SessionDep, settings: SettingsDep, box: SecretBoxDep
 ) -> dict[str, Any]:
@@ -49,17 +51,18 @@ def create_target(
     return target_out(target, box)
 
 
-@router.get("", response_model=list[TargetOut])
-def list_targets(session: SessionDep, box: SecretBoxDep) -> list[dict[str, Any]]:
-    return [target_out(t, box) for t in TARGETS.all(session)]
+@router.get("", operation_id="listTargets", response_model=list[TargetOut])
+def list_targets(session: SessionDep, box: SecretBoxDep, page: PageDep) -> list[dict[str, Any]]:
+    """Oldest first, ``limit`` per page (``Link: rel="next"`` while more remain)."""
+    return [target_out(t, box) for t in TARGETS.page(session, page)]
 
 
-@router.get("/{target_id}", response_model=TargetOut)
+@router.get("/{target_id}", operation_id="getTarget", response_model=TargetOut)
 def get_target(target_id: str, session: SessionDep, box: SecretBoxDep) -> dict[str, Any]:
     return target_out(load_target(session, target_id), box)
 
 
-@router.delete("/{target_id}", status_code=status.HTTP_204_NO_CONTENT)
+@router.delete("/{target_id}", operation_id="deleteTarget", status_code=status.HTTP_204_NO_CONTENT)
 def delete_target(target_id: str, session: SessionDep) -> Response:
     TARGETS.delete(session, target_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
