@@ -208,3 +208,27 @@ def target_db(subscriber: LocalCluster) -> Iterator[Database]:
 def native_db(subscriber: LocalCluster) -> Iterator[Database]:
     """A second database on the target cluster, for a native subscriber (the oracle)."""
     yield from _fresh_db(subscriber, "nat")
+
+
+# --------------------------------------------------------------------------------------
+# The suite's cost per file (issue 53: `make test` prints it after every run)
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Setup, call and teardown of every test, summed per file (in the xdist controller
+    too: the workers' reports arrive here)."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if len(_FILE_SECONDS) < 10:
+        return
+    ranked = sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])
+    terminalreporter.write_sep("=", "slowest 15 test files (setup + call + teardown)")
+    for path, seconds in ranked[:15]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}s  in all "
+                                f"{len(_FILE_SECONDS)} files")
