@@ -91,6 +91,7 @@ def upgrade() -> None:
         sa.Column("subscription_id", sa.String(length=32), nullable=True),
         sa.Column("state", sa.String(length=16), nullable=False),
         sa.Column("summary", sa.Text(), nullable=False),
+        sa.Column("detail", sa.Text(), nullable=True),
         _time("since"),
         _time("started_at", True),
         _time("resolved_at", True),

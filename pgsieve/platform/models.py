@@ -575,6 +575,8 @@ class Alert(Base):
         ForeignKey("subscriptions.id", ondelete="CASCADE"), nullable=True, index=True)
     state: Mapped[str] = mapped_column(String(16))
     summary: Mapped[str] = mapped_column(Text, default="")
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The error behind the alert (PostgreSQL's text: withheld from viewers)."""
     since: Mapped[datetime] = mapped_column(default=utcnow)
     """When the condition was first seen true (pending from then)."""
     started_at: Mapped[datetime | None] = mapped_column(nullable=True)
