@@ -122,7 +122,7 @@ def evaluate_round(session: Session, now: datetime, lease: timedelta) -> RoundRe
     rows = {a.id: a for a in session.scalars(
         select(Alert).where(Alert.state.in_(("pending", "firing"))))}
     changes = step([_open(a) for a in rows.values()], conditions, rules, now)
-    names = dict(session.execute(select(AlertChannel.id, AlertChannel.name)).tuples().all())
+    names = {i: n for i, n in session.execute(select(AlertChannel.id, AlertChannel.name))}
     try:
         for change in changes:
             row = _store(session, change, rows)
@@ -170,7 +170,7 @@ def _record(session: Session, delivery: AlertDelivery, outcome: webhook.Outcome,
 
 
 def deliver_due(session: Session, box: SecretBox, now: datetime,
-                client: httpx.Client | None = None,
+                transport: httpx.BaseTransport | None = None,
                 report: RoundReport | None = None) -> RoundReport:
     """Send the deliveries due at ``now`` (one attempt each), recording every attempt."""
     report = report or RoundReport()
@@ -181,8 +181,8 @@ def deliver_due(session: Session, box: SecretBox, now: datetime,
         .limit(DELIVERIES_PER_ROUND)).all()
     if not due:
         return report
-    own = client is None
-    http = client or webhook.new_client()
+    own = transport is None
+    http = transport or webhook.new_transport()
     try:
         for delivery in due:
             if not _claim(session, delivery, now):
@@ -218,7 +218,7 @@ def deliver_due(session: Session, box: SecretBox, now: datetime,
 
 
 def run_round(session: Session, box: SecretBox, now: datetime, lease: timedelta,
-              client: httpx.Client | None = None) -> RoundReport:
+              transport: httpx.BaseTransport | None = None) -> RoundReport:
     """Evaluate, then deliver what is due (the beat task's whole work)."""
     report = evaluate_round(session, now, lease)
-    return deliver_due(session, box, now, client, report)
+    return deliver_due(session, box, now, transport, report)

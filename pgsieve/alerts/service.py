@@ -254,7 +254,7 @@ def list_alerts(session: Session, *, subscription_id: str | None = None,
         Alert.state.in_((state,) if state else ("firing", "resolved")))
     if subscription_id is not None:
         query = query.where(Alert.subscription_id == subscription_id)
-    rows = session.execute(query).tuples().all()
+    rows = [(a, r) for a, r in session.execute(query).all()]
     rows = sorted(rows, key=lambda r: (r[0].state != "firing",
                                        -(r[0].resolved_at or r[0].started_at or r[0].since)
                                        .timestamp()))[:limit]
