@@ -230,3 +230,40 @@ def test_slot_status_and_metrics(engine: Engine, receiver: Receiver) -> None:
     text = generate_latest(registry).decode()
     assert 'pgsieve_alerts_firing{kind="slot_wal_status",rule="r-slot_wal_status"} 1.0' in text
     assert 'pgsieve_alert_deliveries_total{channel="hook",status="200"} 1.0' in text
+
+
+def test_beat_task_and_schedule(settings, metadata_engine) -> None:  # type: ignore[no-untyped-def]
+    """The beat entry names the task, which is registered acks_late, and one round of it
+    (as the task body runs it, with the deployment's own credential box) fires and sends."""
+    from pgsieve.platform.taskqueue import celery_config
+    from pgsieve.workers.alert_tasks import evaluate_alerts, run_alerts
+
+    entry = celery_config(settings)["beat_schedule"]["evaluate-alerts"]
+    assert entry["task"] == evaluate_alerts.name == "pgsieve.evaluate_alerts"
+    assert entry["schedule"] == 10 and evaluate_alerts.acks_late
+    with webhook_receiver() as receiver, Session(metadata_engine) as s:
+        add_subscription(s)
+        create_channel(s, settings.secret_box(), {"name": "hook", "url": receiver.url})
+        create_rule(s, {"name": "dead", "kind": "consumer_dead", "for_seconds": 0,
+                        "channels": ["hook"]})
+        assert run_alerts(settings) == {"firing": 1, "repeat": 0, "resolved": 0, "sent": 1,
+                                        "failed_attempts": 0}
+        assert run_alerts(settings)["firing"] == 0  # a duplicate round fires nothing
+    assert len(receiver.requests) == 1
+
+
+def test_one_open_alert_per_rule_and_subject(engine: Engine) -> None:
+    """Two rounds racing cannot open one alert twice: the store refuses the second."""
+    from sqlalchemy.exc import IntegrityError
+
+    from pgsieve.platform.models import Alert
+
+    with Session(engine) as s:
+        add_subscription(s)
+        rule = create_rule(s, {"name": "r", "kind": "consumer_dead"})
+        s.add(Alert(rule_id=rule.id, subject="subscription:x", state="firing", since=T0))
+        s.add(Alert(rule_id=rule.id, subject="subscription:x", state="resolved", since=T0))
+        s.commit()
+        s.add(Alert(rule_id=rule.id, subject="subscription:x", state="pending", since=T0))
+        with pytest.raises(IntegrityError):
+            s.commit()
