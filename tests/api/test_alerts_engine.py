@@ -232,7 +232,7 @@ def test_slot_status_and_metrics(engine: Engine, receiver: Receiver) -> None:
     assert 'pgsieve_alert_deliveries_total{channel="hook",status="200"} 1.0' in text
 
 
-def test_beat_task_and_schedule(settings, metadata_engine) -> None:  # type: ignore[no-untyped-def]
+def test_beat_task_and_schedule(settings, metadata_engine) -> None:
     """The beat entry names the task, which is registered acks_late, and one round of it
     (as the task body runs it, with the deployment's own credential box) fires and sends."""
     from pgsieve.platform.taskqueue import celery_config
