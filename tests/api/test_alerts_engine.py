@@ -267,3 +267,23 @@ def test_one_open_alert_per_rule_and_subject(engine: Engine) -> None:
         s.add(Alert(rule_id=rule.id, subject="subscription:x", state="pending", since=T0))
         with pytest.raises(IntegrityError):
             s.commit()
+
+
+def test_secrets_rotate_reencrypts_channels(engine: Engine) -> None:
+    """``pgsieve secrets rotate`` re-encrypts a channel's URL and secret with the new key:
+    afterwards the new key alone reads them."""
+    from pgsieve.platform.models import AlertChannel
+    from pgsieve.security.rotation import rotate_credentials
+
+    old = SecretBox("old-key-for-rotation")
+    new = SecretBox("new-key-for-rotation", previous=["old-key-for-rotation"])
+    with Session(engine) as s:
+        create_channel(s, old, {"name": "c", "url": "http://h.example/x", "secret": "sh"})
+        changed, total = rotate_credentials(s, new)
+        s.commit()
+        assert (changed, total) == (2, 2)
+        channel = s.scalars(select(AlertChannel)).one()
+        alone = SecretBox("new-key-for-rotation")
+        assert alone.decrypt(channel.url_encrypted) == "http://h.example/x"
+        assert channel.secret_encrypted is not None
+        assert alone.decrypt(channel.secret_encrypted) == "sh"
