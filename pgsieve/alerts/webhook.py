@@ -2,8 +2,8 @@
 
 The body is serialized once, when the event happens, and those exact bytes are signed
 and sent on every attempt: a receiver verifies ``X-Pgsieve-Signature: sha256=<hex>`` as
-the HMAC-SHA256 of the raw body with the channel's secret, and may deduplicate repeats
-of one delivery by ``delivery_id``.
+the HMAC-SHA256 of the raw body with the channel's secret, and can tell a retry (the
+same bytes again, after an answer that was lost or not 2xx) from a new event.
 
 A webhook URL can carry a credential (``https://user:token@…``, ``?token=…``), so it is
 shown masked (:func:`mask_url`) in answers and logs; the secret is never shown at all.
@@ -21,6 +21,8 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import httpx
+
+from pgsieve.platform.credentials import scrub_secrets
 
 MASK = "********"
 TIMEOUT_SECONDS = 5.0
@@ -124,7 +126,10 @@ def post(transport: httpx.BaseTransport, url: str, body: bytes,
     except httpx.TimeoutException:
         return Outcome(None, f"timed out after {TIMEOUT_SECONDS:.0f} s")
     except httpx.HTTPError as exc:
-        return Outcome(None, f"{type(exc).__name__}: {_first_line(exc)}")
+        # (a message that quotes the URL gets it masked: its credentials stay out of the
+        # attempt's record and the log)
+        text = _first_line(exc).replace(url, mask_url(url))
+        return Outcome(None, f"{type(exc).__name__}: {scrub_secrets(text)}")
     if 200 <= response.status_code < 300:
         return Outcome(response.status_code, None)
     return Outcome(response.status_code, f"HTTP {response.status_code} {response.reason_phrase}")
