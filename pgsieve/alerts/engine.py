@@ -5,7 +5,7 @@ Small and idempotent, as beat's tasks are: the round's decisions rest on the sto
 alerts (a duplicate delivery of the task, run right after, finds nothing new to fire),
 two rounds racing cannot open one alert twice (a partial unique index: the loser's
 transaction fails and it stops), and a delivery is claimed with a compare-and-swap on
-its ``next_attempt_at`` before it is sent, so two rounds never send it together.
+its ``next_attempt_at`` (still due?) before it is sent, so two rounds never send it together.
 Deliveries are sent after the evaluation has committed, one HTTP attempt each, with no
 database transaction open meanwhile.
 """
@@ -146,10 +146,13 @@ def evaluate_round(session: Session, now: datetime, lease: timedelta) -> RoundRe
 
 
 def _claim(session: Session, delivery: AlertDelivery, now: datetime) -> bool:
+    """Take the delivery for this round: still pending and due (a round that claimed it
+    first has put its next attempt :data:`CLAIM` ahead). Compared in the UPDATE, not on
+    the loaded row, which a commit expires and reloads."""
     result = session.execute(
         update(AlertDelivery)
         .where(AlertDelivery.id == delivery.id, AlertDelivery.state == "pending",
-               AlertDelivery.next_attempt_at == delivery.next_attempt_at)
+               AlertDelivery.next_attempt_at <= now)
         .values(next_attempt_at=now + CLAIM))
     session.commit()
     return int(getattr(result, "rowcount", 0) or 0) == 1

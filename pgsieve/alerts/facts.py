@@ -25,6 +25,7 @@ from pgsieve.alerts.evaluate import (
     WorkerFacts,
 )
 from pgsieve.monitoring.observe import recent_wal_rate
+from pgsieve.monitoring.progress import slot_health
 from pgsieve.platform.models import (
     ConsumerLock,
     Job,
@@ -91,7 +92,11 @@ def read_facts(session: Session, now: datetime, *,
         rate = recent_wal_rate(session, source.id, now)
         for slot in seen.slots or []:
             safe = slot.get("safe_wal_size")
-            projected = (max(0.0, safe / rate) if safe is not None and rate else None)
+            # the projection slot health makes (GET /sources/{id}/slots shows the same)
+            projected = slot_health(
+                active=bool(slot.get("active")), temporary=bool(slot.get("temporary")),
+                wal_status=slot.get("wal_status"), safe_wal_size=safe, max_keep_bytes=None,
+                owned_by=None, rate=rate).projected_invalidation_seconds
             slots.append(SlotFacts(
                 source_id=source.id, source_name=source.name, name=str(slot.get("name")),
                 wal_status=slot.get("wal_status"), safe_wal_size=safe,

@@ -38,6 +38,7 @@ from tests.metadata_template import migrated_sqlite, pg_metadata_database
 from tests.webhook_receiver import Receiver, webhook_receiver
 
 T0 = datetime(2026, 12, 2, 12, 0, tzinfo=UTC)
+GIB = 1024 ** 3
 LEASE = timedelta(seconds=30)
 SECRET = "hook-secret-123456"
 BOX = SecretBox("unit-test-secret")
@@ -287,3 +288,46 @@ def test_secrets_rotate_reencrypts_channels(engine: Engine) -> None:
         assert alone.decrypt(channel.url_encrypted) == "http://h.example/x"
         assert channel.secret_encrypted is not None
         assert alone.decrypt(channel.secret_encrypted) == "sh"
+
+
+def test_invalidation_projected_from_the_sampled_wal_rate(engine: Engine,
+                                                         receiver: Receiver) -> None:
+    """Two source samples 100 s apart, 1 MB/s of WAL, 1 GiB + 1 MB of safe WAL left:
+    invalidation projected in ~1075 s, inside the default hour; with 100 GiB left it is
+    not (and the 1 GiB floor is not reached either)."""
+    with Session(engine) as s:
+        sub_id = add_subscription(s)
+        source_id = s.scalars(select(Source.id)).one()
+
+        def sample(when: datetime, lsn: int, safe: int) -> None:
+            s.add(SourceSample(source_id=source_id, sampled_at=when, wal_lsn=lsn, slots=[
+                {"name": "slot_orders", "active": True, "temporary": False,
+                 "retained_wal_bytes": 1, "wal_status": "reserved", "safe_wal_size": safe}]))
+            s.commit()
+
+        sample(at(-100), 0, 100 * GIB)
+        sample(at(0), 10 ** 8, 100 * GIB)
+        _setup(s, receiver, "slot_invalidation", for_seconds=0)
+        _round(s, at(1))
+        assert list_alerts(s) == []
+        sample(at(10), 11 * 10 ** 7, GIB + 10 ** 6)
+        assert _round(s, at(11)) == {"firing": 1}
+        alert = list_alerts(s)[0]
+    assert alert["subscription_id"] == sub_id
+    assert "about 1075 s" in alert["summary"]
+
+
+def test_a_delivery_is_claimed_by_one_round_only(engine: Engine, receiver: Receiver) -> None:
+    """Two rounds that both found a delivery due: the claim (a compare-and-swap on its
+    next attempt) lets one of them send it."""
+    from pgsieve.alerts.engine import _claim, evaluate_round
+
+    with Session(engine) as a, Session(engine) as b:
+        add_subscription(a)
+        _setup(a, receiver, "consumer_dead", for_seconds=0)
+        evaluate_round(a, at(0), LEASE)
+        mine = a.scalars(select(AlertDelivery)).one()
+        theirs = b.scalars(select(AlertDelivery)).one()
+        b.rollback()  # (b's read ends: SQLite lets a's write through)
+        assert _claim(a, mine, at(0)) is True
+        assert _claim(b, theirs, at(0)) is False
