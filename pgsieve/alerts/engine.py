@@ -204,6 +204,7 @@ def deliver_due(session: Session, box: SecretBox, now: datetime,
                     outcome = webhook.Outcome(None, str(exc))
                 else:
                     body = webhook.body_bytes(delivery.payload, channel.format)
+                    session.commit()  # no transaction open while the receiver answers
                     outcome = webhook.post(http, url, body, secret)
             _record(session, delivery, outcome, now)
             if outcome.ok:
