@@ -249,11 +249,17 @@ def alert_out(alert: Alert, rule: AlertRule, deliveries: Sequence[AlertDelivery]
 def list_alerts(session: Session, *, subscription_id: str | None = None,
                 state: str | None = None, limit: int = 100,
                 may_see_details: bool = False) -> list[dict[str, Any]]:
-    """Firing alerts first (newest first), then the recently resolved (newest first)."""
+    """Firing alerts first (newest first), then the recently resolved (newest first);
+    ``subscription_id``: the subscription's, and its source's."""
     query = select(Alert, AlertRule).join(AlertRule, AlertRule.id == Alert.rule_id).where(
         Alert.state.in_((state,) if state else ("firing", "resolved")))
     if subscription_id is not None:
-        query = query.where(Alert.subscription_id == subscription_id)
+        # its own alerts, and those of its source under a default rule (a source shared
+        # by several subscriptions is shown on each of them)
+        sub = session.get(Subscription, subscription_id)
+        shared = f"source:{sub.source_id}" if sub is not None else None
+        query = query.where((Alert.subscription_id == subscription_id) | (
+            Alert.subscription_id.is_(None) & (Alert.subject == shared)))
     rows = [(a, r) for a, r in session.execute(query).all()]
     rows = sorted(rows, key=lambda r: (r[0].state != "firing",
                                        -(r[0].resolved_at or r[0].started_at or r[0].since)

@@ -196,8 +196,13 @@ def test_lag_table_job_worker_source_from_real_rows(engine: Engine, receiver: Re
         for kind in ("lag_seconds", "lag_bytes", "sync_failed", "worker_stale",
                      "endpoint_unreachable"):
             create_rule(s, {"name": kind, "kind": kind, "for_seconds": 0})
+        add_subscription(s, "second", source_id=source_id)  # the source is shared
         _round(s, at(1))
         firing = {(a["kind"], a["subject"]) for a in list_alerts(s, state="firing")}
+        # the shared source's alert (no one subscription's) is shown on each of them
+        source_alert = [a for a in list_alerts(s, subscription_id=sub_id)
+                        if a["subject"] == f"source:{source_id}"]
+        assert source_alert and source_alert[0]["subscription_id"] is None
         # a subscription's own rule replaces the default of its kind for it
         create_rule(s, {"name": "lag-own", "kind": "lag_seconds", "threshold": 3600,
                         "subscription_id": sub_id})
