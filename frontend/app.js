@@ -3,6 +3,7 @@
 
 import { get, getToken, onUnauthorized, setToken } from "./api.js";
 import { errorBox, h } from "./dom.js";
+import { alertsView } from "./views/alerts.js";
 import { auditView } from "./views/audit.js";
 import { publicationsView } from "./views/publications.js";
 import { sourcesView } from "./views/sources.js";
@@ -15,10 +16,12 @@ const routes = [
   [/^#\/sources$/, sourcesView],
   [/^#\/publications$/, publicationsView],
   [/^#\/targets$/, targetsView],
+  [/^#\/alerts$/, alertsView],
   [/^#\/audit$/, auditView],
 ];
 const NAV = [["#/subscriptions", "Subscriptions"], ["#/sources", "Sources & slots"],
-  ["#/publications", "Publications"], ["#/targets", "Targets"], ["#/audit", "Audit"]];
+  ["#/publications", "Publications"], ["#/targets", "Targets"], ["#/alerts", "Alerts"],
+  ["#/audit", "Audit"]];
 
 const main = document.getElementById("main");
 const nav = document.getElementById("nav");

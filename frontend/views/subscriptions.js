@@ -6,6 +6,7 @@
 
 import { del, get, post } from "../api.js";
 import { lineChart } from "../chart.js";
+import { subscriptionAlerts } from "./alerts.js";
 import { badge, fill, errorBox, field, fmt, h, lsnValue, progressBar, submitting } from "../dom.js";
 
 const TERMINAL_JOB_STATES = new Set(["succeeded", "done", "finished", "failed", "error",
@@ -164,6 +165,7 @@ export async function subscriptionDetail(root, ctx, id) {
         h("div", { class: "stat" }, h("span", {}, "Consumer"), numbers.consumer),
         h("div", { class: "stat" }, h("span", {}, "Last applied commit"), numbers.commit)),
       lsns),
+    subscriptionAlerts(ctx, id),
     h("section", { class: "card" },
       h("div", { class: "title-row" }, h("h3", {}, "Lag, last 15 minutes"), metricButtons),
       chart),

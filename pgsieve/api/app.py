@@ -14,6 +14,7 @@ from pgsieve.api.limits import ConnectionLimits, FailedAuthLimiter
 from pgsieve.api.openapi import document_routes
 from pgsieve.api.problems import install_problem_handlers
 from pgsieve.api.routers import (
+    alerts,
     audit,
     filters,
     health,
@@ -60,7 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     authed = [Depends(authorize)]
     for module in (sources, targets, slots, publications, filters, subscriptions, progress,
-                   jobs, tokens, audit):
+                   jobs, tokens, audit, alerts):
         app.include_router(module.router, prefix="/api/v1", dependencies=authed)
     # docs/api.md lists /healthz and /metrics with the /api/v1 resources; compose's health
     # check and docs/operations.md use them at the root: serve both spellings, the

@@ -66,6 +66,18 @@ ROLE_MATRIX: dict[tuple[str, str], Role] = {
     ("POST", "/tokens"): A,
     ("DELETE", "/tokens/{name}"): A,
     ("GET", "/audit"): A,
+    # alerts: admin manages channels and rules, everyone reads them and the alerts
+    ("GET", "/alerts"): V,
+    ("GET", "/alerts/channels"): V,
+    ("POST", "/alerts/channels"): A,
+    ("GET", "/alerts/channels/{channel_id}"): V,
+    ("PATCH", "/alerts/channels/{channel_id}"): A,
+    ("DELETE", "/alerts/channels/{channel_id}"): A,
+    ("GET", "/alerts/rules"): V,
+    ("POST", "/alerts/rules"): A,
+    ("GET", "/alerts/rules/{rule_id}"): V,
+    ("PATCH", "/alerts/rules/{rule_id}"): A,
+    ("DELETE", "/alerts/rules/{rule_id}"): A,
 }
 
 

@@ -33,6 +33,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from pgsieve.platform.db import locked
 from pgsieve.platform.locks import consumer_alive
 from pgsieve.platform.models import (
+    Alert,
+    AlertDelivery,
+    AlertDeliveryAttempt,
+    AlertRule,
     ConsumerLock,
     Job,
     ProgressSample,
@@ -284,6 +288,7 @@ class MetadataCollector(Collector):
             yield from self._subscriptions(session)
             yield from self._sources(session)
             yield from self._workers(session)
+            yield from _alert_metrics(session)
 
     def _subscriptions(self, session: Session) -> Iterator[Metric]:
         now = utcnow()
@@ -455,6 +460,31 @@ class MetadataCollector(Collector):
                 switches.add_metric([beat.worker], float(report.get("transport_switches", 0)))
                 wakeups.add_metric([beat.worker], float(report.get("push_wakeups", 0)))
         yield from (age, held, wait, turns, reading, switches, wakeups)
+
+
+def _alert_metrics(session: Session) -> Iterator[Metric]:
+    """Firing alerts per rule, and delivery attempts per channel and HTTP status
+    (``none``: no answer), counted over the alert history kept (resolved alerts are
+    pruned after 7 days: Prometheus reads a drop as a counter reset)."""
+    firing = GaugeMetricFamily("pgsieve_alerts_firing", "alerts firing, per rule",
+                               labels=["rule", "kind"])
+    for name, kind, count in session.execute(
+        select(AlertRule.name, AlertRule.kind, func.count(Alert.id))
+        .outerjoin(Alert, (Alert.rule_id == AlertRule.id) & (Alert.state == "firing"))
+        .group_by(AlertRule.name, AlertRule.kind)
+    ):
+        firing.add_metric([name, kind], float(count))
+    deliveries = CounterMetricFamily(
+        "pgsieve_alert_deliveries", "webhook delivery attempts, per channel and HTTP status "
+        "of the answer (none: no answer)", labels=["channel", "status"])
+    for channel, status, count in session.execute(
+        select(AlertDelivery.channel_name, AlertDeliveryAttempt.status, func.count())
+        .join(AlertDelivery, AlertDelivery.id == AlertDeliveryAttempt.delivery_id)
+        .group_by(AlertDelivery.channel_name, AlertDeliveryAttempt.status)
+    ):
+        deliveries.add_metric([channel, "none" if status is None else str(status)], float(count))
+    yield firing
+    yield deliveries
 
 
 def scheduler_report(beat: WorkerHeartbeat) -> dict[str, Any] | None:

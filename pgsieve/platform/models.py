@@ -495,3 +495,129 @@ class Installation(Base):
     """32 random bytes, hex."""
     legacy_keys_retired_at: Mapped[datetime | None] = mapped_column(nullable=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+# -- alerts (pgsieve.alerts; docs/operations.md#alerts) -------------------------------
+
+OPEN_ALERT = "state IN ('pending', 'firing')"
+"""An alert not resolved yet: one per (rule, subject) at a time (migration 0013)."""
+
+
+class AlertChannel(Base):
+    """Where alerts are sent: a webhook. Its URL may carry credentials (userinfo, a
+    token in the path or query), so it is stored encrypted, with a masked copy to show;
+    the signing secret is stored encrypted only."""
+
+    __tablename__ = "alert_channels"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    kind: Mapped[str] = mapped_column(String(16), default="webhook")
+    format: Mapped[str] = mapped_column(String(16), default="json")
+    url_encrypted: Mapped[str] = mapped_column(Text)
+    url_masked: Mapped[str] = mapped_column(Text)
+    secret_encrypted: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class AlertRuleChannel(Base):
+    """A rule's channel. RESTRICT: a channel some rule sends to cannot be deleted (the
+    API answers 409 ``alert_channel_in_use`` first)."""
+
+    __tablename__ = "alert_rule_channels"
+
+    rule_id: Mapped[str] = mapped_column(
+        ForeignKey("alert_rules.id", ondelete="CASCADE"), primary_key=True)
+    channel_id: Mapped[str] = mapped_column(
+        ForeignKey("alert_channels.id", ondelete="RESTRICT"), primary_key=True, index=True)
+
+
+class AlertRule(Base):
+    """A condition to alert on. Without ``subscription_id`` it is a default for every
+    subscription; with one it replaces the defaults of its kind for that subscription.
+    None in ``threshold``/``for_seconds``/``repeat_seconds``: the kind's default."""
+
+    __tablename__ = "alert_rules"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    name: Mapped[str] = mapped_column(String(63), unique=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    threshold: Mapped[float | None] = mapped_column(nullable=True)
+    for_seconds: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    repeat_seconds: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    subscription_id: Mapped[str | None] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), nullable=True, index=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    channel_links: Mapped[list[AlertRuleChannel]] = relationship(
+        cascade="all, delete-orphan", order_by="AlertRuleChannel.channel_id")
+
+
+class Alert(Base):
+    """One (rule, subject) condition: ``pending`` until it has held ``for_seconds``,
+    then ``firing``, then ``resolved`` (kept as history). ``subject`` names what it is
+    about: ``subscription:<id>``, ``table:<id>/<table>``, ``slot:<source id>/<slot>``,
+    ``job:<id>``, ``worker:<name>``, ``source:<id>``, ``endpoint:<id>``."""
+
+    __tablename__ = "alerts"
+    __table_args__ = (
+        Index("uq_alerts_open", "rule_id", "subject", unique=True,
+              sqlite_where=text(OPEN_ALERT), postgresql_where=text(OPEN_ALERT)),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=new_id)
+    rule_id: Mapped[str] = mapped_column(
+        ForeignKey("alert_rules.id", ondelete="CASCADE"), index=True)
+    subject: Mapped[str] = mapped_column(String(300))
+    subscription_id: Mapped[str | None] = mapped_column(
+        ForeignKey("subscriptions.id", ondelete="CASCADE"), nullable=True, index=True)
+    state: Mapped[str] = mapped_column(String(16))
+    summary: Mapped[str] = mapped_column(Text, default="")
+    detail: Mapped[str | None] = mapped_column(Text, nullable=True)
+    """The error behind the alert (PostgreSQL's text: withheld from viewers)."""
+    since: Mapped[datetime] = mapped_column(default=utcnow)
+    """When the condition was first seen true (pending from then)."""
+    started_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    resolved_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    notified_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    """The last firing or repeat event (the next repeat counts from here)."""
+
+
+class AlertDelivery(Base):
+    """One event (firing, repeat, resolved) of an alert to one channel: its body is
+    fixed when the event happens, so every retry sends the same bytes."""
+
+    __tablename__ = "alert_deliveries"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    alert_id: Mapped[str] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"),
+                                          index=True)
+    channel_id: Mapped[str | None] = mapped_column(
+        ForeignKey("alert_channels.id", ondelete="SET NULL"), nullable=True, index=True)
+    channel_name: Mapped[str] = mapped_column(String(63))
+    event: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16), default="pending")
+    """pending (to be tried at ``next_attempt_at``), sent, or failed (attempts used up)."""
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(nullable=True, index=True)
+    payload: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+    attempt_log: Mapped[list[AlertDeliveryAttempt]] = relationship(
+        cascade="all, delete-orphan", order_by="AlertDeliveryAttempt.id")
+
+
+class AlertDeliveryAttempt(Base):
+    """One HTTP attempt of a delivery: the answer's status code (None: no answer) and
+    the error (never the URL's credentials or the channel's secret)."""
+
+    __tablename__ = "alert_delivery_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[int] = mapped_column(
+        ForeignKey("alert_deliveries.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    status: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -27,6 +27,7 @@ WORKER_HEARTBEAT_EVERY = timedelta(seconds=10)
 SAMPLE_PROGRESS_EVERY = timedelta(seconds=10)
 SYNC_SLOT_CLEANUP_EVERY = timedelta(seconds=60)
 PRUNE_AUDIT_EVERY = timedelta(hours=1)
+EVALUATE_ALERTS_EVERY = timedelta(seconds=10)
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -69,6 +70,11 @@ def celery_config(settings: Settings) -> dict[str, Any]:
                 "schedule": SAMPLE_PROGRESS_EVERY.total_seconds(),
                 "options": {"expires": SAMPLE_PROGRESS_EVERY.total_seconds() * 3},
             },
+            "evaluate-alerts": {
+                "task": "pgsieve.evaluate_alerts",
+                "schedule": EVALUATE_ALERTS_EVERY.total_seconds(),
+                "options": {"expires": EVALUATE_ALERTS_EVERY.total_seconds() * 3},
+            },
         },
         "timezone": "UTC",
     }
@@ -92,7 +98,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def make_celery(settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
     app = Celery("pgsieve", include=["pgsieve.workers.tasks", "pgsieve.workers.monitor_tasks",
-                                       "pgsieve.workers.sync_tasks"])
+                                       "pgsieve.workers.sync_tasks",
+                                       "pgsieve.workers.alert_tasks"])
     app.conf.update(celery_config(settings))
     app.conf.pgsieve_settings = settings
     return app

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 #: Route segments that name a kind of resource; the last one in a route is its type.
 COLLECTIONS = ("sources", "targets", "slots", "publications", "subscriptions", "jobs",
-               "tokens", "secrets")
+               "tokens", "secrets", "channels", "rules")
 #: Seconds between two writes of one failed-authentication record (its count grows).
 FAILED_AUTH_FLUSH_SECONDS = 1.0
 

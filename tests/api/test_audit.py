@@ -47,6 +47,9 @@ def _mutating_operations(client) -> set[tuple[str, str]]:
             if m in ("post", "put", "patch", "delete")}
 
 
+HOOK_SECRET = "alert-hook-secret-4711"
+
+
 def test_every_mutating_route_leaves_one_record_and_no_secret(
         client, anon_client, metadata_engine, source_db: Database, target_db: Database,
         caplog: pytest.LogCaptureFixture):
@@ -116,6 +119,19 @@ def test_every_mutating_route_leaves_one_record_and_no_secret(
     tok = call("POST", "/api/v1/tokens", {"name": "ephemeral", "role": "viewer"})
     assert _last(metadata_engine).resource_id == "ephemeral"
     call("DELETE", "/api/v1/tokens/{name}", name="ephemeral")
+    ch = call("POST", "/api/v1/alerts/channels", {"name": "hook", "url": "https://h.example/x",
+                                                  "secret": HOOK_SECRET})
+    ids["channel_id"] = ch.json()["id"]
+    assert _last(metadata_engine).resource_id == ids["channel_id"]
+    call("PATCH", "/api/v1/alerts/channels/{channel_id}", {"format": "slack"})
+    rule = call("POST", "/api/v1/alerts/rules", {
+        "name": "lag", "kind": "lag_seconds", "subscription_id": ids["subscription_id"],
+        "channels": ["hook"]})
+    ids["rule_id"] = rule.json()["id"]
+    assert _last(metadata_engine).resource_type == "rules"
+    call("PATCH", "/api/v1/alerts/rules/{rule_id}", {"threshold": 60})
+    call("DELETE", "/api/v1/alerts/rules/{rule_id}")
+    call("DELETE", "/api/v1/alerts/channels/{channel_id}")
     call("DELETE", "/api/v1/subscriptions/{subscription_id}")
     call("DELETE", "/api/v1/sources/{source_id}/publications/{name}", name="pub_eu")
     call("DELETE", "/api/v1/targets/{target_id}")
@@ -148,7 +164,8 @@ def test_every_mutating_route_leaves_one_record_and_no_secret(
     with metadata_engine.connect() as conn:
         stored = " ".join(str(v) for row in conn.execute(select(AuditEvent)) for v in row)
     everything = "\n".join([audit_text, stored, *texts, caplog.text])
-    secrets = [PASSWORD_SRC, PASSWORD_TGT, TOKEN, tok.json()["token"], *tokens.values()]
+    secrets = [PASSWORD_SRC, PASSWORD_TGT, TOKEN, tok.json()["token"], *tokens.values(),
+               HOOK_SECRET]
     # (the new token is in the one response that creates it, and nowhere else)
     for secret in secrets:
         hits = everything.count(secret)
