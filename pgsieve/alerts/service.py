@@ -247,7 +247,7 @@ def alert_out(alert: Alert, rule: AlertRule, deliveries: Sequence[AlertDelivery]
 
 
 def list_alerts(session: Session, *, subscription_id: str | None = None,
-                state: str | None = None, limit: int = 100,
+                state: str | None = None, limit: int | None = 100,
                 may_see_details: bool = False) -> list[dict[str, Any]]:
     """Firing alerts first (newest first), then the recently resolved (newest first);
     ``subscription_id``: the subscription's, and its source's."""
@@ -263,7 +263,7 @@ def list_alerts(session: Session, *, subscription_id: str | None = None,
     rows = [(a, r) for a, r in session.execute(query).all()]
     rows = sorted(rows, key=lambda r: (r[0].state != "firing",
                                        -(r[0].resolved_at or r[0].started_at or r[0].since)
-                                       .timestamp()))[:limit]
+                                       .timestamp()))[:limit]  # None: all
     ids = [a.id for a, _ in rows]
     deliveries: dict[str, list[AlertDelivery]] = {}
     if ids:

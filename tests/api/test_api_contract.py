@@ -68,6 +68,8 @@ def test_collections_document_limit_cursor_and_link(client) -> None:
         ("GET", "/api/v1/subscriptions"),
         ("GET", "/api/v1/subscriptions/{subscription_id}/schema-changes"),
         ("GET", "/api/v1/jobs"), ("GET", "/api/v1/tokens"), ("GET", "/api/v1/audit"),
+        ("GET", "/api/v1/alerts"), ("GET", "/api/v1/alerts/channels"),
+        ("GET", "/api/v1/alerts/rules"),
     }
     arrays = set()
     for method, path, op in _operations(spec):

@@ -172,3 +172,17 @@ def test_bad_cursors_and_limits_are_refused(client, populated) -> None:
     assert_problem(client.get("/api/v1/jobs", params={"limit": 0}), 422, "validation_error")
     assert_problem(client.get("/api/v1/audit", params={"limit": 501}), 422,
                    "validation_error")
+
+
+def test_alert_channels_and_rules_page_each_item_exactly_once(client) -> None:
+    for i in range(3):
+        r = client.post("/api/v1/alerts/channels", json={
+            "name": f"ch{i}", "kind": "webhook", "url": f"http://127.0.0.1:9/hook{i}"})
+        assert r.status_code == 201, r.text
+        r = client.post("/api/v1/alerts/rules", json={
+            "name": f"rule{i}", "kind": "lag_seconds", "threshold": 60 + i,
+            "channels": [f"ch{i}"]})
+        assert r.status_code == 201, r.text
+    assert _check_walk(client, "/api/v1/alerts/channels", "id", 2) == 3
+    assert _check_walk(client, "/api/v1/alerts/rules", "id", 2) == 3
+    assert _check_walk(client, "/api/v1/alerts", "id", 2) == 0
