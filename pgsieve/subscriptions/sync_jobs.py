@@ -31,6 +31,7 @@ from typing import Any
 
 from psycopg.rows import tuple_row
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from pgsieve.apply.batch import schema_change_policy
@@ -294,24 +295,33 @@ def refresh_publication(session: Session, settings: Settings, box: SecretBox,
         return Refreshed([], [])
     created = create_tables(target_dsn, to_create, connect_timeout=settings.connect_timeout
                             ) if to_create else {}
-    kind = _job_kind(session, sub)
-    sync_slots = [t.sync_slot for t in sub.tables if t.table_name in removed and t.sync_slot]
-    for table in [t for t in sub.tables if t.table_name in removed]:
-        sub.tables.remove(table)  # delete-orphan: the row goes with the commit
-    for name in added:
-        sub.tables.append(SubscriptionTable(
-            table_name=name, sync_state=SyncState.INIT if copy_data else "ready"))
-    if follow:
-        record_added_tables(session, sub.id, added, to_create, created, lsn, actor=actor)
-    job_id: str | None = None
-    if added and copy_data:
-        job_id = _commit_job(session, sub, Job(
-            kind=kind, subscription_id=sub.id, state=JobState.QUEUED,
-            details={"tables": added, **copy.details(), "reason": "refresh",
-                     "refresh": {"added": added, "removed": removed,
-                                 "created": [n for n, ddl in created.items() if ddl]}}))
-    else:
-        session.commit()
+    try:
+        kind = _job_kind(session, sub)
+        sync_slots = [t.sync_slot for t in sub.tables if t.table_name in removed and t.sync_slot]
+        for table in [t for t in sub.tables if t.table_name in removed]:
+            sub.tables.remove(table)  # delete-orphan: the row goes with the commit
+        for name in added:
+            sub.tables.append(SubscriptionTable(
+                table_name=name, sync_state=SyncState.INIT if copy_data else "ready"))
+        if follow:
+            record_added_tables(session, sub.id, added, to_create, created, lsn, actor=actor)
+        job_id: str | None = None
+        if added and copy_data:
+            job_id = _commit_job(session, sub, Job(
+                kind=kind, subscription_id=sub.id, state=JobState.QUEUED,
+                details={"tables": added, **copy.details(), "reason": "refresh",
+                         "refresh": {"added": added, "removed": removed,
+                                     "created": [n for n, ddl in created.items() if ddl]}}))
+        else:
+            session.commit()
+    except IntegrityError:
+        # A table was added meanwhile by the stream's own follow (or another refresh):
+        # nothing of this one is written; asked again, it sees that table.
+        session.rollback()
+        _refuse_if_syncing(session, sub)
+        raise Conflict("the subscription's tables changed while this refresh ran (a new "
+                       "table was followed meanwhile): refresh again",
+                       code=ErrorCode.SYNC_IN_PROGRESS) from None
     if sync_slots:
         _drop_sync_slots(settings, load_dsn(box, source), sync_slots)
     if job_id is not None:
