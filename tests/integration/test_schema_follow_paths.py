@@ -259,10 +259,11 @@ def test_a_spark_batch_follows_a_widening_and_an_added_column(
                "DELETE FROM orders WHERE id IN (8, 9)")
     [result] = _apply(orders, planner, "follow")
     assert result.distributed, "the batch went through the Spark tasks"
+    # (the batch's missing column is met first, by the split; the types after it)
     assert [(c.change, c.column, c.before, c.after, c.action)
             for c in result.schema_changes] == [
-        ("alter_type", "amount", "integer", "bigint", "applied"),
-        ("add_column", "tier", None, "integer", "applied")]
+        ("add_column", "tier", None, "integer", "applied"),
+        ("alter_type", "amount", "integer", "bigint", "applied")]
     assert orders.rows(orders.target, "orders", as_text=True) == [
         tuple(r) for r in orders.source.query(ORDERS_FILTERED)]
     assert orders.target.query("SELECT columns FROM pgsieve.published_columns") == [
