@@ -29,7 +29,7 @@ import pytest
 from pgsieve.apply.batch import ApplyResult, TableStopped
 from pgsieve.apply.engine import apply_batch
 from pgsieve.platform.db import session_factory
-from pgsieve.platform.models import Subscription
+from pgsieve.platform.models import AuditEvent, Subscription
 from pgsieve.platform.settings import Settings, get_settings
 from pgsieve.spark.distributed import SparkPlanner, spark_planner
 from pgsieve.spark.session import get_spark
@@ -114,6 +114,15 @@ def _changes(env: SyncEnv, sub_id: str) -> list[tuple[Any, ...]]:
             for c in env.api("GET", f"/subscriptions/{sub_id}/schema-changes")]
 
 
+def _recorded_elsewhere(env: SyncEnv, sub_id: str) -> tuple[list[str], str]:
+    """The audit records of the stream's schema changes (oldest first), and /metrics."""
+    with session_factory(env.settings.effective_database_url)() as session:
+        routes = [e.route for e in session.query(AuditEvent).filter(
+            AuditEvent.method == "STREAM", AuditEvent.resource_id == sub_id)
+            .order_by(AuditEvent.id)]
+    return routes, env.client.get("/metrics").text
+
+
 def _copied_while(env: SyncEnv, source: Database, target: Database, options: dict[str, Any],
                   ) -> tuple[str, dict[str, Any]]:
     """A streaming subscription of ``items`` and ``notes`` (``items`` streamed once, so
@@ -189,6 +198,12 @@ def test_a_table_in_catchup_follows_an_add_and_a_drop_then_hands_over(
                                "source_table = 'public.items'") == [
             (["id", "grp", "val", "tier"],)]
         assert target_db.query("SELECT count(*) FROM pgsieve.schema_changes") == [(0,)]
+        audited, metrics = _recorded_elsewhere(env, sub_id)
+        assert sorted(audited) == ["schema change add_column applied",
+                                   "schema change drop_column applied"]
+        for change in ("add_column", "drop_column"):
+            assert (f'pgsieve_schema_changes_total{{action="applied",change="{change}",'
+                    'subscription="sub"} 1.0') in metrics
 
 
 def test_a_table_in_catchup_stops_under_stop_with_the_ddl(
@@ -202,6 +217,7 @@ def test_a_table_in_catchup_stops_under_stop_with_the_ddl(
         assert _states(env, sub_id)["public.items"] == "catchup"
         assert [c[0] for c in _columns(target_db, "items")] == ["id", "grp", "val", "code"]
         assert _changes(env, sub_id) == [("add_column", "tier", "stopped")]
+        assert _recorded_elsewhere(env, sub_id)[0] == ["schema change add_column stopped"]
 
 
 # -- a batch planned by Spark tasks ---------------------------------------------------------
