@@ -5,9 +5,9 @@ process (as ``test_initial_sync_recovery``), the Spark batches on one local sess
 
 * Catch-up: a resync of ``items`` is held after its copy (the ``after_copy`` hook: the
   rows at the target, the snapshot still held) while the source adds a column with a
-  constant default, drops a NOT NULL column, and changes rows around both; the main
+  constant default, drops a NOT NULL column, renames one, and changes rows around them; the main
   stream moves past the copy's snapshot meanwhile and must leave the table's shape
-  alone. The catch-up then follows both DDLs, the main stream takes the table over —
+  alone. The catch-up then follows the three DDLs, the main stream takes the table over —
   meeting the same Relation again in a new decoding session — and the target equals the
   source under the filter, column by column, with each change recorded once. Under
   ``stop`` the catch-up stops, with the DDL to run.
@@ -54,7 +54,7 @@ CREATE PUBLICATION pub_items FOR TABLE items WHERE (grp < 5);
 CREATE PUBLICATION pub_notes FOR TABLE notes;
 """
 PUBS = ["pub_items", "pub_notes"]
-FILTERED = "SELECT id, grp, val, tier FROM items WHERE grp < 5 ORDER BY id"
+FILTERED = "SELECT id, grp, label, tier FROM items WHERE grp < 5 ORDER BY id"
 
 DURING_COPY = (
     # under the old shape, after the copy's snapshot
@@ -69,6 +69,10 @@ DURING_COPY = (
     "UPDATE items SET val = 'u2' WHERE id = 1001",
     "DELETE FROM items WHERE id = 12",
     "UPDATE items SET grp = 7 WHERE id = 13",  # out of the filter: a DELETE
+    # told from a DROP + ADD by val's attnum (the record's, written by the stream)
+    "ALTER TABLE items RENAME COLUMN val TO label",
+    "INSERT INTO items VALUES (1005, 1, 'renamed', 13)",
+    "UPDATE items SET label = 'u3' WHERE id = 3",
     "INSERT INTO notes VALUES (100, 'during')",
 )
 
@@ -161,7 +165,7 @@ def _copied_while(env: SyncEnv, source: Database, target: Database, options: dic
     return sub_id, seen
 
 
-def test_a_table_in_catchup_follows_an_add_and_a_drop_then_hands_over(
+def test_a_table_in_catchup_follows_an_add_a_drop_and_a_rename_then_hands_over(
         tmp_path: Path, source_db: Database, target_db: Database):
     with sync_env(tmp_path) as env:
         sub_id, seen = _copied_while(env, source_db, target_db, {})
@@ -172,10 +176,12 @@ def test_a_table_in_catchup_follows_an_add_and_a_drop_then_hands_over(
             "public.items"] == "ready", lambda: _cycle(env, sub_id))
         assert _subscription(env, sub_id).state == "streaming"
         # The table column by column: tier added with the source's default (old rows
-        # read 7 as at the source), code kept and nullable (the rows after its DROP).
-        assert _columns(target_db, "items") == [("id", True), ("grp", True), ("val", False),
-                                                ("code", False), ("tier", True)]
-        assert target_db.query("SELECT id, grp, val, tier FROM items ORDER BY id") == \
+        # read 7 as at the source), code kept and nullable (the rows after its DROP),
+        # val renamed with its data.
+        assert _columns(target_db, "items") == [("id", True), ("grp", True),
+                                                ("label", False), ("code", False),
+                                                ("tier", True)]
+        assert target_db.query("SELECT id, grp, label, tier FROM items ORDER BY id") == \
             source_db.query(FILTERED)
         assert target_db.query("SELECT code FROM items WHERE id IN (2, 1001, 1002, 1003) "
                                "ORDER BY id") == [("c2",), ("x",), ("y",), (None,)]
@@ -183,25 +189,28 @@ def test_a_table_in_catchup_follows_an_add_and_a_drop_then_hands_over(
         # Relation again, finds target and record as it says, and streams on.
         source_db.execute("INSERT INTO items VALUES (1004, 4, 'after', 11); "
                           "UPDATE items SET tier = 12 WHERE id = 1002; "
-                          "UPDATE items SET val = 'late' WHERE id = 2")
+                          "UPDATE items SET label = 'late' WHERE id = 2")
         _until("the main stream applied items again", lambda: target_db.query(
             "SELECT tier FROM items WHERE id = 1004") == [(11,)], lambda: _cycle(env, sub_id))
-        assert target_db.query("SELECT id, grp, val, tier FROM items ORDER BY id") == \
+        assert target_db.query("SELECT id, grp, label, tier FROM items ORDER BY id") == \
             source_db.query(FILTERED)
         assert _subscription(env, sub_id).state == "streaming"
-        assert _changes(env, sub_id) == [("drop_column", "code", "applied"),
+        assert _changes(env, sub_id) == [("rename_column", "val", "applied"),
+                                         ("drop_column", "code", "applied"),
                                          ("add_column", "tier", "applied")]
         listed = env.api("GET", f"/subscriptions/{sub_id}/schema-changes")
-        assert listed[0]["ddl"] == [
-            'ALTER TABLE "public"."items" ALTER COLUMN "code" DROP NOT NULL']
+        assert [c["ddl"] for c in listed[:2]] == [
+            ['ALTER TABLE "public"."items" RENAME COLUMN "val" TO "label"'],
+            ['ALTER TABLE "public"."items" ALTER COLUMN "code" DROP NOT NULL']]
         assert target_db.query("SELECT columns FROM pgsieve.published_columns WHERE "
                                "source_table = 'public.items'") == [
-            (["id", "grp", "val", "tier"],)]
+            (["id", "grp", "label", "tier"],)]
         assert target_db.query("SELECT count(*) FROM pgsieve.schema_changes") == [(0,)]
         audited, metrics = _recorded_elsewhere(env, sub_id)
         assert sorted(audited) == ["schema change add_column applied",
-                                   "schema change drop_column applied"]
-        for change in ("add_column", "drop_column"):
+                                   "schema change drop_column applied",
+                                   "schema change rename_column applied"]
+        for change in ("add_column", "drop_column", "rename_column"):
             assert (f'pgsieve_schema_changes_total{{action="applied",change="{change}",'
                     'subscription="sub"} 1.0') in metrics
 
