@@ -17,14 +17,14 @@ target's own must be judged as a rename, not as a type change of the target's co
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pgsieve.apply.batch import ApplyBatch, SchemaChange
 from pgsieve.apply.columns import TargetTable
 from pgsieve.apply.driver import resolver
 from pgsieve.apply.plan import BatchPlan, ColumnsMissing, RelationMap
-from pgsieve.apply.planbuilder import build_plan
+from pgsieve.apply.planbuilder import TargetResolver, build_plan
 from pgsieve.apply.published import PublishedColumns, ReadSource, read_record, record_for
 from pgsieve.apply.renames import RenamePlan, plan_renames
 from pgsieve.apply.schemachange import (
@@ -84,13 +84,22 @@ class _Following:
         self.renamed.setdefault(table, {}).update(plan.renamed)
 
 
-def plan_following(batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None
-                   ) -> BatchPlan:
-    """:func:`~.planbuilder.build_plan`, following the source's DDL (see the module
-    doc): a Relation with columns its target lacks is planned again against the
-    target's shape after the DDL, which the merge runs first in its transaction. Under
-    ``schema_changes: stop`` (or without a source to read the column's definition from)
-    the table stops, as before, now with the DDL to run."""
+PlanBuild = Callable[[TargetResolver], BatchPlan]
+"""One planning of the batch against the target shapes ``resolve`` gives: the driver's
+:func:`~.planbuilder.build_plan`, or Spark's planner's split (its driver's walk)."""
+
+
+def plan_following(batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None,
+                   build: PlanBuild | None = None) -> BatchPlan:
+    """:func:`~.planbuilder.build_plan` (or ``build``), following the source's DDL (see
+    the module doc): a Relation with columns its target lacks is planned again against
+    the target's shape after the DDL, which the merge runs first in its transaction.
+    Under ``schema_changes: stop`` (or without a source to read the column's definition
+    from) the table stops, as before, now with the DDL to run.
+
+    ``build``: Spark's planner decides the DDL here, in its driver, from the batch's
+    Relation messages, and ships its tasks the shapes after it (they stage against
+    those, as the driver path does); the merge runs it, as for any batch."""
     state = _Following(batch, writer)
     base = resolver(writer, batch)
 
@@ -98,9 +107,13 @@ def plan_following(batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None
         found = state.overrides.get(name)
         return base(name) if found is None else found
 
+    def in_driver(resolve: TargetResolver) -> BatchPlan:
+        return build_plan(batch, resolve, expected, writer.relation_maps)
+
+    plan_once = build or in_driver
     for _ in range(MAX_FOLLOWED_RELATIONS):
         try:
-            plan = build_plan(batch, resolve, expected, writer.relation_maps)
+            plan = plan_once(resolve)
         except ColumnsMissing as missing:
             if writer.source_dsn is None:
                 raise
@@ -114,7 +127,7 @@ def plan_following(batch: ApplyBatch, writer: TargetWriter, expected: Lsn | None
         plan.schema_changes = tuple(state.followed)
         plan.published = published
         return plan
-    return build_plan(batch, resolve, expected, writer.relation_maps)
+    return plan_once(resolve)
 
 
 def _follow_missing(state: _Following, missing: ColumnsMissing) -> None:

@@ -36,6 +36,7 @@ from pgsieve.apply.plan import (
     TruncateOp,
     UpdateImages,
 )
+from pgsieve.platform.states import SyncState
 from pgsieve.wire.assembler import Change
 from pgsieve.wire.decoder import Decoder
 from pgsieve.wire.lsn import Lsn
@@ -154,6 +155,13 @@ class PlanBuilder:
         if route is None:
             result = None
             self.unrouted.add(rel.qualified_name)
+        elif route.sync_state != SyncState.READY:
+            # None of its changes apply (TableRoute.applies), and its shape is not this
+            # stream's to judge: a table being copied or caught up from its own slot
+            # follows its source DDL there (streaming/catchup), up to the hand-over.
+            # Mapped against the target, a Relation the copy's catch-up has not met yet
+            # would be followed (or stop the table) here, ahead of the rows it precedes.
+            result = None
         elif self.known is not None:
             result = self.known.get(rel, route, self.resolve(route.target_table))
         else:

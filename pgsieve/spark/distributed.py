@@ -10,6 +10,13 @@ the shared staging tables over its own target connection. Keys never span partit
 the staged rows are exactly what the driver path would stage. The merge is the driver's,
 as for small batches.
 
+Source DDL (``schema_changes``) is decided before any task runs, in the driver, by the
+same loop as the driver path's (:func:`~pgsieve.apply.following.plan_following`): the
+batch's Relation messages are all the driver walk needs, and each followed change is
+split again against the target's shape after it. The tasks get those shapes (and stage
+against them, as the driver path stages before its merge); the merge runs the DDL first
+in its transaction and records it in the journal, as for a driver batch.
+
 The apply engine (:mod:`pgsieve.apply.engine`) does not import this module: it asks a
 :class:`~pgsieve.apply.planner.DistributedPlanner`, and :class:`SparkPlanner` is the one
 :mod:`pgsieve.workers` hands in. The threshold between the two paths is the engine's.
@@ -29,11 +36,12 @@ import pyarrow as pa  # type: ignore[import-untyped]
 
 from pgsieve.apply.batch import ApplyBatch, TableRoute
 from pgsieve.apply.columns import TargetTable
-from pgsieve.apply.driver import fetch_pending, resolver
+from pgsieve.apply.driver import fetch_pending
 from pgsieve.apply.fetchmarks import key_of_text, key_text
+from pgsieve.apply.following import plan_following
 from pgsieve.apply.merge import StagedTable
-from pgsieve.apply.plan import BatchPlan, RelationMap, TablePlan
-from pgsieve.apply.planbuilder import PlanBuilder, RawView, raw_view
+from pgsieve.apply.plan import BatchPlan, RelationMap, RelationMaps, TablePlan
+from pgsieve.apply.planbuilder import PlanBuilder, RawView, TargetResolver, raw_view
 from pgsieve.apply.planner import DistributedPlanner
 from pgsieve.apply.staging import StageEncoder, StageSummary
 from pgsieve.apply.target import TargetWriter
@@ -102,8 +110,8 @@ class _Splitter(PlanBuilder):
     effects, each change appended to its partition."""
 
     def __init__(self, batch: ApplyBatch, resolve: Any, applied_lsn: Lsn | None,
-                 partitions: int) -> None:
-        super().__init__(batch, resolve, applied_lsn)
+                 partitions: int, known: RelationMaps | None = None) -> None:
+        super().__init__(batch, resolve, applied_lsn, known)
         self.partitions = partitions
         self.parts: list[dict[str, _TableItems]] = [{} for _ in range(partitions)]
         self.whole: dict[str, int] = {}
@@ -367,8 +375,18 @@ def plan_and_stage(spark: Any, batch: ApplyBatch, writer: TargetWriter, expected
 
     t = time.perf_counter()
     partitions = max(2, int(spark.sparkContext.defaultParallelism))
-    splitter = _Splitter(batch, resolver(writer, batch), expected, partitions)
-    plan = splitter.build()
+    splits: list[_Splitter] = []
+
+    def split(resolve: TargetResolver) -> BatchPlan:
+        splits.append(_Splitter(batch, resolve, expected, partitions, writer.relation_maps))
+        return splits[-1].build()
+
+    # The source's DDL is decided here, in the driver, as the driver path decides it
+    # (apply.following): from the batch's Relation messages, against the target's
+    # shapes, split again against the shapes after it. The tasks get those shapes and
+    # stage against them; the merge runs the DDL first in its transaction.
+    plan = plan_following(batch, writer, expected, split)
+    splitter = splits[-1]
     timings["split"] = (now := time.perf_counter()) - t
     t = now
     staging: dict[str, str] = {}

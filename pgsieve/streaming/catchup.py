@@ -13,6 +13,20 @@ stream applies it) and drops the sync slot.
 Exactly once here too: the catch-up records its progress in the target under its own key
 (``<subscription>:sync:<table id>`` in ``pgsieve.applied``), in the same transaction as
 the rows, and resumes after it.
+
+Source DDL met here is the catch-up's to follow, under the subscription's
+``schema_changes`` and ``drop_columns`` as the main stream's (issue 57): the same apply
+job runs it in the batch's transaction, with the rows, this writer's applied record, the
+journal row and the table's ``pgsieve.published_columns`` record — kept under the
+subscription's id, not the catch-up's key, because the main stream reads that record
+after the hand-over. The main stream leaves a table that is not ``ready`` alone
+(:meth:`~pgsieve.apply.planbuilder.PlanBuilder.relation_map`: no map, so no DDL, no
+stop, no record), so only one of the two ever judges its shape: the catch-up up to
+``upto``, the main stream after it. Meeting the same Relation again after the hand-over,
+the main stream finds the target's shape and the record already as the Relation says
+(its cached shapes are read again at the hand-over: :mod:`.streamrun`), and does
+nothing. The journal is delivered (record, audit, metric, a resync) after each batch
+that followed a change, and at the start for a catch-up killed in between.
 """
 
 from __future__ import annotations
@@ -32,6 +46,7 @@ from pgsieve.apply.batch import (
     RoutesChanged,
     TableRoute,
     TableStopped,
+    schema_change_policy,
 )
 from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.planner import DistributedPlanner
@@ -45,6 +60,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState, SyncState
 from pgsieve.rowfilter.parse import parse_table_name
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.schemarecords import deliver_journal, record_stopped
 from pgsieve.streaming.transports.base import PgoutputOptions, max_proto_version
 from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.sync.tablesync import drop_sync_slot, resync_later
@@ -113,6 +129,8 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
         if not _still_catching_up(sessions, subscription_id, table_name, slot):
             _let_go(writer)
             return
+        # A catch-up killed after a DDL's commit left its journal rows.
+        deliver_journal(sessions, settings, writer, subscription_id, beside_merges=False)
         consumer = SlotConsumer(transport, proto_version=proto, resume_after=writer.applied_lsn())
         pending: list[Transaction] = []
 
@@ -122,7 +140,9 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
             batch = ApplyBatch(subscription_id=subscription_id, transactions=list(pending),
                                routes=routes,
                                on_conflict=str(options.get("on_conflict", DEFAULT_CONFLICT_POLICY)),  # type: ignore[arg-type]
-                               skip_lsn=skip_lsn, routes_epoch=epoch)
+                               skip_lsn=skip_lsn, routes_epoch=epoch,
+                               schema_changes=schema_change_policy(options),
+                               drop_columns=bool(options.get("drop_columns", False)))
             try:
                 result = apply_batch(planner, batch, writer)
             finally:
@@ -130,6 +150,9 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
                     txn.close()
                 pending.clear()
             consumer.confirm(result.end_lsn)
+            if result.schema_changes:
+                deliver_journal(sessions, settings, writer, subscription_id,
+                                beside_merges=False)
 
         done = False
         while not done:
@@ -150,7 +173,12 @@ def catch_up(settings: Settings, subscription_id: str, table_name: str, upto: Ls
             flush()
     except (ApplyConflict, TableStopped) as exc:
         writer.close()
-        _stop(sessions, subscription_id, table_name, str(exc))
+        code = None
+        if isinstance(exc, TableStopped):
+            code = exc.code
+            if exc.schema_change is not None:
+                record_stopped(sessions, subscription_id, exc.schema_change)
+        _stop(sessions, subscription_id, table_name, str(exc), code)
         return
     except RoutesChanged:
         _let_go(writer)
@@ -214,7 +242,7 @@ def _mark_ready(sessions: sessionmaker[Session], subscription_id: str, table_nam
 
 
 def _stop(sessions: sessionmaker[Session], subscription_id: str, table_name: str,
-          detail: str) -> None:
+          detail: str, code: str | None = None) -> None:
     detail = scrub_secrets(detail)
     log.error("subscription %s: catch-up of %s stopped: %s", subscription_id, table_name, detail)
     with sessions() as session:
@@ -222,7 +250,7 @@ def _stop(sessions: sessionmaker[Session], subscription_id: str, table_name: str
         if sub is None:
             return
         sub.state, sub.error = SubscriptionState.ERROR, f"catch-up of {table_name}: {detail}"
-        sub.error_code = None
+        sub.error_code = code  # (schema_change_unsupported, as the main stream's stop)
         for t in sub.tables:
             if t.table_name == table_name:
                 t.error = detail

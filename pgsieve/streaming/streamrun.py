@@ -289,15 +289,22 @@ class StreamRun(StreamApplier):
         # A table waiting for its catch-up is looked at again every turn until done.
         self._control_requested = self._control_requested or catchup
         self.enabled, self.on_conflict, self.skip_lsn = enabled, on_conflict, skip_lsn
+        caught_up = False
         if catchup and not len(self.batcher):
             self._settle_merges()
             self.cycle._catch_up_tables(self.writer.applied_lsn())
             routes = self.cycle.load_routes()[0]
+            caught_up = True
         changed = routes != self.routes
         if changed:  # (merges in flight carry the old routes: done before anyone is told)
             self._settle_merges()
             # A table's catch-up may have handed its marks over (catchup.hand_over_marks).
             self.writer.fetch_marks.invalidate()
+            if caught_up:
+                # ... and followed its table's source DDL at the target, through a
+                # writer of its own: the shapes this one cached are read again, so the
+                # Relation the catch-up followed finds the target as it is now.
+                self.writer.invalidate()
         self.routes = routes
 
     def _current_source_lsn(self, now: float) -> Lsn | None:

@@ -195,3 +195,25 @@ def test_relation_maps_kept_across_batches_plan_as_fresh_ones(seed: int) -> None
     for _ in range(2):  # refused every time, never kept
         with pytest.raises(TableStopped):
             known.get(rel, route, narrow)
+
+
+@pytest.mark.parametrize("state", [SyncState.INIT, SyncState.COPY, SyncState.CATCHUP])
+def test_a_table_that_is_not_ready_is_never_mapped_onto_its_target(state: SyncState) -> None:
+    """A table being copied or caught up from its own slot is not the stream's to judge:
+    its target is not even looked up, so a Relation its target lacks a column of neither
+    stops the batch nor is followed (issue 57: its catch-up follows it, up to the
+    hand-over); the other table plans as usual, and the table is not taken for new."""
+    rng = random.Random(7)
+    txns = packed_transactions(workload(rng, 60), rng)
+    routes = {"public.t": TableRoute("public.t", "public.t"),
+              "public.u": TableRoute("public.u", "public.u", state)}
+
+    def resolve(qualified: str) -> TargetTable:
+        assert qualified == "public.t", f"{qualified} looked up"
+        return target("t")
+
+    for plan in (build_plan(ApplyBatch("sub", txns, routes), resolve, None, RelationMaps()),
+                 OneByOne(ApplyBatch("sub", txns, routes), resolve, None).build()):
+        assert set(plan.tables) == {"public.t"}
+        assert {rm.source_table for rm in plan.relation_maps.values()} == {"public.t"}
+        assert "public.u" not in plan.counts and plan.unrouted == frozenset()
