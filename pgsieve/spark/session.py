@@ -149,6 +149,7 @@ def get_spark(settings: Settings) -> SparkSession:
         session: SparkSession = builder.getOrCreate()
         if not settings.spark_master.startswith("sc://"):
             session.sparkContext.setLogLevel("WARN")
+            _python_for_tasks(session, props)
         try:
             shipped = ship_code(session, settings.spark_master, settings.spark_ship_code,
                                 settings.state_dir)
@@ -228,6 +229,18 @@ def executors_ready(spark: Any, wait: float = 0.0) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(EXECUTOR_POLL_SECONDS)
+
+
+def _python_for_tasks(session: SparkSession, props: dict[str, str]) -> None:
+    """Make ``spark.pyspark.python`` the executors' Python. Why: a driver started from
+    Python (this process, not ``spark-submit``) gives every task the interpreter its
+    SparkContext read from ``PYSPARK_PYTHON`` when it started, else ``python3`` from the
+    executor's ``PATH`` — the property alone changed nothing (measured with pyspark 4.3
+    on a standalone cluster: an executor ran ``python3`` while the property named
+    another). As with ``spark-submit``, the property wins over the variable."""
+    python = props.get("spark.pyspark.python")
+    if python:
+        session.sparkContext.pythonExec = python
 
 
 def shipped_code() -> ShippedCode | None:
