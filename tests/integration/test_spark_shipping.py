@@ -1,18 +1,21 @@
 """pgsieve's Spark jobs on a cluster whose executors do not have pgsieve (issue 59, item 6).
 
-Why a cluster of its own (a master, a worker and three short applications: ~40 s): the
-claim is about what an executor's Python can import, which only a real executor shows.
+Why a cluster of its own (a master, a worker and two short applications: ~60 s on this
+busy 2-core machine): the claim is about what an executor's Python can import, which
+only a real executor shows.
 Its executors run a Python that cannot import pgsieve: a fresh virtualenv whose path file
 adds the dependencies' directory of this checkout's environment but not that
 directory's own path files — so the editable ``pgsieve`` is not importable there, while
 pyspark, psycopg and the rest are (the trick of tests/test_wheel.py). Proven first,
 with the environment the worker hands its executors.
 
-Then: without shipping, a task fails naming the missing pgsieve (the issue's symptom,
-now said plainly); with ``PGSIEVE_SPARK_SHIP_CODE=auto`` an initial sync's ranges are
-copied by executor tasks that import pgsieve from the shipped zip, and the rows arrive;
-a second session ships the same zip without rebuilding it; an executor whose pyspark
-differs from the driver's is named as such.
+Then, with ``PGSIEVE_SPARK_SHIP_CODE=auto``: an initial sync's ranges are copied by
+executor tasks that import pgsieve from the shipped zip, and the rows arrive; a second
+session ships the same zip without rebuilding it, and the apply's Spark path runs there
+and ends like native replication; an executor whose pyspark differs from the driver's
+is named as such. (Without shipping, such an executor's task says that pgsieve is not
+importable there: tests/unit/test_spark_shipping.py unpickles the very wrapper in a
+Python without pgsieve — a third application here would cost ~20 s more.)
 """
 
 from __future__ import annotations
@@ -29,15 +32,20 @@ import pytest
 
 from pgsieve.platform.settings import Settings
 from pgsieve.spark import session as spark_session
+from pgsieve.spark.distributed import SparkPlanner
 from pgsieve.spark.session import get_spark, stop_spark
 from pgsieve.spark.shipping import CODE_DIR, checked, driver_versions
 from pgsieve.spark.standalone import SparkCluster, spark_cluster
 from pgsieve.spark.sync import run_tasks
-from pgsieve.sync.copypipe import _ready as copypipe_ready
 from pgsieve.sync.copypipe import warm_up
+from tests.integration import test_apply as harness
 from tests.integration.sync_env import rows, sync_env
+from tests.integration.test_apply import Pair
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow]
+
+native_db = harness.native_db
+pair = harness.pair
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +82,7 @@ def settings_for(cluster: SparkCluster, python: Path, home: Path, **over: Any) -
 
 
 WHERE_PGSIEVE = lambda _: (  # noqa: E731 - a lambda travels by value (tests/ is not there)
-    __import__("pgsieve").__file__,
+    __import__("sys").executable, __import__("pgsieve").__file__,
     __import__("pgsieve.apply.hotpath", fromlist=["compiled"]).compiled is None)
 
 
@@ -84,21 +92,6 @@ def test_the_executors_python_cannot_import_pgsieve(bare_python: Path):
         [str(bare_python), "-c", "import pyspark, psycopg, pyarrow; import pgsieve"],
         capture_output=True, text=True, env=env, cwd="/")
     assert found.returncode != 0 and "No module named 'pgsieve'" in found.stderr, found
-
-
-def test_without_shipping_a_task_names_the_missing_pgsieve(
-        tmp_path: Path, cluster: SparkCluster, bare_python: Path):
-    stop_spark()
-    try:
-        spark = get_spark(Settings(_env_file=None, **settings_for(
-            cluster, bare_python, tmp_path / "home", spark_ship_code="never")))
-        assert spark_session.shipped_code() is None
-        with pytest.raises(Exception) as info:
-            run_tasks(spark, copypipe_ready, [0])
-        assert "pgsieve is not importable" in str(info.value)
-        assert f"the executor's Python ({bare_python}:" in str(info.value)
-    finally:
-        stop_spark()
 
 
 @pytest.fixture(scope="module")
@@ -123,10 +116,11 @@ def test_an_initial_sync_runs_in_executors_from_the_shipped_zip(
         spark = get_spark(Settings(_env_file=None, **over))
         shipped = spark_session.shipped_code()
         assert shipped is not None and shipped.path.parent == home / CODE_DIR
-        (where, reference), = run_tasks(spark, WHERE_PGSIEVE, [0])
+        (python, where, reference), = run_tasks(spark, WHERE_PGSIEVE, [0])
+        assert python == str(bare_python)
         # the executor's pgsieve is the zip's (Spark's copy of it), its hot path the
         # pure-Python reference
-        assert shipped.path.name in where and reference, (where, reference)
+        assert shipped.path.name in str(where) and reference, (where, reference)
         warm_up(spark)
         before = cluster.executor_logs().count("Finished task")
         over.pop("home")
@@ -145,8 +139,11 @@ def test_an_initial_sync_runs_in_executors_from_the_shipped_zip(
         stop_spark()
 
 
-def test_a_second_session_ships_the_same_zip_and_mismatches_are_named(
-        cluster: SparkCluster, bare_python: Path, home: Path):
+def test_a_second_session_reuses_the_zip_runs_the_spark_apply_and_names_mismatches(
+        cluster: SparkCluster, bare_python: Path, home: Path, pair: Pair):
+    """The same worker started again: the zip is found, not rebuilt. On that session the
+    apply's Spark path (``mapInArrow`` tasks that plan with pyarrow and stage over
+    psycopg) runs in the executors from the zip and ends like native replication."""
     zips = sorted((home / CODE_DIR).glob("*.zip"))
     assert len(zips) == 1, "the sync test's session built it"
     stat = zips[0].stat()
@@ -157,6 +154,20 @@ def test_a_second_session_ships_the_same_zip_and_mismatches_are_named(
         assert shipped is not None and shipped.path == zips[0] and not shipped.built
         assert shipped.path.stat().st_mtime_ns == stat.st_mtime_ns
         assert sorted(p.name for p in (home / CODE_DIR).iterdir()) == [zips[0].name]
+
+        pair.setup("""
+        CREATE TABLE acct (id int PRIMARY KEY, owner text, balance numeric(12, 2));
+        CREATE PUBLICATION p FOR TABLE acct WHERE (id % 4 <> 0);
+        """, tables=["public.acct"])
+        pair.run("INSERT INTO acct SELECT g, 'o' || g, g * 1.5 FROM generate_series(1, 2000) g",
+                 "UPDATE acct SET balance = balance + 1 WHERE id % 3 = 0",
+                 "DELETE FROM acct WHERE id % 10 = 1",
+                 "UPDATE acct SET id = id + 10000 WHERE id % 17 = 0")
+        results = pair.apply(None, planner=SparkPlanner(spark), distributed=True)
+        assert results and all(r.distributed for r in results)
+        assert all(r.spark["executors"] >= 1 for r in results)
+        pair.assert_same("acct")
+
         python, pyspark_version = driver_versions()
         task = checked(lambda x: x, expected=(python, "3.5.1"))
         with pytest.raises(Exception) as info:
