@@ -195,3 +195,29 @@ def test_the_wrapper_travels_to_a_python_without_pgsieve(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "pgsieve is not importable" in out.stdout
     assert "PGSIEVE_SPARK_SHIP_CODE" in out.stdout
+
+
+EXECUTOR_PACKAGES = {
+    "copy and diff tasks": (["pgsieve.sync.copypipe", "pgsieve.sync.reconcile.keyranges"],
+                            {"psycopg", "psycopg_binary", "typing_extensions",
+                             "cryptography", "_cffi_backend", "_openssl"}),
+}
+"""What docs/operations.md promises a copy's and a diff's tasks import on an executor
+(third-party, top level; a compiled module's Cython runtime aside)."""
+
+
+@pytest.mark.parametrize("what", sorted(EXECUTOR_PACKAGES))
+def test_the_executor_side_imports_stay_what_the_docs_say(what):
+    """The executors' contract lists the packages the tasks import: a new import in the
+    modules a task runs (or in what they import) must show up here first — pydantic,
+    SQLAlchemy and the settings are kept off this path on purpose."""
+    modules, allowed = EXECUTOR_PACKAGES[what]
+    code = ("import sys; before = set(sys.modules)\n"
+            + "".join(f"import {m}\n" for m in modules)
+            + "new = {n.split('.')[0] for n in set(sys.modules) - before}\n"
+            "print(' '.join(sorted(new - set(sys.stdlib_module_names))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    imported = {m for m in out if m != "pgsieve" and not m.startswith(("_cython", "cython",
+                                                                       "_sysconfigdata"))}
+    assert imported <= allowed, f"{what} now import {sorted(imported - allowed)}"
