@@ -36,7 +36,7 @@ from pgsieve.spark.distributed import SparkPlanner
 from pgsieve.spark.session import get_spark, stop_spark
 from pgsieve.spark.shipping import CODE_DIR, checked, driver_versions
 from pgsieve.spark.standalone import SparkCluster, spark_cluster
-from pgsieve.spark.sync import run_tasks
+from pgsieve.spark.sync import run_tasks, spark_error_message
 from pgsieve.sync.copypipe import warm_up
 from tests.integration import test_apply as harness
 from tests.integration.sync_env import rows, sync_env
@@ -176,5 +176,7 @@ def test_a_second_session_reuses_the_zip_runs_the_spark_apply_and_names_mismatch
         assert "pgsieve_executor_mismatch" in message
         assert "pyspark 3.5.1" in message and f"pyspark {pyspark_version}" in message
         assert str(bare_python) in message
+        # what a sync job's error shows: the check's own line out of Spark's wrapping
+        assert spark_error_message(info.value).startswith("pgsieve_executor_mismatch: ")
     finally:
         stop_spark()
