@@ -2,20 +2,23 @@
 
 Why a cluster of its own (a master, a worker and two short applications: ~60 s on this
 busy 2-core machine): the claim is about what an executor's Python can import, which
-only a real executor shows.
-Its executors run a Python that cannot import pgsieve: a fresh virtualenv whose path file
-adds the dependencies' directory of this checkout's environment but not that
-directory's own path files — so the editable ``pgsieve`` is not importable there, while
-pyspark, psycopg and the rest are (the trick of tests/test_wheel.py). Proven first,
-with the environment the worker hands its executors.
+only a real executor shows. Its executors run Pythons that cannot import pgsieve, fresh
+virtualenvs (proven first, with the environment the worker hands its executors):
 
-Then, with ``PGSIEVE_SPARK_SHIP_CODE=auto``: an initial sync's ranges are copied by
-executor tasks that import pgsieve from the shipped zip, and the rows arrive; a second
-session ships the same zip without rebuilding it, and the apply's Spark path runs there
-and ends like native replication; an executor whose pyspark differs from the driver's
-is named as such. (Without shipping, such an executor's task says that pgsieve is not
-importable there: tests/unit/test_spark_shipping.py unpickles the very wrapper in a
-Python without pgsieve — a third application here would cost ~20 s more.)
+* for the initial sync, one holding only what docs/operations.md says a copy's tasks
+  need — psycopg and cryptography (pyspark comes from the cluster's Spark);
+* for the apply's Spark path, one whose path file adds the dependencies' directory of
+  this checkout's environment but not that directory's own path files, so the editable
+  ``pgsieve`` is not importable while everything else is (the trick of
+  tests/test_wheel.py).
+
+With ``PGSIEVE_SPARK_SHIP_CODE=auto``: an initial sync's ranges are copied by executor
+tasks that import pgsieve from the shipped zip, and the rows arrive; a second session
+ships the same zip without rebuilding it, and the apply's Spark path runs there and ends
+like native replication; an executor whose pyspark differs from the driver's is named as
+such. (Without shipping, such an executor's task says that pgsieve is not importable
+there: tests/unit/test_spark_shipping.py unpickles the very wrapper in a Python without
+pgsieve — a third application here would cost ~20 s more.)
 """
 
 from __future__ import annotations
@@ -48,16 +51,40 @@ native_db = harness.native_db
 pair = harness.pair
 
 
-@pytest.fixture(scope="module")
-def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A Python with this environment's dependencies but not pgsieve."""
-    venv = tmp_path_factory.mktemp("bare") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
+def _venv(where: Path) -> tuple[Path, Path]:
+    """A fresh virtualenv without pip: its Python and its site-packages."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    python = where / "bin" / "python"
     site = subprocess.run([str(python), "-c",
                            "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
-    Path(site, "zz_dependencies_only.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python, Path(site)
+
+
+DEPENDENCIES = Path(sysconfig.get_paths()["purelib"])
+
+COPY_TASK_PACKAGES = ("psycopg", "psycopg_binary", "psycopg_binary.libs", "cryptography",
+                      "cffi", "typing_extensions.py")
+"""What docs/operations.md says a copy's tasks need on an executor (with pyspark, which
+the executors take from the cluster's Spark)."""
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Python with this environment's dependencies but not pgsieve: a path file adds
+    their directory, whose own path files (the editable pgsieve's) are not processed."""
+    python, site = _venv(tmp_path_factory.mktemp("bare") / "venv")
+    Path(site, "zz_dependencies_only.pth").write_text(f"{DEPENDENCIES}\n")
+    return python
+
+
+@pytest.fixture(scope="module")
+def copy_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Python with only the packages the docs promise a copy's tasks need — no
+    pgsieve, no pydantic, SQLAlchemy, pyarrow."""
+    python, site = _venv(tmp_path_factory.mktemp("copy") / "venv")
+    for name in (*COPY_TASK_PACKAGES, *(p.name for p in DEPENDENCIES.glob("_cffi_backend*"))):
+        (site / name).symlink_to(DEPENDENCIES / name)
     return python
 
 
@@ -83,15 +110,23 @@ def settings_for(cluster: SparkCluster, python: Path, home: Path, **over: Any) -
 
 WHERE_PGSIEVE = lambda _: (  # noqa: E731 - a lambda travels by value (tests/ is not there)
     __import__("sys").executable, __import__("pgsieve").__file__,
-    __import__("pgsieve.apply.hotpath", fromlist=["compiled"]).compiled is None)
+    __import__("pgsieve.wire.hotpath", fromlist=["compiled"]).compiled is None)
 
 
-def test_the_executors_python_cannot_import_pgsieve(bare_python: Path):
+def test_the_executors_pythons_cannot_import_pgsieve(bare_python: Path, copy_python: Path):
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}  # the worker's
-    found = subprocess.run(
-        [str(bare_python), "-c", "import pyspark, psycopg, pyarrow; import pgsieve"],
-        capture_output=True, text=True, env=env, cwd="/")
+
+    def attempt(python: Path, code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(python), "-c", code], capture_output=True, text=True,
+                              env=env, cwd="/")
+
+    found = attempt(bare_python, "import pyspark, psycopg, pyarrow, pydantic; import pgsieve")
     assert found.returncode != 0 and "No module named 'pgsieve'" in found.stderr, found
+    found = attempt(copy_python, "import psycopg, cryptography.fernet; import pgsieve")
+    assert found.returncode != 0 and "No module named 'pgsieve'" in found.stderr, found
+    for absent in ("pydantic", "sqlalchemy", "pyarrow"):
+        found = attempt(copy_python, f"import {absent}")
+        assert f"No module named '{absent}'" in found.stderr, found
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +135,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_an_initial_sync_runs_in_executors_from_the_shipped_zip(
-        tmp_path: Path, cluster: SparkCluster, bare_python: Path, home: Path, source_db,
+        tmp_path: Path, cluster: SparkCluster, copy_python: Path, home: Path, source_db,
         target_db):
     source_db.execute("""
     CREATE TABLE orders (id int PRIMARY KEY, region text NOT NULL, note text);
@@ -112,14 +147,14 @@ def test_an_initial_sync_runs_in_executors_from_the_shipped_zip(
                       "note text)")
     stop_spark()
     try:
-        over = settings_for(cluster, bare_python, home, spark_copy_min_mb=0)
+        over = settings_for(cluster, copy_python, home, spark_copy_min_mb=0)
         spark = get_spark(Settings(_env_file=None, **over))
         shipped = spark_session.shipped_code()
         assert shipped is not None and shipped.path.parent == home / CODE_DIR
         (python, where, reference), = run_tasks(spark, WHERE_PGSIEVE, [0])
-        assert python == str(bare_python)
+        assert python == str(copy_python)
         # the executor's pgsieve is the zip's (Spark's copy of it), its hot path the
-        # pure-Python reference
+        # pure-Python reference; its Python has only what the docs list for a copy
         assert shipped.path.name in str(where) and reference, (where, reference)
         warm_up(spark)
         before = cluster.executor_logs().count("Finished task")
