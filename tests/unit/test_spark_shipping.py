@@ -144,6 +144,14 @@ def test_when_the_code_ships(master, mode, ships):
     assert should_ship(master, mode) is ships
 
 
+def test_nothing_is_built_or_shipped_where_it_should_not_be(tmp_path):
+    """A local master (or ``never``) ships nothing and writes nothing: ``ship_code``
+    does not even look at the session."""
+    assert shipping.ship_code(object(), "local[2]", "auto", tmp_path) is None
+    assert shipping.ship_code(object(), "spark://m:7077", "never", tmp_path) is None
+    assert not (tmp_path / CODE_DIR).exists()
+
+
 def _double(x: int) -> int:
     return 2 * x
 
