@@ -54,7 +54,6 @@ from pgsieve.platform.hostpolicy import (
     MAX_HOSTS,
     ConnectionPolicy,
 )
-from pgsieve.platform.settings import get_settings
 
 __all__ = [
     "DSN_FEATURES",
@@ -111,11 +110,22 @@ def connection_scope(scope: ConnectionScope) -> Iterator[ConnectionScope]:
         _SCOPE.reset(token)
 
 
+def _settings_policy() -> ConnectionPolicy:
+    """This process's settings' policy. The settings (pydantic, and through the
+    credential keyring SQLAlchemy) are imported on first use, not with this module: a
+    Spark task imports this module on an executor and always runs in a scope carrying
+    the driver's policy, so it never reads settings — and an executor need not have
+    their packages (docs/operations.md, running on a Spark cluster)."""
+    from pgsieve.platform.settings import get_settings
+
+    return get_settings().connection_policy()
+
+
 def policy_in_force() -> ConnectionPolicy:
     """The policy connections opened here obey: the scope's, else this process's
     settings (``PGSIEVE_ALLOWED_HOSTS``, ``PGSIEVE_DSN_ALLOW``)."""
     scope = _SCOPE.get()
-    return scope.policy if scope is not None else get_settings().connection_policy()
+    return scope.policy if scope is not None else _settings_policy()
 
 
 # -- the session ---------------------------------------------------------------------------
@@ -189,7 +199,7 @@ def secure_conninfo(
     """
     scope = _SCOPE.get()
     if policy is None:
-        policy = scope.policy if scope is not None else get_settings().connection_policy()
+        policy = scope.policy if scope is not None else _settings_policy()
     dsn = check_dsn(dsn, policy)
     if scope is not None and scope.admit is not None:
         scope.admit(target_of(dsn))

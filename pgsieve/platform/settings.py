@@ -70,6 +70,11 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="extra Spark properties as a JSON object (PGSIEVE_SPARK_CONF)",
     )
+    spark_ship_code: Literal["auto", "always", "never"] = Field(
+        default="auto", description="ship pgsieve's Python sources with its Spark jobs "
+        "(a zip added to the session): auto — for every master but local; always; never "
+        "— the executors have pgsieve installed",
+    )
     spark_apply_min_changes: int | Literal["auto"] = Field(
         default="auto",
         description="batches with at least this many changes are planned and staged by "

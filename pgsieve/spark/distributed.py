@@ -55,6 +55,7 @@ from pgsieve.spark.session import (
     job_group_report,
     spark_unavailable,
 )
+from pgsieve.spark.shipping import checked
 from pgsieve.wire.assembler import Change
 from pgsieve.wire.decoder import Decoder
 from pgsieve.wire.lsn import Lsn
@@ -428,7 +429,7 @@ def plan_and_stage(spark: Any, batch: ApplyBatch, writer: TargetWriter, expected
         sc.setJobGroup(apply_job_group(batch), f"pgsieve apply {batch.subscription_id} "
                        f"up to {batch.end_lsn}", True)
         try:
-            rows = df.mapInArrow(stage_partition, "result string").collect()
+            rows = df.mapInArrow(checked(stage_partition), "result string").collect()
         finally:  # this thread's later jobs (a sync's, say) are not the batch's
             sc._jsc.clearJobGroup()
         for row in rows:

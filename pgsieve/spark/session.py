@@ -14,9 +14,14 @@ Where Spark runs is configuration only:
 * ``PGSIEVE_SPARK_CONF`` — JSON object of extra Spark properties, applied last (e.g.
   ``{"spark.executor.memory": "4g", "spark.executor.instances": "4"}``).
 
-Executors must be able to import ``pgsieve`` (the same image or virtualenv as the
-worker, as ``docker-compose.yml`` does) and to reach the target database: apply tasks
-COPY their share of a batch into staging tables themselves.
+* ``PGSIEVE_SPARK_SHIP_CODE`` — ``auto`` (default): a session on any master but local
+  ships pgsieve's Python sources with its jobs (:mod:`.shipping`: a zip built once per
+  version and content under ``PGSIEVE_HOME``), so executors need only a matching Python
+  and pyspark and pgsieve's third-party packages, not pgsieve; ``never`` where the
+  executors have pgsieve installed (``docker-compose.yml``'s one image).
+
+Executors must reach the target database (and the source): copy and apply tasks open
+their own connections.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pgsieve.platform.settings import Settings
+from pgsieve.spark.shipping import ShippedCode, ship_code
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _session: SparkSession | None = None
 _key: tuple[str, tuple[tuple[str, str], ...]] | None = None
+_shipped: ShippedCode | None = None
 
 LOCAL_DEFAULTS: dict[str, str] = {
     "spark.app.name": "pgsieve",
@@ -120,7 +127,7 @@ def cluster_task_slots(spark: Any) -> int:
 def get_spark(settings: Settings) -> SparkSession:
     """The process's SparkSession for ``settings`` (created on first call; later calls
     return the same one; a stopped session is replaced)."""
-    global _session, _key
+    global _session, _key, _shipped
     props = spark_properties(settings)
     key = (settings.spark_master, tuple(sorted(props.items())))
     with _lock:
@@ -142,7 +149,14 @@ def get_spark(settings: Settings) -> SparkSession:
         session: SparkSession = builder.getOrCreate()
         if not settings.spark_master.startswith("sc://"):
             session.sparkContext.setLogLevel("WARN")
-        _session, _key = session, key
+            _python_for_tasks(session, props)
+        try:
+            shipped = ship_code(session, settings.spark_master, settings.spark_ship_code,
+                                settings.state_dir)
+        except BaseException:
+            session.stop()  # a session whose tasks cannot import pgsieve is no use
+            raise
+        _session, _key, _shipped = session, key, shipped
         log.info("SparkSession started (master %s)", settings.spark_master)
         return session
 
@@ -215,6 +229,23 @@ def executors_ready(spark: Any, wait: float = 0.0) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(EXECUTOR_POLL_SECONDS)
+
+
+def _python_for_tasks(session: SparkSession, props: dict[str, str]) -> None:
+    """Make ``spark.pyspark.python`` the executors' Python. Why: a driver started from
+    Python (this process, not ``spark-submit``) gives every task the interpreter its
+    SparkContext read from ``PYSPARK_PYTHON`` when it started, else ``python3`` from the
+    executor's ``PATH`` — the property alone changed nothing (measured with pyspark 4.3
+    on a standalone cluster: an executor ran ``python3`` while the property named
+    another). As with ``spark-submit``, the property wins over the variable."""
+    python = props.get("spark.pyspark.python")
+    if python:
+        session.sparkContext.pythonExec = python
+
+
+def shipped_code() -> ShippedCode | None:
+    """The code zip the process's session shipped (None: none shipped, or no session)."""
+    return _shipped if _session is not None else None
 
 
 def _alive(session: SparkSession) -> bool:

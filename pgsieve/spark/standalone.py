@@ -52,10 +52,12 @@ class SparkCluster:
         """The ``PGSIEVE_*`` settings (as :class:`~pgsieve.platform.settings.Settings`
         fields) of a pgsieve worker on this cluster: the master, the shared secret, and —
         since the executors run on this machine — this interpreter and its import path
-        for the Python tasks."""
+        for the Python tasks; so nothing is shipped (their pgsieve is this one, with its
+        compiled hot path)."""
         return {
             "spark_master": self.master_url,
             "spark_auth_secret": self.secret,
+            "spark_ship_code": "never",
             "spark_conf": {
                 "spark.executor.memory": "768m", "spark.pyspark.python": sys.executable,
                 "spark.executorEnv.PYTHONPATH": os.pathsep.join(p for p in sys.path if p),

@@ -16,6 +16,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from pgsieve.spark.shipping import checked
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -52,7 +54,7 @@ def warm_python_workers(spark: Any, probe: Callable[[object], bool]) -> None:
     if key in _warmed:
         return
     slots = int(sc.defaultParallelism)
-    sc.parallelize(range(slots), slots).map(probe).collect()
+    sc.parallelize(range(slots), slots).map(checked(probe)).collect()
     _warmed.add(key)
 
 
@@ -60,12 +62,14 @@ def run_tasks(spark: Any, task: Callable[[T], R], items: Sequence[T], *,
               job_group: str | None = None, description: str = "") -> list[R]:
     """One Spark job of one task per item: ``task(item)`` in the executors' Python
     workers (``task`` and the items pickled; a module-level function travels by name), the
-    results in the items' order. ``job_group`` names the job in Spark's UI and status API
-    (:func:`~pgsieve.spark.session.job_group_report`); Spark's own errors propagate."""
+    results in the items' order; the executors' Python and pyspark are checked first
+    (:func:`~pgsieve.spark.shipping.checked`). ``job_group`` names the job in Spark's UI
+    and status API (:func:`~pgsieve.spark.session.job_group_report`); Spark's own errors
+    propagate."""
     sc = spark.sparkContext
     if job_group:
         sc.setJobGroup(job_group, description, True)
-    results: list[R] = sc.parallelize(list(items), len(items)).map(task).collect()
+    results: list[R] = sc.parallelize(list(items), len(items)).map(checked(task)).collect()
     return results
 
 

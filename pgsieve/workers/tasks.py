@@ -174,8 +174,11 @@ def warm_up_spark(sender: Any = None, **_: Any) -> None:
             # application no executor this waits — here, in the background, only.
             warm_up(spark)
             log.info("Spark is warm: its Python workers run")
-        except Exception as exc:
-            log.warning("Spark's Python workers did not start: %s", exc)
+        except Exception as exc:  # e.g. executors without a matching Python or pyspark:
+            # the task's own line (pgsieve_executor_mismatch …), not Spark's traceback
+            from pgsieve.spark.sync import spark_error_message
+
+            log.warning("Spark's Python workers did not start: %s", spark_error_message(exc))
 
     threading.Thread(target=start, name="spark-warmup", daemon=True).start()
 
