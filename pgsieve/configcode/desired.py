@@ -7,6 +7,7 @@ import os
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -62,11 +63,32 @@ class Subscription(_Strict):
         default_factory=dict, description="only the options given are compared")
 
 
+class AlertChannel(_Strict):
+    name: str
+    kind: Literal["webhook"] = "webhook"
+    url: str = Field(description="its credentials (userinfo, a token in the path) as ${VAR}")
+    secret: str | None = Field(default=None, description="only as ${VAR}")
+    format: Literal["json", "slack"] = "json"
+
+
+class AlertRule(_Strict):
+    name: str
+    kind: str
+    threshold: float | None = None
+    for_seconds: int | None = None
+    repeat_seconds: int | None = None
+    subscription: str | None = Field(default=None, description="a subscription's name; "
+                                     "absent: a default for every subscription")
+    channels: list[str] = Field(default_factory=list, description="channel names")
+
+
 class Desired(_Strict):
     sources: list[Endpoint] = Field(default_factory=list)
     targets: list[Endpoint] = Field(default_factory=list)
     publications: list[Publication] = Field(default_factory=list)
     subscriptions: list[Subscription] = Field(default_factory=list)
+    alert_channels: list[AlertChannel] = Field(default_factory=list)
+    alert_rules: list[AlertRule] = Field(default_factory=list)
 
 
 def resolve_references(text: str, env: Mapping[str, str], where: str) -> str:
@@ -116,6 +138,19 @@ def load(text: str, env: Mapping[str, str] | None = None) -> Desired:
             if isinstance(item, dict) and isinstance(item.get("dsn"), str):
                 item["dsn"] = _check_dsn(item["dsn"], f"{kind}[{i}] ({item.get('name')})",
                                          env)
+    for i, item in enumerate(raw.get("alert_channels") or []):
+        if not isinstance(item, dict):
+            continue
+        where = f"alert_channels[{i}] ({item.get('name')})"
+        if isinstance(item.get("secret"), str):
+            if not REFERENCE.fullmatch(item["secret"]):
+                raise ConfigError(f"{where}: the secret is written in the file; write ${{VAR}}")
+            item["secret"] = resolve_references(item["secret"], env, where)
+        if isinstance(item.get("url"), str):
+            if urlsplit(REFERENCE.sub("", item["url"])).password:
+                raise ConfigError(f"{where}: the URL's password is written in the file; "
+                                  "write ${VAR}")
+            item["url"] = resolve_references(item["url"], env, where)
     try:
         desired = Desired.model_validate(raw)
     except ValidationError as exc:
@@ -137,6 +172,18 @@ def _check_names(desired: Desired) -> None:
     for p in desired.publications:
         if p.source not in sources:
             raise ConfigError(f"publication {p.name}: no source {p.source} in the file")
+    channels = [c.name for c in desired.alert_channels]
+    rules = [r.name for r in desired.alert_rules]
+    for kind, names in (("alert channel", channels), ("alert rule", rules)):
+        if len(set(names)) != len(names):
+            raise ConfigError(f"two {kind}s named alike: {sorted(names)}")
+    subscriptions = {s.name for s in desired.subscriptions}
+    for r in desired.alert_rules:
+        if r.subscription is not None and r.subscription not in subscriptions:
+            raise ConfigError(f"alert rule {r.name}: no subscription {r.subscription} in the file")
+        if set(r.channels) - set(channels):
+            raise ConfigError(f"alert rule {r.name}: channels not in the file: "
+                              f"{sorted(set(r.channels) - set(channels))}")
     for s in desired.subscriptions:
         if s.source not in sources or s.target not in targets:
             raise ConfigError(f"subscription {s.name}: its source or target is not in the file")

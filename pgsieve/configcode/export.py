@@ -15,8 +15,8 @@ import yaml
 from pgsieve.configcode.plan import Current
 
 
-def variable(kind: str, name: str) -> str:
-    return f"PGSIEVE_{kind.upper()}_{re.sub(r'[^A-Za-z0-9]', '_', name).upper()}_DSN"
+def variable(kind: str, name: str, what: str = "DSN") -> str:
+    return f"PGSIEVE_{kind.upper()}_{re.sub(r'[^A-Za-z0-9]', '_', name).upper()}_{what}"
 
 
 def export(current: Current) -> str:
@@ -44,7 +44,28 @@ def export(current: Current) -> str:
              "options": s.get("options") or {}}
             for s in current.subscriptions],
     }
+    sub_names = {s["id"]: s["name"] for s in current.subscriptions}
+    channel_names = {c["id"]: c["name"] for c in current.alert_channels}
+    doc["alert_channels"] = [
+        {"name": c["name"], "kind": c.get("kind", "webhook"),
+         "url": "${" + variable("alert_channel", c["name"], "URL") + "}",
+         **({"secret": "${" + variable("alert_channel", c["name"], "SECRET") + "}"}
+            if c.get("has_secret") else {}),
+         "format": c.get("format", "json")}
+        for c in current.alert_channels]
+    doc["alert_rules"] = [
+        {"name": r["name"], "kind": r["kind"],
+         **{k: r[k] for k in ("threshold", "for_seconds", "repeat_seconds")
+            if r.get(k) is not None},
+         **({"subscription": sub_names.get(r["subscription_id"], r["subscription_id"])}
+            if r.get("subscription_id") else {}),
+         "channels": [channel_names.get(c, c) for c in r.get("channels", [])]}
+        for r in current.alert_rules]
     header = ["# pgsieve export: apply with `pgsieve plan|apply -f FILE` once these are set:"]
     header += [f"#   {variable('source', s['name'])}  (now {s['dsn']})" for s in current.sources]
     header += [f"#   {variable('target', t['name'])}  (now {t['dsn']})" for t in current.targets]
+    for c in current.alert_channels:
+        header.append(f"#   {variable('alert_channel', c['name'], 'URL')}  (now {c['url']})")
+        if c.get("has_secret"):
+            header.append(f"#   {variable('alert_channel', c['name'], 'SECRET')}")
     return "\n".join(header) + "\n" + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True)

@@ -11,12 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pgsieve.configcode.desired import Desired, Endpoint, Publication, Subscription
+from pgsieve.alerts.webhook import mask_url
+from pgsieve.configcode.desired import (
+    AlertChannel,
+    AlertRule,
+    Desired,
+    Endpoint,
+    Publication,
+    Subscription,
+)
 from pgsieve.platform.credentials import parse_dsn
 from pgsieve.rowfilter.parse import FilterParseError, parse_filter, parse_table_name
 
 Action = Literal["create", "update", "delete", "blocked", "kept"]
-Kind = Literal["source", "target", "publication", "subscription"]
+Kind = Literal["source", "target", "publication", "subscription", "alert_channel",
+               "alert_rule"]
 ENDPOINT_FIELDS = ("host", "port", "dbname", "user")
 
 
@@ -28,6 +37,8 @@ class Current:
     targets: list[dict[str, Any]]
     publications: dict[str, list[dict[str, Any]]]
     subscriptions: list[dict[str, Any]]
+    alert_channels: list[dict[str, Any]] = field(default_factory=list)
+    alert_rules: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -36,7 +47,7 @@ class Change:
     kind: Kind
     name: str
     details: tuple[str, ...] = ()
-    desired: Endpoint | Publication | Subscription | None = None
+    desired: Endpoint | Publication | Subscription | AlertChannel | AlertRule | None = None
     current: dict[str, Any] | None = None
     patch: dict[str, Any] = field(default_factory=dict)
 
@@ -176,7 +187,20 @@ def plan(desired: Desired, current: Current, *, delete: bool,
                 for p in desired.publications]
     changes += [_subscription(s, by_name["subscription"].get(s.name), source_names,
                               target_names) for s in desired.subscriptions]
+    channels = {c["name"]: c for c in current.alert_channels}
+    changes += [_channel(c, channels.get(c.name)) for c in desired.alert_channels]
+    rules = {r["name"]: r for r in current.alert_rules}
+    sub_names = {r["id"]: r["name"] for r in current.subscriptions}
+    channel_names = {c["id"]: c["name"] for c in current.alert_channels}
+    changes += [_rule(r, rules.get(r.name), sub_names, channel_names)
+                for r in desired.alert_rules]
     gone: list[Change] = []
+    wanted_rules = {r.name for r in desired.alert_rules}
+    gone += [_gone("alert_rule", name, row, delete) for name, row in sorted(rules.items())
+             if name not in wanted_rules]
+    wanted_channels = {c.name for c in desired.alert_channels}
+    gone += [_gone("alert_channel", name, row, delete) for name, row in sorted(channels.items())
+             if name not in wanted_channels]
     wanted_subs = {s.name for s in desired.subscriptions}
     gone += [_gone("subscription", r["name"], r, delete) for r in current.subscriptions
              if r["name"] not in wanted_subs]
@@ -196,3 +220,40 @@ def _gone(kind: Kind, name: str, row: dict[str, Any], delete: bool) -> Change:
         return Change("delete", kind, name, current=row)
     return Change("kept", kind, name, ("not in the file: kept (apply --delete removes it)",),
                   current=row)
+
+
+def _channel(want: AlertChannel, have: dict[str, Any] | None) -> Change:
+    if have is None:
+        return Change("create", "alert_channel", want.name, desired=want)
+    patch: dict[str, Any] = {}
+    if mask_url(want.url) != have.get("url"):
+        patch["url"] = want.url
+    if want.format != have.get("format"):
+        patch["format"] = want.format
+    if (want.secret is not None) != bool(have.get("has_secret")):
+        patch["secret"] = want.secret  # (a secret's value cannot be compared: it is never shown)
+    if not patch:
+        return Change("kept", "alert_channel", want.name, desired=want, current=have)
+    details = tuple(f"{k}: changed" if k in ("url", "secret") else
+                    f"{k}: {have.get(k)} → {v}" for k, v in patch.items())
+    return Change("update", "alert_channel", want.name, details, want, have, patch)
+
+
+def _rule(want: AlertRule, have: dict[str, Any] | None, sub_names: dict[str, str],
+          channel_names: dict[str, str]) -> Change:
+    if have is None:
+        return Change("create", "alert_rule", want.name, desired=want)
+    had_sub = sub_names.get(have["subscription_id"]) if have.get("subscription_id") else None
+    patch: dict[str, Any] = {}
+    for key in ("kind", "threshold", "for_seconds", "repeat_seconds"):
+        if getattr(want, key) != have.get(key):
+            patch[key] = getattr(want, key)
+    if had_sub != want.subscription:
+        patch["subscription"] = want.subscription  # the id is found when applied
+    if sorted(want.channels) != sorted(channel_names.get(c, c) for c in have["channels"]):
+        patch["channels"] = list(want.channels)
+    if not patch:
+        return Change("kept", "alert_rule", want.name, desired=want, current=have)
+    details = tuple(f"{k}: {had_sub if k == 'subscription' else have.get(k)} → {v}"
+                    for k, v in patch.items())
+    return Change("update", "alert_rule", want.name, details, want, have, patch)

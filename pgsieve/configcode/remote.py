@@ -9,7 +9,14 @@ from typing import Any
 
 import httpx
 
-from pgsieve.configcode.desired import Desired, Endpoint, Publication, Subscription
+from pgsieve.configcode.desired import (
+    AlertChannel,
+    AlertRule,
+    Desired,
+    Endpoint,
+    Publication,
+    Subscription,
+)
 from pgsieve.configcode.plan import Change, Current, differs
 
 API = "/api/v1"
@@ -56,7 +63,9 @@ class Remote:
             sources=sources, targets=self.pages("/targets"),
             publications={s["name"]: self.pages(f"/sources/{s['id']}/publications")
                           for s in sources},
-            subscriptions=self.pages("/subscriptions"))
+            subscriptions=self.pages("/subscriptions"),
+            alert_channels=self.pages("/alerts/channels"),
+            alert_rules=self.pages("/alerts/rules"))
 
     def canonical_tables(self, desired: Desired, current: Current,
                          ) -> dict[tuple[str, str], list[dict[str, Any]]]:
@@ -100,7 +109,9 @@ class Remote:
         """Creates and updates in dependency order, then deletions in reverse."""
         ids = {("source", s["name"]): s["id"] for s in current.sources}
         ids |= {("target", t["name"]): t["id"] for t in current.targets}
-        order = ("source", "target", "publication", "subscription")
+        ids |= {("subscription", s["name"]): s["id"] for s in current.subscriptions}
+        order = ("source", "target", "publication", "subscription", "alert_channel",
+                 "alert_rule")
         for kind in order:
             for change in (c for c in changes if c.kind == kind and c.action in
                            ("create", "update")):
@@ -128,6 +139,29 @@ class Remote:
                 self.call("PATCH", f"{path}/{want.name}", change.patch)
         elif isinstance(want, Subscription):
             self._subscription(change, want, ids)
+        elif isinstance(want, AlertChannel):
+            if change.action == "create":
+                self.call("POST", "/alerts/channels", want.model_dump(exclude_none=True))
+            else:
+                assert change.current is not None
+                self.call("PATCH", f"/alerts/channels/{change.current['id']}", change.patch)
+        elif isinstance(want, AlertRule):
+            self._rule(change, want, ids)
+
+    def _rule(self, change: Change, want: AlertRule, ids: dict[tuple[str, str], str]) -> None:
+        def sub_id(name: str | None) -> str | None:
+            return None if name is None else ids[("subscription", name)]
+        if change.action == "create":
+            body = want.model_dump(exclude={"subscription"})
+            body["subscription_id"] = sub_id(want.subscription)
+            self.call("POST", "/alerts/rules",
+                      {k: v for k, v in body.items() if v is not None})
+            return
+        assert change.current is not None
+        patch = dict(change.patch)
+        if "subscription" in patch:
+            patch["subscription_id"] = sub_id(patch.pop("subscription"))
+        self.call("PATCH", f"/alerts/rules/{change.current['id']}", patch)
 
     def _subscription(self, change: Change, want: Subscription,
                       ids: dict[tuple[str, str], str]) -> None:
@@ -138,7 +172,8 @@ class Remote:
                     "enabled": want.enabled, "options": want.options}
             if want.slot_name is not None:
                 body["slot_name"] = want.slot_name
-            self.call("POST", "/subscriptions", body)
+            made = self.call("POST", "/subscriptions", body)
+            ids[("subscription", want.name)] = made["id"]
             return
         assert change.current is not None
         sub_id = change.current["id"]
@@ -153,5 +188,7 @@ class Remote:
         if change.kind == "publication":
             source, name = change.name.split("/", 1)
             self.call("DELETE", f"/sources/{ids[('source', source)]}/publications/{name}")
+        elif change.kind in ("alert_channel", "alert_rule"):
+            self.call("DELETE", f"/alerts/{change.kind.removeprefix('alert_')}s/{row['id']}")
         else:
             self.call("DELETE", f"/{change.kind}s/{row['id']}")

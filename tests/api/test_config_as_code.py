@@ -63,6 +63,17 @@ def config(region: str = "eu", *, subscription: bool = True, reconcile: str = "n
             publications: {publications}
             enabled: false
             options: {{schema_changes: stop, batch_max_changes: 5000}}
+        alert_channels:
+          - name: oncall
+            url: http://127.0.0.1:9/hooks?token=${{HOOK_TOKEN}}
+            secret: ${{HOOK_SECRET}}
+            format: slack
+        alert_rules:
+          - name: sub-lag
+            kind: lag_seconds
+            threshold: 120
+            subscription: sub
+            channels: [oncall]
         """
     return textwrap.dedent(text)
 
@@ -74,19 +85,22 @@ def test_plan_apply_idempotent_filter_change_export_and_delete(
     source_db.execute("ALTER TABLE public.orders REPLICA IDENTITY FULL")
     source_db.execute("INSERT INTO public.orders SELECT g, CASE WHEN g % 3 = 0 THEN 'us' "
                       "ELSE 'eu' END FROM generate_series(1, 300) g")
-    env = {"SRC_DSN": source_db.dsn, "TGT_DSN": target_db.dsn}
+    env = {"SRC_DSN": source_db.dsn, "TGT_DSN": target_db.dsn, "HOOK_TOKEN": "t0ken",
+           "HOOK_SECRET": "hook-secret-value"}
     file = tmp_path / "pgsieve.yaml"
     file.write_text(config())
 
     planned = pgsieve(api, "plan", "-f", str(file), env=env)
     assert planned.returncode == 2, planned.stderr
     for line in ("+ source src", "+ target tgt", "+ publication src/pub",
-                 "+ subscription sub", "Plan: 4 to create, 0 to change, 0 to delete"):
+                 "+ subscription sub", "+ alert_channel oncall", "+ alert_rule sub-lag",
+                 "Plan: 6 to create, 0 to change, 0 to delete"):
         assert line in planned.stdout, planned.stdout
     assert get(api, "/sources") == []  # plan changed nothing
 
     applied = pgsieve(api, "apply", "-f", str(file), env=env)
     assert applied.returncode == 0, applied.stderr
+    assert "hook-secret-value" not in planned.stdout + applied.stdout + applied.stderr
     (sub,) = get(api, "/subscriptions")
     assert sub["enabled"] is False and sub["publications"] == ["pub"]
     assert sub["options"]["schema_changes"] == "stop"
@@ -95,6 +109,12 @@ def test_plan_apply_idempotent_filter_change_export_and_delete(
     (pub,) = get(api, f"/sources/{src['id']}/publications")
     assert pub["tables"][0]["where"] is not None and "eu" in pub["tables"][0]["where"]
     assert source_db.query("SELECT pubname FROM pg_publication") == [("pub",)]
+    (channel,) = get(api, "/alerts/channels")
+    assert channel["has_secret"] and channel["format"] == "slack"
+    assert "t0ken" not in channel["url"]  # the URL's query values are masked
+    (rule,) = get(api, "/alerts/rules")
+    assert rule["subscription_id"] == sub["id"] and rule["channels"] == [channel["id"]]
+    assert rule["threshold"] == 120
 
     again = pgsieve(api, "plan", "-f", str(file), env=env)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -126,8 +146,14 @@ def test_plan_apply_idempotent_filter_change_export_and_delete(
     assert doc["sources"] == [{"name": "src", "dsn": "${PGSIEVE_SOURCE_SRC_DSN}"}]
     assert doc["targets"][0]["dsn"] == "${PGSIEVE_TARGET_TGT_DSN}"
     assert "PGSIEVE_SOURCE_SRC_DSN  (now postgresql://" in text  # what to set it to
+    assert doc["alert_rules"] == [{"name": "sub-lag", "kind": "lag_seconds",
+                                   "threshold": 120.0, "subscription": "sub",
+                                   "channels": ["oncall"]}]
+    assert doc["alert_channels"][0]["secret"] == "${PGSIEVE_ALERT_CHANNEL_ONCALL_SECRET}"
     same = pgsieve(api, "plan", "-f", str(exported), env={
-        "PGSIEVE_SOURCE_SRC_DSN": source_db.dsn, "PGSIEVE_TARGET_TGT_DSN": target_db.dsn})
+        "PGSIEVE_SOURCE_SRC_DSN": source_db.dsn, "PGSIEVE_TARGET_TGT_DSN": target_db.dsn,
+        "PGSIEVE_ALERT_CHANNEL_ONCALL_URL": "http://127.0.0.1:9/hooks?token=t0ken",
+        "PGSIEVE_ALERT_CHANNEL_ONCALL_SECRET": "hook-secret-value"})
     assert same.returncode == 0, same.stdout + same.stderr
 
     # A change the API cannot make in place: refused before anything changes.
@@ -145,6 +171,7 @@ def test_plan_apply_idempotent_filter_change_export_and_delete(
     assert deleting.returncode == 2 and "- subscription sub" in deleting.stdout
     assert pgsieve(api, "apply", "--delete", "-f", str(file), env=env).returncode == 0
     assert get(api, "/subscriptions") == []
+    assert get(api, "/alerts/rules") == [] and get(api, "/alerts/channels") == []
 
 
 def test_a_password_in_the_file_or_a_missing_variable_is_refused(
