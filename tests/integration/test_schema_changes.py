@@ -10,7 +10,6 @@ targets must end identical — and equal to the source's rows under the row filt
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -18,12 +17,13 @@ from typing import Any
 import pytest
 
 from pgsieve.apply import merge
-from pgsieve.apply.batch import ApplyResult, SchemaChange, TableStopped
+from pgsieve.apply.batch import TableStopped
 from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.schemachange import take_journal
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.wire.messages import Insert
 from tests.conftest import Database
+from tests.integration.schema_env import apply_following, fix_native, followed
 from tests.integration.test_apply import Pair
 
 SCHEMA = """
@@ -39,44 +39,6 @@ def pair(source_db: Database, target_db: Database, native_db: Database) -> Itera
     p.setup(SCHEMA, tables=["public.orders"])
     yield p
     p.close()
-
-
-def apply_following(pair: Pair, per_batch: int | None, policy: str = "follow"
-                    ) -> list[ApplyResult]:
-    """Read everything new and apply it under ``schema_changes: policy``."""
-    results = []
-    for batch in pair.batches(pair.read(), per_batch):
-        batch = replace(batch, schema_changes=policy)  # type: ignore[arg-type]
-        results.append(apply_batch(None, batch, pair.writer, distributed=False))
-    pair.applied += results
-    return results
-
-
-def followed(results: list[ApplyResult]) -> list[SchemaChange]:
-    return [c for r in results for c in r.schema_changes]
-
-
-def native_stopped(pair: Pair, timeout: float = 60) -> None:
-    """The native subscription's apply worker failed (as it does on a missing column)."""
-    assert pair.native is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        row = pair.native.query(
-            "SELECT apply_error_count FROM pg_stat_subscription_stats "
-            "WHERE subname = %s", (pair.native_name,))
-        if row and int(str(row[0][0])) > 0:
-            return
-        time.sleep(0.1)
-    raise AssertionError("the native subscription did not stop on the new column")
-
-
-def fix_native(pair: Pair, changes: list[SchemaChange]) -> None:
-    """What a person does at the native target: the plan's DDL; native then resumes."""
-    assert pair.native is not None
-    native_stopped(pair)
-    for c in changes:
-        for statement in c.ddl:
-            pair.native.execute(statement)
 
 
 def source_rows(pair: Pair) -> list[Any]:

@@ -20,12 +20,12 @@ import psycopg
 import pytest
 
 from pgsieve.apply import merge
-from pgsieve.apply.batch import ApplyResult, TableStopped
+from pgsieve.apply.batch import TableStopped
 from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.schemachange import read_published, take_journal
 from tests.conftest import Database
+from tests.integration.schema_env import apply_following, fix_native, followed
 from tests.integration.test_apply import Pair
-from tests.integration.test_schema_changes import fix_native, followed
 
 SCHEMA = """
 CREATE TABLE orders(id int, region text NOT NULL, amount int NOT NULL, note text,
@@ -54,17 +54,6 @@ def pair(source_db: Database, target_db: Database, native_db: Database) -> Itera
     p.close()
 
 
-def apply_all(pair: Pair, per_batch: int | None, policy: str = "follow",
-              drop_columns: bool = False) -> list[ApplyResult]:
-    results = []
-    for batch in pair.batches(pair.read(), per_batch):
-        batch = replace(batch, schema_changes=policy,  # type: ignore[arg-type]
-                        drop_columns=drop_columns)
-        results.append(apply_batch(None, batch, pair.writer, distributed=False))
-    pair.applied += results
-    return results
-
-
 def kept_columns_equal_source(pair: Pair) -> None:
     """The target's (id, region, note) are the source's rows under the filter."""
     source = pair.source.query("SELECT id, region, note FROM orders WHERE region = 'eu' "
@@ -78,9 +67,9 @@ def test_drop_not_null_column_is_kept_nullable(pair: Pair, per_batch: int | None
     """``follow``: the column is kept (old rows keep their values), made nullable in the
     batch's transaction, and inserts after the DROP go in with NULL. Native keeps it
     NOT NULL and stops on the first insert; after the plan's DDL both are identical."""
-    apply_all(pair, None)  # (nothing yet: the record of the published columns is empty)
+    apply_following(pair, None)  # (nothing yet: the record of the published columns is empty)
     pair.run(*WORKLOAD)
-    results = apply_all(pair, per_batch)
+    results = apply_following(pair, per_batch)
     changes = followed(results)
     assert [(c.change, c.column, c.before, c.after, c.action) for c in changes] == [
         ("drop_column", "amount", "integer", None, "applied")]
@@ -104,7 +93,7 @@ def test_drop_columns_drops_it_after_the_batch_rows(pair: Pair):
     """``drop_columns: true``: the column is dropped at the target, after the rows of
     the batch decoded before the DROP (which still carry it)."""
     pair.run(*WORKLOAD)
-    changes = followed(apply_all(pair, None, drop_columns=True))
+    changes = followed(apply_following(pair, None, drop_columns=True))
     assert [(c.change, c.column, c.action) for c in changes] == [
         ("drop_column", "amount", "applied")]
     assert changes[0].ddl == (
@@ -126,12 +115,12 @@ def test_drop_columns_drops_it_after_the_batch_rows(pair: Pair):
 
 def test_stop_policy_stops_with_the_ddl(pair: Pair):
     pair.run("INSERT INTO orders VALUES (1, 'eu', 10, 'a')")
-    apply_all(pair, None, policy="stop")
+    apply_following(pair, None, policy="stop")
     applied = pair.writer.applied_lsn()
     pair.run("ALTER TABLE orders DROP COLUMN amount",
              "INSERT INTO orders VALUES (2, 'eu', 'b')")
     with pytest.raises(TableStopped) as stopped:
-        apply_all(pair, None, policy="stop", drop_columns=True)
+        apply_following(pair, None, policy="stop", drop_columns=True)
     assert stopped.value.code is None
     assert ('the source dropped a column (schema_changes: stop). Run at the target: '
             'ALTER TABLE "public"."orders" ALTER COLUMN "amount" DROP NOT NULL'
@@ -150,7 +139,7 @@ def test_killed_before_the_commit_the_drop_is_followed_once(
     before the batch (NOT NULL kept, no row, no journal, the published columns as
     before); the batch applied again follows the DROP once."""
     pair.run("INSERT INTO orders VALUES (1, 'eu', 10, 'a')")
-    apply_all(pair, None)
+    apply_following(pair, None)
     pair.run("ALTER TABLE orders DROP COLUMN amount",
              "INSERT INTO orders VALUES (2, 'eu', 'b')")
     batch = replace(pair.batches(pair.read(), None)[0], schema_changes="follow")
@@ -183,7 +172,7 @@ def test_a_column_of_the_target_own_is_not_taken_for_a_dropped_one(pair: Pair):
                         "DEFAULT now(), ADD COLUMN local text")
     pair.run("INSERT INTO orders VALUES (1, 'eu', 10, 'a')",
              "UPDATE orders SET note = 'b' WHERE id = 1")
-    results = apply_all(pair, 1)
+    results = apply_following(pair, 1)
     assert followed(results) == []
     assert pair.target.query("SELECT id, note, local FROM orders") == [(1, "b", None)]
 

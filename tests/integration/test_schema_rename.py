@@ -25,16 +25,16 @@ import psycopg
 import pytest
 
 from pgsieve.apply import merge
-from pgsieve.apply.batch import ApplyResult, SchemaChange, TableStopped
+from pgsieve.apply.batch import SchemaChange, TableStopped
 from pgsieve.apply.engine import apply_batch
 from pgsieve.apply.published import read_record
 from pgsieve.apply.schemachange import take_journal
 from pgsieve.platform.errors import ErrorCode
 from tests.conftest import Database
 from tests.integration.pipeline_env import pipeline_env, source_lsn, table_rows, wait_until
+from tests.integration.schema_env import apply_following, followed
 from tests.integration.test_apply import Pair
 from tests.integration.test_pipeline import create_subscription, prepare
-from tests.integration.test_schema_changes import followed
 
 SCHEMA = """
 CREATE TABLE orders(id int, region text NOT NULL, amount int NOT NULL, note text,
@@ -73,21 +73,10 @@ def pair(source_db: Database, target_db: Database, native_db: Database) -> Itera
     p.close()
 
 
-def apply_all(pair: Pair, per_batch: int | None, policy: str = "follow",
-              drop_columns: bool = False) -> list[ApplyResult]:
-    results = []
-    for batch in pair.batches(pair.read(), per_batch):
-        batch = replace(batch, schema_changes=policy,  # type: ignore[arg-type]
-                        drop_columns=drop_columns)
-        results.append(apply_batch(None, batch, pair.writer, distributed=False))
-    pair.applied += results
-    return results
-
-
 def started(pair: Pair) -> None:
     """The first rows applied: the target's record holds the columns and attnums."""
     pair.run(FIRST)
-    apply_all(pair, None)
+    apply_following(pair, None)
     record = read_record(pair.writer.conn, pair.subscription_id, "public.orders")
     assert record is not None
     assert record.attnum_list == [1, 2, 3, 4]
@@ -145,7 +134,7 @@ def test_rename_mid_stream_keeps_the_data(pair: Pair, per_batch: int | None):
              "INSERT INTO orders VALUES (4, 'eu', 40, 'd'), (5, 'us', 50, 'e'); "
              "UPDATE orders SET total = 31 WHERE id = 3",
              *WORKLOAD[2:])
-    changes = followed(apply_all(pair, per_batch))
+    changes = followed(apply_following(pair, per_batch))
     assert renames(changes) == [
         ("rename_column", "amount", "integer", "total", "applied"),
         ("rename_column", "region", "text", "area", "applied")]
@@ -173,7 +162,7 @@ def test_native_stops_and_the_plan_resumes_it(pair: Pair):
     started(pair)
     since = log_position(pair)
     pair.run(*WORKLOAD)
-    changes = followed(apply_all(pair, None))
+    changes = followed(apply_following(pair, None))
     assert [c.ddl for c in changes] == [(RENAME_AMOUNT,), (RENAME_REGION,)]
     assert pair.native is not None
     native_error(pair, "total", since)
@@ -196,7 +185,7 @@ def test_dml_before_the_rename_in_its_own_transaction(pair: Pair):
              "ALTER TABLE orders RENAME COLUMN amount TO total; "
              "UPDATE orders SET total = total + 1 WHERE id IN (3, 4); "
              "INSERT INTO orders VALUES (5, 'eu', 50, 'e')")
-    changes = followed(apply_all(pair, None))
+    changes = followed(apply_following(pair, None))
     assert renames(changes) == [("rename_column", "amount", "integer", "total", "applied")]
     equal_to_source(pair, "region")
     assert pair.rows(pair.target, "orders") == [
@@ -246,7 +235,7 @@ def test_a_rename_that_cannot_be_told_safely_stops(pair: Pair, case: str):
     pair.run(*statements)
     applied = pair.writer.applied_lsn()
     with pytest.raises(TableStopped) as stopped:
-        apply_all(pair, None)
+        apply_following(pair, None)
     assert stopped.value.code == ErrorCode.SCHEMA_CHANGE_UNSUPPORTED
     detail = stopped.value.detail
     assert RENAME_AMOUNT in detail
@@ -274,7 +263,7 @@ def test_a_target_column_of_its_own_that_takes_the_values_is_accepted(pair: Pair
     pair.run("ALTER TABLE orders RENAME COLUMN amount TO total",
              "INSERT INTO orders VALUES (4, 'eu', 40, 'd')",
              "UPDATE orders SET total = 31 WHERE id = 3")
-    changes = followed(apply_all(pair, None, drop_columns=True))
+    changes = followed(apply_following(pair, None, drop_columns=True))
     assert renames(changes) == [("rename_column", "amount", "integer", "total", "applied")]
     assert changes[0].ddl == (
         'ALTER TABLE "public"."orders" ALTER COLUMN "amount" DROP NOT NULL',)
@@ -288,7 +277,7 @@ def test_stop_policy_stops_with_the_rename(pair: Pair):
     pair.run("ALTER TABLE orders RENAME COLUMN amount TO total",
              "INSERT INTO orders VALUES (4, 'eu', 40, 'd')")
     with pytest.raises(TableStopped) as stopped:
-        apply_all(pair, None, policy="stop")
+        apply_following(pair, None, policy="stop")
     assert stopped.value.code is None
     assert (f"the source renamed a column (schema_changes: stop). Run at the target: "
             f"{RENAME_AMOUNT}") in stopped.value.detail
@@ -305,7 +294,7 @@ def test_a_drop_and_an_add_is_not_taken_for_a_rename(pair: Pair):
     started(pair)
     pair.run("ALTER TABLE orders DROP COLUMN amount; ALTER TABLE orders ADD COLUMN total int",
              "INSERT INTO orders VALUES (4, 'eu', 'd', 40)")
-    changes = followed(apply_all(pair, None))
+    changes = followed(apply_following(pair, None))
     assert sorted((c.change, c.column) for c in changes) == [
         ("add_column", "total"), ("drop_column", "amount")]
     assert pair.rows(pair.target, "orders") == [
@@ -347,7 +336,7 @@ def test_an_old_record_is_upgraded_in_place_and_learns_its_attnums(pair: Pair):
     the column added by the schema check (idempotent); the next batch that meets the
     table records the attnums, read from the source."""
     pair.run(FIRST)
-    apply_all(pair, None)
+    apply_following(pair, None)
     pair.target.execute("ALTER TABLE pgsieve.published_columns DROP COLUMN attnums")
     pair.close()  # a new worker: its writer checks the schema
     pair.writer.ensure_schema()
@@ -355,7 +344,7 @@ def test_an_old_record_is_upgraded_in_place_and_learns_its_attnums(pair: Pair):
     record = read_record(pair.writer.conn, pair.subscription_id, "public.orders")
     assert record is not None and record.attnum_list is None
     pair.run("INSERT INTO orders VALUES (4, 'eu', 40, 'd')")
-    apply_all(pair, None)
+    apply_following(pair, None)
     record = read_record(pair.writer.conn, pair.subscription_id, "public.orders")
     assert record is not None and record.attnum_list == [1, 2, 3, 4]
 
@@ -374,14 +363,14 @@ def test_postgres_carries_a_rename_through_row_filters_and_column_lists(
         tables=["public.orders"])
     try:
         pair.run("INSERT INTO orders VALUES (1, 'eu', 10, 's')")
-        apply_all(pair, None)
+        apply_following(pair, None)
         pair.run("ALTER TABLE orders RENAME COLUMN region TO area",
                  "ALTER TABLE orders RENAME COLUMN secret TO hidden",
                  "INSERT INTO orders VALUES (2, 'eu', 20, 's'), (3, 'us', 30, 's')")
         published = source_db.query("SELECT attnames, rowfilter FROM pg_publication_tables "
                                     "WHERE pubname = 'pc'")
         assert published == [(["id", "area", "amount"], "(area = 'eu'::text)")]
-        changes = followed(apply_all(pair, None))
+        changes = followed(apply_following(pair, None))
         assert renames(changes) == [("rename_column", "region", "text", "area", "applied")]
         assert pair.rows(pair.target, "orders") == [(1, "eu", 10), (2, "eu", 20)]
         assert columns_of(target_db) == ["id", "area", "amount"]
@@ -464,14 +453,14 @@ def test_a_rename_in_a_replica_identity_full_table(source_db: Database, target_d
     """, tables=["public.ledger"])
     try:
         pair.run("INSERT INTO ledger VALUES (1, 10, 'a'), (2, 20, 'b'), (-1, 5, 'x')")
-        apply_all(pair, None)
+        apply_following(pair, None)
         pair.run("UPDATE ledger SET amount = 11 WHERE account = 1; "
                  "ALTER TABLE ledger RENAME COLUMN amount TO value; "
                  "UPDATE ledger SET value = 12 WHERE account = 1; "
                  "DELETE FROM ledger WHERE account = 2",
                  "INSERT INTO ledger VALUES (3, 30, 'c')",
                  "UPDATE ledger SET memo = 'cc' WHERE value = 30")
-        changes = followed(apply_all(pair, None))
+        changes = followed(apply_following(pair, None))
         assert renames(changes) == [("rename_column", "amount", "integer", "value",
                                      "applied")]
         assert pair.rows(pair.target, "ledger") == [(1, 12, "a"), (3, 30, "cc")]
