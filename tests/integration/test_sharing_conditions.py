@@ -66,7 +66,10 @@ _PUBLICATIONS: dict[str, tuple[str, Publication]] = {
         "cl_a", (PublishedTable("public.cl", columns=("id", "a")),))),
     "cl_b": ("FOR TABLE cl (id, b)", Publication(
         "cl_b", (PublishedTable("public.cl", columns=("id", "b")),))),
+    "cl_abc": ("FOR TABLE cl (id, a, b)", Publication(
+        "cl_abc", (PublishedTable("public.cl", columns=("id", "a", "b")),))),
     "p_alltables": ("FOR ALL TABLES", Publication("p_alltables", all_tables=True)),
+    "p_schema": ("FOR TABLES IN SCHEMA public", Publication("p_schema", schemas=("public",))),
     "f_1": ("FOR TABLE f WHERE (tenant = 1)", Publication(
         "f_1", (PublishedTable("public.f", where="tenant = 1"),))),
     "f_2": ("FOR TABLE f WHERE (tenant = 2)", Publication(
@@ -206,6 +209,8 @@ _SHAREABLE: list[tuple[str, dict[str, list[str]]]] = [
     ("o", {"ins": ["o_ins"], "nf": ["o_nf"]}),
     # the same column list, filters inside it
     ("nc", {"d": ["nc_d"], "e": ["nc_e"]}),
+    # a column list naming every column is no list, as a schema publication's
+    ("cl", {"listed": ["cl_abc"], "schema": ["p_schema"]}),
     # via the root on both sides
     ("parent", {"root": ["pr_root"], "all": ["pr_root_all"]}),
 ]
@@ -222,7 +227,8 @@ def test_what_can_share_is_routed_exactly(slot: Any, table: str,
 
 
 def test_different_column_lists_are_refused_by_postgres(slot: Any) -> None:
-    for members in ({"a": ["cl_a"], "b": ["cl_b"]}, {"every": ["p_alltables"], "a": ["cl_a"]}):
+    for members in ({"a": ["cl_a"], "b": ["cl_b"]}, {"every": ["p_alltables"], "a": ["cl_a"]},
+                    {"schema": ["p_schema"], "a": ["cl_a"]}):
         assert _codes(members) == [COLUMN_LISTS_DIFFER]
         for pubs in members.values():
             _peek(slot, pubs)  # each alone is fine
