@@ -301,3 +301,37 @@ def test_old_images_follow_the_replica_identity_not_the_publications(slot: Any) 
     full = updates(["f_all"], "f")
     assert all(old is not None and old["note"] is not None for _, old in full)
     assert full == updates(["f_all", "p_alltables", "f_1"], "f")
+
+
+# -- facts the group's wiring builds on (docs/decisions/0024) -----------------------------
+
+
+def test_a_publication_newer_than_the_stream_position_cannot_join(slot: Any) -> None:
+    """pgoutput looks each publication name up in the catalog as of the change being
+    decoded: a member whose publication was created after the group's slot position
+    cannot be added to the stream from there."""
+    slot.execute("CREATE PUBLICATION late FOR TABLE f WHERE (tenant = 3)")
+    slot.execute("INSERT INTO f VALUES (1000, 3, 'late')")
+    assert ("insert", "1000") in _own(slot, ["f_all"], "f")
+    with pytest.raises(psycopg.errors.UndefinedObject, match='publication "late" does not exist'):
+        _peek(slot, ["f_all", "late"])
+
+
+def test_a_copy_of_the_group_slot_gives_a_leaving_member_its_own_stream(slot: Any) -> None:
+    """Detaching a member: a copy of the shared slot (same restart and confirmed
+    positions) read with the member's own publications is the member's own stream."""
+    slot.execute("SELECT pg_copy_logical_replication_slot('share', 'share_leaver')")
+    try:
+        positions = slot.execute(
+            "SELECT slot_name, restart_lsn, confirmed_flush_lsn FROM pg_replication_slots "
+            "WHERE slot_name IN ('share', 'share_leaver') ORDER BY slot_name").fetchall()
+        assert positions[0][1:] == positions[1][1:]
+        copied = slot.execute(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes('share_leaver', NULL, NULL, "
+            "'proto_version', '1', 'publication_names', 'f_1')").fetchall()
+        original = slot.execute(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes('share', NULL, NULL, "
+            "'proto_version', '1', 'publication_names', 'f_1')").fetchall()
+        assert copied == original and copied
+    finally:
+        slot.execute("SELECT pg_drop_replication_slot('share_leaver')")
