@@ -5,11 +5,21 @@ predicate (:mod:`.columns`, :mod:`.predicate`, :mod:`.compiler`) and indexed
 (:mod:`.router`); PostgreSQL evaluates every other one, a batch per round trip
 (:mod:`.pgeval`, the one module that does I/O); :mod:`.shadow` re-checks a sample of
 fast decisions in PostgreSQL and stops the stream with ``routing_divergence`` on any
-difference. See docs/routing.md.
+difference; :mod:`.grouping` says which subscriptions may share one stream at all. See
+docs/routing.md.
 """
 
 from pgsieve.routing.columns import TableColumn, TableShape, ValueFamily
 from pgsieve.routing.compiler import CompiledFilter, compile_filter
+from pgsieve.routing.grouping import (
+    Conflict,
+    Grouping,
+    SharingCandidate,
+    SharingGroup,
+    StreamOptions,
+    group_subscriptions,
+    sharing_conflicts,
+)
 from pgsieve.routing.router import (
     FilterCheck,
     FilterEvaluator,
@@ -30,19 +40,26 @@ from pgsieve.routing.shadow import (
 __all__ = [
     "ROUTING_DIVERGENCE_CODE",
     "CompiledFilter",
+    "Conflict",
     "Divergence",
     "FilterCheck",
     "FilterEvaluator",
+    "Grouping",
     "Operation",
     "Router",
     "Routing",
     "RoutingDivergence",
     "RowChange",
     "ShadowChecker",
+    "SharingCandidate",
+    "SharingGroup",
+    "StreamOptions",
     "SubscriptionFilters",
     "TableColumn",
     "TableShape",
     "ValueFamily",
     "compile_filter",
+    "group_subscriptions",
+    "sharing_conflicts",
     "table_31_1",
 ]

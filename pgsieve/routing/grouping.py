@@ -303,7 +303,12 @@ def sharing_conflicts(candidates: Sequence[SharingCandidate],
 
 def group_subscriptions(candidates: Sequence[SharingCandidate],
                         tables: Iterable[TableInfo]) -> Grouping:
-    """A source's subscriptions in sharing groups (see the module docstring)."""
+    """A source's subscriptions in sharing groups (see the module docstring).
+
+    ``tables`` must be every table of the source, with ``columns`` where known: FOR ALL
+    TABLES and schema publications cover only the tables given, and a column list naming
+    every column counts as no list only when the columns are known (unknown, the list is
+    taken as a list: a conflict PostgreSQL might not raise, never the reverse)."""
     known = list(tables)
     groups: list[list[_Member]] = []
     refusals: list[Refusal] = []
