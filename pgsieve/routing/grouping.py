@@ -27,7 +27,7 @@ its own stream, with a stable reason code:
   stream publishes the leaf at another level would lose rows (its filter is not ORed in)
   and get another relation.
 * ``filter_column_not_streamed`` — the stream carries a column list (the same for all,
-  or PostgreSQL refuses) and a member's filter reads a column outside it: the router
+  or PostgreSQL refuses) and a routed member's filter reads a column outside it: the router
   cannot evaluate that filter (``ValueUnavailable``), PostgreSQL could (it filters the
   whole tuple before projecting).
 * ``update_transform_ambiguous`` — when the union filters UPDATEs (every publication
@@ -35,9 +35,14 @@ its own stream, with a stable reason code:
   turns an UPDATE whose old row misses and new row matches the ORed filter into an
   INSERT, and the reverse into a DELETE. The router then sees an INSERT/DELETE it cannot
   tell from a real one and applies the member's INSERT/DELETE filter, where the
-  member's own stream applied its UPDATE filter. Exact only if every member publishing
-  the table publishes INSERT, UPDATE and DELETE alike with one filter for all three (or
-  publishes none of UPDATE/INSERT, resp. UPDATE/DELETE).
+  member's own stream applied its UPDATE filter. Exact only if every routed member
+  publishing the table publishes INSERT, UPDATE and DELETE alike with one filter for all
+  three (or publishes none of UPDATE/INSERT, resp. UPDATE/DELETE).
+
+The last two concern only members the router must filter. A member whose filters for
+a table are the stream's own (the only member publishing it, or all members alike) gets
+the table's changes as they come: its own stream of the table is the shared one message
+for message, and :func:`routing_filters` gives it "every row" there.
 
 What does *not* prevent sharing: a member without a filter (the union is unfiltered for
 that table and the router applies the others' filters), different publish operations
@@ -56,6 +61,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Literal
 
+from pgsieve.routing.router import SubscriptionFilters
 from pgsieve.rowfilter.effective import (
     EffectiveFilter,
     Publication,
@@ -78,6 +84,7 @@ __all__ = [
     "SharingGroup",
     "StreamOptions",
     "group_subscriptions",
+    "routing_filters",
     "sharing_conflicts",
 ]
 
@@ -250,9 +257,12 @@ def _union_conflicts(members: Sequence[_Member], tables: Sequence[TableInfo]) ->
                 + ", ".join(f"{m.candidate.name}'s own as {m.effective[table].published_as}"
                             for m in moved)))
             continue
-        if shared.columns is not None and len(members) > 1:
+        # a member whose filters are the stream's own for the table takes its changes as
+        # they come: the router evaluates nothing for it (see routing_filters)
+        routed = [m for m in holders if not _passes_through(m.effective[table], shared)]
+        if shared.columns is not None:
             streamed = set(shared.columns)
-            for m in holders:
+            for m in routed:
                 missing: set[str] = set()
                 for text in m.effective[table].filters.values():
                     if text is None:
@@ -266,7 +276,7 @@ def _union_conflicts(members: Sequence[_Member], tables: Sequence[TableInfo]) ->
                         f"{', '.join(sorted(missing))}, not in the stream's column list "
                         f"({', '.join(shared.columns)})"))
         if "update" in shared.filters and shared.filters["update"] is not None:
-            for m in holders:
+            for m in routed:
                 ambiguous = _transform_ambiguity(m.effective[table].filters)
                 if ambiguous:
                     out.append(Conflict(
@@ -274,6 +284,14 @@ def _union_conflicts(members: Sequence[_Member], tables: Sequence[TableInfo]) ->
                         f"the shared stream filters UPDATEs of {table}, so it sends some as "
                         f"INSERT/DELETE; {m.candidate.name} {ambiguous}"))
     return out
+
+
+def _passes_through(own: EffectiveFilter, shared: EffectiveFilter) -> bool:
+    """The member's own stream of the table is the shared stream's, message for message:
+    the same filter per published operation (and, checked before, the same relation and
+    column list), so ``pgoutput`` already did all the member's filtering and
+    transforming."""
+    return dict(own.filters) == dict(shared.filters)
 
 
 def _transform_ambiguity(filters: Mapping[str, str | None]) -> str | None:
@@ -299,6 +317,32 @@ def sharing_conflicts(candidates: Sequence[SharingCandidate],
     if len(members) > 1:
         out += _union_conflicts(members, known)
     return out
+
+
+def routing_filters(candidates: Sequence[SharingCandidate], tables: Iterable[TableInfo]
+                    ) -> dict[str, tuple[SubscriptionFilters, ...]]:
+    """What the router of each relation the shared stream publishes is built with: per
+    published-as relation, each member publishing it with its own filters — or with
+    "every row" for each operation it publishes when its filters are the stream's own
+    for the relation (its own stream is then the shared one, message for message: the
+    router must not filter again, and could not always — a filter may read a column the
+    column list leaves out). ``candidates`` must be able to share
+    (:func:`sharing_conflicts` empty)."""
+    known = list(tables)
+    members = [_member(c, known) for c in candidates]
+    union = _by_table(effective_filters(
+        _union(p for m in members for p in m.candidate.publications), known))
+    plan: dict[str, list[SubscriptionFilters]] = {}
+    for table, shared in union.items():
+        relation = plan.setdefault(shared.published_as, [])
+        for m in members:
+            own = m.effective.get(table)
+            if own is None or any(f.subscription == m.candidate.name for f in relation):
+                continue  # not published, or a leaf of a root already planned
+            filters = (dict.fromkeys(own.filters) if _passes_through(own, shared)
+                       else dict(own.filters))
+            relation.append(SubscriptionFilters(m.candidate.name, filters))
+    return {relation: tuple(filters) for relation, filters in plan.items()}
 
 
 def group_subscriptions(candidates: Sequence[SharingCandidate],

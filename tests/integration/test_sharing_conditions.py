@@ -28,6 +28,7 @@ from pgsieve.routing.grouping import (
     PUBLISHED_AS_DIFFERS,
     UPDATE_TRANSFORM_AMBIGUOUS,
     SharingCandidate,
+    routing_filters,
     sharing_conflicts,
 )
 from pgsieve.routing.pgeval import PostgresFilterEvaluator, read_table_shape
@@ -335,3 +336,61 @@ def test_a_copy_of_the_group_slot_gives_a_leaving_member_its_own_stream(slot: An
         assert copied == original and copied
     finally:
         slot.execute("SELECT pg_drop_replication_slot('share_leaver')")
+
+
+# -- every pair --------------------------------------------------------------------------
+
+
+def test_every_pair_of_publications_as_grouping_says(slot: Any) -> None:
+    """All pairs of the publications above as two one-publication subscriptions: where
+    grouping finds no conflict, the router built by :func:`routing_filters` gives each
+    member exactly its own stream, for every table; PostgreSQL refuses the union exactly
+    where grouping says column_lists_differ."""
+    peeks: dict[tuple[str, ...], list[Change] | psycopg.Error] = {}
+
+    def peek(pubs: tuple[str, ...]) -> list[Change] | psycopg.Error:
+        if pubs not in peeks:
+            try:
+                peeks[pubs] = _peek(slot, pubs)
+            except psycopg.Error as exc:
+                peeks[pubs] = exc
+        return peeks[pubs]
+
+    names = sorted(_PUBLICATIONS)
+    shared = refused = 0
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            members = {first: [first], second: [second]}
+            codes = _codes(members)
+            union = peek((first, second))
+            assert isinstance(union, psycopg.Error) == (COLUMN_LISTS_DIFFER in codes), members
+            if codes:
+                refused += 1
+                continue
+            shared += 1
+            assert not isinstance(union, psycopg.Error)
+            for table in dict.fromkeys(rel for rel, *_ in union):
+                routed = _route_changes(slot, members, table, union)
+                for name in members:
+                    own = peek((name,))
+                    assert not isinstance(own, psycopg.Error)
+                    assert routed.get(name, []) == [
+                        _identity(kind, old, new) for rel, kind, old, new in own
+                        if rel == table], (members, table, name)
+    assert shared > 50 and refused > 10  # both sides are exercised
+
+
+def _route_changes(conn: psycopg.Connection[Any], members: dict[str, list[str]], table: str,
+                   union: list[Change]) -> dict[str, list[tuple[str, str | None]]]:
+    """Per member, what the router built as the wiring will build it
+    (:func:`routing_filters`) hands it from the union stream of ``table``."""
+    changes = [RowChange(kind, new=new, old=old)  # type: ignore[arg-type]
+               for rel, kind, old, new in union if rel == table]
+    filters = routing_filters([_candidate(n, pubs) for n, pubs in members.items()],
+                              _TABLES)[f"public.{table}"]
+    shape = read_table_shape(conn, "public", table)
+    routed = Router(shape, filters).route_batch(changes, PostgresFilterEvaluator(conn, shape))
+    return {f.subscription: [_identity(str(ops[f.subscription]), c.old, c.new)
+                             for c, ops in zip(changes, routed, strict=True)
+                             if f.subscription in ops]
+            for f in filters}

@@ -15,6 +15,7 @@ from pgsieve.routing.grouping import (
     SharingCandidate,
     StreamOptions,
     group_subscriptions,
+    routing_filters,
     sharing_conflicts,
 )
 from pgsieve.rowfilter import Publication, PublishedTable, TableInfo
@@ -166,3 +167,44 @@ def test_grouping_is_greedy_and_deterministic() -> None:
     assert grouping.group_of("d").publication_names == ("pb", "pd")
     assert [(r.subscription, r.group, r.code) for r in grouping.refusals] == [
         ("b", ("a",), COLUMN_LISTS_DIFFER), ("d", ("a", "c"), COLUMN_LISTS_DIFFER)]
+
+
+def test_a_member_whose_filters_are_the_streams_own_passes_through() -> None:
+    """The only member publishing a table (or one whose filters equal the union's) gets
+    the shared stream's changes of it as they are: pgoutput did its filtering, so a
+    filter column outside the list or an UPDATE turned INSERT is no obstacle."""
+    outside = sub("c", pub("pc", PublishedTable("public.t", where="b = 1", columns=("id", "a")),
+                           publish=frozenset({"insert"})))
+    split = sub("s", pub("ps1", PublishedTable("public.t", where="a = 3"),
+                         publish=frozenset({"insert", "delete"})),
+                pub("ps2", PublishedTable("public.t", where="a = 4"),
+                    publish=frozenset({"update"})))
+    elsewhere = sub("e", pub("pe", PublishedTable("public.leaf", where="a = 1")))
+    assert codes(outside, elsewhere) == []
+    assert codes(split, elsewhere) == []
+    same = sub("same", pub("pc", PublishedTable("public.t", where="b = 1",
+                                                columns=("id", "a")),
+                           publish=frozenset({"insert"})))
+    assert codes(outside, same) == []  # one publication, two subscriptions
+    plan = routing_filters([outside, elsewhere], TABLES)
+    assert [(f.subscription, dict(f.filters)) for f in plan["public.t"]] == [
+        ("c", {"insert": None})]
+    assert [(f.subscription, dict(f.filters)) for f in plan["public.leaf"]] == [
+        ("e", {"insert": None, "update": None, "delete": None})]
+
+
+def test_routing_filters_keep_each_members_own_where_the_stream_is_wider() -> None:
+    a = sub("a", pub("pa", PublishedTable("public.t", where="a = 1")))
+    b = sub("b", pub("pb", PublishedTable("public.t")))
+    root = sub("r", pub("pr", PublishedTable("public.parent", where="a = 2"),
+                        publish_via_partition_root=True))
+    root_all = sub("q", pub("pq", PublishedTable("public.parent"),
+                            publish_via_partition_root=True))
+    plan = routing_filters([a, b, root, root_all], TABLES)
+    assert [(f.subscription, dict(f.filters)) for f in plan["public.t"]] == [
+        ("a", dict.fromkeys(("insert", "update", "delete"), "a = 1")),
+        ("b", dict.fromkeys(("insert", "update", "delete")))]
+    assert [(f.subscription, dict(f.filters)) for f in plan["public.parent"]] == [
+        ("r", dict.fromkeys(("insert", "update", "delete"), "a = 2")),
+        ("q", dict.fromkeys(("insert", "update", "delete")))]
+    assert "public.leaf" not in plan  # published as its root
