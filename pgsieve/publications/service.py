@@ -72,8 +72,12 @@ log = logging.getLogger(__name__)
 
 DDL_LOCK_TIMEOUT_MS = 3000
 DDL_STATEMENT_TIMEOUT_MS = 15000
-DEADLOCK_ATTEMPTS = 3
-"""Attempts of a publication change that PostgreSQL ended as a deadlock's victim."""
+DEADLOCK_ATTEMPTS = 6
+"""Attempts of a publication change that PostgreSQL ended as a deadlock's victim. Writers
+that lock tables in other orders (a TRUNCATE of one table after a write to another) can
+make a change that locks several tables the victim a few times in a row on a busy source:
+three attempts ran out once in a dozen runs of the filter-change fuzz; backed off
+exponentially, six wait at most ~6 s in all."""
 
 
 def _checked(conn: psycopg.Connection[Any], query: sql.Composable,
@@ -382,7 +386,7 @@ def apply_publication(
                 raise _postgres_error(exc, what) from None
             log.info("publication %s: deadlock with the source's writers, attempt %d of %d",
                      pub.name, attempt, DEADLOCK_ATTEMPTS)
-            time.sleep(random.uniform(0.05, 0.25) * attempt)  # noqa: S311 - a backoff
+            time.sleep(min(2.0, random.uniform(0.05, 0.25) * 2 ** (attempt - 1)))  # noqa: S311
             continue
         except psycopg.Error as exc:
             if conn.broken or conn.closed:
