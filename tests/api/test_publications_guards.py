@@ -210,7 +210,7 @@ def test_a_change_that_deadlocks_with_the_sources_writers_is_made_again(
     the change already holds, deadlocks with it; PostgreSQL ends the change's transaction
     (it waited first) and the writer goes on. The change is made again, and succeeds once
     the writer committed — instead of a 409 for an everyday multi-table transaction."""
-    from pgsieve.publications.service import apply_publication
+    from pgsieve.publications.service import DEADLOCK_ATTEMPTS, apply_publication
     from pgsieve.rowfilter.effective import Publication, PublishedTable
     from pgsieve.sync.reconcile.moved import lock_and_export
 
@@ -252,7 +252,7 @@ def test_a_change_that_deadlocks_with_the_sources_writers_is_made_again(
         changing.join(30)
     assert "error" not in outcome, outcome.get("error")
     assert len(attempts) == 2, "made twice: the first attempt was the deadlock's victim"
-    assert "deadlock with the source's writers, attempt 1 of 3" in caplog.text
+    assert f"deadlock with the source's writers, attempt 1 of {DEADLOCK_ATTEMPTS}" in caplog.text
     assert src.query("SELECT (SELECT count(*) FROM t2), (SELECT count(*) FROM t3)") == [(1, 1)]
     assert src.query("SELECT pg_get_expr(prqual, prrelid) FROM pg_publication_rel r "
                      "JOIN pg_publication p ON p.oid = r.prpubid WHERE pubname = 'dl' "
