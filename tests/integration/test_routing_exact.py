@@ -38,9 +38,9 @@ from pgsieve.routing.pgeval import (
     read_table_shape,
 )
 from pgsieve.routing.predicate import Row, RowReader
-from pgsieve.routing.router import FilterCheck, row_change
+from pgsieve.routing.router import FilterCheck
 from pgsieve.routing.shadow import RoutingDivergence, ShadowChecker
-from pgsieve.wire import Decoder, Delete, Insert, Relation, RelationCache, Update
+from tests.integration.routing_env import peek_changes
 
 #: Fixed, so a failure reproduces; PGSIEVE_ROUTING_SEED explores further.
 SEED = int(os.environ.get("PGSIEVE_ROUTING_SEED", "58"))
@@ -112,20 +112,7 @@ def _connect(source_db: Any) -> psycopg.Connection[Any]:
 def _stream(conn: psycopg.Connection[Any], slot: str, publication: str
             ) -> list[tuple[str, str, Row | None, Row | None]]:
     """(table, kind, old, new) per change, as pgoutput sent them for ``publication``."""
-    rows = conn.execute(
-        "SELECT data FROM pg_logical_slot_peek_binary_changes(%s, NULL, NULL, "
-        "'proto_version', '1', 'publication_names', %s)", (slot, publication)).fetchall()
-    decoder, cache = Decoder(1), RelationCache()
-    out: list[tuple[str, str, Row | None, Row | None]] = []
-    for (data,) in rows:
-        msg = decoder.decode(bytes(data))
-        if isinstance(msg, Relation):
-            cache.update(msg)
-        elif isinstance(msg, Insert | Update | Delete):
-            rel = cache.get(msg.relation_id)
-            change = row_change(rel, msg)
-            out.append((rel.name, change.kind, change.old, change.new))
-    return out
+    return peek_changes(conn, slot, [publication])
 
 
 # -- 2. random filters, random rows ------------------------------------------------------
@@ -255,14 +242,21 @@ class _Filters:
         return f"({self.filter(depth + 1)}) {test}"
 
 
-def _setup_types_table(conn: psycopg.Connection[Any]) -> str | None:
-    """The table; returns a libc collation other than C/POSIX if the server has one."""
+def _create_icu_collation(conn: psycopg.Connection[Any]) -> None:
+    """The case-insensitive (non-deterministic) ICU collation ``ci``. The tests need a
+    server built with ICU (Debian's PostgreSQL is, and CI runs it): non-deterministic
+    collations are what a fast path must never take for bytewise equality, so a server
+    without them fails here rather than passing without the case."""
     found = conn.execute("SELECT count(*) FROM pg_collation WHERE collprovider = 'i'"
                          ).fetchone()
-    icu = bool(found and found[0])
-    if icu:
-        conn.execute("CREATE COLLATION ci (provider = icu, locale = 'und-u-ks-level2', "
-                     "deterministic = false)")
+    assert found and found[0], "these tests need a PostgreSQL built with ICU"
+    conn.execute("CREATE COLLATION ci (provider = icu, locale = 'und-u-ks-level2', "
+                 "deterministic = false)")
+
+
+def _setup_types_table(conn: psycopg.Connection[Any]) -> str | None:
+    """The table; returns a libc collation other than C/POSIX if the server has one."""
+    _create_icu_collation(conn)
     libc_row = conn.execute(
         "SELECT collname FROM pg_collation WHERE collprovider = 'c' AND collencoding IN "
         "(-1, pg_char_to_encoding(current_setting('server_encoding'))) AND collname NOT IN "
@@ -273,8 +267,7 @@ def _setup_types_table(conn: psycopg.Connection[Any]) -> str | None:
         "CREATE TABLE t (id int4 PRIMARY KEY, i2 int2, i4 int4, i8 int8, b bool, u uuid, "
         'tx text, tc text COLLATE "C", vc varchar(10), '
         + (f'tl text COLLATE "{libc}", ' if libc else "tl text, ")
-        + ('tnd text COLLATE ci, ti text COLLATE "und-x-icu", ' if icu
-           else "tnd text, ti text, ")
+        + 'tnd text COLLATE ci, ti text COLLATE "und-x-icu", '
         + 'ch char(3), qc "char", n numeric, f8 float8, f4 float4)')
     return libc
 
@@ -476,11 +469,7 @@ def test_the_shadow_check_catches_a_wrong_fast_path(source_db: Any) -> None:
     for a deterministic one) routes 'ABC' away from ``name = 'abc'``; PostgreSQL says it
     matches, and the shadow check stops with routing_divergence."""
     with _connect(source_db) as conn:
-        if not conn.execute("SELECT count(*) FROM pg_collation WHERE collprovider = 'i'"
-                            ).fetchone()[0]:  # type: ignore[index]
-            pytest.skip("this PostgreSQL has no ICU")
-        conn.execute("CREATE COLLATION ci (provider = icu, locale = 'und-u-ks-level2', "
-                     "deterministic = false)")
+        _create_icu_collation(conn)
         conn.execute("CREATE TABLE tenants_t (id int4 PRIMARY KEY, name text COLLATE ci)")
         shape = read_table_shape(conn, "public", "tenants_t")
         filters = [SubscriptionFilters("abc", {"insert": "name = 'abc'"})]

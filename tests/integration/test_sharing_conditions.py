@@ -33,9 +33,9 @@ from pgsieve.routing.grouping import (
 )
 from pgsieve.routing.pgeval import PostgresFilterEvaluator, read_table_shape
 from pgsieve.routing.predicate import Row
-from pgsieve.routing.router import RowChange, ValueUnavailable, row_change
+from pgsieve.routing.router import RowChange, ValueUnavailable
 from pgsieve.rowfilter import Publication, PublishedTable, TableInfo, effective_filters
-from pgsieve.wire import Decoder, Delete, Insert, Relation, RelationCache, Update
+from tests.integration.routing_env import peek_changes
 
 _TABLES = [
     TableInfo("public", "cl", columns=("id", "a", "b")),
@@ -140,20 +140,7 @@ def slot(source_db: Any) -> Any:
 
 def _peek(conn: psycopg.Connection[Any], publications: Sequence[str]) -> list[Change]:
     """(relation, kind, old, new) per change the stream for ``publications`` sends."""
-    rows = conn.execute(
-        "SELECT data FROM pg_logical_slot_peek_binary_changes('share', NULL, NULL, "
-        "'proto_version', '1', 'publication_names', %s)", (",".join(publications),)).fetchall()
-    decoder, cache = Decoder(1), RelationCache()
-    out: list[Change] = []
-    for (data,) in rows:
-        msg = decoder.decode(bytes(data))
-        if isinstance(msg, Relation):
-            cache.update(msg)
-        elif isinstance(msg, Insert | Update | Delete):
-            rel = cache.get(msg.relation_id)
-            change = row_change(rel, msg)
-            out.append((rel.name, change.kind, change.old, change.new))
-    return out
+    return peek_changes(conn, "share", publications)
 
 
 def _candidate(name: str, publications: Sequence[str]) -> SharingCandidate:
