@@ -258,11 +258,12 @@ class TransactionFanout:
     :class:`FilterEvaluator` for a table shape (``PostgresFilterEvaluator(conn, shape)``:
     the statement reads each column as its own type, so one evaluator serves one table).
     ``shadow``: samples the fast decisions of each routed batch and raises
-    :class:`~.shadow.RoutingDivergence`. ``empty_streamed``: PostgreSQL 15 skips a
-    member's empty ordinary transaction but still sends a *streamed* one it has no change
-    of (Stream Start … Stream Commit, nothing between — seen on 15.20); with this set, a
-    streamed transaction gives every member that got nothing an empty one, exactly as its
-    own stream would (it applies nothing; it only moves the member's position).
+    :class:`~.shadow.RoutingDivergence`. ``empty_unskipped``: PostgreSQL 15 skips a
+    member's empty ordinary transaction, but still sends a *streamed* one (Stream Start …
+    Stream Commit, nothing between) and a *two-phase* one (Begin Prepare … Prepare, Commit
+    Prepared) it has no change of — both seen on 15.20; with this set, such a transaction
+    gives every member that got nothing an empty one, exactly as its own stream would (it
+    applies nothing; it only moves the member's position).
     ``proto_version``: of the RawChanges handed out when the input's is unknown (a spilled
     or streamed transaction); the change framing is the same in every version.
     """
@@ -273,9 +274,9 @@ class TransactionFanout:
                  evaluators: Callable[[TableShape], FilterEvaluator],
                  shadow: ShadowChecker | None = None, *,
                  truncates: Mapping[str, Collection[str]] | None = None,
-                 empty_streamed: bool = False, proto_version: int = 4) -> None:
+                 empty_unskipped: bool = False, proto_version: int = 4) -> None:
         self.members = tuple(members)
-        self.empty_streamed = empty_streamed
+        self.empty_unskipped = empty_unskipped
         truncates = truncates or {}
         unknown = ({f.subscription for fs in routes.values() for f in fs}
                    | {m for ms in truncates.values() for m in ms}) - set(self.members)
@@ -297,7 +298,7 @@ class TransactionFanout:
     def for_group(cls, candidates: Sequence[SharingCandidate], tables: Iterable[TableInfo],
                   shapes: Callable[[Relation], TableShape],
                   evaluators: Callable[[TableShape], FilterEvaluator],
-                  shadow: ShadowChecker | None = None, *, empty_streamed: bool = False,
+                  shadow: ShadowChecker | None = None, *, empty_unskipped: bool = False,
                   proto_version: int = 4) -> TransactionFanout:
         """The fanout of a sharing group (``candidates`` with no
         :func:`~.grouping.sharing_conflicts`): routes and truncates from their
@@ -305,7 +306,7 @@ class TransactionFanout:
         known = list(tables)
         return cls([c.name for c in candidates], routing_filters(candidates, known), shapes,
                    evaluators, shadow, truncates=truncate_routes(candidates, known),
-                   empty_streamed=empty_streamed, proto_version=proto_version)
+                   empty_unskipped=empty_unskipped, proto_version=proto_version)
 
     # -- per relation ---------------------------------------------------------------------------
     def _table(self, relation: Relation) -> _Table:
@@ -360,7 +361,7 @@ class TransactionFanout:
     # -- the public API -------------------------------------------------------------------------
     def route(self, txn: Transaction) -> dict[str, Transaction]:
         """Each member's own transaction (members with no change left out, unless
-        ``empty_streamed`` and the transaction was streamed)."""
+        ``empty_unskipped`` and the transaction was streamed or two-phase)."""
         proto, entries = self._entries(txn)
         decode = self._decoder(proto).decode
         out: dict[str, _Out] = {}
@@ -443,7 +444,8 @@ class TransactionFanout:
             else:
                 result[member] = txn._replace(
                     changes=RawChanges(got.raws, got.lsns, got.rels, proto))
-        if self.empty_streamed and txn.streamed and len(result) < len(self.members):
+        if (self.empty_unskipped and (txn.streamed or txn.gid is not None)
+                and len(result) < len(self.members)):
             for member in self.members:
                 if member not in result:
                     result[member] = txn._replace(changes=RawChanges([], [], [], proto))

@@ -122,16 +122,18 @@ _WORKLOAD = [
 ]
 
 
-@pytest.fixture
-def slot(source_db: Any) -> Iterator[tuple[psycopg.Connection[Any], str]]:
-    conn: psycopg.Connection[Any] = source_db.connect()
+def _prepared_slot(db: Any, two_phase: bool = False
+                   ) -> Iterator[tuple[psycopg.Connection[Any], str]]:
+    """Tables, the members' publications, then one slot on ``db``."""
+    conn: psycopg.Connection[Any] = db.connect()
     conn.execute("SET synchronous_commit = on")  # decoding reads flushed WAL only
     for ddl in _DDL:
         conn.execute(ddl)
     for name, (tail, _) in _MEMBERS.items():
         conn.execute(f"CREATE PUBLICATION {name} {tail}")
-    name = f"fanout_{source_db.name}"
-    conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')", (name,))
+    name = f"fanout_{db.name}"
+    conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, %s)",
+                 (name, two_phase))
     try:
         yield conn, name
     finally:
@@ -139,18 +141,23 @@ def slot(source_db: Any) -> Iterator[tuple[psycopg.Connection[Any], str]]:
         conn.close()
 
 
+@pytest.fixture
+def slot(source_db: Any) -> Iterator[tuple[psycopg.Connection[Any], str]]:
+    yield from _prepared_slot(source_db)
+
+
 def _candidates() -> list[SharingCandidate]:
     return [SharingCandidate(name, (pub,)) for name, (_, pub) in _MEMBERS.items()]
 
 
 def _fanout(conn: psycopg.Connection[Any], shadow: ShadowChecker | None = None, *,
-            empty_streamed: bool = False) -> TransactionFanout:
+            empty_unskipped: bool = False) -> TransactionFanout:
     candidates = _candidates()
     assert sharing_conflicts(candidates, _TABLES) == []
     return TransactionFanout.for_group(
         candidates, _TABLES, lambda rel: read_table_shape(conn, rel.namespace, rel.name),
         lambda shape: PostgresFilterEvaluator(conn, shape), shadow,
-        empty_streamed=empty_streamed)
+        empty_unskipped=empty_unskipped)
 
 
 Seen = list[tuple[int, int, list[DecodedChange]]]
@@ -160,30 +167,34 @@ def _seen(txns: list[Transaction]) -> Seen:
     return [(t.commit_lsn.value, t.end_lsn.value, decoded_changes(t)) for t in txns]
 
 
-def _own(dsn: str, slot: str, member: str, *, empty_streamed: bool = False) -> Seen:
+def _own(dsn: str, slot: str, member: str, *, empty_unskipped: bool = False,
+         proto_version: int = 2) -> Seen:
     # PostgreSQL 15 skips an empty ordinary transaction but still sends an empty streamed
-    # one (Stream Start/Commit with no change): the fanout gives it only when asked to
-    txns = read_transactions(dsn, slot, [member])
-    assert all(t.streamed for t in txns if not len(t.changes))
+    # or two-phase one: the fanout gives those only when asked to
+    txns = read_transactions(dsn, slot, [member], proto_version=proto_version)
+    assert all(t.streamed or t.gid for t in txns if not len(t.changes))
     return [s for t, s in zip(txns, _seen(txns), strict=True)
-            if s[2] or (empty_streamed and t.streamed)]
+            if s[2] or (empty_unskipped and (t.streamed or t.gid))]
 
 
 def _check_against_own_streams(conn: psycopg.Connection[Any], dsn: str, slot: str,
-                               fanout: TransactionFanout, *, memory_limit: int | None = None
-                               ) -> dict[str, int]:
+                               fanout: TransactionFanout, *, memory_limit: int | None = None,
+                               proto_version: int = 2) -> dict[str, int]:
     """Route the union stream; per member, compare with its own stream (see above)."""
-    union = read_transactions(dsn, slot, list(_MEMBERS), memory_limit=memory_limit)
+    union = read_transactions(dsn, slot, list(_MEMBERS), memory_limit=memory_limit,
+                              proto_version=proto_version)
     assert any(t.streamed for t in union), "the workload should stream a transaction"
     routed: dict[str, list[Transaction]] = {m: [] for m in _MEMBERS}
     for txn in union:
         for member, own_txn in fanout.route(txn).items():
             assert type(own_txn.changes) is RawChanges or own_txn is txn
-            assert len(own_txn.changes) > 0 or (fanout.empty_streamed and txn.streamed)
+            assert len(own_txn.changes) > 0 or (fanout.empty_unskipped
+                                                 and (txn.streamed or txn.gid))
             routed[member].append(own_txn)
     counts = {}
     for member in _MEMBERS:
-        own = _own(dsn, slot, member, empty_streamed=fanout.empty_streamed)
+        own = _own(dsn, slot, member, empty_unskipped=fanout.empty_unskipped,
+                   proto_version=proto_version)
         mine = _seen(routed[member])
         assert [s[:2] for s in mine] == [s[:2] for s in own], member
         for (commit, _, got), (_, _, want) in zip(mine, own, strict=True):
@@ -198,7 +209,7 @@ def test_each_member_gets_its_own_stream(source_db: Any,
     for statement in _WORKLOAD:
         conn.execute(statement)
     shadow = ShadowChecker(0.5, seed=1)
-    fanout = _fanout(conn, shadow, empty_streamed=True)
+    fanout = _fanout(conn, shadow, empty_unskipped=True)
     counts = _check_against_own_streams(conn, source_db.dsn, name, fanout)
     assert all(counts.values()), counts  # every member received something
     assert fanout.converted > 0 and shadow.checked > 0
@@ -217,7 +228,7 @@ def test_each_member_gets_its_own_stream(source_db: Any,
     assert ("message", "fanout", b"hello") in t1
     # PostgreSQL 15 sent eonly the streamed transactions it has nothing of, empty (and
     # the fanout, asked to, did too: compared above)
-    assert any(not s[2] for s in _own(source_db.dsn, name, "eonly", empty_streamed=True))
+    assert any(not s[2] for s in _own(source_db.dsn, name, "eonly", empty_unskipped=True))
 
 
 @pytest.mark.parametrize("seed", [11, 29])
@@ -253,3 +264,31 @@ def test_random_workload(source_db: Any, slot: tuple[psycopg.Connection[Any], st
     conn.execute("COMMIT")
     _check_against_own_streams(conn, source_db.dsn, name, _fanout(conn),
                                memory_limit=1 << 16)
+
+
+def test_two_phase(private_source_db: Any) -> None:
+    """A two-phase slot read with proto 3: prepared transactions (one streamed: Stream
+    Prepare) arrive at COMMIT PREPARED with their gid, in every member's own stream and
+    in the fanout's alike; a rolled-back one nowhere."""
+    for conn, name in _prepared_slot(private_source_db, two_phase=True):
+        conn.execute("INSERT INTO t SELECT i, i % 5, 'eu', NULL FROM generate_series(1, 20) i")
+        conn.execute("BEGIN; UPDATE t SET tenant = (tenant + 1) % 5; "
+                     "INSERT INTO d VALUES (1, 1, 'p'), (30, 2, 'q'); "
+                     "PREPARE TRANSACTION 'g1'")
+        conn.execute("BEGIN; INSERT INTO d VALUES (2, 1, 'rolled back'); "
+                     "PREPARE TRANSACTION 'g2'")
+        conn.execute("BEGIN; INSERT INTO t SELECT 100 + i, i % 5, 'us', repeat('s', 40) "
+                     "FROM generate_series(1, 2000) i; PREPARE TRANSACTION 'g3'")
+        conn.execute("COMMIT PREPARED 'g1'")
+        conn.execute("ROLLBACK PREPARED 'g2'")
+        conn.execute("COMMIT PREPARED 'g3'")
+        conn.execute("INSERT INTO e VALUES (1, 'after')")
+        union = read_transactions(private_source_db.dsn, name, list(_MEMBERS),
+                                  proto_version=3)
+        assert [t.gid for t in union if t.gid] == ["g1", "g3"]
+        for empty in (False, True):
+            _check_against_own_streams(conn, private_source_db.dsn, name,
+                                       _fanout(conn, empty_unskipped=empty), proto_version=3)
+        # PostgreSQL sent tus the prepared g1 it has no change of, empty
+        assert any(not s[2] for s in _own(private_source_db.dsn, name, "tus",
+                                          empty_unskipped=True, proto_version=3))

@@ -281,14 +281,17 @@ def test_standalone_messages_go_to_every_member() -> None:
     assert _fanout({}, ["a", "b"]).route_message(msg) == {"a": msg, "b": msg}
 
 
-def test_an_empty_streamed_transaction_only_when_asked() -> None:
-    """PostgreSQL 15 still sends a member a streamed transaction it has no change of."""
+def test_an_empty_unskipped_transaction_only_when_asked() -> None:
+    """PostgreSQL 15 still sends a member a streamed or two-phase transaction it has no
+    change of (it skips only empty ordinary ones)."""
     routes = {"public.d": [_filters("five", "id = 5"), _filters("six", "id = 6")]}
     streamed = _txn([INSERT_D], [(RD,)], streamed=True)
     assert set(_fanout(routes, ["five", "six"]).route(streamed)) == {"five"}
     fanout = TransactionFanout(["five", "six"], routes, _shape, lambda _s: NoPostgres(),
-                               empty_streamed=True)
+                               empty_unskipped=True)
     out = fanout.route(streamed)
     assert len(out["six"].changes) == 0 and out["six"].streamed
     assert out["six"].end_lsn == streamed.end_lsn
     assert set(fanout.route(_txn([INSERT_D], [(RD,)]))) == {"five"}  # not streamed
+    prepared = _txn([INSERT_D], [(RD,)])._replace(gid="g1")
+    assert fanout.route(prepared)["six"].gid == "g1"
