@@ -10,12 +10,15 @@ stream on a cluster) is tests/integration/test_fanout_exact.py.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import pytest
 
-from pgsieve.apply.planbuilder import raw_view
+from pgsieve.apply.batch import ApplyBatch, TableRoute
+from pgsieve.apply.columns import TargetTable
+from pgsieve.apply.planbuilder import PlanBuilder, raw_view
 from pgsieve.routing.columns import TableColumn, TableShape
 from pgsieve.routing.fanout import (
     TransactionFanout,
@@ -40,6 +43,7 @@ from pgsieve.wire.messages import (
     Update,
 )
 from pgsieve.wire.splitter import RawChanges
+from tests.unit.test_plan_runs import TABLES, packed_transactions, summary, target, workload
 
 REL_T = bytes.fromhex("52000040017075626c69630074006600030169640000000017ffffffff0174656e616e"
                       "740000000017ffffffff016269670000000019ffffffff")
@@ -295,3 +299,35 @@ def test_an_empty_unskipped_transaction_only_when_asked() -> None:
     assert set(fanout.route(_txn([INSERT_D], [(RD,)]))) == {"five"}  # not streamed
     prepared = _txn([INSERT_D], [(RD,)])._replace(gid="g1")
     assert fanout.route(prepared)["six"].gid == "g1"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_apply_plan_reads_a_members_transactions_like_decoded_ones(seed: int) -> None:
+    """The apply plan's raw path (RawChanges' bytes, converted messages included) plans
+    each member's transactions exactly as its general path plans the same changes
+    decoded — over the splitter's packed transactions of a random workload with key
+    changes, deletes and TRUNCATE."""
+    rng = random.Random(seed)
+    txns = packed_transactions(workload(rng, 150), rng)
+    members = ["lo", "hi", "all"]
+    routes = {name: [_filters("lo", "id <= 6"), _filters("hi", "id > 6"),
+                     _filters("all", None)] for name in ("public.t", "public.u")}
+    fanout = _fanout(routes, members, truncates={"public.t": members, "public.u": ["lo"]})
+    mine: dict[str, list[Transaction]] = {m: [] for m in members}
+    for txn in txns:
+        for member, routed in fanout.route(txn).items():
+            mine[member].append(routed)
+    assert fanout.converted > 0
+    plan_routes = {name: TableRoute(name, name) for name in ("public.t", "public.u")}
+    tables = {name: target(name) for name in TABLES}
+
+    def resolve(qualified: str) -> TargetTable:
+        return tables[qualified.split(".")[1]]
+
+    for member, own in mine.items():
+        decoded = [t._replace(changes=Changes(list(t.changes), None, frozenset(),
+                                              len(t.changes))) for t in own]
+        got = PlanBuilder(ApplyBatch(member, own, plan_routes), resolve, None).build()
+        want = PlanBuilder(ApplyBatch(member, decoded, plan_routes), resolve, None).build()
+        assert summary(got) == summary(want), member
+        assert got.changes == sum(len(t.changes) for t in own)
