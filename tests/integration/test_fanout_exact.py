@@ -26,6 +26,7 @@ from typing import Any
 import psycopg
 import pytest
 
+from pgsieve.routing.columns import TableShape
 from pgsieve.routing.fanout import TransactionFanout
 from pgsieve.routing.grouping import SharingCandidate, sharing_conflicts
 from pgsieve.routing.pgeval import PostgresFilterEvaluator, read_table_shape
@@ -151,13 +152,19 @@ def _candidates() -> list[SharingCandidate]:
 
 
 def _fanout(conn: psycopg.Connection[Any], shadow: ShadowChecker | None = None, *,
-            empty_unskipped: bool = False) -> TransactionFanout:
+            empty_unskipped: bool = False,
+            evaluators: list[PostgresFilterEvaluator] | None = None) -> TransactionFanout:
     candidates = _candidates()
     assert sharing_conflicts(candidates, _TABLES) == []
+    made = evaluators if evaluators is not None else []
+
+    def evaluator(shape: TableShape) -> PostgresFilterEvaluator:
+        made.append(PostgresFilterEvaluator(conn, shape))
+        return made[-1]
+
     return TransactionFanout.for_group(
         candidates, _TABLES, lambda rel: read_table_shape(conn, rel.namespace, rel.name),
-        lambda shape: PostgresFilterEvaluator(conn, shape), shadow,
-        empty_unskipped=empty_unskipped)
+        evaluator, shadow, empty_unskipped=empty_unskipped)
 
 
 Seen = list[tuple[int, int, list[DecodedChange]]]
@@ -184,6 +191,8 @@ def _check_against_own_streams(conn: psycopg.Connection[Any], dsn: str, slot: st
     union = read_transactions(dsn, slot, list(_MEMBERS), memory_limit=memory_limit,
                               proto_version=proto_version)
     assert any(t.streamed for t in union), "the workload should stream a transaction"
+    if memory_limit is not None:  # an ordinary transaction handed to the full assembler
+        assert any(type(t.changes) is not RawChanges and not t.streamed for t in union)
     routed: dict[str, list[Transaction]] = {m: [] for m in _MEMBERS}
     for txn in union:
         for member, own_txn in fanout.route(txn).items():
@@ -209,10 +218,13 @@ def test_each_member_gets_its_own_stream(source_db: Any,
     for statement in _WORKLOAD:
         conn.execute(statement)
     shadow = ShadowChecker(0.5, seed=1)
-    fanout = _fanout(conn, shadow, empty_unskipped=True)
+    evaluators: list[PostgresFilterEvaluator] = []
+    fanout = _fanout(conn, shadow, empty_unskipped=True, evaluators=evaluators)
     counts = _check_against_own_streams(conn, source_db.dsn, name, fanout)
     assert all(counts.values()), counts  # every member received something
     assert fanout.converted > 0 and shadow.checked > 0
+    # lower(region) and id % 2 went to PostgreSQL, in batches: t and d each asked
+    assert sorted(e.shape.name for e in evaluators if e.round_trips) == ["d", "t"]
     # the cases the workload exists for did happen in the members' own streams
     t1 = [c for s in _own(source_db.dsn, name, "t1") for c in s[2]]
     assert any(c[0] == "public.t" and c[1] == "Insert" and c[4]["id"] == "9000"
@@ -257,13 +269,16 @@ def test_random_workload(source_db: Any, slot: tuple[psycopg.Connection[Any], st
             "TRUNCATE d, e" if k == 0 else "TRUNCATE e",
         ])
         conn.execute(statement)
+    # past the consumer's memory bound (4kB), not the server's (64kB): the full assembler
+    conn.execute("INSERT INTO d SELECT 300 + i, i % 3, repeat('m', 200) "
+                 "FROM generate_series(1, 60) i")
     conn.execute("BEGIN")
     conn.execute("INSERT INTO t SELECT 5000 + i, i % 5, 'eu', repeat('z', 30) "
                  "FROM generate_series(1, 2500) i")
     conn.execute("UPDATE t SET tenant = 1 WHERE id > 5000 AND id % 9 = 0")
     conn.execute("COMMIT")
     _check_against_own_streams(conn, source_db.dsn, name, _fanout(conn),
-                               memory_limit=1 << 16)
+                               memory_limit=1 << 12)
 
 
 def test_two_phase(private_source_db: Any) -> None:
