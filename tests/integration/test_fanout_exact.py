@@ -33,6 +33,7 @@ from pgsieve.routing.pgeval import PostgresFilterEvaluator, read_table_shape
 from pgsieve.routing.shadow import ShadowChecker
 from pgsieve.rowfilter import Publication, PublishedTable, TableInfo
 from pgsieve.wire.assembler import Transaction
+from pgsieve.wire.messages import UNCHANGED
 from pgsieve.wire.splitter import RawChanges
 from tests.integration.routing_env import DecodedChange, decoded_changes, read_transactions
 
@@ -105,6 +106,11 @@ _WORKLOAD = [
     "BEGIN; INSERT INTO d VALUES (500, 1, 'x'); "
     "SELECT pg_logical_emit_message(true, 'fanout', 'hello'); "
     "INSERT INTO t VALUES (500, 1, 'eu', NULL); COMMIT",
+    # REPLICA IDENTITY DEFAULT, a toasted non-key column, key changes: the old image
+    # ('K') has no value to fill the 'u' from, so the INSERT keeps it 'u', as PostgreSQL
+    f"UPDATE d SET name = {_BIG} WHERE id = 7",
+    "UPDATE d SET id = 107 WHERE id = 7",                           # t1: DELETE 'K'
+    "UPDATE d SET id = 3 WHERE id = 107",                           # t1: INSERT, 'u' name
     "TRUNCATE t, d, e",                                             # cut per member
     "INSERT INTO d SELECT i, i, 'again' FROM generate_series(1, 8) i",
     "INSERT INTO e VALUES (1, 'again')",
@@ -233,6 +239,8 @@ def test_each_member_gets_its_own_stream(source_db: Any,
     assert any(c[0] == "public.t" and c[1] == "Delete" and c[2] == "O"
                and c[3]["id"] == "9000" for c in t1)
     assert any(c[0] == "public.d" and c[1] == "Delete" and c[2] == "K" for c in t1)
+    assert any(c[0] == "public.d" and c[1] == "Insert" and c[4] == {
+        "id": "3", "tenant": "1", "name": UNCHANGED} for c in t1)
     dtr = [c for s in _own(source_db.dsn, name, "dtr") for c in s[2]]
     assert ("truncate", ("public.d", "public.e"), 0) in dtr
     eonly = [c for s in _own(source_db.dsn, name, "eonly") for c in s[2]]
