@@ -111,6 +111,9 @@ _WORKLOAD = [
     f"UPDATE d SET name = {_BIG} WHERE id = 7",
     "UPDATE d SET id = 107 WHERE id = 7",                           # t1: DELETE 'K'
     "UPDATE d SET id = 3 WHERE id = 107",                           # t1: INSERT, 'u' name
+    # a Relation message mid-stream: t gains a column (the router must fit it)
+    "ALTER TABLE t ADD COLUMN extra int DEFAULT 7",
+    "UPDATE t SET tenant = 2, extra = 8 WHERE id % 6 = 5",
     "TRUNCATE t, d, e",                                             # cut per member
     "INSERT INTO d SELECT i, i, 'again' FROM generate_series(1, 8) i",
     "INSERT INTO e VALUES (1, 'again')",
