@@ -469,6 +469,12 @@ class TransactionFanout:
                            tuple(rels[i] for i in indexes))
         return out
 
+    def close(self) -> None:
+        """Forget the routers and evaluators (the connection they use is the caller's):
+        the shared stream calls this when it replaces the fanout."""
+        for table in self.tables.values():
+            table.router = table.evaluator = table.relation = None
+
     def route_message(self, msg: StandaloneMessage) -> dict[str, StandaloneMessage]:
         """A non-transactional logical message goes to every member: ``messages`` is one
         of the options a group's members have equal."""
