@@ -42,6 +42,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform import pgserver
 from pgsieve.platform.credentials import SecretBox, scrub_secrets
+from pgsieve.platform.db import lock_rows
 from pgsieve.platform.errors import PgsieveError
 from pgsieve.platform.lookups import load_source, source_connection
 from pgsieve.platform.models import DecodingGroup, Source, Subscription, new_id, utcnow
@@ -129,7 +130,11 @@ def _subscriptions(session: Session, source_id: str) -> list[Subscription]:
 
 def regroup_source(session: Session, source_id: str, tables: Sequence[TableInfo],
                    live: Mapping[str, Publication] | None = None) -> Regrouped:
-    """Group the source's shared subscriptions and persist the groups (no commit)."""
+    """Group the source's shared subscriptions and persist the groups (no commit). The
+    source's row is held until the caller's commit: two regroupings of one source take
+    turns, the second from what the first wrote."""
+    lock_rows(session, Source, [source_id])
+    session.expire_all()
     subs = _subscriptions(session, source_id)
     shared = [s for s in subs if decoding_of(s) == "shared" and not s.decoding_detached]
     by_name = {s.name: s for s in subs}
@@ -141,10 +146,11 @@ def regroup_source(session: Session, source_id: str, tables: Sequence[TableInfo]
     attached = {r.id: {s.name for s in subs
                        if s.decoding_group_id == r.id and not s.decoding_detached}
                 for r in rows}
-    # keep the row whose attached members overlap a new group most (ties: the oldest)
-    pairs = sorted(((len(attached[r.id] & set(g.subscriptions)), -r.id, gi, r)
-                    for gi, g in enumerate(formed) for r in rows), key=lambda p: p[:3],
-                   reverse=True)
+    # keep the row whose attached members overlap a new group most (ties: the oldest
+    # row, the first group)
+    pairs = sorted(((len(attached[r.id] & set(g.subscriptions)), r.id, gi, r)
+                    for gi, g in enumerate(formed) for r in rows),
+                   key=lambda p: (-p[0], p[1], p[2]))
     kept: dict[int, DecodingGroup] = {}
     taken: set[int] = set()
     for overlap, _, gi, old in pairs:

@@ -192,3 +192,27 @@ def test_the_decoding_route_is_for_viewers_and_needs_a_token(client, anon_client
     r = anon_client.get(url, params={"limit": 1},
                         headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 200 and "Link" not in r.headers
+
+
+def test_a_split_group_keeps_its_slot_with_the_members_it_keeps_most(client, env):
+    subs = {k: _subscribe(client, env, f"t{k}", f"pub_t{k}") for k in (1, 2, 3)}
+    _publication(client, env["source_id"], "pub_t5", "tenant_id = 5")
+    subs[5] = _subscribe(client, env, "t5", "pub_t5")
+    [group] = _groups(client, env)
+    assert group["subscriptions"] == ["t1", "t2", "t3", "t5"]
+    # binary is one per stream: t3 alone, with the option's code
+    r = client.patch(f"/api/v1/subscriptions/{subs[3]['id']}",
+                     json={"options": {"binary": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["shared_slot"] is None
+    assert r.json()["shared_refusal"]["code"] == "option_binary_differs"
+    # t5 follows: two groups; the old slot stays with t1, t2 (the most it kept)
+    r = client.patch(f"/api/v1/subscriptions/{subs[5]['id']}",
+                     json={"options": {"binary": True}})
+    assert r.status_code == 200, r.text
+    groups = _groups(client, env)
+    assert [(g["subscriptions"]) for g in groups] == [["t1", "t2"], ["t3", "t5"]]
+    assert groups[0]["slot"] == group["slot"] and groups[1]["slot"] != group["slot"]
+    assert _sub(client, subs[3])["shared_slot"] == groups[1]["slot"]
+    page = client.get(f"/api/v1/sources/{env['source_id']}/decoding", params={"limit": 1})
+    assert [g["slot"] for g in page.json()] == [group["slot"]] and "Link" in page.headers
