@@ -22,6 +22,7 @@ ROLE_MATRIX: dict[tuple[str, str], Role] = {
     ("POST", "/sources"): A,
     ("DELETE", "/sources/{source_id}"): A,
     ("GET", "/sources/{source_id}/health"): V,
+    ("GET", "/sources/{source_id}/decoding"): V,
     ("GET", "/targets"): V,
     ("GET", "/targets/{target_id}"): V,
     ("POST", "/targets"): A,

@@ -63,6 +63,7 @@ class ErrorCode(StrEnum):
     PUBLICATION_NOT_FOUND = "publication_not_found"
     PUBLICATION_NOT_MANAGED = "publication_not_managed"
     PUBLICATION_REJECTED_BY_POSTGRES = "publication_rejected_by_postgres"
+    ROUTING_DIVERGENCE = "routing_divergence"
     SCHEMA_CHANGE_UNSUPPORTED = "schema_change_unsupported"
     SKIP_LSN_ALREADY_APPLIED = "skip_lsn_already_applied"
     SLOT_ACTIVE = "slot_active"

@@ -182,6 +182,34 @@ class Slot(Base):
     source: Mapped[Source] = relationship(back_populates="slots")
 
 
+class DecodingGroup(Base):
+    """Subscriptions of one source reading one shared slot whose stream lists the union
+    of their publications (issue 58; docs/decisions/0024-shared-decoding-groups.md).
+    Written by the control plane when it regroups the source; ``confirmed_lsn``,
+    ``error_code``/``error`` and ``divergences`` by the shared stream reader."""
+
+    __tablename__ = "decoding_groups"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    source_id: Mapped[str] = mapped_column(
+        ForeignKey("sources.id", ondelete="CASCADE"), index=True)
+    slot_name: Mapped[str] = mapped_column(String(63), unique=True)
+    """``pgsieve_shared_<source id>_<id>``: kept while the group lives (a regrouping
+    keeps the row whose members overlap the new group most)."""
+    publication_names: Mapped[list[Any]] = mapped_column(default=list)
+    """The union of the members' publications, in member (name) order, each once."""
+    confirmed_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """Where the group's slot is confirmed: the slowest attached member's applied LSN."""
+    error_code: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    """``routing_divergence`` when the shadow check stopped the group, else a stream
+    error's code."""
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    divergences: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    """Routing divergences the shadow check found (``pgsieve_routing_divergences_total``)."""
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
 class Subscription(Base):
     """Source + publications + slot + target + options: one replication pipeline."""
 
@@ -218,6 +246,17 @@ class Subscription(Base):
     """Last time nothing was left to apply (lag 0)."""
     stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
     """Running counters (batches, changes applied, conflicts, ...) for /progress and metrics."""
+    decoding_group_id: Mapped[int | None] = mapped_column(
+        ForeignKey("decoding_groups.id", ondelete="SET NULL"), nullable=True, index=True)
+    """The shared-decoding group it reads (``options.decoding`` shared and a group of two
+    or more formed: :mod:`pgsieve.subscriptions.decoding`); None: its own slot."""
+    decoding_detached: Mapped[bool] = mapped_column(Boolean, default=False,
+                                                    server_default=text("false"))
+    """Detached from its group (reads a copy of the group's slot on its own): listed in
+    the group's ``detached``, not counted in its confirm."""
+    decoding_refusal: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    """Why a shared subscription could not join a group at the last regrouping:
+    ``{code, message, group}`` (the first reason grouping gave); None otherwise."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from pgsieve.streaming.transports.base import Transport
 from pgsieve.wire.assembler import (
@@ -70,6 +71,26 @@ class ConsumerStats:
     @property
     def last_received(self) -> Lsn | None:
         return None if self.received_value is None else Lsn(self.received_value)
+
+
+class ItemSource(Protocol):
+    """What a stream reads its transactions from: a :class:`SlotConsumer` on its own
+    slot, or its share of a decoding group's (:class:`~.shared.MemberConsumer`)."""
+
+    stats: ConsumerStats
+
+    @property
+    def transport(self) -> Any: ...
+
+    @property
+    def delivered(self) -> Lsn | None: ...
+
+    def items(self, deadline: float, *, quiet: bool = False
+              ) -> Generator[ConsumerItem, None, None]: ...
+
+    def confirm(self, lsn: Lsn) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class SlotConsumer:
@@ -203,6 +224,19 @@ class SlotConsumer:
         self._delivered = end
         self.stats.transactions += 1
         return True
+
+    def rewind(self, lsn: Lsn | None) -> None:
+        """Deliver again whatever ends after ``lsn`` (a shared stream gaining a member
+        that holds less than the others were given, :mod:`.sharedgroups`): the next
+        session starts again at the slot's confirmed position, and what the consumer
+        would have dropped as delivered is handed out once more."""
+        if self._delivered is None:
+            return
+        if lsn is None or lsn < self._delivered:
+            self._delivered = lsn
+        if self._delivered_message is not None and (lsn is None
+                                                    or lsn < self._delivered_message):
+            self._delivered_message = lsn
 
     def confirm(self, lsn: Lsn) -> None:
         """The target durably holds every transaction ending at or before ``lsn``.

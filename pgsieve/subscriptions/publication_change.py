@@ -29,6 +29,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.publications import store
 from pgsieve.publications.patch import PublicationEdits, patched_definition
 from pgsieve.publications.service import publication_lock
+from pgsieve.subscriptions import decoding
 from pgsieve.subscriptions.newtables import follow_publication
 from pgsieve.sync.queue import active_sync_job
 from pgsieve.sync.reconcile import filterchange
@@ -67,6 +68,8 @@ def change_publication(
             dispatch.initial_sync(settings, item["job_id"])
     if not dry_run:  # tables it publishes now, followed by the subscriptions using it
         follow_publication(session, settings, source.id, name)
+        # the union a shared group reads may conflict now (or a refused member may join)
+        decoding.refresh_source(session, settings, box, source.id)
     return saved, reconciled
 
 

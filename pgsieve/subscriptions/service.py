@@ -36,6 +36,7 @@ from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import JobState, SubscriptionState, SyncState
 from pgsieve.publications.catalog import read_publications, read_tables
 from pgsieve.rowfilter.effective import effective_filters
+from pgsieve.subscriptions import decoding
 from pgsieve.sync.reconcile import moved
 from pgsieve.sync.snapshot import HELPER_APPLICATION
 from pgsieve.wire.lsn import InvalidLsn, Lsn, format_lsn
@@ -179,6 +180,7 @@ def create_subscription(session: Session, settings: Settings, box: SecretBox,
         dispatch.initial_sync(settings, job.id)
     elif sub.enabled:
         dispatch.consume_cycle(settings, sub.id)
+    decoding.refresh_source(session, settings, box, sub.source_id)
     session.refresh(sub)
     return sub
 
@@ -313,5 +315,7 @@ def delete_subscription(session: Session, settings: Settings, box: SecretBox,
         session.commit()
         raise
     _forget_target_record(settings, box, session, sub)
+    source_id = sub.source_id
     session.delete(sub)
     session.commit()
+    decoding.refresh_source(session, settings, box, source_id)

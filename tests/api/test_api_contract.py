@@ -70,6 +70,7 @@ def test_collections_document_limit_cursor_and_link(client) -> None:
         ("GET", "/api/v1/jobs"), ("GET", "/api/v1/tokens"), ("GET", "/api/v1/audit"),
         ("GET", "/api/v1/alerts"), ("GET", "/api/v1/alerts/channels"),
         ("GET", "/api/v1/alerts/rules"),
+        ("GET", "/api/v1/sources/{source_id}/decoding"),
     }
     arrays = set()
     for method, path, op in _operations(spec):

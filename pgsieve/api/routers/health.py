@@ -21,6 +21,7 @@ from pgsieve.api.deps import SessionDep
 from pgsieve.apply import hotpath
 from pgsieve.platform.metrics import MetadataCollector, scheduler_report
 from pgsieve.platform.models import WorkerHeartbeat, utcnow
+from pgsieve.subscriptions.decoding import SharedDecodingCollector
 
 router = APIRouter(tags=["health"])
 metrics_router = APIRouter(tags=["health"])
@@ -66,6 +67,7 @@ def _registry(request: Request) -> CollectorRegistry:
         GCCollector(registry=registry)
         lease = request.app.state.settings.consumer_lease
         registry.register(MetadataCollector(request.app.state.sessionmaker, lease))
+        registry.register(SharedDecodingCollector(request.app.state.sessionmaker))
         request.app.state.metrics_registry = registry
     return registry
 

@@ -5,16 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Response, status
+from sqlalchemy import select
 
 from pgsieve.api.deps import SecretBoxDep, SessionDep, SettingsDep
 from pgsieve.api.pagination import PageDep
 from pgsieve.api.registry import Registry
 from pgsieve.api.schemas.connections import SourceCreate, SourceOut
+from pgsieve.api.schemas.subscriptions import DecodingGroupOut
 from pgsieve.platform.credentials import SecretBox
 from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.lookups import load_source
-from pgsieve.platform.models import Source, Subscription
+from pgsieve.platform.models import DecodingGroup, Source, Subscription
 from pgsieve.platform.pgserver import check_source
+from pgsieve.subscriptions.decoding import members_of
+from pgsieve.wire.lsn import format_lsn
 
 router = APIRouter(prefix="/sources", tags=["sources"])
 
@@ -58,3 +62,23 @@ def get_source(source_id: str, session: SessionDep, box: SecretBoxDep) -> dict[s
 def delete_source(source_id: str, session: SessionDep) -> Response:
     SOURCES.delete(session, source_id)
     return Response(status_code=status.HTTP_204_NO_CONTENT)
+
+
+@router.get("/{source_id}/decoding", operation_id="listDecodingGroups",
+            response_model=list[DecodingGroupOut])
+def list_decoding_groups(source_id: str, session: SessionDep, page: PageDep
+                         ) -> list[dict[str, Any]]:
+    """The source's shared decoding groups (two or more subscriptions reading one slot),
+    oldest first, ``limit`` per page (``Link: rel="next"`` while more remain). A shared
+    subscription reading its own slot is in none: its ``shared_refusal`` says why."""
+    source = load_source(session, source_id)
+    groups = page.of_query(session, select(DecodingGroup).where(
+        DecodingGroup.source_id == source.id), [DecodingGroup.id])
+    out = []
+    for group in groups:
+        attached, detached = members_of(session, group.id)
+        out.append({"slot": group.slot_name, "subscriptions": attached,
+                    "publications": list(group.publication_names or []),
+                    "confirmed_lsn": format_lsn(group.confirmed_lsn),
+                    "detached": detached, "error_code": group.error_code})
+    return out

@@ -27,11 +27,11 @@ from pgsieve.api.schemas.subscriptions import (
 from pgsieve.apply.batch import schema_change_policy
 from pgsieve.apply.batcher import MAX_BATCH_BYTES, MAX_BATCH_CHANGES
 from pgsieve.platform.lookups import load_subscription
-from pgsieve.platform.models import SchemaChangeRecord, Subscription
+from pgsieve.platform.models import DecodingGroup, SchemaChangeRecord, Subscription
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState
 from pgsieve.security.tokens import Principal
-from pgsieve.subscriptions import service
+from pgsieve.subscriptions import decoding, service
 from pgsieve.wire.lsn import format_lsn
 
 router = APIRouter(prefix="/subscriptions", tags=["subscriptions"])
@@ -42,7 +42,21 @@ def shown_options(stored: dict[str, Any]) -> dict[str, Any]:
     they act: ``schema_changes`` absent reads ``stop`` (what it did when it was created,
     :data:`~pgsieve.apply.batch.STORED_SCHEMA_CHANGE_POLICY`), ``drop_columns`` false."""
     return {**stored, "schema_changes": schema_change_policy(stored),
-            "drop_columns": bool(stored.get("drop_columns", False))}
+            "drop_columns": bool(stored.get("drop_columns", False)),
+            "decoding": stored.get("decoding", decoding.DECODING_DEFAULT)}
+
+
+def shared_decoding(session: Session, sub: Subscription) -> dict[str, Any]:
+    """``decoding``, ``shared_slot``, ``shared_members`` and ``shared_refusal``."""
+    mode = decoding.decoding_of(sub)
+    group = (session.get(DecodingGroup, sub.decoding_group_id)
+             if mode == "shared" and sub.decoding_group_id is not None else None)
+    if group is None:
+        return {"decoding": mode, "shared_slot": None, "shared_members": [],
+                "shared_refusal": sub.decoding_refusal if mode == "shared" else None}
+    attached, detached = decoding.members_of(session, group.id)
+    return {"decoding": mode, "shared_slot": group.slot_name,
+            "shared_members": sorted(attached + detached), "shared_refusal": None}
 
 
 def subscription_out(session: Session, sub: Subscription, settings: Settings
@@ -66,6 +80,7 @@ def subscription_out(session: Session, sub: Subscription, settings: Settings
         "copy_data": sub.copy_data,
         "enabled": sub.enabled,
         "options": shown_options(sub.options),
+        **shared_decoding(session, sub),
         "consistent_lsn": format_lsn(sub.consistent_lsn),
         "received_lsn": format_lsn(sub.received_lsn),
         "applied_lsn": format_lsn(sub.applied_lsn),
@@ -137,11 +152,14 @@ def get_subscription(subscription_id: str, session: SessionDep, settings: Settin
 @router.patch("/{subscription_id}", operation_id="updateSubscription",
               response_model=SubscriptionOut)
 def patch_subscription(
-    subscription_id: str, body: SubscriptionPatch, session: SessionDep, settings: SettingsDep
+    subscription_id: str, body: SubscriptionPatch, session: SessionDep, settings: SettingsDep,
+    box: SecretBoxDep,
 ) -> dict[str, Any]:
     """Change options (e.g. ``on_conflict`` after a conflict stopped the pipeline). A
     running consume cycle picks up ``on_conflict`` within a second, everything else at its
-    next cycle; an errored pipeline still needs ``…/enable``."""
+    next cycle; an errored pipeline still needs ``…/enable``. A change of ``decoding``
+    or of a stream option (``binary``, ``streaming``) regroups the source's shared
+    decoding."""
     sub = load_subscription(session, subscription_id)
     changes = body.options.model_dump(exclude_none=True)
     stored = {**sub.options}  # (values stored before the bounds: clamped, as streams do)
@@ -152,6 +170,9 @@ def patch_subscription(
     stored = shown_options(stored)  # (a PATCH of another option keeps schema_changes)
     sub.options = SubscriptionOptions(**{**stored, **changes}).model_dump()
     session.commit()
+    if {"decoding", "binary", "streaming"} & set(changes):
+        decoding.refresh_source(session, settings, box, sub.source_id)
+        session.refresh(sub)
     return subscription_out(session, sub, settings)
 
 

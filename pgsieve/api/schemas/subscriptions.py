@@ -51,6 +51,12 @@ class SubscriptionOptions(StrictModel):
         description="under follow, a column dropped at the source is dropped at the "
         "target too, after the batch's rows (else it is kept, made nullable: "
         "docs/schema-changes.md)")
+    decoding: Literal["shared", "own"] = Field(
+        default="own",
+        description="shared: read one slot with the source's other shared subscriptions "
+        "that can share (their stream lists the union of their publications and is routed "
+        "back to each: docs/routing.md); own: a slot of its own. Subscriptions created "
+        "before this option read as own")
 
 
 class SubscriptionCreate(StrictModel):
@@ -76,6 +82,7 @@ class SubscriptionOptionsPatch(StrictModel):
     streaming: bool | None = None
     schema_changes: Literal["follow", "stop"] | None = None
     drop_columns: bool | None = None
+    decoding: Literal["shared", "own"] | None = None
 
 
 class SubscriptionPatch(StrictModel):
@@ -122,6 +129,34 @@ class SubscriptionTableOut(TableCounters):
     sync_lsn: str | None
 
 
+class SharedRefusalOut(BaseModel):
+    """Why a shared subscription could not join a group."""
+
+    code: str = Field(description="decoding group codes of docs/routing.md: "
+                      "option_<name>_differs, own_column_lists_conflict, "
+                      "column_lists_differ, published_as_differs, "
+                      "filter_column_not_streamed, update_transform_ambiguous")
+    message: str
+    group: list[str] = Field(description="the members of the group it could not join "
+                             "([]: it shares with nobody)")
+
+
+class DecodingGroupOut(BaseModel):
+    """A source's shared decoding group: subscriptions reading one slot."""
+
+    slot: str = Field(description="the group's slot (kept while the group lives)")
+    subscriptions: list[str] = Field(description="attached members' names")
+    publications: list[str] = Field(description="the union of their publications, "
+                                    "as the stream lists them")
+    confirmed_lsn: str | None = Field(
+        description="where the group's slot is confirmed (the slowest attached member); "
+        "null before the group streamed")
+    detached: list[str] = Field(description="members reading a copy of the slot on their own")
+    error_code: str | None = Field(
+        default=None, description="routing_divergence when the shadow check stopped the "
+        "group, else the stream error's code; null while it runs")
+
+
 class SubscriptionOut(BaseModel):
     id: str
     name: str
@@ -153,6 +188,18 @@ class SubscriptionOut(BaseModel):
         description="the conflict that stopped the pipeline: table, kind, key, commit_lsn, "
         "detail (key null and detail withheld for a viewer token: row data)"
     )
+    decoding: Literal["shared", "own"] = Field(
+        description="the decoding option: shared or own (its own slot)")
+    shared_slot: str | None = Field(
+        default=None, description="the shared slot it reads (decoding shared and a group "
+        "of two or more formed; also while detached from it); null: its own slot")
+    shared_members: list[str] = Field(
+        default_factory=list, description="the names of its group's subscriptions, itself "
+        "included, attached and detached (see GET /sources/{id}/decoding); [] when not "
+        "shared")
+    shared_refusal: SharedRefusalOut | None = Field(
+        default=None, description="decoding shared but reading its own slot: why it could "
+        "not join a group at the last regrouping (the first reason)")
     tables: list[SubscriptionTableOut]
     missing_skipped: int = Field(description="sum of the tables' missing_skipped")
     created_at: datetime

@@ -1,0 +1,387 @@
+"""One decode for many subscriptions: a group's slot read once, each member fed its own
+transactions (issue 58, ADR 0024).
+
+Why: every slot's walsender or peek decodes *all* of the source's WAL, so N filtered
+subscriptions on one source cost it N decodes and N slots' retained WAL. Subscriptions
+that can share (:mod:`pgsieve.routing.grouping`) read one slot whose stream lists all
+their publications; PostgreSQL ORs their filters server-side, and the fanout
+(:mod:`pgsieve.routing.fanout`) cuts each transaction back down to what each member's own
+stream would have carried.
+
+How the pieces fit:
+
+* :class:`SharedStream` owns the group's :class:`~.consumer.SlotConsumer` (one slot, the
+  union's ``publication_names``). :meth:`SharedStream.pump` reads it and appends each
+  member's routed transactions to that member's queue; a transaction with nothing for a
+  member becomes :class:`~.consumer.IdleProgress` at its end (coalesced), so an idle
+  member's position still moves.
+* :class:`MemberConsumer` is what a member's :class:`~.streamrun.StreamRun` reads instead
+  of its own slot: the :class:`SlotConsumer` interface (``items``, ``confirm``,
+  ``delivered``, ``stats``) over its queue, pumping the group when the queue is empty.
+* Exactly once per member is the existing rule: a member's stream resumes after its
+  target's recorded LSN and skips what ends at or before it; it confirms only after its
+  target committed.
+* The group's slot is confirmed no further than its slowest member
+  (:meth:`SharedStream.confirmable`): after a crash, PostgreSQL re-sends from there, and
+  each member skips what its target already holds.
+
+Threads: a scheduler runs several members' turns at once; one lock serializes the use
+of the group's consumer (its connection) — pumping and confirming — while members apply
+in parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pgsieve.streaming.consumer import (
+    QUIET,
+    ConsumerItem,
+    ConsumerStats,
+    IdleProgress,
+    Quiet,
+    SlotConsumer,
+)
+from pgsieve.wire.assembler import StandaloneMessage, Transaction
+from pgsieve.wire.lsn import Lsn
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Fanout",
+    "MemberConsumer",
+    "MemberPosition",
+    "SharedStream",
+]
+
+MAX_QUEUED_TRANSACTIONS = 20_000
+"""A pump stops reading while any attached member holds this many routed transactions it
+has not read yet: the slowest member bounds the group's memory (and, through the group's
+confirm, the WAL it retains) until it is detached."""
+
+
+DETACH_AFTER_BYTES = 1 << 30
+"""A member not reading (its stream closed: target down, paused) is detached to a slot of
+its own once the others are this much WAL ahead of it: it must not hold their WAL
+without bound (``PGSIEVE_SHARED_DETACH_BYTES``)."""
+
+
+class Fanout(Protocol):
+    """Each member's own transaction out of the union's (:mod:`pgsieve.routing.fanout`)."""
+
+    def route(self, txn: Transaction) -> Mapping[str, Transaction]: ...
+
+    def route_message(self, msg: StandaloneMessage) -> Mapping[str, StandaloneMessage]: ...
+
+
+@dataclass
+class MemberPosition:
+    """One member as the group sees it (shown by ``GET /sources/{id}/decoding``)."""
+
+    name: str
+    resume_after: Lsn | None
+    """Its target's recorded LSN when it joined: nothing at or before it is delivered."""
+    confirmed: Lsn | None = None
+    """The newest LSN its target holds, as its stream confirmed it."""
+    queue: deque[ConsumerItem] = field(default_factory=deque)
+    routed_transactions: int = 0
+    routed_changes: int = 0
+
+
+class SharedStream:
+    """A group's one stream and its members' queues (see the module docstring)."""
+
+    def __init__(self, consumer: SlotConsumer, fanout: Fanout, *,
+                 max_queued: int = MAX_QUEUED_TRANSACTIONS,
+                 detach_after_bytes: int = DETACH_AFTER_BYTES) -> None:
+        self.consumer = consumer
+        self.fanout = fanout
+        self.max_queued = max_queued
+        self.members: dict[str, MemberPosition] = {}
+        self.parked: dict[str, Lsn | None] = {}
+        """Members not reading now, by the newest position their targets hold."""
+        self.detach_after_bytes = detach_after_bytes
+        self.on_detach: Callable[[str], None] | None = None
+        """Gives a parked member that fell too far behind a slot of its own, a copy of
+        the group's (confirmed no further than the member's position): then the group
+        confirms past it. Called with the lock held, before the confirm it allows."""
+        self._lock = threading.RLock()
+        self.pumps = 0
+        self.transactions = 0
+        """Transactions the group's stream delivered (each decoded once for all)."""
+        self.closed = False
+        self.wake: Callable[[str], None] | None = None
+        """Called (outside the lock) with each member whose empty queue a pump filled:
+        a scheduler makes its turn due now instead of at its next idle poll."""
+        self._items: Generator[ConsumerItem, None, None] | None = None
+
+    # -- membership ----------------------------------------------------------------------
+    def attach(self, name: str, resume_after: Lsn | None, *,
+               on_leave: Callable[[], None] | None = None) -> MemberConsumer:
+        """``name`` reads the group from after ``resume_after`` (its target's LSN). The
+        group's consumer is rewound there: the group's slot must not be confirmed past
+        it (the caller checks, :mod:`.sharedgroups`), and what the others are given again
+        they skip."""
+        with self._lock:
+            self._restart_reading()
+            self.consumer.rewind(resume_after)
+            self.parked.pop(name, None)
+            self.members[name] = MemberPosition(name, resume_after, confirmed=resume_after)
+            return MemberConsumer(self, name, resume_after, on_leave)
+
+    def replace_fanout(self, fanout: Fanout) -> None:
+        """Route for a changed membership from the next transaction on."""
+        with self._lock:
+            old, self.fanout = self.fanout, fanout
+            _close_fanout(old)
+
+    def detach(self, name: str) -> None:
+        """``name``'s stream closed (let go, its target down, the worker stopping): it
+        stays a member whose position holds the group's slot (:attr:`parked`) until it
+        comes back or is detached to a slot of its own (:meth:`confirm_member`)."""
+        with self._lock:
+            member = self.members.pop(name, None)
+            if member is not None:
+                self.parked[name] = member.confirmed
+                for queued in member.queue:
+                    if isinstance(queued, Transaction):
+                        queued.close()
+
+    def park(self, positions: Mapping[str, Lsn | None]) -> None:
+        """Members that read this group but not now (another process read it before):
+        their targets' positions, as the store last saw them, hold the group's slot."""
+        with self._lock:
+            for name, position in positions.items():
+                if name not in self.members and name not in self.parked:
+                    self.parked[name] = position
+
+    # -- reading ---------------------------------------------------------------------------
+    def pump(self, deadline: float, wanted_by: str) -> None:
+        """Read the group's stream until ``wanted_by`` has something queued, the stream
+        has nothing more for now, or ``deadline``; route what arrives to every member and
+        wake the others that were waiting (:attr:`wake`)."""
+        woken: set[str] = set()
+        with self._lock:
+            if self.closed or self._backed_up(wanted_by):
+                return
+            self.pumps += 1
+            if self._items is None:
+                # One generator across pumps: the transport's sessions remember what they
+                # read, so a pump that finds nothing new costs one query, not a re-decode
+                # of everything not confirmed yet.
+                self._items = self.consumer.items(math.inf, quiet=True)
+            try:
+                for item in self._items:
+                    if isinstance(item, Quiet):
+                        if self._has_items(wanted_by) or time.monotonic() >= deadline:
+                            break
+                        continue
+                    woken |= self._route(item)
+                    if self._backed_up(wanted_by):
+                        break
+            except BaseException:
+                self._restart_reading()
+                raise
+        wake = self.wake
+        if wake is not None:
+            for name in woken - {wanted_by}:
+                wake(name)
+
+    def _restart_reading(self) -> None:
+        """The next pump starts new sessions at the slot's confirmed position."""
+        items, self._items = self._items, None
+        if items is not None:
+            items.close()
+
+    def _has_items(self, name: str) -> bool:
+        member = self.members.get(name)
+        return member is None or bool(member.queue)
+
+    def _backed_up(self, wanted_by: str) -> bool:
+        return any(len(m.queue) >= self.max_queued for m in self.members.values()
+                   if m.name != wanted_by)
+
+    def _route(self, item: ConsumerItem) -> set[str]:
+        """Append ``item``'s share to each member's queue; the members whose queue was
+        empty."""
+        waiting = {name for name, m in self.members.items() if not m.queue}
+        if isinstance(item, IdleProgress):
+            for member in self.members.values():
+                _push_progress(member.queue, item.lsn)
+            return set()  # (a position to record is no reason for a turn now)
+        if isinstance(item, StandaloneMessage):
+            routed_messages = self.fanout.route_message(item)
+            for name, member in self.members.items():
+                message = routed_messages.get(name)
+                if message is not None:
+                    member.queue.append(message)
+            return waiting & routed_messages.keys()
+        if not isinstance(item, Transaction):
+            return set()
+        self.transactions += 1
+        try:
+            routed = self.fanout.route(item)
+        except BaseException:
+            item.close()
+            raise
+        if all(txn is not item for txn in routed.values()):
+            item.close()  # (a member passed the whole transaction through closes it)
+        for name, member in self.members.items():
+            txn = routed.get(name)
+            if txn is None:
+                _push_progress(member.queue, item.end_lsn)
+                continue
+            member.queue.append(txn)
+            member.routed_transactions += 1
+        for name, txn in routed.items():
+            if name not in self.members:
+                txn.close()
+        return waiting & routed.keys()
+
+    # -- confirming ------------------------------------------------------------------------
+    def confirm_member(self, name: str, lsn: Lsn) -> None:
+        """``name``'s target holds everything up to ``lsn``; the group's slot is confirmed
+        to the slowest member's position."""
+        with self._lock:
+            member = self.members.get(name)
+            if member is None:
+                return
+            if member.confirmed is None or lsn > member.confirmed:
+                member.confirmed = lsn
+            group = self.confirmable()
+            if group is not None and not self.closed:
+                self.consumer.confirm(group)
+
+    def confirmable(self) -> Lsn | None:
+        """The newest LSN every member's target holds (None: one holds none known),
+        after detaching the parked members that lag the others past the bound."""
+        newest = max((m.confirmed for m in self.members.values() if m.confirmed is not None),
+                     default=None)
+        if newest is not None and self.on_detach is not None:
+            for name, position in list(self.parked.items()):
+                if position is None or newest - position > self.detach_after_bytes:
+                    log.warning("member %s of the shared stream lags %s bytes behind the "
+                                "others: detached to a slot of its own", name,
+                                "?" if position is None else newest - position)
+                    self.on_detach(name)
+                    del self.parked[name]
+        positions = [m.confirmed for m in self.members.values()] + list(self.parked.values())
+        if not positions or any(p is None for p in positions):
+            return None
+        return min(p for p in positions if p is not None)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._restart_reading()
+            for member in self.members.values():
+                for queued in member.queue:
+                    if isinstance(queued, Transaction):
+                        queued.close()
+                member.queue.clear()
+            try:
+                self.consumer.close()
+            finally:
+                _close_fanout(self.fanout)
+
+
+def _close_fanout(fanout: Fanout) -> None:
+    close = getattr(fanout, "close", None)
+    if close is not None:
+        close()
+
+
+def _push_progress(queue: deque[ConsumerItem], lsn: Lsn) -> None:
+    """Nothing for this member commits before ``lsn`` past what is queued: one
+    :class:`IdleProgress` at the queue's end says so (a run of them is coalesced)."""
+    if queue and isinstance(queue[-1], IdleProgress):
+        if lsn > queue[-1].lsn:
+            queue[-1] = IdleProgress(lsn)
+        return
+    queue.append(IdleProgress(lsn))
+
+
+class _MemberTransport:
+    """What a member's stream holds as its "transport": closing it leaves the group."""
+
+    def __init__(self, group: SharedStream, name: str,
+                 on_leave: Callable[[], None] | None) -> None:
+        self._group = group
+        self._name = name
+        self._on_leave = on_leave
+
+    def close(self) -> None:
+        if self._on_leave is not None:
+            self._on_leave()
+        else:
+            self._group.detach(self._name)
+
+    def idle_position(self) -> Lsn | None:
+        return None
+
+
+class MemberConsumer:
+    """A member's view of the group: :class:`SlotConsumer`'s interface over its queue."""
+
+    def __init__(self, group: SharedStream, name: str, resume_after: Lsn | None,
+                 on_leave: Callable[[], None] | None = None) -> None:
+        self.group = group
+        self.name = name
+        self._delivered = resume_after
+        self.stats = ConsumerStats()
+        self.transport = _MemberTransport(group, name, on_leave)
+
+    @property
+    def delivered(self) -> Lsn | None:
+        return self._delivered
+
+    def items(self, deadline: float, *, quiet: bool = False
+              ) -> Generator[ConsumerItem, None, None]:
+        """Its transactions, each once, in commit order, then :class:`IdleProgress`;
+        the group is pumped whenever the queue is empty."""
+        member = self.group.members.get(self.name)
+        while member is not None and not self.group.closed:
+            if not member.queue:
+                self.group.pump(deadline, self.name)
+                if not member.queue:
+                    if quiet:
+                        yield QUIET
+                    return
+            item = member.queue.popleft()
+            if isinstance(item, IdleProgress):
+                if self._delivered is not None and item.lsn <= self._delivered:
+                    continue
+                self._delivered = item.lsn
+                yield item
+            elif isinstance(item, Transaction):
+                if self._delivered is not None and item.end_lsn <= self._delivered:
+                    self.stats.skipped += 1
+                    item.close()
+                    continue
+                self._delivered = item.end_lsn
+                self.stats.transactions += 1
+                self.stats.received_value = item.end_lsn.value
+                yield item
+            else:
+                yield item
+            if time.monotonic() >= deadline:
+                return
+
+    def confirm(self, lsn: Lsn) -> None:
+        self.group.confirm_member(self.name, lsn)
+        self.stats.confirmed = lsn
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def member_names(groups: Iterable[SharedStream]) -> list[str]:
+    """Every attached member of ``groups`` (for the worker's report)."""
+    return sorted(name for g in groups for name in g.members)

@@ -1,0 +1,155 @@
+"""A shared stream's bookkeeping on a real slot (issue 58): each member gets every
+transaction once, the group's slot is confirmed no further than its slowest member, a
+member whose stream closed still holds the slot until it lags past the bound and is
+detached, and a member joining later gets what the others already had.
+
+The routing itself is the fanout's (``test_fanout_exact.py``); here every member is
+given the whole transaction, so what is checked is only who gets what, once, and where
+the slot stands."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import pytest
+
+from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.shared import MemberConsumer, SharedStream
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.wire.assembler import StandaloneMessage, Transaction
+from pgsieve.wire.lsn import Lsn
+from tests.conftest import Database
+
+
+class EveryoneGetsAll:
+    """A fanout that gives each member the whole transaction."""
+
+    def __init__(self) -> None:
+        self.members: list[str] = []
+
+    def route(self, txn: Transaction) -> Mapping[str, Transaction]:
+        return dict.fromkeys(self.members, txn)
+
+    def route_message(self, msg: StandaloneMessage) -> Mapping[str, StandaloneMessage]:
+        return dict.fromkeys(self.members, msg)
+
+
+def _slot_confirmed(db: Database, slot: str) -> Lsn:
+    row = db.query("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                   "WHERE slot_name = %s", (slot,))
+    return Lsn.parse(str(row[0][0]))
+
+
+def _read(member: MemberConsumer, count: int, timeout: float = 20.0) -> list[Transaction]:
+    """``count`` transactions of ``member`` (its IdleProgress items passed over)."""
+    out: list[Transaction] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < count and time.monotonic() < deadline:
+        for item in member.items(time.monotonic() + 1.0, quiet=True):
+            if isinstance(item, Transaction):
+                out.append(item)
+                if len(out) == count:
+                    break
+    assert len(out) == count, f"{member.name} got {len(out)} of {count} transactions"
+    return out
+
+
+@pytest.fixture
+def group(source_db: Database):
+    source_db.execute("CREATE TABLE t (id int PRIMARY KEY, tenant int);"
+                      "CREATE PUBLICATION everything FOR TABLE t")
+    source_db.execute("SELECT pg_create_logical_replication_slot('grp', 'pgoutput')")
+    transport = SqlTransport(source_db.dsn, "grp", PgoutputOptions(("everything",)),
+                             poll_interval=0.0)
+    fanout = EveryoneGetsAll()
+    stream = SharedStream(SlotConsumer(transport, proto_version=2), fanout,
+                          detach_after_bytes=1 << 40)
+    yield stream, fanout
+    stream.close()
+
+
+def _commit(db: Database, first: int, count: int = 1) -> None:
+    for i in range(first, first + count):
+        db.execute(f"INSERT INTO t VALUES ({i}, {i % 3})")
+
+
+def test_members_get_each_transaction_once_and_the_slot_waits_for_the_slowest(
+        source_db: Database, group) -> None:
+    stream, fanout = group
+    fanout.members = ["a", "b"]
+    start = _slot_confirmed(source_db, "grp")
+    a, b = stream.attach("a", None), stream.attach("b", None)
+    _commit(source_db, 1, 3)
+    got_a = _read(a, 3)
+    assert stream.transactions == 3  # decoded once, for both
+    got_b = _read(b, 3)
+    assert [t.end_lsn for t in got_a] == [t.end_lsn for t in got_b]
+    assert stream.pumps >= 1 and stream.transactions == 3
+
+    a.confirm(got_a[-1].end_lsn)
+    assert _slot_confirmed(source_db, "grp") == start, "confirmed past the slowest member"
+    b.confirm(got_b[0].end_lsn)
+    assert _slot_confirmed(source_db, "grp") == got_b[0].end_lsn
+    b.confirm(got_b[-1].end_lsn)
+    assert _slot_confirmed(source_db, "grp") == got_a[-1].end_lsn
+
+    # Nothing twice: more reading gives only what is new.
+    _commit(source_db, 10)
+    (fresh,) = _read(a, 1)
+    assert fresh.end_lsn > got_a[-1].end_lsn
+
+
+def test_a_closed_member_holds_the_slot_until_detached_past_the_bound(
+        source_db: Database, group) -> None:
+    stream, fanout = group
+    fanout.members = ["a", "b"]
+    a, b = stream.attach("a", None), stream.attach("b", None)
+    _commit(source_db, 1)
+    (first,) = _read(a, 1)
+    _read(b, 1)
+    b.confirm(first.end_lsn)
+    stream.detach("b")  # its stream closed: target down, disabled, worker stopping
+    assert stream.parked == {"b": first.end_lsn}
+    _commit(source_db, 2, 3)
+    newer = _read(a, 3)
+    a.confirm(newer[-1].end_lsn)
+    assert _slot_confirmed(source_db, "grp") == first.end_lsn, "b's WAL was let go"
+
+    detached: list[str] = []
+    stream.on_detach = detached.append
+    stream.detach_after_bytes = newer[-1].end_lsn - first.end_lsn - 1
+    a.confirm(newer[-1].end_lsn)
+    assert detached == ["b"] and stream.parked == {}
+    assert _slot_confirmed(source_db, "grp") == newer[-1].end_lsn
+
+
+def test_a_member_joining_later_gets_what_the_others_already_had(
+        source_db: Database, group) -> None:
+    stream, fanout = group
+    fanout.members = ["a", "c"]
+    a = stream.attach("a", None)
+    _commit(source_db, 1, 2)
+    had = _read(a, 2)
+    # c's target holds everything before the slot's confirmed position (here: its start)
+    c = stream.attach("c", _slot_confirmed(source_db, "grp"))
+    got_c = _read(c, 2)
+    assert [t.end_lsn for t in got_c] == [t.end_lsn for t in had]
+    _commit(source_db, 5)
+    (next_a,) = _read(a, 1)  # a skips the two it was given before the rewind
+    assert next_a.end_lsn > had[-1].end_lsn
+
+
+def test_an_idle_stream_moves_every_member_on(source_db: Database, group) -> None:
+    stream, fanout = group
+    fanout.members = ["a"]
+    a = stream.attach("a", None)
+    source_db.execute("CREATE TABLE unrelated (id int)")
+    source_db.execute("INSERT INTO unrelated VALUES (1)")
+    deadline = time.monotonic() + 20
+    progress: list[Lsn] = []
+    while not progress and time.monotonic() < deadline:
+        progress = [i.lsn for i in a.items(time.monotonic() + 1.0, quiet=True)
+                    if isinstance(i, IdleProgress)]
+    assert progress, "an idle member was never told where the stream stands"
