@@ -20,6 +20,7 @@ transactional logical message, and a transaction large enough to be streamed
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,6 +33,10 @@ from pgsieve.routing.grouping import SharingCandidate, sharing_conflicts
 from pgsieve.routing.pgeval import PostgresFilterEvaluator, read_table_shape
 from pgsieve.routing.shadow import ShadowChecker
 from pgsieve.rowfilter import Publication, PublishedTable, TableInfo
+from pgsieve.streaming.consumer import SlotConsumer
+from pgsieve.streaming.shared import SharedStream
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.messages import UNCHANGED
 from pgsieve.wire.splitter import RawChanges
@@ -318,3 +323,38 @@ def test_two_phase(private_source_db: Any) -> None:
         # PostgreSQL sent tus the prepared g1 it has no change of, empty
         assert any(not s[2] for s in _own(private_source_db.dsn, name, "tus",
                                           empty_unskipped=True, proto_version=3))
+
+
+def test_behind_the_shared_stream(source_db: Any,
+                                  slot: tuple[psycopg.Connection[Any], str]) -> None:
+    """The fanout as the runtime uses it (pgsieve.streaming.shared): one SharedStream on
+    the slot, each member reading its MemberConsumer — each gets its own stream's
+    transactions, once, in order."""
+    conn, name = slot
+    for statement in _WORKLOAD:
+        conn.execute(statement)
+    options = PgoutputOptions(tuple(_MEMBERS), proto_version=2, messages=True)
+    transport = SqlTransport(source_db.dsn, name, options, poll_interval=0.0, split_bytes=0)
+    stream = SharedStream(SlotConsumer(transport, proto_version=2), _fanout(conn),
+                          detach_after_bytes=1 << 40)
+    try:
+        readers = {m: stream.attach(m, None) for m in _MEMBERS}
+        own = {m: _own(source_db.dsn, name, m) for m in _MEMBERS}
+        got: dict[str, list[Transaction]] = {m: [] for m in _MEMBERS}
+        deadline = time.monotonic() + 20
+        while any(len(got[m]) < len(own[m]) for m in _MEMBERS):
+            assert time.monotonic() < deadline, {m: len(t) for m, t in got.items()}
+            for member, reader in readers.items():
+                if len(got[member]) >= len(own[member]):
+                    continue
+                for item in reader.items(time.monotonic() + 0.2, quiet=True):
+                    if isinstance(item, Transaction):
+                        got[member].append(item)
+                        if len(got[member]) == len(own[member]):
+                            break
+        for member in _MEMBERS:
+            assert _seen(got[member]) == own[member], member
+        assert stream.transactions == len(read_transactions(source_db.dsn, name,
+                                                            list(_MEMBERS)))
+    finally:
+        stream.close()
