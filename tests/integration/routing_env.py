@@ -42,13 +42,13 @@ def peek_changes(conn: psycopg.Connection[Any], slot: str, publications: Sequenc
 
 def read_transactions(dsn: str, slot: str, publications: Sequence[str], *,
                       proto_version: int = 2, streaming: bool = True, messages: bool = True,
-                      memory_limit: int | None = None, seconds: float = 20.0
-                      ) -> list[Transaction]:
+                      binary: bool = False, memory_limit: int | None = None,
+                      seconds: float = 20.0) -> list[Transaction]:
     """Every transaction ``slot``'s stream for ``publications`` sends, read as the
     pipeline reads it (a :class:`SlotConsumer` over the SQL transport, peeking: the slot
     does not move), until the first window read to its end."""
     options = PgoutputOptions(tuple(publications), proto_version=proto_version,
-                              streaming=streaming, messages=messages)
+                              streaming=streaming, messages=messages, binary=binary)
     extra = {} if memory_limit is None else {"memory_limit": memory_limit}
     consumer = SlotConsumer(SqlTransport(dsn, slot, options, split_bytes=0),
                             proto_version=proto_version, **extra)  # type: ignore[arg-type]

@@ -189,10 +189,11 @@ def _seen(txns: list[Transaction]) -> Seen:
 
 
 def _own(dsn: str, slot: str, member: str, *, empty_unskipped: bool = False,
-         proto_version: int = 2) -> Seen:
+         proto_version: int = 2, binary: bool = False) -> Seen:
     # PostgreSQL 15 skips an empty ordinary transaction but still sends an empty streamed
     # or two-phase one: the fanout gives those only when asked to
-    txns = read_transactions(dsn, slot, [member], proto_version=proto_version)
+    txns = read_transactions(dsn, slot, [member], proto_version=proto_version,
+                             binary=binary)
     assert all(t.streamed or t.gid for t in txns if not len(t.changes))
     return [s for t, s in zip(txns, _seen(txns), strict=True)
             if s[2] or (empty_unskipped and (t.streamed or t.gid))]
@@ -200,10 +201,11 @@ def _own(dsn: str, slot: str, member: str, *, empty_unskipped: bool = False,
 
 def _check_against_own_streams(conn: psycopg.Connection[Any], dsn: str, slot: str,
                                fanout: TransactionFanout, *, memory_limit: int | None = None,
-                               proto_version: int = 2) -> dict[str, int]:
+                               proto_version: int = 2, binary: bool = False
+                               ) -> dict[str, int]:
     """Route the union stream; per member, compare with its own stream (see above)."""
     union = read_transactions(dsn, slot, list(_MEMBERS), memory_limit=memory_limit,
-                              proto_version=proto_version)
+                              proto_version=proto_version, binary=binary)
     assert any(t.streamed for t in union), "the workload should stream a transaction"
     if memory_limit is not None:  # an ordinary transaction handed to the full assembler
         assert any(type(t.changes) is not RawChanges and not t.streamed for t in union)
@@ -217,7 +219,7 @@ def _check_against_own_streams(conn: psycopg.Connection[Any], dsn: str, slot: st
     counts = {}
     for member in _MEMBERS:
         own = _own(dsn, slot, member, empty_unskipped=fanout.empty_unskipped,
-                   proto_version=proto_version)
+                   proto_version=proto_version, binary=binary)
         mine = _seen(routed[member])
         assert [s[:2] for s in mine] == [s[:2] for s in own], member
         for (commit, _, got), (_, _, want) in zip(mine, own, strict=True):
@@ -226,15 +228,17 @@ def _check_against_own_streams(conn: psycopg.Connection[Any], dsn: str, slot: st
     return counts
 
 
+@pytest.mark.parametrize("binary", [False, True], ids=["text", "binary"])
 def test_each_member_gets_its_own_stream(source_db: Any,
-                                         slot: tuple[psycopg.Connection[Any], str]) -> None:
+                                         slot: tuple[psycopg.Connection[Any], str],
+                                         binary: bool) -> None:
     conn, name = slot
     for statement in _WORKLOAD:
         conn.execute(statement)
     shadow = ShadowChecker(0.5, seed=1)
     evaluators: list[PostgresFilterEvaluator] = []
     fanout = _fanout(conn, shadow, empty_unskipped=True, evaluators=evaluators)
-    counts = _check_against_own_streams(conn, source_db.dsn, name, fanout)
+    counts = _check_against_own_streams(conn, source_db.dsn, name, fanout, binary=binary)
     assert all(counts.values()), counts  # every member received something
     assert fanout.converted > 0 and shadow.checked > 0
     # lower(region) and id % 2 went to PostgreSQL, in batches: t and d each asked
