@@ -37,10 +37,11 @@ test: deps
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=30
 
 # The randomized fault-injection runs at full size (make test runs 6 chosen seeds of the
-# pipeline's, 2 of the initial copy's kills).
+# pipeline's, 2 of the initial copy's kills; 6 tenants sharing a slot, not 20).
 test-slow: deps
 	PGSIEVE_TEST_CHAOS_RUNS=24 $(BIN)/pytest tests/integration/test_pipeline_faults.py
 	PGSIEVE_TEST_CHAOS_RUNS=16 $(BIN)/pytest tests/integration/test_sync_takeover.py
+	PGSIEVE_TEST_SHARED_TENANTS=20 $(BIN)/pytest tests/integration/test_shared_decoding.py
 
 # Re-resolve the lock after changing pyproject.toml's pins (or scripts/uv.in's, or
 # scripts/codegen.in's: the client generator's own venv, scripts/codegen-venv.sh).

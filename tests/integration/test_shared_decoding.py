@@ -8,8 +8,10 @@ subscription), leaves TOASTed values unchanged in updates, deletes, truncates, a
 commits transactions larger than ``logical_decoding_work_mem`` (streamed). The worker is
 killed with SIGKILL in the middle of it: every target must end exactly once.
 
-Why it costs ~60 s: twenty targets are twenty initial syncs and twenty streams, and the
-oracle is four native subscriptions beside them; the kill and the restart are the point.
+Why it costs ~110 s in ``make test`` (6 tenants, ~65 s; the target-down case, ~45 s):
+every tenant is an initial sync and a stream of its own before it joins, the oracle is
+native subscriptions beside them, and the kill, the restart and the detach are the point.
+``make test-slow`` runs the issue's 20 tenants (~4 min).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from tests.integration.pipeline_env import (
     wait_until,
 )
 
-TENANTS = int(os.environ.get("PGSIEVE_TEST_SHARED_TENANTS", "20"))
+TENANTS = int(os.environ.get("PGSIEVE_TEST_SHARED_TENANTS", "6"))
+"""Tenants sharing the slot: 6 in ``make test``, the issue's 20 in ``make test-slow``."""
 NATIVE = tuple(k for k in (1, 2, 7, 13) if k <= TENANTS)
 """Tenants also fed to a native subscription of the same publication."""
 
@@ -139,7 +142,7 @@ def _reading(env: PipelineEnv, source_id: str) -> int:
 
 
 @pytest.mark.timeout(600)
-def test_twenty_tenants_read_one_slot_and_end_like_native_across_a_kill(
+def test_tenants_read_one_slot_and_end_like_native_across_a_kill(
         tmp_path: Path, source_db: Database, subscriber: LocalCluster) -> None:
     source_db.execute(SOURCE)
     rng = random.Random(58)
