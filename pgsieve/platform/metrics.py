@@ -444,8 +444,26 @@ class MetadataCollector(Collector):
         wakeups = CounterMetricFamily(
             "pgsieve_worker_push_wakeups",
             "turns made due by the server's push since the worker started", labels=["worker"])
+        decoded = CounterMetricFamily(
+            "pgsieve_shared_transactions",
+            "transactions a worker decoded once for all members of a shared slot",
+            labels=["worker", "slot"])
+        routed = CounterMetricFamily(
+            "pgsieve_shared_routed_transactions",
+            "transactions a shared slot's stream routed to a member (its own share)",
+            labels=["worker", "slot", "subscription"])
+        shadow = CounterMetricFamily(
+            "pgsieve_shared_shadow_checks",
+            "routed changes the shadow check had PostgreSQL evaluate again",
+            labels=["worker", "slot"])
         for beat in session.scalars(select(WorkerHeartbeat).order_by(WorkerHeartbeat.worker)):
             age.add_metric([beat.worker], _age(now, beat.beat_at) or 0.0)
+            shared = (scheduler_report(beat) or {}).get("shared") or {}
+            for slot, group in shared.items() if isinstance(shared, dict) else ():
+                decoded.add_metric([beat.worker, slot], float(group.get("transactions", 0)))
+                shadow.add_metric([beat.worker, slot], float(group.get("shadow_checked", 0)))
+                for member, count in (group.get("routed") or {}).items():
+                    routed.add_metric([beat.worker, slot, member], float(count))
             report = scheduler_report(beat)
             if report is None:
                 continue
@@ -459,7 +477,7 @@ class MetadataCollector(Collector):
                                    float(report.get("held", 0)) - float(report["pushing"]))
                 switches.add_metric([beat.worker], float(report.get("transport_switches", 0)))
                 wakeups.add_metric([beat.worker], float(report.get("push_wakeups", 0)))
-        yield from (age, held, wait, turns, reading, switches, wakeups)
+        yield from (age, held, wait, turns, reading, switches, wakeups, decoded, routed, shadow)
 
 
 def _alert_metrics(session: Session) -> Iterator[Metric]:

@@ -39,7 +39,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from pgsieve.routing.shadow import RoutingDivergence
 from pgsieve.streaming.consumer import (
@@ -269,6 +269,20 @@ class SharedStream:
             if name not in self.members:
                 txn.close()
         return waiting & routed.keys()
+
+    def report(self) -> dict[str, Any]:
+        """What the worker reports of the group (its heartbeat: ``/metrics``)."""
+        fanout = getattr(self.fanout, "fanout", self.fanout)  # (a GroupRouting's own)
+        shadow = getattr(fanout, "shadow", None)
+        return {
+            "transactions": self.transactions, "pumps": self.pumps,
+            "members": len(self.members), "parked": len(self.parked),
+            "routed": {name: m.routed_transactions for name, m in self.members.items()},
+            "queued": {name: len(m.queue) for name, m in self.members.items()},
+            "converted": int(getattr(fanout, "converted", 0)),
+            "shadow_checked": int(getattr(shadow, "checked", 0)),
+            "stopped": self.failure is not None,
+        }
 
     # -- confirming ------------------------------------------------------------------------
     def confirm_member(self, name: str, lsn: Lsn) -> None:

@@ -85,6 +85,10 @@ class SharedGroups:
         if waker is not None:
             waker(member)
 
+    def report(self) -> dict[str, dict[str, Any]]:
+        """Each group this process reads, by slot (:meth:`SharedStream.report`)."""
+        return {slot: group.report() for slot, group in self.groups().items()}
+
     def groups(self) -> dict[str, SharedStream]:
         with self._mutex:
             return dict(self._groups)

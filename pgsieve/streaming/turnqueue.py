@@ -39,6 +39,7 @@ from pgsieve.streaming.caughtup import CaughtUp
 from pgsieve.streaming.outcome import WORKER_STOPPING, CycleOutcome, Stop
 from pgsieve.streaming.pipeline import ConsumeCycle, OpenStream
 from pgsieve.streaming.pushwaits import PUSH_REARM_FIRST, PushWaits
+from pgsieve.streaming.sharedgroups import shared_groups
 from pgsieve.streaming.transports.base import TransportError
 
 log = logging.getLogger(__name__)
@@ -409,6 +410,7 @@ class TurnQueue:
             "push_wakeups": self._push_waits.wakeups,
             "keepalive_checks": self._push_waits.keepalive_checks,
             "hot_path": hotpath.implementation(),
+            "shared": shared_groups().report(),
         }
 
 
