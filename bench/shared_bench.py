@@ -2,7 +2,7 @@
 
 Usage:  .venv/bin/python -m bench.shared_bench [--subscriptions 1,10,100]
             [--systems shared,own,native] [--native-max 100] [--rate 5000] [--seconds 60]
-            [--warmup 10] [--backlog 1000000] [--group-timeout 300]
+            [--warmup 10] [--backlog 1000000] [--group-timeout 600]
             [--backlog-timeout 3600] [--set NAME=VALUE] [--metadata sqlite|postgres]
 
 The deployment is :func:`bench.scale_bench.deployment`'s: one source, a publication per
@@ -588,7 +588,7 @@ def main() -> None:
                         help="the stretch's first seconds, left out of the lags")
     parser.add_argument("--backlog", type=int, default=1_000_000,
                         help="changes written while the system is stopped (0: skip)")
-    parser.add_argument("--group-timeout", type=float, default=300,
+    parser.add_argument("--group-timeout", type=float, default=600,
                         help="shared: seconds to wait for every member to join the group")
     parser.add_argument("--backlog-timeout", type=float, default=3600,
                         help="seconds to wait for the backlog's catch-up")
