@@ -334,6 +334,9 @@ def backlog(d: dict[str, Any], tenants: list[int], system: str,
                                      if applied and not pending else float("inf")),
         "backlog_first_session_s": first_session if first_session is not None
         else float("inf"),
+        "backlog_catchup_after_first_session_s": (
+            elapsed - first_session if first_session is not None and not pending
+            else float("inf")),
         "backlog_decode_cpu_s": decode_cpu(watcher, system, tenants),
         "backlog_source_cpu_s": watcher.cpu["source"].seconds(),
         "backlog_worker_cpu_s": watcher.cpu[side].seconds(),
@@ -452,6 +455,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("backlog_catchup_s", "backlog: caught up, slowest subscription (s)", "{:.1f}"),
     ("backlog_catchup_median_s", "backlog: caught up, median subscription (s)", "{:.1f}"),
     ("backlog_first_session_s", "backlog: first decoding session after (s)", "{:.1f}"),
+    ("backlog_catchup_after_first_session_s",
+     "backlog: caught up, slowest, after the first session (s)", "{:.1f}"),
     ("backlog_decode_cpu_s", "backlog: source decode CPU (CPU-s)", "{:.1f}"),
     ("backlog_source_cpu_s", "backlog: source CPU, all (CPU-s)", "{:.1f}"),
     ("backlog_decoded_mib", "backlog: WAL decoded, all slots (MiB)", "{:,.1f}"),
