@@ -511,8 +511,9 @@ def source_slots(src: str) -> dict[str, bool]:
 
 
 def wait_for_shared_group(d: dict[str, Any], tenants: list[int], limit: float) -> None:
-    """Until one decoding group holds every subscription and no pgsieve slot but its own
-    is left (each member's dropped when it joined). A member joins when its stream opens
+    """Until one decoding group holds every subscription (all of them ``reading`` it,
+    where the API lists that) and no pgsieve slot but the group's is left (each
+    member's own is dropped when it joined). A member joins when its stream opens
     with its target at or past the group's confirmed position, so a trickle of tenant
     transactions (one every 50 ms, round robin) keeps every stream moving meanwhile."""
     names = {f"t{k}" for k in tenants}
@@ -526,7 +527,8 @@ def wait_for_shared_group(d: dict[str, Any], tenants: list[int], limit: float) -
         while time.monotonic() - started < limit:
             groups = decoding_groups(d)
             slots = source_slots(d["src"])
-            if len(groups) == 1 and set(groups[0]["subscriptions"]) == names:
+            if len(groups) == 1 and set(groups[0]["subscriptions"]) == names \
+                    and set(groups[0].get("reading", names)) == names:
                 left = {s for s in slots if s.startswith("pgsieve")} - {groups[0]["slot"]}
                 if not left and groups[0]["slot"] in slots:
                     print(f"(one shared group of {len(names)} read {groups[0]['slot']} "

@@ -189,14 +189,17 @@ def decoded_bytes(src: str) -> float:
     return float(row[0]) if row else 0.0
 
 
-def group_state(d: dict[str, Any], system: str) -> tuple[int, int, str | None]:
-    """Shared: (members attached in all groups, detached, error codes)."""
+def group_state(d: dict[str, Any], system: str) -> tuple[int, int, int, str | None]:
+    """Shared: (members attached in all groups, detached, reading the group's slot — -1
+    where the API does not say —, error codes)."""
     if system != "shared" or d.get("source_id") is None:
-        return 0, 0, None
+        return 0, 0, 0, None
     groups = decoding_groups(d)
     errors = ",".join(sorted({str(g["error_code"]) for g in groups if g["error_code"]}))
+    reading = (sum(len(g["reading"]) for g in groups)
+               if all("reading" in g for g in groups) else -1)
     return (sum(len(g["subscriptions"]) for g in groups),
-            sum(len(g["detached"]) for g in groups), errors or None)
+            sum(len(g["detached"]) for g in groups), reading, errors or None)
 
 
 # -- the backlog ------------------------------------------------------------------------
@@ -375,7 +378,7 @@ def one(n: int, system: str, args: argparse.Namespace) -> dict[str, float]:
             wal.finish()
             decoded = decoded_bytes(d["src"]) - decoded
             largest, total, slots = wal.peaks(t0 + args.warmup)
-            attached, detached, errors = group_state(d, system)
+            attached, detached, reading, errors = group_state(d, system)
             elapsed = phase.elapsed
             cpu = {name: m.seconds() / elapsed for name, m in phase.watcher.cpu.items()}
             per = [phase.exact[(kind, k)] for k in tenants]
@@ -402,6 +405,8 @@ def one(n: int, system: str, args: argparse.Namespace) -> dict[str, float]:
             if system == "shared":
                 figures["group_members"] = float(attached)
                 figures["group_detached"] = float(detached)
+                if reading >= 0:
+                    figures["group_reading"] = float(reading)
                 if errors:
                     print(f"  the group's error: {errors}", flush=True)
             print(f"  {phase.done / elapsed:,.0f} changes/s; decode CPU "
@@ -410,10 +415,14 @@ def one(n: int, system: str, args: argparse.Namespace) -> dict[str, float]:
                   f"{max(p99s):.3f} s", flush=True)
             if args.backlog > 0:
                 figures.update(backlog(d, tenants, system, args))
-                attached, detached, errors = group_state(d, system)
+                attached, detached, reading, errors = group_state(d, system)
                 if system == "shared":
                     figures["backlog_group_members"] = float(attached)
                     figures["backlog_group_detached"] = float(detached)
+                    if reading >= 0:
+                        figures["backlog_group_reading"] = float(reading)
+                    if errors:
+                        print(f"  the group's error after the backlog: {errors}", flush=True)
         return figures
     except Exception:
         log = root / "worker.log"
@@ -448,6 +457,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("worker_rss_mib", "worker RSS, peak (MiB) [native: subscriber cluster]", "{:,.0f}"),
     ("target_cpu_cores", "pgsieve target cluster CPU (cores)", "{:.3f}"),
     ("group_members", "shared group: members attached (detached)", "{:.0f}"),
+    ("group_reading", "shared group: members reading its slot", "{:.0f}"),
     ("backlog_write_s", "backlog: written in (s)", "{:.1f}"),
     ("backlog_wal_retained_mib", "backlog: WAL retained before the catch-up (MiB)",
      "{:,.1f}"),
@@ -463,8 +473,10 @@ ROWS: list[tuple[str, str, str]] = [
     ("backlog_worker_cpu_s", "backlog: worker CPU (CPU-s) [native: subscribers]", "{:.1f}"),
     ("backlog_worker_rss_mib", "backlog: worker RSS, peak (MiB)", "{:,.0f}"),
     ("backlog_group_members", "backlog: shared group members after (detached)", "{:.0f}"),
+    ("backlog_group_reading", "backlog: shared group members reading after", "{:.0f}"),
 ]
 NO_RATIO = {"slots", "backlog_caught_up", "group_members", "backlog_group_members",
+            "group_reading", "backlog_group_reading",
             "achieved_changes_per_s", "backlog_write_s", "decode_cpu_over_N1"}
 
 
