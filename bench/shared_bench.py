@@ -92,6 +92,8 @@ from bench.scale_bench import (
 SYSTEMS = ("shared", "own", "native")
 MIB = 2**20
 
+BACKLOG_ERRORS: dict[tuple[int, str], str] = {}
+"""(N, system) → why its backlog stopped (its measured stretch's figures stand)."""
 FIGURES: dict[str, float] = {}
 RATIOS: dict[str, float] = {}
 """What the JSON report holds (``N=<n>.<system>.`` before each figure's name)."""
@@ -414,7 +416,11 @@ def one(n: int, system: str, args: argparse.Namespace) -> dict[str, float]:
                   f"{total / MIB:,.1f} MiB over {slots} slot(s); exact worst p99 "
                   f"{max(p99s):.3f} s", flush=True)
             if args.backlog > 0:
-                figures.update(backlog(d, tenants, system, args))
+                try:
+                    figures.update(backlog(d, tenants, system, args))
+                except Exception as exc:  # the stretch's figures stand
+                    traceback.print_exc()
+                    BACKLOG_ERRORS[(n, system)] = f"{type(exc).__name__}: {exc}"
                 attached, detached, reading, errors = group_state(d, system)
                 if system == "shared":
                     figures["backlog_group_members"] = float(attached)
@@ -516,6 +522,9 @@ def table(n: int, systems: list[str], results: dict[str, dict[str, float]],
         print("\n(N = 1: a group is two or more; the shared subscription reads its own slot)")
     for system, why in missing.items():
         print(f"\n{system}: {why}")
+    for (at, system), why in BACKLOG_ERRORS.items():
+        if at == n:
+            print(f"\n{system}'s backlog: stopped: {why}")
     for system, figures in results.items():
         for key, value in figures.items():
             FIGURES[f"N={n}.{system}.{key}"] = value
