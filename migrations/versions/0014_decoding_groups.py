@@ -4,7 +4,9 @@
   read one shared slot (its name, the union of publications, the confirmed LSN, the
   error that stopped it, the routing divergences found).
 * ``subscriptions.decoding_group_id`` (SET NULL when the group goes),
-  ``decoding_detached`` (false) and ``decoding_refusal`` (why it could not join).
+  ``decoding_detached`` (false), ``decoding_refusal`` (why it could not join),
+  ``decoding_joined`` (it reads the group's slot, its own dropped) and
+  ``decoding_since_lsn`` (the source's WAL position when it was put in its group).
   ``decoding`` itself is an option (``subscriptions.options``): absent reads ``own``.
 
 Revision ID: 0014_decoding_groups
@@ -51,6 +53,9 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("decoding_detached", sa.Boolean(),
                                       server_default=sa.text("false"), nullable=False))
         batch_op.add_column(sa.Column("decoding_refusal", sa.JSON(), nullable=True))
+        batch_op.add_column(sa.Column("decoding_joined", sa.Boolean(),
+                                      server_default=sa.text("false"), nullable=False))
+        batch_op.add_column(sa.Column("decoding_since_lsn", sa.BigInteger(), nullable=True))
         batch_op.create_index(batch_op.f("ix_subscriptions_decoding_group_id"),
                               ["decoding_group_id"], unique=False)
         batch_op.create_foreign_key(
@@ -64,6 +69,8 @@ def downgrade() -> None:
             batch_op.f("fk_subscriptions_decoding_group_id_decoding_groups"),
             type_="foreignkey")
         batch_op.drop_index(batch_op.f("ix_subscriptions_decoding_group_id"))
+        batch_op.drop_column("decoding_since_lsn")
+        batch_op.drop_column("decoding_joined")
         batch_op.drop_column("decoding_refusal")
         batch_op.drop_column("decoding_detached")
         batch_op.drop_column("decoding_group_id")

@@ -257,6 +257,13 @@ class Subscription(Base):
     decoding_refusal: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     """Why a shared subscription could not join a group at the last regrouping:
     ``{code, message, group}`` (the first reason grouping gave); None otherwise."""
+    decoding_joined: Mapped[bool] = mapped_column(Boolean, default=False,
+                                                  server_default=text("false"))
+    """It reads its group's slot and its own is dropped (:mod:`pgsieve.streaming.sharedmember`):
+    the group's slot must then be kept where it can still serve it."""
+    decoding_since_lsn: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    """The source's WAL position when it was put in its group: its group's stream may be
+    read for it only from there on (every publication of the union exists)."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 

@@ -223,6 +223,17 @@ class Settings(BaseSettings):
         description="which due turn a worker runs first: the stream whose waiting "
         "transaction committed first (as the server's push shows it), or the one due first",
     )
+    shared_shadow_rate: float = Field(
+        default=0.01, ge=0.0, le=1.0,
+        description="shared decoding: the fraction of routed changes whose fast-path "
+        "decisions PostgreSQL checks again (a difference stops the group with "
+        "routing_divergence)",
+    )
+    shared_detach_bytes: int = Field(
+        default=1 << 30, ge=0,
+        description="shared decoding: a member not reading (target down, disabled) is "
+        "given a slot of its own once the others are this much WAL ahead of it",
+    )
     turn_window_bytes: int = Field(
         default=16 << 20, ge=64 << 10,
         description="WAL one subscription's turn reads at most (grows for a transaction "

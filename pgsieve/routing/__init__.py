@@ -5,12 +5,14 @@ predicate (:mod:`.columns`, :mod:`.predicate`, :mod:`.compiler`) and indexed
 (:mod:`.router`); PostgreSQL evaluates every other one, a batch per round trip
 (:mod:`.pgeval`, the one module that does I/O); :mod:`.shadow` re-checks a sample of
 fast decisions in PostgreSQL and stops the stream with ``routing_divergence`` on any
-difference; :mod:`.grouping` says which subscriptions may share one stream at all. See
+difference; :mod:`.grouping` says which subscriptions may share one stream at all;
+:mod:`.fanout` turns the shared stream's transactions into each member's own. See
 docs/routing.md.
 """
 
 from pgsieve.routing.columns import TableColumn, TableShape, ValueFamily
 from pgsieve.routing.compiler import CompiledFilter, compile_filter
+from pgsieve.routing.fanout import TransactionFanout, UnroutedRelation, truncate_routes
 from pgsieve.routing.grouping import (
     Conflict,
     Grouping,
@@ -57,9 +59,12 @@ __all__ = [
     "SubscriptionFilters",
     "TableColumn",
     "TableShape",
+    "TransactionFanout",
+    "UnroutedRelation",
     "ValueFamily",
     "compile_filter",
     "group_subscriptions",
     "sharing_conflicts",
     "table_31_1",
+    "truncate_routes",
 ]

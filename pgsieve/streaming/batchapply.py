@@ -46,7 +46,7 @@ from pgsieve.streaming.appliednotes import (
     ProgressBook,
     record_applied,
 )
-from pgsieve.streaming.consumer import SlotConsumer
+from pgsieve.streaming.consumer import ItemSource
 from pgsieve.streaming.outcome import CycleOutcome, LeaseHolder, Stop
 from pgsieve.streaming.schemarecords import deliver_journal, record_stopped
 from pgsieve.streaming.transports.base import TransportError
@@ -101,7 +101,7 @@ class StreamApplier:
     applies under is the run's, set up by it."""
 
     cycle: ConsumeCycle
-    consumer: SlotConsumer
+    consumer: ItemSource
     writer: TargetWriter
     keeper: LeaseHolder
     batcher: MicroBatcher

@@ -19,6 +19,7 @@ turn ends :mod:`.outcome`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -50,6 +51,7 @@ from pgsieve.platform.dsn import load_dsn
 from pgsieve.platform.locks import AdvisoryLocks, LockKeeper, release, try_acquire
 from pgsieve.platform.models import (
     ConsumerLock,
+    DecodingGroup,
     Source,
     Subscription,
     SubscriptionTable,
@@ -58,6 +60,7 @@ from pgsieve.platform.models import (
 )
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.states import SubscriptionState, SyncState
+from pgsieve.routing.shadow import ROUTING_DIVERGENCE_CODE, RoutingDivergence
 from pgsieve.streaming.allowed import record_refused
 from pgsieve.streaming.appliednotes import (
     unquoted,
@@ -66,6 +69,15 @@ from pgsieve.streaming.catchup import catch_up
 from pgsieve.streaming.consumer import SlotConsumer
 from pgsieve.streaming.outcome import CycleOutcome, LeaseHolder
 from pgsieve.streaming.readahead import read_ahead_or
+from pgsieve.streaming.shared import MemberConsumer
+from pgsieve.streaming.sharedgroups import JoinRefused
+from pgsieve.streaming.sharedmember import (
+    detached_member,
+    end_detachment,
+    joinable,
+    member_plan,
+    open_member,
+)
 from pgsieve.streaming.streamrun import CONTROL_EVERY, StreamRun
 from pgsieve.streaming.transports.base import (
     PgoutputOptions,
@@ -94,7 +106,8 @@ class OpenStream:
 
     @property
     def transport(self) -> Transport:
-        return self.run.consumer.transport
+        transport: Transport = self.run.consumer.transport
+        return transport
 
     def close(self) -> None:
         self.run.close_merges()
@@ -159,6 +172,9 @@ class ConsumeCycle:
         self.sessions = sessions or session_factory(settings.effective_database_url)
         self._planner = planner
         self._box = settings.secret_box()
+        self._join_pending = False
+        self._detached = False
+        self._join_check: Callable[[], bool] | None = None
 
     # -- entry point ---------------------------------------------------------------------
     def run(self) -> CycleOutcome:
@@ -190,6 +206,24 @@ class ConsumeCycle:
                 advisory.close()
         finally:
             release(self.sessions, self.subscription_id, self.owner)
+
+    def decoding_key(self) -> tuple[object, ...]:
+        """What decides which stream it reads: its ``decoding`` option and its group."""
+        with self.sessions() as session:
+            row = session.execute(
+                select(Subscription.options, Subscription.decoding_group_id,
+                       Subscription.decoding_detached, DecodingGroup.publication_names)
+                .outerjoin(DecodingGroup, DecodingGroup.id == Subscription.decoding_group_id)
+                .where(Subscription.id == self.subscription_id)).first()
+        if row is None:
+            return ()
+        options, group_id, detached, union = row
+        decoding = options.get("decoding") if isinstance(options, dict) else None
+        return (decoding, group_id, detached, tuple(union or ()))
+
+    def end_detachment(self) -> None:
+        """Caught up on its own slot: it joins its decoding group again (.sharedmember)."""
+        end_detachment(self.sessions, self.subscription_id)
 
     def source_and_slot(self) -> tuple[str, str]:
         """The source's DSN (decrypted) and the subscription's slot."""
@@ -255,6 +289,15 @@ class ConsumeCycle:
                 messages=True,  # a filter change's reconciliation marker (.markers)
             )
             kind = str(options.get("transport", "auto"))
+            member = self._shared_member(source_dsn, slot, applied, pg_options, window_bytes)
+            if member is not None:
+                try:
+                    run = StreamRun(self, member, writer, source_dsn, options, keeper,
+                                    control_every=control_every, source_lsn=source_lsn)
+                except BaseException:
+                    member.close()
+                    raise
+                return OpenStream(writer, run)
 
             def make(k: str) -> Transport:
                 return self._transport(k, source_dsn, slot, pg_options, window_bytes,
@@ -271,6 +314,14 @@ class ConsumeCycle:
         except ConnectionNotAllowed as exc:
             writer.close()
             return self.refused(exc)
+        except JoinRefused as exc:  # its group is read by another worker, or not yet
+            writer.close()
+            if exc.code == "locked":
+                return CycleOutcome("locked", str(exc))
+            if exc.code == "stopped":
+                return self._fail(f"its decoding group stopped: {exc}",
+                                  code=ROUTING_DIVERGENCE_CODE)
+            return self._transient(str(exc))
         except BaseException:
             writer.close()
             raise
@@ -280,7 +331,42 @@ class ConsumeCycle:
             consumer, kind, make, max_push_backlog=self.settings.push_max_backlog_bytes)
         run = StreamRun(self, consumer, writer, source_dsn, options, keeper,
                          control_every=control_every, source_lsn=source_lsn, reader=reader)
+        run.join_pending = self._join_pending
+        run.rejoin_when_drained = self._detached
         return OpenStream(writer, run)
+
+    def _shared_member(self, source_dsn: str, slot: str, applied: Lsn | None,
+                       options: PgoutputOptions, window_bytes: int | None
+                       ) -> MemberConsumer | None:
+        """Its share of its decoding group's stream, when it reads one
+        (:mod:`.sharedmember`); None: it streams from its own slot."""
+        self._join_pending = False
+        with self.sessions() as session:
+            plan = member_plan(session, self.subscription_id, options.proto_version)
+            self._detached = plan is None and detached_member(session, self.subscription_id)
+        if plan is None:
+            return None
+        member = open_member(plan, source_dsn=source_dsn, own_slot=slot, resume_after=applied,
+                           options=options,
+                           window_bytes=window_bytes or self.settings.turn_window_bytes,
+                           connect_timeout=self.settings.connect_timeout,
+                           spill_dir=self._spill_dir(), sessions=self.sessions,
+                           shadow_rate=self.settings.shared_shadow_rate,
+                           detach_after_bytes=self.settings.shared_detach_bytes)
+        self._join_pending = member is None
+        self._join_check = None if member is not None else functools.partial(
+            joinable, source_dsn, slot, plan, self.settings.connect_timeout)
+        return member
+
+    def can_join(self) -> bool:
+        """Whether its stream, on its own slot while its group's is ahead, may now open
+        on the group's (:func:`.sharedmember.joinable`)."""
+        check = self._join_check
+        try:
+            return check is not None and check()
+        except psycopg.Error as exc:
+            log.debug("cannot tell whether it can join its group: %s", exc)
+            return False
 
     def outcome_of(self, exc: psycopg.OperationalError | TransportError) -> CycleOutcome:
         """What a connection or transport failure means: the slot or a publication is
@@ -396,6 +482,22 @@ class ConsumeCycle:
                              "last_transient_error_at": utcnow().isoformat()}
                 session.commit()
         return CycleOutcome("retry", detail)
+
+    def diverged(self, exc: RoutingDivergence) -> CycleOutcome:
+        """The shadow check found a routing decision PostgreSQL does not share: its group
+        and this member stop with ``routing_divergence`` (each member meets the same
+        failure at its next turn); the group's row shows it."""
+        with self.sessions() as session:
+            sub = session.get(Subscription, self.subscription_id)
+            group = (None if sub is None or sub.decoding_group_id is None
+                     else session.get(DecodingGroup, sub.decoding_group_id,
+                                      with_for_update=True))
+            if group is not None and group.error_code is None:
+                group.error_code = ROUTING_DIVERGENCE_CODE
+                group.error = scrub_secrets(str(exc))[:2000]
+                group.divergences = (group.divergences or 0) + len(exc.divergences)
+                session.commit()
+        return self._fail(str(exc), code=ROUTING_DIVERGENCE_CODE)
 
     def _fail(self, detail: str, conflict: dict[str, Any] | None = None,
               table: str | None = None, code: str | None = None) -> CycleOutcome:

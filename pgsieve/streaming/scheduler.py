@@ -59,6 +59,7 @@ from pgsieve.platform.db import in_chunks, session_factory
 from pgsieve.platform.locks import AdvisoryLocks, release, renew_owned, try_acquire
 from pgsieve.platform.models import (
     ConsumerLock,
+    DecodingGroup,
     Subscription,
     SubscriptionTable,
     WorkerHeartbeat,
@@ -72,6 +73,7 @@ from pgsieve.streaming.caughtup import record_caught_up_many
 from pgsieve.streaming.outcome import CycleOutcome
 from pgsieve.streaming.pipeline import ConsumeCycle
 from pgsieve.streaming.readahead import prestart_read_ahead
+from pgsieve.streaming.sharedgroups import shared_groups
 from pgsieve.streaming.streamrun import SOURCE_LSN_EVERY
 from pgsieve.streaming.turnqueue import QUIET_WAIT_SECONDS, Held, TurnQueue
 from pgsieve.sync.reconcile import moved
@@ -136,6 +138,7 @@ class Scheduler(TurnQueue):
             thread.start()
             self._threads.append(thread)
         moved.on_staged(self._rows_staged)
+        shared_groups().waker = self.wake
         if self.settings.read_ahead_min_bytes and self.settings.read_ahead_processes:
             prestart_read_ahead()
 
@@ -536,18 +539,25 @@ class Scheduler(TurnQueue):
             self._let_go(held, marked=True)
 def stream_fingerprints(session: Session, held: dict[str, Held]) -> dict[str, int]:
     """A hash per held subscription of what its stream reads from the metadata store
-    (enabled, state, on_conflict, skip_lsn, each table's sync state and LSN); a
+    (enabled, state, on_conflict, skip_lsn, its decoding group, each table's sync state
+    and LSN); a
     subscription deleted meanwhile hashes as 0."""
     ids = sorted(held)
     out = dict.fromkeys(ids, 0)
     parts: dict[str, list[Any]] = {sid: [] for sid in ids}
     for chunk in in_chunks(ids):
-        for sid, enabled, state, skip_lsn, options in session.execute(
+        for sid, enabled, state, skip_lsn, options, group_id, detached, union in session.execute(
                 select(Subscription.id, Subscription.enabled, Subscription.state,
-                       Subscription.skip_lsn, Subscription.options)
+                       Subscription.skip_lsn, Subscription.options,
+                       Subscription.decoding_group_id, Subscription.decoding_detached,
+                       DecodingGroup.publication_names)
+                .outerjoin(DecodingGroup, DecodingGroup.id == Subscription.decoding_group_id)
                 .where(Subscription.id.in_(chunk))):
             on_conflict = options.get("on_conflict") if isinstance(options, dict) else None
-            parts[sid].append((enabled, str(state), skip_lsn, on_conflict))
+            decoding = options.get("decoding") if isinstance(options, dict) else None
+            # (a member joining, leaving or detached from its group opens its stream anew)
+            parts[sid].append((enabled, str(state), skip_lsn, on_conflict, decoding,
+                               group_id, detached, tuple(union or ())))
         for sid, name, sync_state, sync_lsn in session.execute(
                 select(SubscriptionTable.subscription_id, SubscriptionTable.table_name,
                        SubscriptionTable.sync_state, SubscriptionTable.sync_lsn)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pgsieve.routing.shadow import RoutingDivergence
 from pgsieve.streaming.consumer import (
     QUIET,
     ConsumerItem,
@@ -121,6 +122,10 @@ class SharedStream:
         """Called (outside the lock) with each member whose empty queue a pump filled:
         a scheduler makes its turn due now instead of at its next idle poll."""
         self._items: Generator[ConsumerItem, None, None] | None = None
+        self.failure: RoutingDivergence | None = None
+        self.on_confirmed: Callable[[Lsn], None] | None = None
+        """Told each position the group's slot was confirmed to (the store's
+        ``decoding_groups.confirmed_lsn``, written at most every few seconds)."""
 
     # -- membership ----------------------------------------------------------------------
     def attach(self, name: str, resume_after: Lsn | None, *,
@@ -154,13 +159,25 @@ class SharedStream:
                     if isinstance(queued, Transaction):
                         queued.close()
 
-    def park(self, positions: Mapping[str, Lsn | None]) -> None:
+    def park(self, positions: Mapping[str, Lsn | None], *, replace: bool = False) -> None:
         """Members that read this group but not now (another process read it before):
-        their targets' positions, as the store last saw them, hold the group's slot."""
+        their targets' positions, as the store last saw them, hold the group's slot.
+        ``replace``: these are all of them (a parked member not among them left)."""
         with self._lock:
+            if replace:
+                for name in [n for n in self.parked if n not in positions]:
+                    del self.parked[name]
             for name, position in positions.items():
                 if name not in self.members and name not in self.parked:
                     self.parked[name] = position
+
+    def replace_consumer(self, consumer: SlotConsumer) -> None:
+        """The group's stream again, with another publication list (the union changed):
+        it starts at the slot's confirmed position; what the members had they skip."""
+        with self._lock:
+            self._restart_reading()
+            old, self.consumer = self.consumer, consumer
+            old.close()
 
     # -- reading ---------------------------------------------------------------------------
     def pump(self, deadline: float, wanted_by: str) -> None:
@@ -169,6 +186,8 @@ class SharedStream:
         wake the others that were waiting (:attr:`wake`)."""
         woken: set[str] = set()
         with self._lock:
+            if self.failure is not None:
+                raise self.failure  # every member stops with the group's cause
             if self.closed or self._backed_up(wanted_by):
                 return
             self.pumps += 1
@@ -186,6 +205,12 @@ class SharedStream:
                     woken |= self._route(item)
                     if self._backed_up(wanted_by):
                         break
+            except RoutingDivergence as exc:
+                # A row routed to the wrong tenant is a security incident, not a lag: the
+                # group stops, and stays stopped, for every member (ADR 0024).
+                self.failure = exc
+                self._restart_reading()
+                raise
             except BaseException:
                 self._restart_reading()
                 raise
@@ -258,6 +283,8 @@ class SharedStream:
             group = self.confirmable()
             if group is not None and not self.closed:
                 self.consumer.confirm(group)
+                if self.on_confirmed is not None:
+                    self.on_confirmed(group)
 
     def confirmable(self) -> Lsn | None:
         """The newest LSN every member's target holds (None: one holds none known),

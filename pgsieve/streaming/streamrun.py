@@ -25,7 +25,7 @@ from pgsieve.streaming.allowed import refusal
 from pgsieve.streaming.appliednotes import ImageTrims, ProgressBook
 from pgsieve.streaming.batchapply import StreamApplier
 from pgsieve.streaming.caughtup import CaughtUp, record_caught_up
-from pgsieve.streaming.consumer import ConsumerItem, IdleProgress, Quiet, SlotConsumer
+from pgsieve.streaming.consumer import ConsumerItem, IdleProgress, ItemSource, Quiet
 from pgsieve.streaming.outcome import WORKER_STOPPING, CycleOutcome, LeaseHolder, Stop
 from pgsieve.streaming.turnreader import TurnReader
 from pgsieve.sync.reconcile.markers import Reached, marker_for, reach_marker
@@ -54,10 +54,14 @@ MARKER_RETRY_SECONDS = 1.0
 taken up again this soon."""
 
 
+JOIN_RETRY_SECONDS = 5.0
+"""How often a decoding group's member still on its own slot tries to join again."""
+
+
 class StreamRun(StreamApplier):
     """The streaming loop of one cycle (state that lives only while it streams)."""
 
-    def __init__(self, cycle: ConsumeCycle, consumer: SlotConsumer, writer: TargetWriter,
+    def __init__(self, cycle: ConsumeCycle, consumer: ItemSource, writer: TargetWriter,
                  source_dsn: str, options: dict[str, Any], keeper: LeaseHolder, *,
                  control_every: float = CONTROL_EVERY,
                  source_lsn: Callable[[], Lsn | None] | None = None,
@@ -75,6 +79,14 @@ class StreamRun(StreamApplier):
             max_bytes=int(options.get("batch_max_bytes", 128 << 20)),
             max_wait=int(options.get("batch_max_wait_ms", 500)) / 1000.0,
         ))
+        self.decoding = cycle.decoding_key()
+        """What decides whether it reads its own slot or its group's (:mod:`.sharedmember`):
+        a change re-opens the stream (see :meth:`_control`)."""
+        self.join_pending = False
+        """A member of a decoding group streaming from its own slot until it can join."""
+        self.rejoin_when_drained = False
+        """A member detached from its group: once a turn read everything, it joins again."""
+        self._join_retry_at = time.monotonic() + JOIN_RETRY_SECONDS
         self.routes_epoch = writer.read_routes_epoch()  # (before the routes: see _control)
         self.routes, self.enabled, self.on_conflict, self.skip_lsn, _ = cycle.load_routes()
         self.schema_changes = schema_change_policy(options)
@@ -212,6 +224,21 @@ class StreamRun(StreamApplier):
             self._control(now)
         if not self.enabled:
             raise Stop(CycleOutcome("stopped", "disabled", self.batches, self.changes))
+        if self.rejoin_when_drained and self.drained:
+            self.cycle.end_detachment()
+            raise Stop(CycleOutcome("retry", "caught up: joining its decoding group again",
+                                    self.batches, self.changes, retry_after=0.2))
+        if self.join_pending and now >= self._join_retry_at:
+            self._join_retry_at = now + JOIN_RETRY_SECONDS
+            # Its idle position first (recorded and confirmed): joining needs its own slot
+            # at the group slot's position, and a quiet stream's newest position waits
+            # for the period.
+            if self._idle_pending is not None and not len(self.batcher):
+                self._idle_recorded_at = 0.0
+                self._record_pending_idle(now)
+            if self.cycle.can_join():
+                raise Stop(CycleOutcome("retry", "joining its decoding group",
+                                        self.batches, self.changes, retry_after=0.2))
         self.drained = False
         behind_at = self.cycle.settings.merge_behind_changes
         self._close_at = behind_at if self._behind is None else self._behind.batch_changes(
@@ -283,6 +310,9 @@ class StreamRun(StreamApplier):
         # leaving the stream before it moves the epoch (apply.applied.fence_routes), so
         # routes read after an epoch are never older than it; batches carry the epoch and
         # the merge refuses one whose epoch moved (RoutesChanged).
+        if self.cycle.decoding_key() != self.decoding:
+            raise Stop(CycleOutcome("retry", "its decoding changed: the stream opens again",
+                                    self.batches, self.changes, retry_after=0.2))
         epoch = self.writer.read_routes_epoch()
         routes, enabled, on_conflict, skip_lsn, catchup = self.cycle.load_routes()
         self.routes_epoch = epoch

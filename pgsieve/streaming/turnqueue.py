@@ -33,6 +33,7 @@ from pgsieve.apply import hotpath
 from pgsieve.platform.connpolicy import ConnectionNotAllowed
 from pgsieve.platform.credentials import scrub_secrets
 from pgsieve.platform.settings import Settings
+from pgsieve.routing.shadow import RoutingDivergence
 from pgsieve.streaming.appliednotes import ProgressBook, record_applied
 from pgsieve.streaming.caughtup import CaughtUp
 from pgsieve.streaming.outcome import WORKER_STOPPING, CycleOutcome, Stop
@@ -319,6 +320,13 @@ class TurnQueue:
         self._push_waits.arm(now + delay, held.subscription_id, generation, fileno,
                              peekable=peekable)
 
+    def wake(self, subscription_id: str) -> None:
+        """Its turn is due now (a shared stream queued transactions for it, .shared)."""
+        with self._cond:
+            held = self._held.get(subscription_id)
+            if held is not None and not held.running and not self._stopping.is_set():
+                self._push(subscription_id, time.monotonic())
+
     def _note(self, note: CaughtUp) -> None:
         with self._notes_mutex:
             self._notes[note.subscription_id] = note
@@ -351,6 +359,8 @@ class TurnQueue:
         try:
             if isinstance(exc, ConnectionNotAllowed):
                 return held.cycle.refused(exc)
+            if isinstance(exc, RoutingDivergence):
+                return held.cycle.diverged(exc)
             if isinstance(exc, psycopg.OperationalError | TransportError):
                 return held.cycle.outcome_of(exc)
             if not isinstance(exc, psycopg.errors.TransactionRollback):

@@ -129,13 +129,16 @@ def _subscriptions(session: Session, source_id: str) -> list[Subscription]:
 
 
 def regroup_source(session: Session, source_id: str, tables: Sequence[TableInfo],
-                   live: Mapping[str, Publication] | None = None) -> Regrouped:
+                   live: Mapping[str, Publication] | None = None,
+                   wal_lsn: int | None = None) -> Regrouped:
     """Group the source's shared subscriptions and persist the groups (no commit). The
     source's row is held until the caller's commit: two regroupings of one source take
-    turns, the second from what the first wrote."""
+    turns, the second from what the first wrote. ``wal_lsn``: the source's WAL position
+    now, recorded as ``decoding_since_lsn`` of each subscription put in a new group."""
     lock_rows(session, Source, [source_id])
     session.expire_all()
     subs = _subscriptions(session, source_id)
+    group_before = {s.name: s.decoding_group_id for s in subs}
     shared = [s for s in subs if decoding_of(s) == "shared" and not s.decoding_detached]
     by_name = {s.name: s for s in subs}
     grouping = group_subscriptions([sharing_candidate(session, s, live) for s in shared],
@@ -187,6 +190,9 @@ def regroup_source(session: Session, source_id: str, tables: Sequence[TableInfo]
         reason = refused.get(sub.name) if alone else None
         if sub.decoding_refusal != reason:
             sub.decoding_refusal = reason
+    for sub in subs:
+        if sub.decoding_group_id is not None and sub.decoding_group_id != group_before[sub.name]:
+            sub.decoding_since_lsn = wal_lsn
     session.flush()
     for row in gone:
         session.delete(row)
@@ -214,6 +220,7 @@ def refresh_source(session: Session, settings: Settings, box: SecretBox,
     source = load_source(session, source_id)
     try:
         with source_connection(source, settings, box, row_factory=tuple_row) as conn:
+            wal_lsn = pgserver.current_wal_lsn(conn)
             tables = read_tables(conn)
             unmanaged = sorted({
                 p for s in _subscriptions(session, source_id) for p in s.publications or []
@@ -225,10 +232,34 @@ def refresh_source(session: Session, settings: Settings, box: SecretBox,
         log.warning("source %s: cannot read its tables to regroup its shared decoding: %s",
                     source.name, exc.detail)
         return None
-    regrouped = regroup_source(session, source_id, tables, live)
+    slots = {r.id: r.slot_name for r in session.scalars(select(DecodingGroup).where(
+        DecodingGroup.source_id == source_id))}
+    joined = {s.id: (s.decoding_group_id, s.slot_name)
+              for s in _subscriptions(session, source_id) if s.decoding_joined}
+    regrouped = regroup_source(session, source_id, tables, live, wal_lsn)
+    leaving = [(sub, slots[old], own) for sid, (old, own) in joined.items()
+               if old in slots and (sub := session.get(Subscription, sid)) is not None
+               and sub.decoding_group_id != old]
+    if leaving:
+        _give_own_slots(source, settings, box, [(slot, own) for _, slot, own in leaving])
+        for sub, _, _ in leaving:
+            sub.decoding_joined = False
     session.commit()
     drop_group_slots(settings, box, source, regrouped.dropped_slots)
     return regrouped
+
+
+def _give_own_slots(source: Source, settings: Settings, box: SecretBox,
+                    copies: Sequence[tuple[str, str]]) -> None:
+    """Members leaving the group they read get their own slot back before the change
+    commits (their streams open on it next): a copy of the group's, which is confirmed
+    no further than any member's target holds (ADR 0024: read with the member's own
+    publications, exactly its own stream)."""
+    with source_connection(source, settings, box) as conn:
+        for group_slot, own in copies:
+            if not pgserver.get_slot(conn, own) and pgserver.get_slot(conn, group_slot):
+                conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)",
+                             (group_slot, own))
 
 
 def drop_group_slots(settings: Settings, box: SecretBox, source: Source,
@@ -262,6 +293,15 @@ def group_of(session: Session, subscription_id: str,
         Subscription.decoding_group_id == group.id,
         Subscription.decoding_detached.is_(False)).order_by(Subscription.name))
     return group, [sharing_candidate(session, m, live) for m in members]
+
+
+def reading_members(session: Session, group_id: int) -> list[str]:
+    """The members that read the group's slot (joined: their own slot dropped), in name
+    order; an attached member not among them still streams from its own slot until its
+    stream catches up with the group's (:mod:`pgsieve.streaming.sharedmember`)."""
+    return list(session.scalars(select(Subscription.name).where(
+        Subscription.decoding_group_id == group_id, Subscription.decoding_joined.is_(True))
+        .order_by(Subscription.name)))
 
 
 def members_of(session: Session, group_id: int) -> tuple[list[str], list[str]]:

@@ -17,7 +17,7 @@ from pgsieve.platform.errors import ErrorCode
 from pgsieve.platform.lookups import load_source
 from pgsieve.platform.models import DecodingGroup, Source, Subscription
 from pgsieve.platform.pgserver import check_source
-from pgsieve.subscriptions.decoding import members_of
+from pgsieve.subscriptions.decoding import members_of, reading_members
 from pgsieve.wire.lsn import format_lsn
 
 router = APIRouter(prefix="/sources", tags=["sources"])
@@ -80,5 +80,6 @@ def list_decoding_groups(source_id: str, session: SessionDep, page: PageDep
         out.append({"slot": group.slot_name, "subscriptions": attached,
                     "publications": list(group.publication_names or []),
                     "confirmed_lsn": format_lsn(group.confirmed_lsn),
-                    "detached": detached, "error_code": group.error_code})
+                    "detached": detached, "reading": reading_members(session, group.id),
+                    "error_code": group.error_code})
     return out

@@ -152,6 +152,10 @@ class DecodingGroupOut(BaseModel):
         description="where the group's slot is confirmed (the slowest attached member); "
         "null before the group streamed")
     detached: list[str] = Field(description="members reading a copy of the slot on their own")
+    reading: list[str] = Field(
+        default_factory=list,
+        description="attached members that read the group's slot now (their own slot "
+        "dropped); the others stream from their own slot until they catch up with it")
     error_code: str | None = Field(
         default=None, description="routing_divergence when the shadow check stopped the "
         "group, else the stream error's code; null while it runs")

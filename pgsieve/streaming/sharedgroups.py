@@ -1,0 +1,230 @@
+"""A worker's shared streams: one :class:`~.shared.SharedStream` per decoding group it
+reads, opened when its first member's stream opens and closed with its last (ADR 0024).
+
+Why a registry per process: a group's slot is read by one process at a time — the group
+slot's advisory lock on the source decides which, as a subscription's own slot's does —
+so every member of a group streams in the worker that holds the group. A member whose
+group another worker holds is refused here (``locked``) and adopted there.
+
+Joining (a member moving from its own slot to the group's): only at the moment its
+stream opens, and only when nothing can be lost —
+
+* its own slot is confirmed at least as far as the group's (PostgreSQL cannot send the
+  group's stream from further back; what lies before its own slot's position its target
+  holds, or it was of no interest to it), and
+* the group slot's confirmed position is at or past the member's ``decoding_since_lsn``,
+  the WAL position when the member was put in the group: every publication of the union
+  exists from there on (pgoutput looks each name up as of the change it decodes).
+
+Otherwise the member keeps its own slot and tries again when its stream next opens. On
+joining, the group's consumer is rewound to the member's position (what the others get
+again they skip: each member's stream skips what ends at or before its target's LSN),
+and the member's own slot is dropped: from then on the group's slot holds its WAL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.locks import AdvisoryLocks
+from pgsieve.streaming.consumer import SlotConsumer
+from pgsieve.streaming.shared import Fanout, MemberConsumer, SharedStream
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.wire.lsn import Lsn
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GroupSpec", "JoinRefused", "SharedGroups", "shared_groups"]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What a group's stream is opened with."""
+
+    slot: str
+    source_dsn: str
+    options: PgoutputOptions
+    """The union's ``publication_names`` and the members' (equal) stream options."""
+    window_bytes: int = 16 << 20
+    connect_timeout: int = 5
+    copy_from: str | None = None
+    """No member reads the group yet: its slot is (re)made as a copy of the joining
+    member's own slot, so it starts exactly where that member stands."""
+
+
+class JoinRefused(Exception):
+    """A member cannot read the group now; ``code`` says why (``locked``: another worker
+    reads the group; ``behind``/``too_new``: see the module docstring)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+
+
+class SharedGroups:
+    """The shared streams this process reads, by group slot."""
+
+    def __init__(self) -> None:
+        self.waker: Callable[[str], None] | None = None
+        """Makes a member's turn due now (the worker's scheduler sets it)."""
+        self._mutex = threading.Lock()
+        self._groups: dict[str, SharedStream] = {}
+        self._specs: dict[str, GroupSpec] = {}
+        self._locks: dict[str, AdvisoryLocks] = {}
+
+    def _wake(self, member: str) -> None:
+        waker = self.waker
+        if waker is not None:
+            waker(member)
+
+    def groups(self) -> dict[str, SharedStream]:
+        with self._mutex:
+            return dict(self._groups)
+
+    def join(self, spec: GroupSpec, member: str, resume_after: Lsn | None, *,
+             own_confirmed: Lsn | None, since: Lsn | None, fanout: Callable[[], Fanout],
+             proto_version: int, spill_dir: str | None = None,
+             parked: Mapping[str, Lsn | None] | None = None,
+             on_detach: Callable[[str], None] | None = None) -> MemberConsumer:
+        """``member``'s consumer on the group (opening the group's stream if this process
+        does not read it yet); raises :class:`JoinRefused` when it cannot join now.
+        ``own_confirmed``: where its own slot is confirmed (None: it has none, it reads
+        the group already); the group's slot must not be past it.
+        ``parked``: the other members that read the group, by their targets' positions
+        (they hold its slot until they come back or ``on_detach`` gives them their own)."""
+        with self._mutex:
+            group = self._groups.get(spec.slot)
+            if group is None:
+                group = self._open(spec, fanout(), proto_version, spill_dir)
+                group.on_detach = on_detach
+            else:
+                if self._specs[spec.slot] != spec:  # the union changed: a new stream
+                    group.replace_consumer(self._consumer(spec, proto_version, spill_dir))
+                    self._specs[spec.slot] = spec
+                group.replace_fanout(fanout())  # the membership changed: route for all
+            # Parked: the members that read the group and are not reading now; one that
+            # left the group (its own slot given back) holds it no longer.
+            group.park({k: v for k, v in (parked or {}).items() if k != member},
+                       replace=True)
+            try:
+                confirmed = _slot_confirmed(spec)
+                if own_confirmed is not None and confirmed is not None \
+                        and own_confirmed < confirmed:
+                    raise JoinRefused("behind", f"its own slot is at {own_confirmed}, the "
+                                      f"group's at {confirmed}")
+                if since is not None and confirmed is not None and confirmed < since:
+                    raise JoinRefused("too_new", f"the group's slot is at {confirmed}, before "
+                                      f"{since}, where its publications joined the stream")
+                return group.attach(member, resume_after,
+                                    on_leave=lambda: self.leave(spec.slot, member))
+            except BaseException:
+                if not group.members:
+                    self._close(spec.slot)
+                raise
+
+    def leave(self, slot: str, member: str) -> None:
+        """``member``'s stream closed: the group stream goes on for the others, or ends."""
+        with self._mutex:
+            group = self._groups.get(slot)
+            if group is None:
+                return
+            group.detach(member)
+            if not group.members:
+                self._close(slot)
+
+    def _open(self, spec: GroupSpec, fanout: Fanout, proto_version: int,
+              spill_dir: str | None) -> SharedStream:
+        locks = self._locks.get(spec.source_dsn)
+        if locks is None:
+            locks = self._locks[spec.source_dsn] = AdvisoryLocks(spec.source_dsn,
+                                                                 spec.connect_timeout)
+        if not locks.try_lock(spec.slot):
+            raise JoinRefused("locked", f"another consumer reads the group slot {spec.slot}")
+        try:
+            _make_slot(spec)
+            consumer = self._consumer(spec, proto_version, spill_dir)
+        except BaseException:
+            locks.unlock(spec.slot)
+            raise
+        group = self._groups[spec.slot] = SharedStream(consumer, fanout)
+        self._specs[spec.slot] = spec
+        group.wake = self._wake
+        log.info("reading the shared slot %s for %s", spec.slot,
+                 ", ".join(spec.options.publication_names))
+        return group
+
+    @staticmethod
+    def _consumer(spec: GroupSpec, proto_version: int, spill_dir: str | None) -> SlotConsumer:
+        # No sleep between polls: a pump holds the group's lock, and the members' turns
+        # (each after the scheduler's idle poll, or woken by a pump) already pace them.
+        transport = SqlTransport(spec.source_dsn, spec.slot, spec.options,
+                                 window_bytes=spec.window_bytes, poll_interval=0.0)
+        return SlotConsumer(transport, proto_version=proto_version, spill_dir=spill_dir)
+
+    def _close(self, slot: str) -> None:
+        self._specs.pop(slot, None)
+        group = self._groups.pop(slot, None)
+        if group is not None:
+            try:
+                group.close()
+            except Exception as exc:  # a connection already gone
+                log.debug("closing the shared stream %s: %s", slot, exc)
+        for locks in self._locks.values():
+            locks.unlock(slot)
+
+    def close_all(self) -> None:
+        with self._mutex:
+            for slot in list(self._groups):
+                self._close(slot)
+
+
+def _source_conn(spec: GroupSpec) -> psycopg.Connection[Any]:
+    return psycopg.connect(secure_conninfo(
+        spec.source_dsn, purpose=Purpose.CONTROL, connect_timeout=spec.connect_timeout,
+        application_name="pgsieve-shared"), autocommit=True)
+
+
+def _slot_confirmed(spec: GroupSpec) -> Lsn | None:
+    with _source_conn(spec) as conn:
+        row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
+                           "WHERE slot_name = %s", (spec.slot,)).fetchone()
+    return None if row is None or row[0] is None else Lsn.parse(str(row[0]))
+
+
+def _make_slot(spec: GroupSpec) -> None:
+    """The group's slot: a fresh copy of the joining member's own slot while no member
+    reads the group (:attr:`GroupSpec.copy_from`), else the one there is — created at
+    the source's current position only if there is none."""
+    with _source_conn(spec) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
+                              (spec.slot,)).fetchone() is not None
+        if spec.copy_from is not None:
+            if exists:
+                conn.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
+            conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)",
+                         (spec.copy_from, spec.slot))
+            log.info("made the shared slot %s from %s", spec.slot, spec.copy_from)
+        elif not exists:
+            conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')",
+                         (spec.slot,))
+            log.info("created the shared slot %s", spec.slot)
+
+
+_REGISTRY = SharedGroups()
+
+
+def shared_groups() -> SharedGroups:
+    """This process's registry."""
+    return _REGISTRY
+
+
+def members_of(groups: Sequence[SharedStream]) -> int:
+    return sum(len(g.members) for g in groups)

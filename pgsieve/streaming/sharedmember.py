@@ -1,0 +1,313 @@
+"""A member's stream opened on its decoding group (ADR 0024): what the store says about
+the group, the fanout built for its members, and the join (:mod:`.sharedgroups`).
+
+A subscription reads its group's stream when it asked for ``decoding: shared``, the
+grouping put it in a group of two or more (``decoding_group_id``), it is not detached,
+pgsieve owns its slot, and every one of its tables is ``ready`` (a table still being
+copied or caught up follows its own slot's handover, :mod:`.catchup`). Otherwise, or
+when the join must wait (:class:`~.sharedgroups.JoinRefused`), it streams from its own
+slot as before — while that slot exists: once joined, the member's own slot is dropped
+(it would retain WAL for nothing), and a member that cannot join again waits for the
+worker that reads its group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from pgsieve.platform.connpolicy import Purpose, secure_conninfo
+from pgsieve.platform.models import (
+    DecodingGroup,
+    Source,
+    Subscription,
+    SubscriptionTable,
+)
+from pgsieve.platform.models import Publication as PublicationRow
+from pgsieve.platform.states import SyncState
+from pgsieve.publications.catalog import read_tables
+from pgsieve.publications.store import desired
+from pgsieve.routing.fanout import TransactionFanout
+from pgsieve.routing.grouping import SharingCandidate, StreamOptions
+from pgsieve.routing.pgeval import PostgresFilterEvaluator, read_table_shape
+from pgsieve.routing.shadow import ShadowChecker
+from pgsieve.streaming.shared import MemberConsumer
+from pgsieve.streaming.sharedgroups import GroupSpec, JoinRefused, shared_groups
+from pgsieve.streaming.transports.base import PgoutputOptions
+from pgsieve.wire.assembler import StandaloneMessage, Transaction
+from pgsieve.wire.lsn import Lsn
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GroupRouting", "MemberPlan", "detach_member", "detached_member", "end_detachment",
+           "joinable", "member_plan", "open_member"]
+
+
+@dataclass(frozen=True)
+class MemberPlan:
+    """What joining needs, read from the store in one session."""
+
+    subscription_id: str
+    group_slot: str
+    publication_names: tuple[str, ...]
+    candidates: tuple[SharingCandidate, ...]
+    since: Lsn | None
+    anyone_joined: bool
+    """Whether any member of the group reads it already (its own slot dropped): the
+    group's slot then must be kept as it is."""
+    joined: dict[str, Lsn | None]
+    """The members that read the group (own slot dropped), by the applied LSN the store
+    last recorded for them (never ahead of their targets')."""
+    own_slots: dict[str, str]
+    group_id: int
+    stopped: str | None
+    """Why the group stopped (``routing_divergence``: the shadow check), None if it runs."""
+
+
+def stream_options(options: dict[str, Any], proto: int) -> StreamOptions:
+    """A subscription's stream options as grouping compares them."""
+    return StreamOptions(proto_version=proto, binary=bool(options.get("binary", False)),
+                         streaming=bool(options.get("streaming", True)),
+                         two_phase=bool(options.get("two_phase", False)), messages=True)
+
+
+def member_plan(session: Session, subscription_id: str, proto: int) -> MemberPlan | None:
+    """The member's group and every attached member as grouping sees them; None when it
+    does not read a group (see the module docstring)."""
+    sub = session.get(Subscription, subscription_id)
+    if sub is None or sub.decoding_group_id is None or sub.decoding_detached \
+            or not sub.slot_owned or sub.options.get("decoding", "own") != "shared":
+        return None
+    not_ready = session.scalar(select(SubscriptionTable.id).where(
+        SubscriptionTable.subscription_id == subscription_id,
+        SubscriptionTable.sync_state != SyncState.READY).limit(1))
+    if not_ready is not None:
+        return None
+    group = session.get(DecodingGroup, sub.decoding_group_id)
+    source = session.get(Source, sub.source_id)
+    if group is None or source is None:
+        return None
+    members = session.scalars(select(Subscription).where(
+        Subscription.decoding_group_id == group.id,
+        Subscription.decoding_detached.is_(False)).order_by(Subscription.id)).all()
+    rows = {r.name: r for r in session.scalars(select(PublicationRow).where(
+        PublicationRow.source_id == source.id))}
+    candidates = []
+    for member in members:
+        pubs = [rows.get(name) for name in member.publications]
+        if any(p is None for p in pubs):
+            if member.id == subscription_id:
+                return None  # a publication pgsieve does not manage: its own stream
+            continue
+        candidates.append(SharingCandidate(
+            member.id, tuple(desired(p) for p in pubs if p is not None),
+            stream_options(dict(member.options), proto), "shared"))
+    since = sub.decoding_since_lsn
+    return MemberPlan(subscription_id, group.slot_name,
+                      tuple(str(p) for p in group.publication_names), tuple(candidates),
+                      None if since is None else Lsn(since),
+                      any(m.decoding_joined for m in members),
+                      {m.id: None if m.applied_lsn is None else Lsn(m.applied_lsn)
+                       for m in members if m.decoding_joined},
+                      {m.id: m.slot_name for m in members}, group.id,
+                      None if group.error_code is None else f"{group.error_code}: {group.error}")
+
+
+class GroupRouting:
+    """A group's fanout and the source connection it reads shapes and asks PostgreSQL's
+    verdicts on (closed with the group's stream, or when the membership changes)."""
+
+    def __init__(self, source_dsn: str, candidates: Sequence[SharingCandidate],
+                 connect_timeout: int, shadow_rate: float, proto_version: int) -> None:
+        self.conn: psycopg.Connection[Any] = psycopg.connect(secure_conninfo(
+            source_dsn, purpose=Purpose.STREAM, connect_timeout=connect_timeout,
+            application_name="pgsieve-routing"), autocommit=True)
+        try:
+            self.fanout = TransactionFanout.for_group(
+                candidates, read_tables(self.conn),
+                shapes=lambda rel: read_table_shape(self.conn, rel.namespace, rel.name),
+                evaluators=lambda shape: PostgresFilterEvaluator(self.conn, shape),
+                shadow=ShadowChecker(shadow_rate) if shadow_rate > 0 else None,
+                proto_version=proto_version)
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def route(self, txn: Transaction) -> Mapping[str, Transaction]:
+        return self.fanout.route(txn)
+
+    def route_message(self, msg: StandaloneMessage) -> Mapping[str, StandaloneMessage]:
+        return self.fanout.route_message(msg)
+
+    def close(self) -> None:
+        try:
+            self.fanout.close()
+        finally:
+            self.conn.close()
+
+
+def open_member(plan: MemberPlan, *, source_dsn: str, own_slot: str,
+                resume_after: Lsn | None, options: PgoutputOptions,
+                window_bytes: int, connect_timeout: int,
+                spill_dir: str | None, sessions: sessionmaker[Session],
+                shadow_rate: float = 0.01, detach_after_bytes: int = 1 << 30,
+                ) -> MemberConsumer | None:
+    """The member's consumer on its group, or None to stream from its own slot (which
+    then exists). Raises :class:`JoinRefused` when it has no own slot left and cannot
+    join now."""
+    spec = GroupSpec(plan.group_slot, source_dsn,
+                     PgoutputOptions(plan.publication_names, proto_version=options.proto_version,
+                                     binary=options.binary, messages=options.messages,
+                                     streaming=options.streaming),
+                     window_bytes=window_bytes, connect_timeout=connect_timeout,
+                     copy_from=None if plan.anyone_joined else own_slot)
+    def fanout() -> GroupRouting:
+        return GroupRouting(source_dsn, plan.candidates, connect_timeout, shadow_rate,
+                            options.proto_version)
+
+    if plan.stopped is not None:
+        raise JoinRefused("stopped", plan.stopped)
+    own_confirmed = _own_position(source_dsn, own_slot, connect_timeout)
+    own_exists = own_confirmed is not None
+    try:
+        consumer = shared_groups().join(
+            spec, plan.subscription_id, resume_after, own_confirmed=own_confirmed,
+            since=plan.since, fanout=fanout,
+            proto_version=options.proto_version, spill_dir=spill_dir, parked=plan.joined,
+            on_detach=lambda name: detach_member(source_dsn, plan.group_slot,
+                                                 plan.own_slots[name], name, sessions,
+                                                 connect_timeout))
+    except JoinRefused as refused:
+        if own_exists:
+            log.info("subscription %s streams from its own slot for now: %s",
+                     plan.subscription_id, refused)
+            return None
+        raise
+    consumer.group.detach_after_bytes = detach_after_bytes
+    if consumer.group.on_confirmed is None:
+        consumer.group.on_confirmed = ConfirmedRecorder(sessions, plan.group_id)
+    if own_exists:
+        try:
+            with sessions() as session:  # (recorded first: a crash between the two
+                sub = session.get(Subscription, plan.subscription_id)  # leaves the flag)
+                if sub is not None:
+                    sub.decoding_joined = True
+                    session.commit()
+            _drop_slot(source_dsn, own_slot, connect_timeout)
+        except BaseException:
+            consumer.close()
+            raise
+        log.info("subscription %s joined the shared slot %s; its own slot %s is dropped",
+                 plan.subscription_id, plan.group_slot, own_slot)
+    return consumer
+
+
+class ConfirmedRecorder:
+    """Writes the group's confirmed position to its row (``GET /sources/{id}/decoding``),
+    at most every :attr:`every` seconds: a confirm per member turn is far more often."""
+
+    every = 2.0
+
+    def __init__(self, sessions: sessionmaker[Session], group_id: int) -> None:
+        self.sessions = sessions
+        self.group_id = group_id
+        self._written_at = 0.0
+
+    def __call__(self, lsn: Lsn) -> None:
+        now = time.monotonic()
+        if now - self._written_at < self.every:
+            return
+        self._written_at = now
+        try:
+            with self.sessions() as session:
+                group = session.get(DecodingGroup, self.group_id)
+                if group is not None and (group.confirmed_lsn or 0) < lsn.value:
+                    group.confirmed_lsn = lsn.value
+                    session.commit()
+        except Exception as exc:  # the store is down: the slot's position is the truth
+            log.warning("cannot record the shared slot's position: %s", exc)
+
+
+def detach_member(source_dsn: str, group_slot: str, own_slot: str, subscription_id: str,
+                  sessions: sessionmaker[Session], connect_timeout: int) -> None:
+    """Give a member a slot of its own again: a copy of the group's slot, which is
+    confirmed no further than the member's target holds, read with its own publications
+    (exactly its own stream: ADR 0024); then the group may confirm past it. It streams
+    from that slot (``decoding_detached``) until it has caught up and joins again."""
+    with _control(source_dsn, connect_timeout) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
+                              (own_slot,)).fetchone()
+        if exists is None:
+            conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)",
+                         (group_slot, own_slot))
+    with sessions() as session:
+        sub = session.get(Subscription, subscription_id)
+        if sub is not None:
+            sub.decoding_joined = False
+            sub.decoding_detached = True
+            session.commit()
+
+
+def detached_member(session: Session, subscription_id: str) -> bool:
+    """A shared subscription detached from its group (it streams from its own slot)."""
+    sub = session.get(Subscription, subscription_id)
+    return (sub is not None and sub.decoding_detached and sub.decoding_group_id is not None
+            and sub.options.get("decoding", "own") == "shared")
+
+
+def end_detachment(sessions: sessionmaker[Session], subscription_id: str) -> None:
+    """A detached member caught up on its own slot: it tries to join its group again."""
+    with sessions() as session:
+        sub = session.get(Subscription, subscription_id)
+        if sub is not None and sub.decoding_detached:
+            sub.decoding_detached = False
+            session.commit()
+
+
+def _control(dsn: str, connect_timeout: int) -> psycopg.Connection[Any]:
+    return psycopg.connect(secure_conninfo(dsn, purpose=Purpose.CONTROL,
+                                           connect_timeout=connect_timeout,
+                                           application_name="pgsieve-shared"),
+                           autocommit=True)
+
+
+def joinable(source_dsn: str, own_slot: str, plan: MemberPlan, connect_timeout: int) -> bool:
+    """Whether a member still on its own slot would be let in now: its own slot is
+    confirmed at least as far as the group's, and the group's is past where the member
+    was put in the group (one query; the join itself checks again)."""
+    with _control(source_dsn, connect_timeout) as conn:
+        rows = dict(conn.execute(
+            "SELECT slot_name, confirmed_flush_lsn::text FROM pg_replication_slots "
+            "WHERE slot_name IN (%s, %s)", (own_slot, plan.group_slot)).fetchall())
+    own, group = rows.get(own_slot), rows.get(plan.group_slot)
+    if own is None or not plan.anyone_joined:
+        # (no slot of its own: only the group can serve it; nobody reads the group yet:
+        # the first to join makes the group's slot from its own)
+        return True
+    if group is None:
+        return False
+    if Lsn.parse(str(own)) < Lsn.parse(str(group)):
+        return False
+    return plan.since is None or Lsn.parse(str(group)) >= plan.since
+
+
+def _own_position(dsn: str, slot: str, connect_timeout: int) -> Lsn | None:
+    """Where the member's own slot is confirmed; None when it has none (it joined)."""
+    with _control(dsn, connect_timeout) as conn:
+        row = conn.execute("SELECT coalesce(confirmed_flush_lsn, '0/0')::text "
+                           "FROM pg_replication_slots WHERE slot_name = %s",
+                           (slot,)).fetchone()
+    return None if row is None else Lsn.parse(str(row[0]))
+
+
+def _drop_slot(dsn: str, slot: str, connect_timeout: int) -> None:
+    with _control(dsn, connect_timeout) as conn:
+        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
+                     "WHERE slot_name = %s AND NOT active", (slot,))
