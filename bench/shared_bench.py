@@ -28,8 +28,10 @@ Then, after the worker's warm-up (:func:`~bench.scale_bench.wait_until_warm`),
 * source decode CPU (cores): the CPU of the source backends that decode — pgsieve's
   sessions named ``pgsieve-consumer`` (a walsender per own slot, the shared group's one
   SQL session), native's walsenders (named after their subscription); per N also
-  relative to N = 1 of the same system. And the source's total CPU, and the WAL the
-  slots decoded (``pg_stat_replication_slots.total_bytes``, summed over the slots);
+  relative to N = 1 of the same system. And the source's total CPU, the WAL it wrote,
+  and the WAL the slots decoded (``pg_stat_replication_slots.total_bytes``, summed over
+  the slots: a slot per subscription decodes it N times; a group reading again what it
+  read shows there too);
 * WAL retained: ``pg_current_wal_lsn() - restart_lsn`` of the source's slots, sampled
   every second: the peak of the largest slot's and of the sum over all slots;
 * lag, exact (scale_bench's: from a trigger on each subscriber's ``probe``, at every
@@ -182,6 +184,15 @@ def wal_retained(conn: psycopg.Connection[Any]) -> tuple[float, float, int]:
     return float(row[0]), float(row[1]), int(row[2])
 
 
+def wal_position(src: str) -> float:
+    """The source's WAL insert position, in bytes."""
+    with psycopg.connect(src, autocommit=True) as conn:
+        row = conn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')"
+                           ).fetchone()
+    assert row is not None
+    return float(row[0])
+
+
 def decoded_bytes(src: str) -> float:
     """WAL the source's slots decoded so far (``pg_stat_replication_slots.total_bytes``,
     summed: a slot per subscription decodes the same WAL once each)."""
@@ -271,8 +282,9 @@ def backlog(d: dict[str, Any], tenants: list[int], system: str,
     else:
         stop_worker(d["worker"])
     wait_quiet(src, system)
-    t = time.monotonic()
+    t, wal_before = time.monotonic(), wal_position(src)
     marks, end_lsn = write_backlog(src, tenants, args.backlog)
+    wal_written = wal_position(src) - wal_before
     written = time.monotonic() - t
     with psycopg.connect(src, autocommit=True) as conn:
         _, retained, _ = wal_retained(conn)
@@ -347,6 +359,7 @@ def backlog(d: dict[str, Any], tenants: list[int], system: str,
         "backlog_worker_cpu_s": watcher.cpu[side].seconds(),
         "backlog_worker_rss_mib": (watcher.native_rss if system == "native"
                                    else watcher.worker_rss) / MIB,
+        "backlog_wal_written_mib": wal_written / MIB,
         "backlog_decoded_mib": (after - before) / MIB,
     }
     if pending:
@@ -374,11 +387,12 @@ def one(n: int, system: str, args: argparse.Namespace) -> dict[str, float]:
                         args.metadata, decoding="shared" if system == "shared" else "own",
                         pgsieve=system != "native", group_timeout=args.group_timeout) as d:
             wal = WalSampler(d["src"]).start()
-            decoded = decoded_bytes(d["src"])
+            decoded, written = decoded_bytes(d["src"]), wal_position(d["src"])
             t0 = time.monotonic()
             phase = run_phase(d, tenants, [kind], args, None)
             wal.finish()
             decoded = decoded_bytes(d["src"]) - decoded
+            written = wal_position(d["src"]) - written
             largest, total, slots = wal.peaks(t0 + args.warmup)
             attached, detached, reading, errors = group_state(d, system)
             elapsed = phase.elapsed
@@ -390,6 +404,7 @@ def one(n: int, system: str, args: argparse.Namespace) -> dict[str, float]:
                 "achieved_changes_per_s": phase.done / elapsed,
                 "decode_cpu_cores": decode_cpu(phase.watcher, system, tenants) / elapsed,
                 "source_cpu_cores": cpu["source"],
+                "wal_written_mib": written / MIB,
                 "decoded_mib": decoded / MIB,
                 "wal_retained_largest_slot_mib": largest / MIB,
                 "wal_retained_all_slots_mib": total / MIB,
@@ -451,6 +466,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("decode_cpu_cores", "source decode CPU (cores)", "{:.3f}"),
     ("decode_cpu_over_N1", "  ÷ same system at N = 1 (×)", "{:.2f}"),
     ("source_cpu_cores", "source CPU, all (cores)", "{:.3f}"),
+    ("wal_written_mib", "WAL written by the source (MiB)", "{:,.1f}"),
     ("decoded_mib", "WAL decoded, all slots (MiB)", "{:,.1f}"),
     ("slots", "slots at the source", "{:.0f}"),
     ("wal_retained_largest_slot_mib", "WAL retained, largest slot, peak (MiB)", "{:,.1f}"),
@@ -475,6 +491,7 @@ ROWS: list[tuple[str, str, str]] = [
      "backlog: caught up, slowest, after the first session (s)", "{:.1f}"),
     ("backlog_decode_cpu_s", "backlog: source decode CPU (CPU-s)", "{:.1f}"),
     ("backlog_source_cpu_s", "backlog: source CPU, all (CPU-s)", "{:.1f}"),
+    ("backlog_wal_written_mib", "backlog: WAL written (MiB)", "{:,.1f}"),
     ("backlog_decoded_mib", "backlog: WAL decoded, all slots (MiB)", "{:,.1f}"),
     ("backlog_worker_cpu_s", "backlog: worker CPU (CPU-s) [native: subscribers]", "{:.1f}"),
     ("backlog_worker_rss_mib", "backlog: worker RSS, peak (MiB)", "{:,.0f}"),
@@ -483,7 +500,8 @@ ROWS: list[tuple[str, str, str]] = [
 ]
 NO_RATIO = {"slots", "backlog_caught_up", "group_members", "backlog_group_members",
             "group_reading", "backlog_group_reading",
-            "achieved_changes_per_s", "backlog_write_s", "decode_cpu_over_N1"}
+            "achieved_changes_per_s", "backlog_write_s", "decode_cpu_over_N1",
+            "wal_written_mib", "backlog_wal_written_mib"}
 
 
 def _cell(figures: dict[str, float] | None, key: str, fmt: str) -> str:
