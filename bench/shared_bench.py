@@ -46,8 +46,10 @@ transaction that stamps every tenant's probe row: its commit is past the backlog
 LSN. The worker started again (native: enabled), the catch-up is the time until every
 subscriber applied its marker (the trigger's clock: exact per subscription), from the
 start. Reported: the slowest and the median subscription's catch-up, when the first
-decoding session appeared, the decode/source/worker CPU-seconds over the catch-up and
-the WAL the slots retained before it.
+decoding session appeared (pgsieve's catch-up includes the worker's start, 2–3 s, and
+its Spark warm-up runs beside it; the row "after the first session" leaves the start
+out), the decode/source/worker CPU-seconds over the catch-up, the WAL written and
+decoded, and the WAL the slots retained before it.
 
 Each N ends with a table of the systems side by side and the ratios shared/own and
 shared/native (below 1×: shared spends less, lags less, catches up sooner); the run
