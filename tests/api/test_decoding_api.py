@@ -82,7 +82,8 @@ def test_tenants_filtered_on_one_table_share_one_slot(client, anon_client, env, 
     assert slot.startswith("pgsieve_shared_") and len(slot) <= 63
     assert group == {"slot": slot, "subscriptions": ["t1", "t2", "t3"],
                      "publications": ["pub_t1", "pub_t2", "pub_t3"],
-                     "confirmed_lsn": None, "detached": [], "error_code": None}
+                     "confirmed_lsn": None, "detached": [], "reading": [],
+                     "error_code": None}
 
     t1 = _sub(client, subs[1])
     assert (t1["decoding"], t1["shared_slot"], t1["shared_members"]) == (

@@ -229,3 +229,76 @@ def test_twenty_tenants_read_one_slot_and_end_like_native_across_a_kill(
         assert pgsieve_slots == {shared_slot}, pgsieve_slots
         for i, k in enumerate(NATIVE):
             natives[i].execute(f"ALTER SUBSCRIPTION nat_{k}_{natives[i].name[-8:]} DISABLE")
+
+
+def _group(env: PipelineEnv, source_id: str) -> dict[str, Any]:
+    groups = env.api("GET", f"/sources/{source_id}/decoding")
+    assert len(groups) == 1, groups
+    group: dict[str, Any] = groups[0]
+    return group
+
+
+def _retained(source: Database, slot: str) -> int:
+    """WAL the slot holds back from being recycled: the source's position - its restart."""
+    row = source.query("SELECT pg_current_wal_lsn() - restart_lsn FROM pg_replication_slots "
+                       "WHERE slot_name = %s", (slot,))
+    return int(str(row[0][0])) if row and row[0][0] is not None else 0
+
+
+@pytest.mark.timeout(600)
+def test_a_member_whose_target_is_down_is_detached_and_the_others_go_on(
+        tmp_path: Path, source_db: Database, subscriber: LocalCluster) -> None:
+    """Three tenants share a slot; tenant 2's target stops taking connections. The others
+    keep applying; tenant 2 holds the shared slot's WAL only until the others are
+    ``PGSIEVE_SHARED_DETACH_BYTES`` ahead, then it gets a slot of its own (a copy of the
+    group's); when its target is back it catches up exactly and joins again."""
+    source_db.execute(SOURCE)
+    rng = random.Random(59)
+    next_id = [10_000]
+    bound = 4 << 20
+    with _databases(subscriber, "tenant", 3) as targets, \
+            pipeline_env(tmp_path, shared_detach_bytes=bound) as env:
+        src = env.api("POST", "/sources", json={"name": "src", "dsn": source_db.dsn})
+        subs = []
+        for k, target in enumerate(targets, start=1):
+            env.api("POST", f"/sources/{src['id']}/publications", json={
+                "name": f"tenant_{k}",
+                "tables": [{"table": "public.orders", "where": f"tenant_id = {k}"},
+                           {"table": "public.events", "where": f"tenant_id = {k}"}]})
+            tgt = env.api("POST", "/targets", json={"name": f"t{k}", "dsn": target.dsn})
+            subs.append(env.api("POST", "/subscriptions", json={
+                "name": f"tenant-{k}", "source_id": src["id"], "target_id": tgt["id"],
+                "publications": [f"tenant_{k}"], "copy_data": True,
+                "options": {"decoding": "shared", "batch_max_wait_ms": 100}}))
+        env.start_worker()
+        wait_until(lambda: len(_group(env, src["id"])["reading"]) == 3, 180,
+                   "the three tenants to join the shared slot", env)
+        slot = _group(env, src["id"])["slot"]
+
+        down, admin = targets[1], Database(subscriber, "postgres")
+        admin.execute(f'ALTER DATABASE "{down.name}" ALLOW_CONNECTIONS false')
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                      "WHERE datname = %s", (down.name,))
+        with source_db.connect() as conn:
+            while _retained(source_db, slot) < 3 * bound:  # well past the bound
+                _workload(conn, rng, 20, next_id)
+            end = source_lsn(source_db)
+            wait_until(lambda: applied_past(targets[0], end) and applied_past(targets[2], end),
+                       180, "the tenants whose targets are up to go on applying", env)
+            wait_until(lambda: _group(env, src["id"])["detached"] == ["tenant-2"], 120,
+                       "the tenant whose target is down to be detached", env)
+            assert _retained(source_db, slot) < 2 * bound + (8 << 20), (
+                "the shared slot holds WAL for the member that cannot apply")
+            assert subs[1]["slot_name"] in _slots(source_db), "no slot of its own"
+            _workload(conn, rng, 30, next_id)
+        admin.execute(f'ALTER DATABASE "{down.name}" ALLOW_CONNECTIONS true')
+        end = source_lsn(source_db)
+        wait_until(lambda: all(applied_past(t, end) for t in targets), 180,
+                   "every tenant, the one back included, to apply everything", env)
+        for k, target in enumerate(targets, start=1):
+            for table in ("orders", "events"):
+                want = _rows(source_db, table, f"tenant_id = {k}")
+                assert _diff(_rows(target, table), want) == ([], []), (
+                    f"tenant {k}'s {table} differ from the source's rows of the tenant")
+        wait_until(lambda: len(_group(env, src["id"])["reading"]) == 3, 120,
+                   "the tenant that caught up to join again", env)
