@@ -343,15 +343,28 @@ def wait_for_walsenders(src: str, application: str, n: int, at_most: bool = Fals
 def deployment(root: Path, tenants: list[int], native: bool,
                worker_settings: dict[str, str], metadata: str = "sqlite",
                workers: int = 1, pgsieve_first: bool = False,
-               apart: bool = False) -> Iterator[dict[str, Any]]:
+               apart: bool = False, decoding: str = "own", pgsieve: bool = True,
+               group_timeout: float = 300.0) -> Iterator[dict[str, Any]]:
     """The clusters, the subscriptions and the worker. ``apart``: native's subscriptions
-    are created disabled and stay so (:func:`busy` takes turns)."""
+    are created disabled and stay so (:func:`busy` takes turns).
+
+    ``decoding`` (issue 58, :mod:`bench.shared_bench`): each pgsieve subscription's
+    ``decoding`` option. ``shared``: the tenants' publications are imported through the
+    API first (grouping judges only publications pgsieve knows), and the deployment is
+    ready once ``GET /sources/{id}/decoding`` shows one group of every subscription and
+    no pgsieve slot but the group's is left (a member joins once its own stream caught
+    up: :func:`wait_for_shared_group`, at most ``group_timeout`` seconds). ``pgsieve``
+    False: native only — no pgsieve target cluster, subscriptions nor worker
+    (``worker`` is None)."""
     n = len(tenants)
-    clusters = {"source": cluster(root, "source", n), "target": cluster(root, "target", n)}
+    clusters = {"source": cluster(root, "source", n)}
+    if pgsieve:
+        clusters["target"] = cluster(root, "target", n)
     if native:
         clusters["native"] = cluster(root, "native", n)
     worker: subprocess.Popen[bytes] | None = None
     others: list[subprocess.Popen[bytes]] = []
+    state: dict[str, Any] = {}
     try:
         create_dbs(clusters["source"], ["src"])
         src = clusters["source"].dsn("src")
@@ -363,8 +376,9 @@ def deployment(root: Path, tenants: list[int], native: bool,
                 conn.execute(f"CREATE PUBLICATION pub_t{k} FOR TABLE ev WHERE (tenant = {k}), "
                              f"probe WHERE (tenant = {k})")
         # Each subscriber starts with its tenant's probe row, as the source has it.
-        create_dbs(clusters["target"], [f"t{k}" for k in tenants])
-        add_probe_rows(clusters["target"], "t", tenants)
+        if pgsieve:
+            create_dbs(clusters["target"], [f"t{k}" for k in tenants])
+            add_probe_rows(clusters["target"], "t", tenants)
         if native:
             create_dbs(clusters["native"], [f"n{k}" for k in tenants])
             add_probe_rows(clusters["native"], "n", tenants)
@@ -373,6 +387,14 @@ def deployment(root: Path, tenants: list[int], native: bool,
                     nc.execute(f"CREATE SUBSCRIPTION n{k} CONNECTION '{src}' "
                                f"PUBLICATION pub_t{k} WITH (copy_data = false, "
                                f"enabled = {'false' if pgsieve_first or apart else 'true'})")
+        state.update({"clusters": clusters, "src": src, "worker": None, "db_url": None,
+                      "settings": None, "env": None, "log": root / "worker.log",
+                      "source_id": None})
+        if not pgsieve:
+            if native and not apart:
+                wait_for_walsenders(src, "n%", n)
+            yield state
+            return
 
         assert redis.Redis.from_url(REDIS_URL).ping()
         queue = f"pgsieve-scale-{secrets.token_hex(6)}"  # a queue of its own: no flush
@@ -395,49 +417,38 @@ def deployment(root: Path, tenants: list[int], native: bool,
         with TestClient(create_app(settings)) as client:
             client.headers["Authorization"] = f"Bearer {TOKEN}"
             sid = client.post("/api/v1/sources", json={"name": "s", "dsn": src}).json()["id"]
+            if decoding == "shared":  # grouping judges the publications pgsieve knows
+                r = client.post(f"/api/v1/sources/{sid}/publications/import",
+                                json={"names": [f"pub_t{k}" for k in tenants]})
+                assert r.status_code == 201, r.text
             for k in tenants:
                 tid = client.post("/api/v1/targets", json={
                     "name": f"t{k}", "dsn": clusters["target"].dsn(f"t{k}")}).json()["id"]
                 r = client.post("/api/v1/subscriptions", json={
                     "name": f"t{k}", "source_id": sid, "target_id": tid,
-                    "publications": [f"pub_t{k}"], "copy_data": False})
+                    "publications": [f"pub_t{k}"], "copy_data": False,
+                    "options": {"decoding": decoding}})
                 assert r.status_code == 201, r.text
-        log = (root / "worker.log").open("ab")
-        worker = subprocess.Popen([sys.executable, "-m", "pgsieve.cli", "worker"], env=env,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        state.update({"db_url": db_url, "settings": settings, "env": env,
+                      "source_id": sid})
+        worker = state["worker"] = start_worker(env, root / "worker.log")
         for i in range(1, workers):  # --workers K: more worker processes share them
-            others.append(subprocess.Popen(
-                [sys.executable, "-m", "pgsieve.cli", "worker", "-n", f"w{i}@%h"], env=env,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + 120
-        held = 0
-        while time.monotonic() < deadline:
-            with engine_for(db_url).connect() as db:
-                held = db.execute(text("SELECT count(*) FROM consumer_locks")).scalar_one()
-            if held >= n:
-                break
-            time.sleep(0.5)
-        else:
-            raise RuntimeError(f"the worker holds only {held} of {n} subscriptions "
-                               f"(log: {root / 'worker.log'})")
+            others.append(start_worker(env, root / "worker.log", f"w{i}@%h"))
+        wait_for_locks(db_url, n, root / "worker.log")
         wait_until_warm(root / "worker.log", worker_settings, workers)
+        if decoding == "shared" and n >= 2:  # a group is two or more
+            wait_for_shared_group(state, tenants, group_timeout)
         if native and pgsieve_first and not apart:
             wait_for_walsenders(src, "pgsieve-consumer", n)
             alter_native(clusters["native"], tenants, "ENABLE")
         if native and not apart:
             wait_for_walsenders(src, "n%", n)
-        yield {"clusters": clusters, "src": src, "worker": worker, "db_url": db_url,
-               "settings": settings}
+        yield state
     finally:
-        for each_worker in [worker, *others]:
+        for each_worker in [state.get("worker", worker), *others]:
             if each_worker is None:
                 continue
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(each_worker.pid, 15)
-            try:
-                each_worker.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(each_worker.pid, 9)
+            stop_worker(each_worker)
         if native and "native" in clusters:
             for k in tenants:
                 with contextlib.suppress(psycopg.Error), psycopg.connect(
@@ -445,6 +456,110 @@ def deployment(root: Path, tenants: list[int], native: bool,
                     nconn.execute(f"ALTER SUBSCRIPTION n{k} DISABLE")
         for each in clusters.values():
             each.destroy()
+
+
+def start_worker(env: dict[str, str], log_path: Path, name: str | None = None
+                 ) -> subprocess.Popen[bytes]:
+    """A ``pgsieve worker`` in a process group of its own (its Spark JVM included),
+    logging to ``log_path``; ``name``: its Celery node name (``-n``)."""
+    log = log_path.open("ab")
+    return subprocess.Popen([sys.executable, "-m", "pgsieve.cli", "worker",
+                             *(["-n", name] if name else [])], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_worker(worker: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM to the worker's process group; SIGKILL if it is not gone in ``timeout``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(worker.pid, 15)
+    try:
+        worker.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.pid, 9)
+        worker.wait()
+
+
+def wait_for_locks(db_url: str, n: int, log: Path, limit: float = 120.0) -> None:
+    """Until the workers hold ``n`` subscriptions (``consumer_locks``)."""
+    deadline = time.monotonic() + limit
+    held = 0
+    while time.monotonic() < deadline:
+        with engine_for(db_url).connect() as db:
+            held = db.execute(text("SELECT count(*) FROM consumer_locks")).scalar_one()
+        if held >= n:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the worker holds only {held} of {n} subscriptions (log: {log})")
+
+
+def decoding_groups(d: dict[str, Any]) -> list[dict[str, Any]]:
+    """``GET /sources/{id}/decoding`` of the deployment's source."""
+    with TestClient(create_app(d["settings"])) as client:
+        client.headers["Authorization"] = f"Bearer {TOKEN}"
+        r = client.get(f"/api/v1/sources/{d['source_id']}/decoding",
+                       params={"limit": 1000})
+        assert r.status_code == 200, r.text
+        return list(r.json())
+
+
+def source_slots(src: str) -> dict[str, bool]:
+    """The source's slots: name → active."""
+    with psycopg.connect(src, autocommit=True) as conn:
+        return {str(name): bool(active) for name, active in conn.execute(
+            "SELECT slot_name, active FROM pg_replication_slots")}
+
+
+def wait_for_shared_group(d: dict[str, Any], tenants: list[int], limit: float) -> None:
+    """Until one decoding group holds every subscription (all of them ``reading`` it,
+    where the API lists that) and no pgsieve slot but the group's is left (each
+    member's own is dropped when it joined). A member joins when its stream opens
+    with its target at or past the group's confirmed position, so a trickle of tenant
+    transactions (one every 50 ms, round robin) keeps every stream moving meanwhile."""
+    names = {f"t{k}" for k in tenants}
+    stop = threading.Event()
+    trickle = threading.Thread(target=_trickle, args=(d["src"], tenants, stop), daemon=True)
+    trickle.start()
+    started = time.monotonic()
+    groups: list[dict[str, Any]] = []
+    slots: dict[str, bool] = {}
+    try:
+        while time.monotonic() - started < limit:
+            groups = decoding_groups(d)
+            slots = source_slots(d["src"])
+            if len(groups) == 1 and set(groups[0]["subscriptions"]) == names \
+                    and set(groups[0].get("reading", names)) == names:
+                left = {s for s in slots if s.startswith("pgsieve")} - {groups[0]["slot"]}
+                if not left and groups[0]["slot"] in slots:
+                    print(f"(one shared group of {len(names)} read {groups[0]['slot']} "
+                          f"{time.monotonic() - started:.1f} s after the worker was warm)",
+                          flush=True)
+                    return
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        trickle.join()
+    raise RuntimeError(f"no single shared group after {limit:.0f} s: groups "
+                       f"{[(g['slot'], len(g['subscriptions']), g['error_code']) for g in groups]}"
+                       f", slots {sorted(slots)} (log: {d['log']})")
+
+
+def _trickle(src: str, tenants: list[int], stop: threading.Event) -> None:
+    """One CHANGES_PER_TXN-change tenant transaction every 50 ms, tenants in turn, ids
+    of their own (from 7·10¹²), until ``stop``."""
+    next_id = 7 * 10**12
+    i = 0
+    with psycopg.connect(src, autocommit=True) as conn:
+        while not stop.wait(0.05):
+            k = tenants[i % len(tenants)]
+            i += 1
+            with conn.transaction():
+                conn.execute("INSERT INTO ev SELECT %s, g, 'v' FROM generate_series("
+                             "%s::bigint, %s::bigint) g",
+                             (k, next_id, next_id + CHANGES_PER_TXN - 2))
+                conn.execute("UPDATE probe SET ts = clock_timestamp() WHERE tenant = %s",
+                             (k,))
+            next_id += CHANGES_PER_TXN - 1
 
 
 WARM_LINE = b"the startup heap is frozen"
@@ -600,7 +715,7 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
     after its warm-up. ``index``: the how-manieth phase (its rows' ids of their own)."""
     clusters = d["clusters"]
     watcher = Watcher(clusters, d["src"])
-    watcher.worker_pgrp = d["worker"].pid
+    watcher.worker_pgrp = d["worker"].pid if d["worker"] is not None else None
     watcher.start()
     statements = STATEMENT_STATS and "pgsieve" in systems
     if statements:
@@ -612,7 +727,8 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
     stop = threading.Event()
     t0 = time.monotonic()
     trace = (SchedTrace(t0 + args.warmup + PERF_AFTER_WARMUP, args.perf_sched, watcher.roots,
-                        d["worker"].pid).start() if args.perf_sched else None)
+                        d["worker"].pid).start()
+             if args.perf_sched and d["worker"] is not None else None)
     prober = threading.Thread(target=probe, args=(dsns, commits, stop, lags,
                                                   t0 + args.warmup, series))
     prober.start()
