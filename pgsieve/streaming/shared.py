@@ -68,6 +68,10 @@ has not read yet: the slowest member bounds the group's memory (and, through the
 confirm, the WAL it retains) until it is detached."""
 
 
+PUMP_TARGET = 2_000
+"""A pump stops once the member it reads for has this many items queued: about a turn's
+batch (the others' queues fill meanwhile, and their turns are woken)."""
+
 DETACH_AFTER_BYTES = 1 << 30
 """A member not reading (its stream closed: target down, paused) is detached to a slot of
 its own once the others are this much WAL ahead of it: it must not hold their WAL
@@ -196,14 +200,21 @@ class SharedStream:
                 # read, so a pump that finds nothing new costs one query, not a re-decode
                 # of everything not confirmed yet.
                 self._items = self.consumer.items(math.inf, quiet=True)
+            arrived = False
             try:
                 for item in self._items:
                     if isinstance(item, Quiet):
-                        if self._has_items(wanted_by) or time.monotonic() >= deadline:
+                        # Nothing buffered now: stop once the stream went quiet with
+                        # nothing new since the last look, or the member has a turn's
+                        # worth; while a backlog flows, read on (larger batches).
+                        if not arrived or time.monotonic() >= deadline \
+                                or self._queued(wanted_by) >= PUMP_TARGET:
                             break
+                        arrived = False
                         continue
+                    arrived = True
                     woken |= self._route(item)
-                    if self._backed_up(wanted_by):
+                    if self._backed_up(wanted_by) or self._queued(wanted_by) >= PUMP_TARGET:
                         break
             except RoutingDivergence as exc:
                 # A row routed to the wrong tenant is a security incident, not a lag: the
@@ -225,9 +236,9 @@ class SharedStream:
         if items is not None:
             items.close()
 
-    def _has_items(self, name: str) -> bool:
+    def _queued(self, name: str) -> int:
         member = self.members.get(name)
-        return member is None or bool(member.queue)
+        return PUMP_TARGET if member is None else len(member.queue)
 
     def _backed_up(self, wanted_by: str) -> bool:
         return any(len(m.queue) >= self.max_queued for m in self.members.values()
@@ -386,18 +397,26 @@ class MemberConsumer:
     def items(self, deadline: float, *, quiet: bool = False
               ) -> Generator[ConsumerItem, None, None]:
         """Its transactions, each once, in commit order, then :class:`IdleProgress`;
-        the group is pumped whenever the queue is empty."""
+        the group is pumped (once) when the queue runs empty."""
         member = self.group.members.get(self.name)
+        pumped = False
         while member is not None and not self.group.closed:
             if not member.queue:
-                self.group.pump(deadline, self.name)
+                # One pump per call: what it queued is this turn's, and the turn ends
+                # there (its batch applied now) instead of waiting on a trickle.
+                if not pumped:
+                    pumped = True
+                    self.group.pump(deadline, self.name)
                 if not member.queue:
                     if quiet:
                         yield QUIET
                     return
             item = member.queue.popleft()
             if isinstance(item, IdleProgress):
-                if self._delivered is not None and item.lsn <= self._delivered:
+                if member.queue or (self._delivered is not None
+                                    and item.lsn <= self._delivered):
+                    # (a position with more queued behind it says nothing the next
+                    # transaction will not: a stream's turn ends at an idle position)
                     continue
                 self._delivered = item.lsn
                 yield item

@@ -37,7 +37,7 @@ from pgsieve.platform.locks import AdvisoryLocks
 from pgsieve.streaming.consumer import SlotConsumer
 from pgsieve.streaming.shared import Fanout, MemberConsumer, SharedStream
 from pgsieve.streaming.transports.base import PgoutputOptions
-from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.lsn import Lsn
 
 log = logging.getLogger(__name__)
@@ -167,10 +167,12 @@ class SharedGroups:
 
     @staticmethod
     def _consumer(spec: GroupSpec, proto_version: int, spill_dir: str | None) -> SlotConsumer:
-        # No sleep between polls: a pump holds the group's lock, and the members' turns
-        # (each after the scheduler's idle poll, or woken by a pump) already pace them.
-        transport = SqlTransport(spec.source_dsn, spec.slot, spec.options,
-                                 window_bytes=spec.window_bytes, poll_interval=0.0)
+        # One replication session held open (a read never waits: IDLE when nothing is
+        # buffered), not SQL windows: every peek decodes again from the slot's confirmed
+        # position, and a group's confirmed position waits for its slowest member — a
+        # two-member group decoded its WAL ~19 times over in bench.shared_bench.
+        transport = WalsenderTransport(spec.source_dsn, spec.slot, spec.options,
+                                       held_open=True)
         return SlotConsumer(transport, proto_version=proto_version, spill_dir=spill_dir)
 
     def _close(self, slot: str) -> None:
