@@ -212,14 +212,17 @@ class ConsumeCycle:
         with self.sessions() as session:
             row = session.execute(
                 select(Subscription.options, Subscription.decoding_group_id,
-                       Subscription.decoding_detached, DecodingGroup.publication_names)
+                       Subscription.decoding_detached, DecodingGroup.publication_names,
+                       DecodingGroup.updated_at)
                 .outerjoin(DecodingGroup, DecodingGroup.id == Subscription.decoding_group_id)
                 .where(Subscription.id == self.subscription_id)).first()
         if row is None:
             return ()
-        options, group_id, detached, union = row
+        options, group_id, detached, union, regrouped = row
         decoding = options.get("decoding") if isinstance(options, dict) else None
-        return (decoding, group_id, detached, tuple(union or ()))
+        # (regrouped: every regrouping touches its groups — a member's publication
+        # changed its filter, say — and the fanout must route by what is defined now)
+        return (decoding, group_id, detached, tuple(union or ()), regrouped)
 
     def end_detachment(self) -> None:
         """Caught up on its own slot: it joins its decoding group again (.sharedmember)."""

@@ -546,18 +546,19 @@ def stream_fingerprints(session: Session, held: dict[str, Held]) -> dict[str, in
     out = dict.fromkeys(ids, 0)
     parts: dict[str, list[Any]] = {sid: [] for sid in ids}
     for chunk in in_chunks(ids):
-        for sid, enabled, state, skip_lsn, options, group_id, detached, union in session.execute(
+        for sid, enabled, state, skip_lsn, options, group_id, detached, union, regrouped in (
+                session.execute(
                 select(Subscription.id, Subscription.enabled, Subscription.state,
                        Subscription.skip_lsn, Subscription.options,
                        Subscription.decoding_group_id, Subscription.decoding_detached,
-                       DecodingGroup.publication_names)
+                       DecodingGroup.publication_names, DecodingGroup.updated_at)
                 .outerjoin(DecodingGroup, DecodingGroup.id == Subscription.decoding_group_id)
-                .where(Subscription.id.in_(chunk))):
+                .where(Subscription.id.in_(chunk)))):
             on_conflict = options.get("on_conflict") if isinstance(options, dict) else None
             decoding = options.get("decoding") if isinstance(options, dict) else None
             # (a member joining, leaving or detached from its group opens its stream anew)
             parts[sid].append((enabled, str(state), skip_lsn, on_conflict, decoding,
-                               group_id, detached, tuple(union or ())))
+                               group_id, detached, tuple(union or ()), str(regrouped)))
         for sid, name, sync_state, sync_lsn in session.execute(
                 select(SubscriptionTable.subscription_id, SubscriptionTable.table_name,
                        SubscriptionTable.sync_state, SubscriptionTable.sync_lsn)

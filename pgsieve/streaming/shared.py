@@ -72,6 +72,9 @@ PUMP_TARGET = 2_000
 """A pump stops once the member it reads for has this many items queued: about a turn's
 batch (the others' queues fill meanwhile, and their turns are woken)."""
 
+PUMP_SLICE_SECONDS = 0.25
+"""How long one pump may read (and hold the group's lock) at most."""
+
 DETACH_AFTER_BYTES = 1 << 30
 """A member not reading (its stream closed: target down, paused) is detached to a slot of
 its own once the others are this much WAL ahead of it: it must not hold their WAL
@@ -201,6 +204,10 @@ class SharedStream:
                 # of everything not confirmed yet.
                 self._items = self.consumer.items(math.inf, quiet=True)
             arrived = False
+            # Joins and the members' confirms wait for the lock: a pump holds it a time
+            # slice at most (with a hundred members, a backlog's pump read for all of
+            # them until the asking one had a turn's worth).
+            deadline = min(deadline, time.monotonic() + PUMP_SLICE_SECONDS)
             try:
                 for item in self._items:
                     if isinstance(item, Quiet):
@@ -214,7 +221,8 @@ class SharedStream:
                         continue
                     arrived = True
                     woken |= self._route(item)
-                    if self._backed_up(wanted_by) or self._queued(wanted_by) >= PUMP_TARGET:
+                    if self._backed_up(wanted_by) or self._queued(wanted_by) >= PUMP_TARGET \
+                            or time.monotonic() >= deadline:
                         break
             except RoutingDivergence as exc:
                 # A row routed to the wrong tenant is a security incident, not a lag: the

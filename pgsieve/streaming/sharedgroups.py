@@ -78,6 +78,7 @@ class SharedGroups:
         self._mutex = threading.Lock()
         self._groups: dict[str, SharedStream] = {}
         self._specs: dict[str, GroupSpec] = {}
+        self._members: dict[str, frozenset[object]] = {}
         self._locks: dict[str, AdvisoryLocks] = {}
 
     def _wake(self, member: str) -> None:
@@ -97,13 +98,16 @@ class SharedGroups:
              own_confirmed: Lsn | None, since: Lsn | None, fanout: Callable[[], Fanout],
              proto_version: int, spill_dir: str | None = None,
              parked: Mapping[str, Lsn | None] | None = None,
-             on_detach: Callable[[str], None] | None = None) -> MemberConsumer:
+             on_detach: Callable[[str], None] | None = None,
+             members: frozenset[object] = frozenset()) -> MemberConsumer:
         """``member``'s consumer on the group (opening the group's stream if this process
         does not read it yet); raises :class:`JoinRefused` when it cannot join now.
         ``own_confirmed``: where its own slot is confirmed (None: it has none, it reads
         the group already); the group's slot must not be past it.
         ``parked``: the other members that read the group, by their targets' positions
-        (they hold its slot until they come back or ``on_detach`` gives them their own)."""
+        (they hold its slot until they come back or ``on_detach`` gives them their own).
+        ``members``: who the fanout routes for, with their publications' definitions; it
+        is built again only when they change."""
         with self._mutex:
             group = self._groups.get(spec.slot)
             if group is None:
@@ -113,7 +117,9 @@ class SharedGroups:
                 if self._specs[spec.slot] != spec:  # the union changed: a new stream
                     group.replace_consumer(self._consumer(spec, proto_version, spill_dir))
                     self._specs[spec.slot] = spec
-                group.replace_fanout(fanout())  # the membership changed: route for all
+                if self._members.get(spec.slot) != members:
+                    group.replace_fanout(fanout())  # the membership changed: route for all
+            self._members[spec.slot] = members
             # Parked: the members that read the group and are not reading now; one that
             # left the group (its own slot given back) holds it no longer.
             group.park({k: v for k, v in (parked or {}).items() if k != member},
@@ -177,6 +183,7 @@ class SharedGroups:
 
     def _close(self, slot: str) -> None:
         self._specs.pop(slot, None)
+        self._members.pop(slot, None)
         group = self._groups.pop(slot, None)
         if group is not None:
             try:

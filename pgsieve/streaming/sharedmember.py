@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
-from sqlalchemy import select
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
@@ -183,7 +183,8 @@ def open_member(plan: MemberPlan, *, source_dsn: str, own_slot: str,
             proto_version=options.proto_version, spill_dir=spill_dir, parked=plan.joined,
             on_detach=lambda name: detach_member(source_dsn, plan.group_slot,
                                                  plan.own_slots[name], name, sessions,
-                                                 connect_timeout))
+                                                 connect_timeout),
+            members=frozenset(plan.candidates))
     except JoinRefused as refused:
         if own_exists:
             log.info("subscription %s streams from its own slot for now: %s",
@@ -227,10 +228,15 @@ class ConfirmedRecorder:
         self._written_at = now
         try:
             with self.sessions() as session:
-                group = session.get(DecodingGroup, self.group_id)
-                if group is not None and (group.confirmed_lsn or 0) < lsn.value:
-                    group.confirmed_lsn = lsn.value
-                    session.commit()
+                # (updated_at kept: it says when the group was last regrouped, and the
+                # members' streams open again when it moves)
+                session.execute(
+                    update(DecodingGroup)
+                    .where(DecodingGroup.id == self.group_id,
+                           or_(DecodingGroup.confirmed_lsn.is_(None),
+                               DecodingGroup.confirmed_lsn < lsn.value))
+                    .values(confirmed_lsn=lsn.value, updated_at=DecodingGroup.updated_at))
+                session.commit()
         except Exception as exc:  # the store is down: the slot's position is the truth
             log.warning("cannot record the shared slot's position: %s", exc)
 
