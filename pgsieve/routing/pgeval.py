@@ -51,6 +51,8 @@ PINNED_SETTINGS: tuple[tuple[str, str], ...] = (
     ("extra_float_digits", "3"), ("bytea_output", "hex"), ("xmloption", "content"),
     ("standard_conforming_strings", "on"), ("search_path", "pg_catalog, pg_temp"),
 )
+_PIN_SQL = "SELECT " + ", ".join(["pg_catalog.set_config(%s, %s, true)"]
+                                  * (len(PINNED_SETTINGS) + 1))
 CHAR_OID = 18  # "char": its text cast takes the first byte, its input reads \ooo escapes
 
 
@@ -120,6 +122,10 @@ class PostgresFilterEvaluator:
         self.shape = shape
         self.statement_timeout_ms = statement_timeout_ms
         self._unqualified: dict[str, tuple[str, frozenset[str]]] = {}
+        self._rendered: dict[tuple[tuple[str, ...], tuple[str, ...]], str] = {}
+        """Statements rendered and checked (one SELECT), by filters and columns: a
+        shared stream's shadow check evaluates the same few again and again, and the
+        render and parse cost more than the query."""
         self.round_trips = 0
 
     def _filter(self, normalized: str) -> tuple[str, frozenset[str]]:
@@ -179,7 +185,15 @@ class PostgresFilterEvaluator:
                     raise ValueUnavailable(f"column {column.name} is an unchanged TOAST "
                                            "value that the change did not carry")
                 values[i].append(value)
-        query, _, _ = self.statement(list(filters), columns)
+        return self._run(self._checked_statement(list(filters), columns),
+                         [fids, *values], len(checks))
+
+    def _checked_statement(self, filters: list[str], columns: Sequence[TableColumn]) -> str:
+        key = (tuple(filters), tuple(c.name for c in columns))
+        rendered = self._rendered.get(key)
+        if rendered is not None:
+            return rendered
+        query, _, _ = self.statement(filters, columns)
         rendered = query.as_string(self.conn)
         try:
             stmts = parse_sql(rendered)
@@ -187,7 +201,10 @@ class PostgresFilterEvaluator:
             raise ValueError(f"the evaluation statement does not parse: {exc}") from exc
         if len(stmts) != 1 or not isinstance(stmts[0].stmt, ast.SelectStmt):
             raise ValueError("the evaluation statement is not exactly one SELECT")
-        return self._run(rendered, [fids, *values], len(checks))
+        if len(self._rendered) >= 256:  # (filters change rarely: a bound, not an LRU)
+            self._rendered.clear()
+        self._rendered[key] = rendered
+        return rendered
 
     def _run(self, rendered: str, params: list[Any], count: int) -> list[bool | None]:
         conn = self.conn
@@ -196,10 +213,10 @@ class PostgresFilterEvaluator:
             with conn.transaction(force_rollback=True):
                 if top_level:
                     conn.execute("SET TRANSACTION READ ONLY")
-                settings = [*PINNED_SETTINGS,
-                            ("statement_timeout", f"{int(self.statement_timeout_ms)}ms")]
-                for name, value in settings:
-                    conn.execute("SELECT pg_catalog.set_config(%s, %s, true)", (name, value))
+                # (one round trip for all of them: they were one each)
+                conn.execute(_PIN_SQL, [*(v for pair in PINNED_SETTINGS for v in pair),
+                                        "statement_timeout",
+                                        f"{int(self.statement_timeout_ms)}ms"])
                 with psycopg.RawCursor(conn) as cur:
                     rows = cur.execute(rendered.encode(), params).fetchall()
         except psycopg.errors.QueryCanceled:
