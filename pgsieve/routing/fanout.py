@@ -54,7 +54,7 @@ from pgsieve.routing.router import (
     SubscriptionFilters,
     row_change,
 )
-from pgsieve.routing.shadow import ShadowChecker
+from pgsieve.routing.shadow import Divergence, RoutingDivergence, ShadowChecker
 from pgsieve.rowfilter.effective import TableInfo, effective_filters
 from pgsieve.wire.assembler import StandaloneMessage, Transaction
 from pgsieve.wire.decoder import Decoder
@@ -293,6 +293,11 @@ class TransactionFanout:
         """Routers rebuilt after a Relation message changed their table."""
         self.converted = 0
         """UPDATEs re-encoded as an INSERT or a DELETE (once per change, not per member)."""
+        self.defer_shadow = False
+        """The shadow check's sample is kept until :meth:`settle` instead of evaluated per
+        transaction: a shared stream settles once per batch of transactions, before
+        handing any of them out (one round trip per router, not per transaction)."""
+        self._unsettled: dict[int, tuple[Router, FilterEvaluator, list[RowChange]]] = {}
 
     @classmethod
     def for_group(cls, candidates: Sequence[SharingCandidate], tables: Iterable[TableInfo],
@@ -400,8 +405,18 @@ class TransactionFanout:
                 plan.append((raw, lsn, rels, self.members, None, 0))
         for batch in pending.values():
             batch.decided = batch.router.route_batch(batch.changes, batch.evaluator)
-            if self.shadow is not None:
+            if self.shadow is None:
+                continue
+            if not self.defer_shadow:
                 self.shadow.check(batch.router, batch.changes, batch.evaluator)
+                continue
+            sampled = self.shadow.sample(batch.changes)
+            if sampled:
+                kept = self._unsettled.get(id(batch.router))
+                if kept is None:
+                    kept = self._unsettled[id(batch.router)] = (batch.router,
+                                                                batch.evaluator, [])
+                kept[2].extend(sampled)
         cut = dict(truncates)
         converted: dict[tuple[int, Operation], bytes] = {}
         for position, (raw, lsn, rels, receivers, batch, index) in enumerate(plan):
@@ -469,9 +484,23 @@ class TransactionFanout:
                            tuple(rels[i] for i in indexes))
         return out
 
+    def settle(self) -> None:
+        """Evaluate the deferred shadow checks (:attr:`defer_shadow`) of everything routed
+        since the last call, one evaluator call per router; raises
+        :class:`~.shadow.RoutingDivergence` on any disagreement."""
+        unsettled, self._unsettled = self._unsettled, {}
+        if self.shadow is None or not unsettled:
+            return
+        found: list[Divergence] = []
+        for router, evaluator, changes in unsettled.values():
+            found.extend(self.shadow.divergences(router, changes, evaluator))
+        if found:
+            raise RoutingDivergence(found)
+
     def close(self) -> None:
         """Forget the routers and evaluators (the connection they use is the caller's):
         the shared stream calls this when it replaces the fanout."""
+        self._unsettled.clear()
         for table in self.tables.values():
             table.router = table.evaluator = table.relation = None
 

@@ -167,6 +167,7 @@ class SharedGroups:
         group = self._groups[spec.slot] = SharedStream(consumer, fanout)
         self._specs[spec.slot] = spec
         group.wake = self._wake
+        group.start_reader()
         log.info("reading the shared slot %s for %s", spec.slot,
                  ", ".join(spec.options.publication_names))
         return group

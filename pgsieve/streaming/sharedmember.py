@@ -139,12 +139,17 @@ class GroupRouting:
         except BaseException:
             self.conn.close()
             raise
+        # checked per batch of transactions, before any is handed out (.shared)
+        self.fanout.defer_shadow = True
 
     def route(self, txn: Transaction) -> Mapping[str, Transaction]:
         return self.fanout.route(txn)
 
     def route_message(self, msg: StandaloneMessage) -> Mapping[str, StandaloneMessage]:
         return self.fanout.route_message(msg)
+
+    def settle(self) -> None:
+        self.fanout.settle()
 
     def close(self) -> None:
         try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -31,7 +31,8 @@ from pgsieve.routing.columns import TableShape
 from pgsieve.routing.fanout import TransactionFanout
 from pgsieve.routing.grouping import SharingCandidate, sharing_conflicts
 from pgsieve.routing.pgeval import PostgresFilterEvaluator, read_table_shape
-from pgsieve.routing.shadow import ShadowChecker
+from pgsieve.routing.router import FilterCheck
+from pgsieve.routing.shadow import RoutingDivergence, ShadowChecker
 from pgsieve.rowfilter import Publication, PublishedTable, TableInfo
 from pgsieve.streaming.consumer import SlotConsumer
 from pgsieve.streaming.shared import SharedStream
@@ -327,6 +328,52 @@ def test_two_phase(private_source_db: Any) -> None:
         # PostgreSQL sent tus the prepared g1 it has no change of, empty
         assert any(not s[2] for s in _own(private_source_db.dsn, name, "tus",
                                           empty_unskipped=True, proto_version=3))
+
+
+class _Contrary(PostgresFilterEvaluator):
+    """PostgreSQL's verdicts, negated: every fast decision the shadow check looks at then
+    disagrees with 'PostgreSQL'."""
+
+    def evaluate(self, checks: Sequence[FilterCheck]) -> list[bool | None]:
+        return [None if v is None else not v for v in super().evaluate(checks)]
+
+
+def test_deferred_shadow_checks_take_fewer_round_trips_and_still_stop(
+        source_db: Any, slot: tuple[psycopg.Connection[Any], str]) -> None:
+    """A shared stream's fanout defers its shadow checks to one :meth:`settle` per batch
+    of transactions: the same changes checked in far fewer PostgreSQL round trips, and a
+    divergence still raises — at settle, before anything was handed out."""
+    conn, name = slot
+    for statement in _WORKLOAD:
+        conn.execute(statement)
+    union = read_transactions(source_db.dsn, name, list(_MEMBERS))
+    assert len(union) > 5
+
+    def routed(defer: bool) -> tuple[ShadowChecker, int, TransactionFanout]:
+        shadow = ShadowChecker(1.0)
+        evaluators: list[PostgresFilterEvaluator] = []
+        fanout = _fanout(conn, shadow, evaluators=evaluators)
+        fanout.defer_shadow = defer
+        for txn in union:
+            fanout.route(txn)
+        fanout.settle()
+        return shadow, sum(e.round_trips for e in evaluators), fanout
+
+    at_once, at_once_trips, _ = routed(False)
+    deferred, deferred_trips, _ = routed(True)
+    assert deferred.checked == at_once.checked > 0
+    assert deferred_trips < at_once_trips / 2, (deferred_trips, at_once_trips)
+
+    contrary = TransactionFanout.for_group(
+        _candidates(), _TABLES, lambda rel: read_table_shape(conn, rel.namespace, rel.name),
+        lambda shape: _Contrary(conn, shape), ShadowChecker(1.0))
+    contrary.defer_shadow = True
+    for txn in union:
+        contrary.route(txn)  # nothing raised yet: the checks wait for settle
+    with pytest.raises(RoutingDivergence) as stopped:
+        contrary.settle()
+    assert stopped.value.code == "routing_divergence" and stopped.value.divergences
+    contrary.settle()  # what raised is not checked again
 
 
 def test_behind_the_shared_stream(source_db: Any,

@@ -14,10 +14,12 @@ from collections.abc import Mapping
 
 import pytest
 
+from pgsieve.routing.shadow import RoutingDivergence
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
 from pgsieve.streaming.shared import MemberConsumer, SharedStream
 from pgsieve.streaming.transports.base import PgoutputOptions
 from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.assembler import StandaloneMessage, Transaction
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
@@ -153,3 +155,87 @@ def test_an_idle_stream_moves_every_member_on(source_db: Database, group) -> Non
         progress = [i.lsn for i in a.items(time.monotonic() + 1.0, quiet=True)
                     if isinstance(i, IdleProgress)]
     assert progress, "an idle member was never told where the stream stands"
+
+
+def test_the_servers_push_feeds_waiting_members_without_a_turn(source_db: Database) -> None:
+    """The group's reader thread waits on its replication socket: a commit reaches
+    members that take no turn at all, and each is woken (their scheduler's turn made
+    due) instead of waiting for its idle poll."""
+    source_db.execute("CREATE TABLE t (id int PRIMARY KEY, tenant int);"
+                      "CREATE PUBLICATION everything FOR TABLE t")
+    source_db.execute("SELECT pg_create_logical_replication_slot('pushed', 'pgoutput')")
+    transport = WalsenderTransport(source_db.dsn, "pushed",
+                                   PgoutputOptions(("everything",), proto_version=2),
+                                   held_open=True)
+    fanout = EveryoneGetsAll()
+    fanout.members = ["a", "b"]
+    stream = SharedStream(SlotConsumer(transport, proto_version=2), fanout,
+                          detach_after_bytes=1 << 40)
+    woken: list[str] = []
+    stream.wake = woken.append
+    try:
+        a, b = stream.attach("a", None), stream.attach("b", None)
+        stream.pump(time.monotonic() + 2.0, "a")  # the session opens on a first pump
+        stream.start_reader()
+        pumps = stream.pumps
+        _commit(source_db, 1, 2)
+        deadline = time.monotonic() + 20
+        while sorted(set(woken)) != ["a", "b"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(set(woken)) == ["a", "b"], "the push woke nobody"
+        assert stream.pushed_pumps >= 1 and stream.pumps > pumps
+        for member in (a, b):
+            queued = [i for i in stream.members[member.name].queue
+                      if isinstance(i, Transaction)]
+            assert len(queued) >= 1
+        assert [t.end_lsn for t in _read(a, 2)] == [t.end_lsn for t in _read(b, 2)]
+    finally:
+        stream.close()
+    assert stream._reader is not None and not stream._reader.is_alive()
+
+
+class DivergesAtSettle(EveryoneGetsAll):
+    """Routes everyone everything, and finds a divergence when asked to settle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settled = 0
+
+    def settle(self) -> None:
+        self.settled += 1
+        raise RoutingDivergence([])
+
+
+def test_a_divergence_at_settle_hands_out_nothing(source_db: Database) -> None:
+    """The shadow check a fanout settles per batch stops the group before any item of
+    that batch reaches a member; every later pump raises the same cause."""
+    source_db.execute("CREATE TABLE t (id int PRIMARY KEY, tenant int);"
+                      "CREATE PUBLICATION everything FOR TABLE t")
+    source_db.execute("SELECT pg_create_logical_replication_slot('grp', 'pgoutput')")
+    transport = SqlTransport(source_db.dsn, "grp", PgoutputOptions(("everything",)),
+                             poll_interval=0.0)
+    fanout = DivergesAtSettle()
+    fanout.members = ["a", "b"]
+    stream = SharedStream(SlotConsumer(transport, proto_version=2), fanout,
+                          detach_after_bytes=1 << 40)
+    try:
+        a = stream.attach("a", None)
+        stream.attach("b", None)
+        _commit(source_db, 1, 3)
+
+        def read_a() -> None:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                for _ in a.items(time.monotonic() + 1.0, quiet=True):
+                    pass
+
+        with pytest.raises(RoutingDivergence):
+            read_a()
+        assert fanout.settled == 1 and stream.transactions >= 1
+        assert not any(isinstance(i, Transaction)
+                       for m in stream.members.values() for i in m.queue)
+        with pytest.raises(RoutingDivergence):
+            stream.pump(time.monotonic() + 1.0, "b")
+        assert stream.report()["stopped"] is True
+    finally:
+        stream.close()
