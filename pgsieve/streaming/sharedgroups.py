@@ -30,11 +30,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import psycopg
-
-from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.locks import AdvisoryLocks
 from pgsieve.streaming.consumer import SlotConsumer
+from pgsieve.streaming.groupslots import confirmed_positions, control_connection, remake_from
 from pgsieve.streaming.shared import Fanout, MemberConsumer, SharedStream
 from pgsieve.streaming.transports.base import PgoutputOptions
 from pgsieve.streaming.transports.walsender import WalsenderTransport
@@ -200,33 +198,21 @@ class SharedGroups:
                 self._close(slot)
 
 
-def _source_conn(spec: GroupSpec) -> psycopg.Connection[Any]:
-    return psycopg.connect(secure_conninfo(
-        spec.source_dsn, purpose=Purpose.CONTROL, connect_timeout=spec.connect_timeout,
-        application_name="pgsieve-shared"), autocommit=True)
-
-
 def _slot_confirmed(spec: GroupSpec) -> Lsn | None:
-    with _source_conn(spec) as conn:
-        row = conn.execute("SELECT confirmed_flush_lsn::text FROM pg_replication_slots "
-                           "WHERE slot_name = %s", (spec.slot,)).fetchone()
-    return None if row is None or row[0] is None else Lsn.parse(str(row[0]))
+    with control_connection(spec.source_dsn, spec.connect_timeout) as conn:
+        confirmed = confirmed_positions(conn, spec.slot).get(spec.slot)
+    return None if confirmed is None or not confirmed.value else confirmed
 
 
 def _make_slot(spec: GroupSpec) -> None:
     """The group's slot: a fresh copy of the joining member's own slot while no member
     reads the group (:attr:`GroupSpec.copy_from`), else the one there is — created at
     the source's current position only if there is none."""
-    with _source_conn(spec) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
-                              (spec.slot,)).fetchone() is not None
+    with control_connection(spec.source_dsn, spec.connect_timeout) as conn:
         if spec.copy_from is not None:
-            if exists:
-                conn.execute("SELECT pg_drop_replication_slot(%s)", (spec.slot,))
-            conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)",
-                         (spec.copy_from, spec.slot))
+            remake_from(conn, spec.copy_from, spec.slot)
             log.info("made the shared slot %s from %s", spec.slot, spec.copy_from)
-        elif not exists:
+        elif not confirmed_positions(conn, spec.slot):
             conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput')",
                          (spec.slot,))
             log.info("created the shared slot %s", spec.slot)

@@ -38,6 +38,12 @@ from pgsieve.routing.fanout import TransactionFanout
 from pgsieve.routing.grouping import SharingCandidate, StreamOptions
 from pgsieve.routing.pgeval import PostgresFilterEvaluator, read_table_shape
 from pgsieve.routing.shadow import ShadowChecker
+from pgsieve.streaming.groupslots import (
+    confirmed_positions,
+    control_connection,
+    copy_slot_once,
+    drop_idle_slot,
+)
 from pgsieve.streaming.shared import MemberConsumer
 from pgsieve.streaming.sharedgroups import GroupSpec, JoinRefused, shared_groups
 from pgsieve.streaming.transports.base import PgoutputOptions
@@ -252,12 +258,8 @@ def detach_member(source_dsn: str, group_slot: str, own_slot: str, subscription_
     confirmed no further than the member's target holds, read with its own publications
     (exactly its own stream: ADR 0024); then the group may confirm past it. It streams
     from that slot (``decoding_detached``) until it has caught up and joins again."""
-    with _control(source_dsn, connect_timeout) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_replication_slots WHERE slot_name = %s",
-                              (own_slot,)).fetchone()
-        if exists is None:
-            conn.execute("SELECT pg_copy_logical_replication_slot(%s, %s)",
-                         (group_slot, own_slot))
+    with control_connection(source_dsn, connect_timeout) as conn:
+        copy_slot_once(conn, group_slot, own_slot)
     with sessions() as session:
         sub = session.get(Subscription, subscription_id)
         if sub is not None:
@@ -282,21 +284,12 @@ def end_detachment(sessions: sessionmaker[Session], subscription_id: str) -> Non
             session.commit()
 
 
-def _control(dsn: str, connect_timeout: int) -> psycopg.Connection[Any]:
-    return psycopg.connect(secure_conninfo(dsn, purpose=Purpose.CONTROL,
-                                           connect_timeout=connect_timeout,
-                                           application_name="pgsieve-shared"),
-                           autocommit=True)
-
-
 def joinable(source_dsn: str, own_slot: str, plan: MemberPlan, connect_timeout: int) -> bool:
     """Whether a member still on its own slot would be let in now: its own slot is
     confirmed at least as far as the group's, and the group's is past where the member
     was put in the group (one query; the join itself checks again)."""
-    with _control(source_dsn, connect_timeout) as conn:
-        rows = dict(conn.execute(
-            "SELECT slot_name, confirmed_flush_lsn::text FROM pg_replication_slots "
-            "WHERE slot_name IN (%s, %s)", (own_slot, plan.group_slot)).fetchall())
+    with control_connection(source_dsn, connect_timeout) as conn:
+        rows = confirmed_positions(conn, own_slot, plan.group_slot)
     own, group = rows.get(own_slot), rows.get(plan.group_slot)
     if own is None or not plan.anyone_joined:
         # (no slot of its own: only the group can serve it; nobody reads the group yet:
@@ -304,21 +297,17 @@ def joinable(source_dsn: str, own_slot: str, plan: MemberPlan, connect_timeout: 
         return True
     if group is None:
         return False
-    if Lsn.parse(str(own)) < Lsn.parse(str(group)):
+    if own < group:
         return False
-    return plan.since is None or Lsn.parse(str(group)) >= plan.since
+    return plan.since is None or group >= plan.since
 
 
 def _own_position(dsn: str, slot: str, connect_timeout: int) -> Lsn | None:
     """Where the member's own slot is confirmed; None when it has none (it joined)."""
-    with _control(dsn, connect_timeout) as conn:
-        row = conn.execute("SELECT coalesce(confirmed_flush_lsn, '0/0')::text "
-                           "FROM pg_replication_slots WHERE slot_name = %s",
-                           (slot,)).fetchone()
-    return None if row is None else Lsn.parse(str(row[0]))
+    with control_connection(dsn, connect_timeout) as conn:
+        return confirmed_positions(conn, slot).get(slot)
 
 
 def _drop_slot(dsn: str, slot: str, connect_timeout: int) -> None:
-    with _control(dsn, connect_timeout) as conn:
-        conn.execute("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots "
-                     "WHERE slot_name = %s AND NOT active", (slot,))
+    with control_connection(dsn, connect_timeout) as conn:
+        drop_idle_slot(conn, slot)
