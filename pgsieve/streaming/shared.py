@@ -96,6 +96,16 @@ NOBODY_WAITING_SECONDS = 0.01
 """The socket is readable but every member has work queued (their turns pump): the
 reader looks again this much later instead of spinning on a level-triggered socket."""
 
+UNKNOWN_GRACE_SECONDS = 60.0
+"""A parked member whose position is unknown (its target recorded none yet) holds the
+group's slot this long before it is detached: after a worker's restart every member is
+parked until its stream opens again, and detaching them at once made slot copies and
+re-joins for nothing."""
+
+HOLD_SECONDS = 30.0
+"""A joiner's :meth:`SharedStream.hold` lapses unless it tries again (every few seconds
+while it streams from its own slot) within this time: one deleted meanwhile holds no WAL."""
+
 SETTLE_EVERY = 256
 """Routed items staged before the fanout's deferred shadow checks are settled and the
 items handed to the members (also at every quiet point and at the end of a pump)."""
@@ -162,22 +172,35 @@ class SharedStream:
         a scheduler makes its turn due now instead of at its next idle poll."""
         self._items: Generator[ConsumerItem, None, None] | None = None
         self.failure: RoutingDivergence | None = None
+        self._held_until: dict[str, float] = {}
+        self._unknown_since: dict[str, float] = {}
+        """Parked members of unknown position, since when (:data:`UNKNOWN_GRACE_SECONDS`)."""
+        """Members held for (:meth:`hold`): until when, unless they try again."""
+        self.last_confirmed: Lsn | None = None
+        """The newest position this process confirmed the group's slot to (its server's
+        ``confirmed_flush_lsn`` follows at the next feedback)."""
         self.on_confirmed: Callable[[Lsn], None] | None = None
         """Told each position the group's slot was confirmed to (the store's
         ``decoding_groups.confirmed_lsn``, written at most every few seconds)."""
 
     # -- membership ----------------------------------------------------------------------
     def attach(self, name: str, resume_after: Lsn | None, *,
-               on_leave: Callable[[], None] | None = None) -> MemberConsumer:
+               on_leave: Callable[[], None] | None = None,
+               known: Lsn | None = None) -> MemberConsumer:
         """``name`` reads the group from after ``resume_after`` (its target's LSN). The
         group's consumer is rewound there: the group's slot must not be confirmed past
         it (the caller checks, :mod:`.sharedgroups`), and what the others are given again
-        they skip."""
+        they skip. ``known``: a position its target holds everything of when it has no
+        recorded LSN (its own slot's confirmed one); else its parked position stands for
+        it — a member of unknown position holds the group's slot (:meth:`confirmable`)."""
         with self._lock:
             self._restart_reading()
             self.consumer.rewind(resume_after)
-            self.parked.pop(name, None)
-            self.members[name] = MemberPosition(name, resume_after, confirmed=resume_after)
+            held = self.parked.pop(name, None)
+            self._unknown_since.pop(name, None)
+            confirmed = resume_after if resume_after is not None else \
+                known if known is not None else held
+            self.members[name] = MemberPosition(name, resume_after, confirmed=confirmed)
             return MemberConsumer(self, name, resume_after, on_leave)
 
     def replace_fanout(self, fanout: Fanout) -> None:
@@ -198,17 +221,30 @@ class SharedStream:
                     if isinstance(queued, Transaction):
                         queued.close()
 
-    def park(self, positions: Mapping[str, Lsn | None], *, replace: bool = False) -> None:
+    def park(self, positions: Mapping[str, Lsn | None], *, replace: bool = False,
+             keep: str | None = None) -> None:
         """Members that read this group but not now (another process read it before):
         their targets' positions, as the store last saw them, hold the group's slot.
-        ``replace``: these are all of them (a parked member not among them left)."""
+        ``replace``: these are all of them (a parked member not among them left, except
+        ``keep``: the member joining now, whose :meth:`hold` must last until it joins)."""
         with self._lock:
             if replace:
-                for name in [n for n in self.parked if n not in positions]:
+                for name in [n for n in self.parked if n not in positions and n != keep]:
                     del self.parked[name]
             for name, position in positions.items():
                 if name not in self.members and name not in self.parked:
                     self.parked[name] = position
+
+    def hold(self, name: str, position: Lsn) -> None:
+        """A member still on its own slot, refused because the group's slot is ahead of
+        it: the group confirms no further than ``position`` (the group's own now) until
+        the member joins — its own slot then catches up to it — or lags the others past
+        the detach bound. Without it a joiner chased a group that the others kept
+        confirming ahead under a steady workload, and never joined."""
+        with self._lock:
+            if name not in self.members:
+                self.parked[name] = position
+                self._held_until[name] = time.monotonic() + HOLD_SECONDS
 
     def replace_consumer(self, consumer: SlotConsumer) -> None:
         """The group's stream again, with another publication list (the union changed):
@@ -459,22 +495,40 @@ class SharedStream:
             group = self.confirmable()
             if group is not None and not self.closed:
                 self.consumer.confirm(group)
+                if self.last_confirmed is None or group > self.last_confirmed:
+                    self.last_confirmed = group
                 if self.on_confirmed is not None:
                     self.on_confirmed(group)
 
     def confirmable(self) -> Lsn | None:
         """The newest LSN every member's target holds (None: one holds none known),
         after detaching the parked members that lag the others past the bound."""
+        now = time.monotonic()
+        for name, until in list(self._held_until.items()):
+            if name in self.members or name not in self.parked or until < now:
+                del self._held_until[name]
+                if name not in self.members and until < now:
+                    self.parked.pop(name, None)
         newest = max((m.confirmed for m in self.members.values() if m.confirmed is not None),
                      default=None)
         if newest is not None and self.on_detach is not None:
             for name, position in list(self.parked.items()):
-                if position is None or newest - position > self.detach_after_bytes:
+                if position is None:
+                    since = self._unknown_since.setdefault(name, now)
+                    if now - since < UNKNOWN_GRACE_SECONDS:
+                        continue
+                    log.warning("member %s of the shared stream has no known position "
+                                "after %.0f s: detached to a slot of its own", name,
+                                now - since)
+                elif newest - position > self.detach_after_bytes:
                     log.warning("member %s of the shared stream lags %s bytes behind the "
                                 "others: detached to a slot of its own", name,
-                                "?" if position is None else newest - position)
-                    self.on_detach(name)
-                    del self.parked[name]
+                                newest - position)
+                else:
+                    continue
+                self.on_detach(name)
+                del self.parked[name]
+                self._unknown_since.pop(name, None)
         positions = [m.confirmed for m in self.members.values()] + list(self.parked.values())
         if not positions or any(p is None for p in positions):
             return None

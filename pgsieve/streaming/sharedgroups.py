@@ -121,22 +121,32 @@ class SharedGroups:
             # Parked: the members that read the group and are not reading now; one that
             # left the group (its own slot given back) holds it no longer.
             group.park({k: v for k, v in (parked or {}).items() if k != member},
-                       replace=True)
+                       replace=True, keep=member)
             try:
                 confirmed = _slot_confirmed(spec)
                 if own_confirmed is not None and confirmed is not None \
                         and own_confirmed < confirmed:
+                    # the group waits there for it (its own slot catches up meanwhile)
+                    _hold(group, member, confirmed)
                     raise JoinRefused("behind", f"its own slot is at {own_confirmed}, the "
                                       f"group's at {confirmed}")
                 if since is not None and confirmed is not None and confirmed < since:
                     raise JoinRefused("too_new", f"the group's slot is at {confirmed}, before "
                                       f"{since}, where its publications joined the stream")
-                return group.attach(member, resume_after,
+                return group.attach(member, resume_after, known=own_confirmed,
                                     on_leave=lambda: self.leave(spec.slot, member))
             except BaseException:
                 if not group.members:
                     self._close(spec.slot)
                 raise
+
+    def hold(self, slot: str, member: str, position: Lsn) -> None:
+        """A member on its own slot found the group's ahead of it (``position``): the
+        group, if this process reads it, waits for it there (:meth:`SharedStream.hold`)."""
+        with self._mutex:
+            group = self._groups.get(slot)
+            if group is not None:
+                _hold(group, member, position)
 
     def leave(self, slot: str, member: str) -> None:
         """``member``'s stream closed: the group stream goes on for the others, or ends."""
@@ -196,6 +206,13 @@ class SharedGroups:
         with self._mutex:
             for slot in list(self._groups):
                 self._close(slot)
+
+
+def _hold(group: SharedStream, member: str, position: Lsn) -> None:
+    """Hold at the newest of the server's position and what this process confirmed (its
+    feedback may not have reached the server yet)."""
+    last = group.last_confirmed
+    group.hold(member, position if last is None else max(position, last))
 
 
 def _slot_confirmed(spec: GroupSpec) -> Lsn | None:

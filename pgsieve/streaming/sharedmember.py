@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
@@ -75,6 +75,24 @@ class MemberPlan:
     group_id: int
     stopped: str | None
     """Why the group stopped (``routing_divergence``: the shadow check), None if it runs."""
+    member_publications: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    member_since: dict[str, Lsn | None] = field(default_factory=dict)
+    """Each attached member's ``decoding_since_lsn``."""
+
+    def stream_publications(self, position: Lsn | None) -> tuple[str, ...]:
+        """The publications the group's stream may list when it starts at ``position``:
+        those of the members that read it already, or were put in the group at or
+        before ``position``. PostgreSQL 15's pgoutput looks each name up as of the
+        change it decodes and ends the session when one does not exist yet: a member
+        added to a running group made every member's stream fail until the slot passed
+        the new publication's creation. Its publications join the list when it joins."""
+        taken: set[str] = set()
+        for member, names in self.member_publications.items():
+            since = self.member_since.get(member)
+            if member in self.joined or since is None or (
+                    position is not None and since <= position):
+                taken.update(names)
+        return tuple(name for name in self.publication_names if name in taken)
 
 
 def stream_options(options: dict[str, Any], proto: int) -> StreamOptions:
@@ -123,7 +141,10 @@ def member_plan(session: Session, subscription_id: str, proto: int) -> MemberPla
                       {m.id: None if m.applied_lsn is None else Lsn(m.applied_lsn)
                        for m in members if m.decoding_joined},
                       {m.id: m.slot_name for m in members}, group.id,
-                      None if group.error_code is None else f"{group.error_code}: {group.error}")
+                      None if group.error_code is None else f"{group.error_code}: {group.error}",
+                      {m.id: tuple(str(n) for n in m.publications) for m in members},
+                      {m.id: None if m.decoding_since_lsn is None else Lsn(m.decoding_since_lsn)
+                       for m in members})
 
 
 class GroupRouting:
@@ -173,27 +194,37 @@ def open_member(plan: MemberPlan, *, source_dsn: str, own_slot: str,
     """The member's consumer on its group, or None to stream from its own slot (which
     then exists). Raises :class:`JoinRefused` when it has no own slot left and cannot
     join now."""
+    if plan.stopped is not None:
+        raise JoinRefused("stopped", plan.stopped)
+    with control_connection(source_dsn, connect_timeout) as conn:
+        positions = confirmed_positions(conn, own_slot, plan.group_slot)
+    own_confirmed = positions.get(own_slot)
+    own_exists = own_confirmed is not None
+    # where the group's stream will start: its slot's position, or the first joiner's
+    # own (the group's slot is made as a copy of it)
+    names = plan.stream_publications(positions.get(plan.group_slot) if plan.anyone_joined
+                                     else own_confirmed)
     spec = GroupSpec(plan.group_slot, source_dsn,
-                     PgoutputOptions(plan.publication_names, proto_version=options.proto_version,
+                     PgoutputOptions(names, proto_version=options.proto_version,
                                      binary=options.binary, messages=options.messages,
                                      streaming=options.streaming),
                      window_bytes=window_bytes, connect_timeout=connect_timeout,
                      copy_from=None if plan.anyone_joined else own_slot)
+
     def fanout() -> GroupRouting:
         return GroupRouting(source_dsn, plan.candidates, connect_timeout, shadow_rate,
                             options.proto_version)
 
-    if plan.stopped is not None:
-        raise JoinRefused("stopped", plan.stopped)
-    own_confirmed = _own_position(source_dsn, own_slot, connect_timeout)
-    own_exists = own_confirmed is not None
     try:
+        if not names:
+            raise JoinRefused("too_new", "no member's publications exist at the group's "
+                              "position yet")
         consumer = shared_groups().join(
             spec, plan.subscription_id, resume_after, own_confirmed=own_confirmed,
             since=plan.since, fanout=fanout,
             proto_version=options.proto_version, spill_dir=spill_dir, parked=plan.joined,
             on_detach=lambda name: detach_member(source_dsn, plan.group_slot,
-                                                 plan.own_slots[name], name, sessions,
+                                                 plan.own_slots.get(name), name, sessions,
                                                  connect_timeout),
             members=frozenset(plan.candidates))
     except JoinRefused as refused:
@@ -252,16 +283,21 @@ class ConfirmedRecorder:
             log.warning("cannot record the shared slot's position: %s", exc)
 
 
-def detach_member(source_dsn: str, group_slot: str, own_slot: str, subscription_id: str,
-                  sessions: sessionmaker[Session], connect_timeout: int) -> None:
+def detach_member(source_dsn: str, group_slot: str, own_slot: str | None,
+                  subscription_id: str, sessions: sessionmaker[Session],
+                  connect_timeout: int) -> None:
     """Give a member a slot of its own again: a copy of the group's slot, which is
     confirmed no further than the member's target holds, read with its own publications
     (exactly its own stream: ADR 0024); then the group may confirm past it. It streams
-    from that slot (``decoding_detached``) until it has caught up and joins again."""
-    with control_connection(source_dsn, connect_timeout) as conn:
-        copy_slot_once(conn, group_slot, own_slot)
+    from that slot (``decoding_detached``) until it has caught up and joins again.
+    ``own_slot`` None: the member came after the group opened (its slot name is read);
+    one deleted meanwhile needs nothing."""
     with sessions() as session:
         sub = session.get(Subscription, subscription_id)
+        slot = own_slot if own_slot is not None else sub.slot_name if sub else None
+        if slot is not None:
+            with control_connection(source_dsn, connect_timeout) as conn:
+                copy_slot_once(conn, group_slot, slot)
         if sub is not None:
             sub.decoding_joined = False
             sub.decoding_detached = True
@@ -295,17 +331,14 @@ def joinable(source_dsn: str, own_slot: str, plan: MemberPlan, connect_timeout: 
         # (no slot of its own: only the group can serve it; nobody reads the group yet:
         # the first to join makes the group's slot from its own)
         return True
-    if group is None:
-        return False
+    if group is None or (plan.since is not None and group < plan.since):
+        return False  # (the group must pass where the member's publications joined first)
     if own < group:
+        # the others' confirms keep the group ahead under a steady workload: it waits
+        # for this member there, and its own slot catches up (SharedStream.hold)
+        shared_groups().hold(plan.group_slot, plan.subscription_id, group)
         return False
-    return plan.since is None or group >= plan.since
-
-
-def _own_position(dsn: str, slot: str, connect_timeout: int) -> Lsn | None:
-    """Where the member's own slot is confirmed; None when it has none (it joined)."""
-    with control_connection(dsn, connect_timeout) as conn:
-        return confirmed_positions(conn, slot).get(slot)
+    return True
 
 
 def _drop_slot(dsn: str, slot: str, connect_timeout: int) -> None:

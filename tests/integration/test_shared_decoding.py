@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -256,30 +257,37 @@ def _retained(source: Database, slot: str) -> int:
 
 
 @pytest.mark.timeout(600)
-def test_a_member_whose_target_is_down_is_detached_and_the_others_go_on(
+def test_members_fall_behind_join_and_leave_while_the_others_go_on(
         tmp_path: Path, source_db: Database, subscriber: LocalCluster) -> None:
     """Three tenants share a slot; tenant 2's target stops taking connections. The others
     keep applying; tenant 2 holds the shared slot's WAL only until the others are
     ``PGSIEVE_SHARED_DETACH_BYTES`` ahead, then it gets a slot of its own (a copy of the
-    group's); when its target is back it catches up exactly and joins again."""
+    group's); when its target is back it catches up exactly and joins again. Then, with
+    the workload going on, a fourth tenant is added to the running group (its initial
+    sync, then the group's stream, which restarts with the new publication list) and the
+    first is deleted: every tenant still in the group ends exactly as the source's rows."""
     source_db.execute(SOURCE)
     rng = random.Random(59)
     next_id = [10_000]
     bound = 4 << 20
-    with _databases(subscriber, "tenant", 3) as targets, \
+    with _databases(subscriber, "tenant", 4) as targets, \
             pipeline_env(tmp_path, shared_detach_bytes=bound) as env:
         src = env.api("POST", "/sources", json={"name": "src", "dsn": source_db.dsn})
-        subs = []
-        for k, target in enumerate(targets, start=1):
+
+        def add_tenant(k: int) -> dict[str, Any]:
             env.api("POST", f"/sources/{src['id']}/publications", json={
                 "name": f"tenant_{k}",
                 "tables": [{"table": "public.orders", "where": f"tenant_id = {k}"},
                            {"table": "public.events", "where": f"tenant_id = {k}"}]})
-            tgt = env.api("POST", "/targets", json={"name": f"t{k}", "dsn": target.dsn})
-            subs.append(env.api("POST", "/subscriptions", json={
+            tgt = env.api("POST", "/targets", json={"name": f"t{k}",
+                                                    "dsn": targets[k - 1].dsn})
+            sub: dict[str, Any] = env.api("POST", "/subscriptions", json={
                 "name": f"tenant-{k}", "source_id": src["id"], "target_id": tgt["id"],
                 "publications": [f"tenant_{k}"], "copy_data": True,
-                "options": {"decoding": "shared", "batch_max_wait_ms": 100}}))
+                "options": {"decoding": "shared", "batch_max_wait_ms": 100}})
+            return sub
+
+        subs = [add_tenant(k) for k in (1, 2, 3)]
         env.start_worker()
         wait_until(lambda: len(_group(env, src["id"])["reading"]) == 3, 180,
                    "the three tenants to join the shared slot", env)
@@ -306,12 +314,63 @@ def test_a_member_whose_target_is_down_is_detached_and_the_others_go_on(
             _workload(conn, rng, 30, next_id)
         admin.execute(f'ALTER DATABASE "{down.name}" ALLOW_CONNECTIONS true')
         end = source_lsn(source_db)
-        wait_until(lambda: all(applied_past(t, end) for t in targets), 180,
+        wait_until(lambda: all(applied_past(t, end) for t in targets[:3]), 180,
                    "every tenant, the one back included, to apply everything", env)
-        for k, target in enumerate(targets, start=1):
-            for table in ("orders", "events"):
-                want = _rows(source_db, table, f"tenant_id = {k}")
-                assert _diff(_rows(target, table), want) == ([], []), (
-                    f"tenant {k}'s {table} differ from the source's rows of the tenant")
+        _assert_tenants_exact(source_db, targets, (1, 2, 3))
         wait_until(lambda: len(_group(env, src["id"])["reading"]) == 3, 120,
                    "the tenant that caught up to join again", env)
+
+        with source_db.connect() as conn, _trickle(source_db, (1, 2, 3)):
+            # the others confirm the group's slot on and on meanwhile: the fourth must
+            # still get in (the group waits for a joiner whose own slot is behind)
+            _workload(conn, rng, 10, next_id)
+            add_tenant(4)  # into the running group, the workload going on
+            _workload(conn, rng, 30, next_id)
+            wait_until(lambda: sorted(_group(env, src["id"])["reading"]) == [
+                "tenant-1", "tenant-2", "tenant-3", "tenant-4"], 180,
+                "the fourth tenant to join the running group", env)
+            assert "tenant_4" in _group(env, src["id"])["publications"]
+            _workload(conn, rng, 20, next_id)
+            env.api("DELETE", f"/subscriptions/{subs[0]['id']}")
+            _workload(conn, rng, 20, next_id)
+        end = source_lsn(source_db)
+        wait_until(lambda: all(applied_past(t, end) for t in targets[1:]), 180,
+                   "the tenants of the group to apply everything", env)
+        _assert_tenants_exact(source_db, targets, (2, 3, 4))
+        group = _group(env, src["id"])
+        assert sorted(group["subscriptions"]) == ["tenant-2", "tenant-3", "tenant-4"]
+        assert "tenant_1" not in group["publications"]
+        assert {s for s in _slots(source_db) if s.startswith("pgsieve")} == {slot}
+
+
+@contextlib.contextmanager
+def _trickle(source: Database, tenants: tuple[int, ...]) -> Iterator[None]:
+    """A steady trickle of commits for the tenants in turn (every 20 ms) while the block
+    runs: each member applies and confirms on and on."""
+    stop = threading.Event()
+
+    def write() -> None:
+        with source.connect() as conn:
+            n = 0
+            while not stop.wait(0.02):
+                n += 1
+                conn.execute("INSERT INTO events VALUES (%s, %s, 'trickle') ON CONFLICT (id) "
+                             "DO UPDATE SET note = EXCLUDED.note || %s",
+                             (400 + n % 50, tenants[n % len(tenants)], str(n)))
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join(10)
+
+
+def _assert_tenants_exact(source: Database, targets: list[Database],
+                          tenants: tuple[int, ...]) -> None:
+    for k in tenants:
+        for table in ("orders", "events"):
+            want = _rows(source, table, f"tenant_id = {k}")
+            assert _diff(_rows(targets[k - 1], table), want) == ([], []), (
+                f"tenant {k}'s {table} differ from the source's rows of the tenant")

@@ -17,6 +17,7 @@ import pytest
 from pgsieve.routing.shadow import RoutingDivergence
 from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
 from pgsieve.streaming.shared import MemberConsumer, SharedStream
+from pgsieve.streaming.sharedgroups import GroupSpec, JoinRefused, SharedGroups
 from pgsieve.streaming.transports.base import PgoutputOptions
 from pgsieve.streaming.transports.sql import SqlTransport
 from pgsieve.streaming.transports.walsender import WalsenderTransport
@@ -239,3 +240,47 @@ def test_a_divergence_at_settle_hands_out_nothing(source_db: Database) -> None:
         assert stream.report()["stopped"] is True
     finally:
         stream.close()
+
+
+def test_a_joiner_behind_the_group_is_waited_for(source_db: Database) -> None:
+    """A member whose own slot is behind the group's is refused (``behind``), but the
+    group then confirms no further than where it stood: the member's own slot catches up
+    and its next try gets in. Without the hold, the others' confirms under a steady
+    workload kept the group ahead of every joiner (seen in bench.shared_bench)."""
+    source_db.execute("CREATE TABLE t (id int PRIMARY KEY, tenant int);"
+                      "CREATE PUBLICATION everything FOR TABLE t")
+    source_db.execute("SELECT pg_create_logical_replication_slot('own_j', 'pgoutput')")
+    _commit(source_db, 1, 3)
+    groups = SharedGroups()
+    spec = GroupSpec("grp_hold", source_db.dsn,
+                     PgoutputOptions(("everything",), proto_version=2, messages=True))
+    fanout = EveryoneGetsAll()
+    fanout.members = ["a", "j"]
+    try:
+        a = groups.join(spec, "a", None, own_confirmed=None, since=None,
+                        fanout=lambda: fanout, proto_version=2)
+        held_at = _slot_confirmed(source_db, "grp_hold")
+        own = _slot_confirmed(source_db, "own_j")
+        assert own < held_at
+        with pytest.raises(JoinRefused) as refused:
+            groups.join(spec, "j", None, own_confirmed=own, since=None,
+                        fanout=lambda: fanout, proto_version=2)
+        assert refused.value.code == "behind"
+        assert a.group.parked == {"j": held_at}
+
+        _commit(source_db, 10, 3)
+        ahead = _read(a, 3)
+        a.confirm(ahead[-1].end_lsn)
+        assert _slot_confirmed(source_db, "grp_hold") == held_at, "the joiner was not waited for"
+
+        source_db.execute("SELECT pg_replication_slot_advance('own_j', pg_current_wal_lsn())")
+        j = groups.join(spec, "j", held_at, own_confirmed=_slot_confirmed(source_db, "own_j"),
+                        since=None, fanout=lambda: fanout, proto_version=2)
+        assert "j" not in a.group.parked and set(a.group.members) == {"a", "j"}
+        got = _read(j, 3)
+        assert [t.end_lsn for t in got] == [t.end_lsn for t in ahead]
+        j.confirm(got[-1].end_lsn)
+        a.confirm(ahead[-1].end_lsn)
+        assert _slot_confirmed(source_db, "grp_hold") == ahead[-1].end_lsn
+    finally:
+        groups.close_all()
