@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from typing import Any
 from pgsieve.platform.locks import AdvisoryLocks
 from pgsieve.streaming.consumer import SlotConsumer
 from pgsieve.streaming.groupslots import confirmed_positions, control_connection, remake_from
-from pgsieve.streaming.shared import Fanout, MemberConsumer, SharedStream
+from pgsieve.streaming.shared import GATHER_SECONDS, Fanout, MemberConsumer, SharedStream
 from pgsieve.streaming.transports.base import PgoutputOptions
 from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.lsn import Lsn
@@ -111,6 +112,8 @@ class SharedGroups:
             if group is None:
                 group = self._open(spec, fanout(), proto_version, spill_dir)
                 group.on_detach = on_detach
+                if parked:  # the others come back too (a restart): read once for all
+                    group.gather_until = time.monotonic() + GATHER_SECONDS
             else:
                 if self._specs[spec.slot] != spec:  # the union changed: a new stream
                     group.replace_consumer(self._consumer(spec, proto_version, spill_dir))

@@ -284,3 +284,53 @@ def test_a_joiner_behind_the_group_is_waited_for(source_db: Database) -> None:
         assert _slot_confirmed(source_db, "grp_hold") == ahead[-1].end_lsn
     finally:
         groups.close_all()
+
+
+@pytest.fixture
+def held_open_group(source_db: Database):
+    """The group's stream as a worker reads it: one held-open walsender session."""
+    source_db.execute("CREATE TABLE t (id int PRIMARY KEY, tenant int);"
+                      "CREATE PUBLICATION everything FOR TABLE t")
+    source_db.execute("SELECT pg_create_logical_replication_slot('grp', 'pgoutput')")
+    transport = WalsenderTransport(source_db.dsn, "grp",
+                                   PgoutputOptions(("everything",), proto_version=2),
+                                   held_open=True)
+    fanout = EveryoneGetsAll()
+    stream = SharedStream(SlotConsumer(transport, proto_version=2), fanout,
+                          detach_after_bytes=1 << 40)
+    yield stream, fanout
+    stream.close()
+
+
+def test_members_coming_back_are_gathered_and_read_once(source_db: Database,
+                                                        held_open_group) -> None:
+    """After a restart the stream waits for its parked members before reading, and a
+    member that holds what the stream has read joins without a re-read: the backlog is
+    decoded and routed once, not once per member coming back."""
+    stream, fanout = held_open_group
+    fanout.members = ["a", "b", "c"]
+    start = _slot_confirmed(source_db, "grp")
+    stream.park({"b": start, "c": start})
+    stream.gather_until = time.monotonic() + 60
+    a = stream.attach("a", start)
+    _commit(source_db, 1, 3)
+    assert not stream.pump(time.monotonic() + 1.0, "a") and stream.pumps == 0, \
+        "read before the parked members were back"
+    b = stream.attach("b", start)
+    c = stream.attach("c", start)
+    assert [t.end_lsn for t in _read(a, 3)] == [t.end_lsn for t in _read(b, 3)] \
+        == [t.end_lsn for t in _read(c, 3)]
+    assert stream.transactions == 3, "the stream read the backlog again for a member"
+
+    # one holding everything read so far joins without a re-read; one holding less
+    # makes the stream read again from the slot's confirmed position
+    stream.detach("b")
+    b = stream.attach("b", stream.consumer.delivered)
+    _commit(source_db, 10)
+    _read(b, 1)
+    assert stream.transactions == 4
+    assert stream.consumer.stats.skipped == 0, "the stream read again what it had read"
+    stream.detach("c")
+    c = stream.attach("c", start)
+    assert len(_read(c, 4)) == 4
+    assert stream.transactions == 8
