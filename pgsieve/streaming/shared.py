@@ -104,7 +104,10 @@ re-joins for nothing."""
 
 GATHER_SECONDS = 5.0
 """A group opened in a process with members parked (they read it before a restart)
-reads nothing until they are back, this long at most."""
+queues their share for them this long (:meth:`SharedStream.expect`): each coming back
+finds its queue filled from the stream's start instead of making the stream read again
+from the slot's confirmed position (after a restart a 100-member backlog was decoded and
+routed ~9 times over: ``bench.shared_bench``)."""
 
 HOLD_SECONDS = 30.0
 """A joiner's :meth:`SharedStream.hold` lapses unless it tries again (every few seconds
@@ -168,9 +171,9 @@ class SharedStream:
         self.pushed_pumps = 0
         """Pumps the push reader made (the server sent while members waited)."""
         self._reader: threading.Thread | None = None
-        self.gather_until = 0.0
-        """Monotonic time until which a freshly opened stream waits for its parked
-        members to attach before reading (:meth:`_gathering`)."""
+        self.pending: dict[str, deque[ConsumerItem]] = {}
+        """Parked members expected back soon, with the share queued for them."""
+        self.pending_until = 0.0
         self.transactions = 0
         """Transactions the group's stream delivered (each decoded once for all)."""
         self.closed = False
@@ -203,7 +206,9 @@ class SharedStream:
         with self._lock:
             need_from = resume_after if resume_after is not None else known
             read_to = self.consumer.delivered
-            if read_to is not None and (need_from is None or need_from < read_to):
+            queued = self.pending.pop(name, None)  # (its share since the stream's start)
+            if queued is None and read_to is not None and (
+                    need_from is None or need_from < read_to):
                 # it holds less than the group has read: read again from the slot's
                 # confirmed position (what the others get again they skip); else it
                 # simply gets what comes next
@@ -214,7 +219,26 @@ class SharedStream:
             confirmed = resume_after if resume_after is not None else \
                 known if known is not None else held
             self.members[name] = MemberPosition(name, resume_after, confirmed=confirmed)
+            if queued is not None:
+                self.members[name].queue = queued
             return MemberConsumer(self, name, resume_after, on_leave)
+
+    def expect(self, seconds: float = GATHER_SECONDS) -> None:
+        """The parked members (not joiners held for) will be back soon — a process opened
+        the group after a restart: queue their share from the stream's start for
+        ``seconds`` (:data:`GATHER_SECONDS`). Only before anything was read."""
+        with self._lock:
+            if self.consumer.delivered is not None or self._items is not None:
+                return
+            self.pending = {name: deque() for name in self.parked
+                            if name not in self._held_until and name not in self.members}
+            self.pending_until = time.monotonic() + seconds
+
+    def _drop_pending(self, names: Iterable[str]) -> None:
+        for name in names:
+            for queued in self.pending.pop(name, ()):
+                if isinstance(queued, Transaction):
+                    queued.close()
 
     def replace_fanout(self, fanout: Fanout) -> None:
         """Route for a changed membership from the next transaction on."""
@@ -278,7 +302,9 @@ class SharedStream:
         with self._lock:
             if self.failure is not None:
                 raise self.failure  # every member stops with the group's cause
-            if self.closed or self._backed_up(wanted_by) or self._gathering():
+            if self.pending and time.monotonic() >= self.pending_until:
+                self._drop_pending(list(self.pending))  # not back in time: parked
+            if self.closed or self._backed_up(wanted_by):
                 return False
             self.pumps += 1
             if wanted_by is None:
@@ -336,20 +362,6 @@ class SharedStream:
                 wake(name)
         return drained
 
-    def _gathering(self) -> bool:
-        """Freshly opened with members parked (a worker's restart): no reading until they
-        are back or :data:`GATHER_SECONDS` passed. Each member attaching after the
-        stream read past its position made it read again from the slot's confirmed
-        position — with a hundred members after a restart, a backlog was decoded and
-        routed ~9 times over (``bench.shared_bench``)."""
-        if not self.gather_until or time.monotonic() >= self.gather_until:
-            self.gather_until = 0.0
-            return False
-        if any(name not in self._held_until for name in self.parked):
-            return True
-        self.gather_until = 0.0
-        return False
-
     def _restart_reading(self) -> None:
         """The next pump starts new sessions at the slot's confirmed position."""
         items, self._items = self._items, None
@@ -395,6 +407,7 @@ class SharedStream:
         for item, routed in staged:
             woken |= self._append(item, routed)
         staged.clear()
+        self._drop_pending([n for n, q in self.pending.items() if len(q) >= self.max_queued])
         return woken
 
     @staticmethod
@@ -413,6 +426,8 @@ class SharedStream:
         if isinstance(item, IdleProgress):
             for member in self.members.values():
                 _push_progress(member.queue, item.lsn)
+            for queue in self.pending.values():
+                _push_progress(queue, item.lsn)
             return set()  # (a position to record is no reason for a turn now)
         if routed is None:
             return set()
@@ -422,6 +437,10 @@ class SharedStream:
                 message = routed.get(name)
                 if isinstance(message, StandaloneMessage):
                     member.queue.append(message)
+            for name, queue in self.pending.items():
+                message = routed.get(name)
+                if isinstance(message, StandaloneMessage):
+                    queue.append(message)
             return waiting & routed.keys()
         assert isinstance(item, Transaction)
         for name, member in self.members.items():
@@ -431,8 +450,15 @@ class SharedStream:
                 continue
             member.queue.append(txn)
             member.routed_transactions += 1
+        for name, queue in self.pending.items():
+            txn = routed.get(name)
+            if isinstance(txn, Transaction):
+                queue.append(txn)
+            else:
+                _push_progress(queue, item.end_lsn)
         for name, txn in routed.items():
-            if name not in self.members and isinstance(txn, Transaction):
+            if name not in self.members and name not in self.pending \
+                    and isinstance(txn, Transaction):
                 txn.close()
         return waiting & routed.keys()
 
@@ -570,6 +596,7 @@ class SharedStream:
                     if isinstance(queued, Transaction):
                         queued.close()
                 member.queue.clear()
+            self._drop_pending(list(self.pending))
             try:
                 self.consumer.close()
             finally:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -109,11 +108,10 @@ class SharedGroups:
         is built again only when they change."""
         with self._mutex:
             group = self._groups.get(spec.slot)
+            opened = group is None
             if group is None:
                 group = self._open(spec, fanout(), proto_version, spill_dir)
                 group.on_detach = on_detach
-                if parked:  # the others come back too (a restart): read once for all
-                    group.gather_until = time.monotonic() + GATHER_SECONDS
             else:
                 if self._specs[spec.slot] != spec:  # the union changed: a new stream
                     group.replace_consumer(self._consumer(spec, proto_version, spill_dir))
@@ -125,6 +123,8 @@ class SharedGroups:
             # left the group (its own slot given back) holds it no longer.
             group.park({k: v for k, v in (parked or {}).items() if k != member},
                        replace=True, keep=member)
+            if opened:  # the others come back too (a restart): their share is kept
+                group.expect(GATHER_SECONDS)
             try:
                 confirmed = _slot_confirmed(spec)
                 if own_confirmed is not None and confirmed is not None \

@@ -302,35 +302,34 @@ def held_open_group(source_db: Database):
     stream.close()
 
 
-def test_members_coming_back_are_gathered_and_read_once(source_db: Database,
-                                                        held_open_group) -> None:
-    """After a restart the stream waits for its parked members before reading, and a
-    member that holds what the stream has read joins without a re-read: the backlog is
-    decoded and routed once, not once per member coming back."""
+def test_members_coming_back_find_their_share_queued(source_db: Database,
+                                                     held_open_group) -> None:
+    """After a restart the stream queues the share of the members it expects back, from
+    its start: each coming back finds it waiting, and a member that holds what the stream
+    has read joins without a re-read — the backlog is decoded and routed once, not once
+    per member coming back. A member coming back too late makes it read again."""
     stream, fanout = held_open_group
     fanout.members = ["a", "b", "c"]
     start = _slot_confirmed(source_db, "grp")
     stream.park({"b": start, "c": start})
-    stream.gather_until = time.monotonic() + 60
+    stream.expect(60)
     a = stream.attach("a", start)
     _commit(source_db, 1, 3)
-    assert not stream.pump(time.monotonic() + 1.0, "a") and stream.pumps == 0, \
-        "read before the parked members were back"
+    got_a = _read(a, 3)
     b = stream.attach("b", start)
-    c = stream.attach("c", start)
-    assert [t.end_lsn for t in _read(a, 3)] == [t.end_lsn for t in _read(b, 3)] \
-        == [t.end_lsn for t in _read(c, 3)]
-    assert stream.transactions == 3, "the stream read the backlog again for a member"
+    assert [t.end_lsn for t in _read(b, 3)] == [t.end_lsn for t in got_a]
+    assert stream.transactions == 3 and stream.consumer.stats.skipped == 0, \
+        "the stream read the backlog again for a member coming back"
 
-    # one holding everything read so far joins without a re-read; one holding less
-    # makes the stream read again from the slot's confirmed position
     stream.detach("b")
-    b = stream.attach("b", stream.consumer.delivered)
+    b = stream.attach("b", stream.consumer.delivered)  # holds all that was read
     _commit(source_db, 10)
     _read(b, 1)
-    assert stream.transactions == 4
-    assert stream.consumer.stats.skipped == 0, "the stream read again what it had read"
-    stream.detach("c")
+    assert stream.transactions == 4 and stream.consumer.stats.skipped == 0
+
+    stream.pending_until = 0.0  # c's time is up: its queued share is let go
+    stream.pump(time.monotonic() + 1.0, None)
+    assert "c" not in stream.pending and stream.parked == {"c": start}
     c = stream.attach("c", start)
-    assert len(_read(c, 4)) == 4
-    assert stream.transactions == 8
+    assert [t.end_lsn for t in _read(c, 4)][:3] == [t.end_lsn for t in got_a]
+    assert stream.transactions == 8, "c's share was read again from the slot"
