@@ -102,12 +102,13 @@ group's slot this long before it is detached: after a worker's restart every mem
 parked until its stream opens again, and detaching them at once made slot copies and
 re-joins for nothing."""
 
-GATHER_SECONDS = 5.0
+GATHER_SECONDS = 30.0
 """A group opened in a process with members parked (they read it before a restart)
 queues their share for them this long (:meth:`SharedStream.expect`): each coming back
 finds its queue filled from the stream's start instead of making the stream read again
 from the slot's confirmed position (after a restart a 100-member backlog was decoded and
-routed ~9 times over: ``bench.shared_bench``)."""
+routed ~9 times over: ``bench.shared_bench``). Long: a busy worker took 13 s to take its
+100 subscriptions back; a queue reaching ``max_queued`` is let go sooner."""
 
 HOLD_SECONDS = 30.0
 """A joiner's :meth:`SharedStream.hold` lapses unless it tries again (every few seconds
