@@ -8,9 +8,10 @@ subscription), leaves TOASTed values unchanged in updates, deletes, truncates, a
 commits transactions larger than ``logical_decoding_work_mem`` (streamed). The worker is
 killed with SIGKILL in the middle of it: every target must end exactly once.
 
-Why it costs ~110 s in ``make test`` (6 tenants, ~65 s; the target-down case, ~45 s):
-every tenant is an initial sync and a stream of its own before it joins, the oracle is
-native subscriptions beside them, and the kill, the restart and the detach are the point.
+Why it costs ~40 s in ``make test`` (6 tenants across a kill, ~20 s; a target down, a
+join and a leave, ~20 s): every tenant is an initial sync and a stream of its own before
+it joins, the oracle is native subscriptions beside them, and the kill, the restart, the
+detach and the joins are the point.
 ``make test-slow`` runs the issue's 20 tenants (~4 min).
 """
 
