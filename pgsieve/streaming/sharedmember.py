@@ -21,7 +21,7 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import or_, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
 from pgsieve.platform.models import (
@@ -121,8 +121,11 @@ def member_plan(session: Session, subscription_id: str, proto: int) -> MemberPla
     members = session.scalars(select(Subscription).where(
         Subscription.decoding_group_id == group.id,
         Subscription.decoding_detached.is_(False)).order_by(Subscription.id)).all()
+    # (their tables in one more query: loaded lazily, a publication each, every member's
+    # plan cost a query per member of the group — most of a 100-member worker's CPU
+    # while it took its subscriptions back after a restart)
     rows = {r.name: r for r in session.scalars(select(PublicationRow).where(
-        PublicationRow.source_id == source.id))}
+        PublicationRow.source_id == source.id).options(selectinload(PublicationRow.tables)))}
     candidates = []
     for member in members:
         pubs = [rows.get(name) for name in member.publications]
