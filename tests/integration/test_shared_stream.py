@@ -158,20 +158,29 @@ def test_an_idle_stream_moves_every_member_on(source_db: Database, group) -> Non
     assert progress, "an idle member was never told where the stream stands"
 
 
-def test_the_servers_push_feeds_waiting_members_without_a_turn(source_db: Database) -> None:
-    """The group's reader thread waits on its replication socket: a commit reaches
-    members that take no turn at all, and each is woken (their scheduler's turn made
-    due) instead of waiting for its idle poll."""
+@pytest.fixture
+def held_open_group(source_db: Database):
+    """The group's stream as a worker reads it: one held-open walsender session."""
     source_db.execute("CREATE TABLE t (id int PRIMARY KEY, tenant int);"
                       "CREATE PUBLICATION everything FOR TABLE t")
-    source_db.execute("SELECT pg_create_logical_replication_slot('pushed', 'pgoutput')")
-    transport = WalsenderTransport(source_db.dsn, "pushed",
+    source_db.execute("SELECT pg_create_logical_replication_slot('grp', 'pgoutput')")
+    transport = WalsenderTransport(source_db.dsn, "grp",
                                    PgoutputOptions(("everything",), proto_version=2),
                                    held_open=True)
     fanout = EveryoneGetsAll()
-    fanout.members = ["a", "b"]
     stream = SharedStream(SlotConsumer(transport, proto_version=2), fanout,
                           detach_after_bytes=1 << 40)
+    yield stream, fanout
+    stream.close()
+
+
+def test_the_servers_push_feeds_waiting_members_without_a_turn(source_db: Database,
+                                                               held_open_group) -> None:
+    """The group's reader thread waits on its replication socket: a commit reaches
+    members that take no turn at all, and each is woken (their scheduler's turn made
+    due) instead of waiting for its idle poll."""
+    stream, fanout = held_open_group
+    fanout.members = ["a", "b"]
     woken: list[str] = []
     stream.wake = woken.append
     try:
@@ -207,18 +216,13 @@ class DivergesAtSettle(EveryoneGetsAll):
         raise RoutingDivergence([])
 
 
-def test_a_divergence_at_settle_hands_out_nothing(source_db: Database) -> None:
+def test_a_divergence_at_settle_hands_out_nothing(source_db: Database, group) -> None:
     """The shadow check a fanout settles per batch stops the group before any item of
     that batch reaches a member; every later pump raises the same cause."""
-    source_db.execute("CREATE TABLE t (id int PRIMARY KEY, tenant int);"
-                      "CREATE PUBLICATION everything FOR TABLE t")
-    source_db.execute("SELECT pg_create_logical_replication_slot('grp', 'pgoutput')")
-    transport = SqlTransport(source_db.dsn, "grp", PgoutputOptions(("everything",)),
-                             poll_interval=0.0)
+    stream, _ = group
     fanout = DivergesAtSettle()
     fanout.members = ["a", "b"]
-    stream = SharedStream(SlotConsumer(transport, proto_version=2), fanout,
-                          detach_after_bytes=1 << 40)
+    stream.replace_fanout(fanout)
     try:
         a = stream.attach("a", None)
         stream.attach("b", None)
@@ -284,22 +288,6 @@ def test_a_joiner_behind_the_group_is_waited_for(source_db: Database) -> None:
         assert _slot_confirmed(source_db, "grp_hold") == ahead[-1].end_lsn
     finally:
         groups.close_all()
-
-
-@pytest.fixture
-def held_open_group(source_db: Database):
-    """The group's stream as a worker reads it: one held-open walsender session."""
-    source_db.execute("CREATE TABLE t (id int PRIMARY KEY, tenant int);"
-                      "CREATE PUBLICATION everything FOR TABLE t")
-    source_db.execute("SELECT pg_create_logical_replication_slot('grp', 'pgoutput')")
-    transport = WalsenderTransport(source_db.dsn, "grp",
-                                   PgoutputOptions(("everything",), proto_version=2),
-                                   held_open=True)
-    fanout = EveryoneGetsAll()
-    stream = SharedStream(SlotConsumer(transport, proto_version=2), fanout,
-                          detach_after_bytes=1 << 40)
-    yield stream, fanout
-    stream.close()
 
 
 def test_members_coming_back_find_their_share_queued(source_db: Database,
