@@ -269,6 +269,9 @@ def copy_partition(request: CopyRequest, part: CopyPartition,
         )
         tgt.execute("COMMIT")
         src.execute("COMMIT")
+    # Crash tests: this partition committed, the copy's others not all yet (in a Spark
+    # task the whole worker goes).
+    fault_point("sync.partition_copied", group=True)
     return PartitionResult(part.table, part.partition_no, rows, time.monotonic() - started)
 
 

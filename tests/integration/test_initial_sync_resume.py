@@ -124,15 +124,35 @@ def _scenario(env: PipelineEnv, source: Database, target: Database, native: Data
         writes.stop.set()
 
 
-def _kill_mid_copy(env: PipelineEnv, worker: Any, job_id: str) -> dict[int, Any]:
-    def some_done() -> bool:
-        parts = _partitions(env, job_id)
-        done = [p for p in parts.values() if p[0] == "done"]
-        return len(done) >= 3 and len(done) < len(parts) - 5
+def _copied(target: Database) -> dict[tuple[str, int], tuple[int, int]]:
+    """The partitions committed at the target: their markers' rows and transaction."""
+    return {(str(t), int(str(n))): (int(str(r)), int(str(x))) for t, n, r, x in target.query(
+        "SELECT table_name, partition_no, rows, xmin::text::bigint FROM pgsieve.sync_copied")}
 
-    wait_until(some_done, 240, "a few partitions copied", env, interval=0.1)
-    env.kill(worker)
-    return {n: p for n, p in _partitions(env, job_id).items() if p[0] == "done"}
+
+def _surviving(target: Database, copied: dict[tuple[str, int], tuple[int, int]]
+               ) -> set[tuple[str, int]]:
+    """The partitions of ``copied`` some of whose rows the transaction that copied them
+    still holds at the target (the stream updates a few rows since)."""
+    xids = {int(str(x)) for (x,) in target.query(
+        "SELECT DISTINCT xmin::text::bigint FROM big UNION SELECT xmin::text::bigint FROM small")}
+    return {part for part, (_, xid) in copied.items() if xid in xids}
+
+
+def _kill_mid_copy(env: PipelineEnv, target: Database) -> dict[tuple[str, int], tuple[int, int]]:
+    """A worker killed (its process group, as ``kill -9`` of it) once it has committed its
+    fourth partition, the copy's others not: deterministic where a kill from outside at
+    "a few partitions done" raced the copy — on a quiet machine the whole copy of 176
+    partitions took 0.4 s, less than the progress poll, and the moment never came.
+    Returns the partitions committed by then (the target's markers, the truth a next
+    worker reads)."""
+    worker = env.start_worker("first", PGSIEVE_FAULTS="sync.partition_copied@4")
+    wait_until(lambda: worker.poll() is not None, 240, "the first worker to die mid-copy", env,
+               interval=0.2)
+    env.kill(worker)  # what it started goes too
+    copied = _copied(target)
+    assert 4 <= len(copied) < 100, sorted(copied)  # of 177: mid-copy
+    return copied
 
 
 def _finish(env: PipelineEnv, sub_id: str, job_id: str, source: Database, target: Database,
@@ -160,14 +180,15 @@ def test_killed_worker_resumes_under_the_same_snapshot(env: PipelineEnv, source_
                                                        native_db: Database):
     with _scenario(env, source_db, target_db, native_db, "resume") as (
             sub_id, job_id, writes):
-        worker = env.start_worker("first")
-        done_before = _kill_mid_copy(env, worker, job_id)
+        done_before = _kill_mid_copy(env, target_db)
         with _session(env) as session:
             consistent = session.get(Subscription, sub_id).consistent_lsn  # type: ignore[union-attr]
         _finish(env, sub_id, job_id, source_db, target_db, native_db, writes)
-        # Finished partitions were not copied again; the same snapshot carried on.
+        # Partitions committed before the kill were not copied again: their rows are still
+        # the ones their first transaction wrote; the same snapshot carried on.
+        assert _surviving(target_db, done_before) == set(done_before)
         after = _partitions(env, job_id)
-        assert all(after[n] == p for n, p in done_before.items())
+        assert all(after[n][0] == "done" for (table, n) in done_before if table == "public.big")
         with _session(env) as session:
             sub = session.get(Subscription, sub_id)
             assert sub is not None and sub.consistent_lsn == consistent
@@ -182,8 +203,7 @@ def test_killed_worker_and_lost_snapshot_restart_tables_cleanly(
         env: PipelineEnv, source_db: Database, target_db: Database, native_db: Database):
     with _scenario(env, source_db, target_db, native_db, "lost") as (
             sub_id, job_id, writes):
-        worker = env.start_worker("first")
-        _kill_mid_copy(env, worker, job_id)
+        done_before = _kill_mid_copy(env, target_db)
         with _session(env) as session:
             job = session.get(Job, job_id)
             assert job is not None
@@ -199,6 +219,7 @@ def test_killed_worker_and_lost_snapshot_restart_tables_cleanly(
             # Copied again under a later snapshot of its own, then handed to the stream.
             assert big.sync_lsn is not None and consistent is not None
             assert big.sync_lsn > consistent
+        assert _surviving(target_db, done_before) == set()  # (none of the first copy's rows)
 
 
 def _wait_dead(env: PipelineEnv, worker: Any, what: str) -> None:
