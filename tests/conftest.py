@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.pq import TransactionStatus
 
 from pgsieve.platform.pgcluster import LocalCluster, free_port
 
@@ -45,10 +48,20 @@ def _tmp_root() -> Path:
 
 @dataclass
 class Database:
-    """A database of its own on a shared cluster."""
+    """A database of its own on a shared cluster.
+
+    ``execute`` and ``query`` reuse one idle connection per process and thread: tests
+    poll with them (``wait_until``), and a connection per call cost both ends ~6 ms of
+    CPU — tens of thousands of backends started per run. Each call leaves the session
+    as a fresh one would find it (``DISCARD ALL``: settings, temporary tables, locks,
+    LISTEN), a connection left inside a transaction is closed (rolled back, as before),
+    and one the server has spoken on while idle (terminated, the cluster stopped) is
+    replaced, so a test sees exactly what a new connection per call showed it."""
 
     cluster: LocalCluster
     name: str
+    _sessions: dict[tuple[int, int], psycopg.Connection[tuple[object, ...]]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @property
     def dsn(self) -> str:
@@ -58,12 +71,51 @@ class Database:
         return psycopg.connect(self.dsn, autocommit=autocommit)
 
     def execute(self, sql: str, params: tuple[object, ...] | None = None) -> None:
-        with self.connect() as conn:
+        with self._session() as conn:
             conn.execute(sql.encode() if params is None else sql, params)
 
     def query(self, sql: str, params: tuple[object, ...] | None = None) -> list[tuple[object, ...]]:
-        with self.connect() as conn:
+        with self._session() as conn:
             return conn.execute(sql, params).fetchall()
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+        key = (os.getpid(), threading.get_ident())
+        conn = self._sessions.pop(key, None)
+        if conn is not None and not _reusable(conn):
+            conn.close()
+            conn = None
+        if conn is None:
+            conn = psycopg.connect(self.dsn, autocommit=True, prepare_threshold=None)
+        try:
+            yield conn
+        except BaseException:
+            conn.close()
+            raise
+        if conn.info.transaction_status != TransactionStatus.IDLE:
+            conn.close()  # a transaction left open ends as a closed connection ended it
+            return
+        conn.execute("DISCARD ALL")
+        self._sessions[key] = conn
+
+    def close(self) -> None:
+        """Close the idle sessions (before the database is dropped)."""
+        while self._sessions:
+            _, conn = self._sessions.popitem()
+            conn.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _reusable(conn: psycopg.Connection[tuple[object, ...]]) -> bool:
+    """Idle, and nothing arrived since: a terminated backend's or a stopped server's last
+    words make the socket readable."""
+    if conn.closed or conn.info.transaction_status != TransactionStatus.IDLE:
+        return False
+    readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    return not readable
 
 
 def _drop_database(cluster: LocalCluster, name: str) -> None:
@@ -190,6 +242,7 @@ def _fresh_db(cluster: LocalCluster, prefix: str) -> Iterator[Database]:
     try:
         yield db
     finally:
+        db.close()
         if os.environ.get("PGSIEVE_KEEP_TEST_DBS") != "1":
             _drop_database(cluster, name)
 
