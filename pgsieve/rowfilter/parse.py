@@ -310,7 +310,6 @@ def quote_qualified(schema: str, name: str) -> str:
     return f"{quote_ident(schema)}.{quote_ident(name)}"
 
 
-@lru_cache(maxsize=4096)
 def parse_table_name(text: str, default_schema: str = "public") -> tuple[str, str]:
     """Split ``schema.name`` into PostgreSQL-folded parts, honouring double quotes.
 
@@ -318,6 +317,13 @@ def parse_table_name(text: str, default_schema: str = "public") -> tuple[str, st
     to PostgreSQL. An unqualified name gets ``default_schema`` (pgsieve does not resolve
     names through a session ``search_path``). Raises :class:`TableNameError`.
     """
+    if not isinstance(text, str):  # (refused as the parser refuses it; not hashable)
+        return _parse_table_name.__wrapped__(text, default_schema)
+    return _parse_table_name(text, default_schema)
+
+
+@lru_cache(maxsize=4096)
+def _parse_table_name(text: str, default_schema: str) -> tuple[str, str]:
     if not isinstance(text, str) or not text.strip():
         raise TableNameError("empty table name")
     if len(text) > 1000 or "\x00" in text:
@@ -481,7 +487,6 @@ def _explain_parse_failure(text: str, exc: ParseError, significant: list[Any]) -
     )
 
 
-@lru_cache(maxsize=4096)
 def parse_filter(text: str) -> ParsedFilter:
     """Parse one row-filter expression as PostgreSQL would; raise FilterParseError if it isn't.
 
@@ -492,6 +497,11 @@ def parse_filter(text: str) -> ParsedFilter:
     union, and each regroup asked pglast for the same N filters O(N²) times — at 250
     tenants one more subscription cost seconds of the API's CPU.
     """
+    return _parse_filter(text)
+
+
+@lru_cache(maxsize=4096)
+def _parse_filter(text: str) -> ParsedFilter:
     if not isinstance(text, str):
         raise TypeError(f"filter text must be str, not {type(text).__name__}")
     if len(text) > MAX_FILTER_LENGTH:
