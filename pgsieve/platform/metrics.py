@@ -426,6 +426,11 @@ class MetadataCollector(Collector):
                                 "seconds since the worker's last heartbeat", labels=["worker"])
         held = GaugeMetricFamily("pgsieve_worker_subscriptions_held",
                                  "subscriptions the worker's scheduler holds", labels=["worker"])
+        runners = GaugeMetricFamily(
+            "pgsieve_worker_turn_runners",
+            "turns the worker's scheduler runs at once (one per "
+            "PGSIEVE_SCHEDULER_SUBSCRIPTIONS_PER_THREAD held, within its bounds)",
+            labels=["worker"])
         wait = GaugeMetricFamily(
             "pgsieve_worker_turn_wait_seconds",
             "how long a subscription that was due waited for its turn on the worker "
@@ -468,6 +473,8 @@ class MetadataCollector(Collector):
             if report is None:
                 continue
             held.add_metric([beat.worker], float(report.get("held", 0)))
+            if "runners" in report:  # reported since runners grow with what it holds
+                runners.add_metric([beat.worker], float(report["runners"]))
             wait.add_metric([beat.worker, "0.5"], float(report.get("turn_wait_p50", 0.0)))
             wait.add_metric([beat.worker, "0.99"], float(report.get("turn_wait_p99", 0.0)))
             turns.add_metric([beat.worker], float(report.get("turns", 0)))
@@ -477,7 +484,8 @@ class MetadataCollector(Collector):
                                    float(report.get("held", 0)) - float(report["pushing"]))
                 switches.add_metric([beat.worker], float(report.get("transport_switches", 0)))
                 wakeups.add_metric([beat.worker], float(report.get("push_wakeups", 0)))
-        yield from (age, held, wait, turns, reading, switches, wakeups, decoded, routed, shadow)
+        yield from (age, held, runners, wait, turns, reading, switches, wakeups, decoded, routed,
+                    shadow)
 
 
 def _alert_metrics(session: Session) -> Iterator[Metric]:

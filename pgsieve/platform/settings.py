@@ -216,7 +216,18 @@ class Settings(BaseSettings):
     )
     scheduler_threads: int = Field(
         default=2, ge=1, le=64,
-        description="turns a worker process runs at once (its subscriptions take turns)",
+        description="turns a worker process runs at once (its subscriptions take turns), "
+        "at least: it runs one more per scheduler_subscriptions_per_thread it holds",
+    )
+    scheduler_subscriptions_per_thread: int = Field(
+        default=32, ge=1,
+        description="a worker runs one turn at once per this many subscriptions it holds "
+        "(at least scheduler_threads, at most scheduler_max_threads): a turn mostly waits "
+        "on its target, and 250 subscriptions two at a time lagged 9.6 s at p99",
+    )
+    scheduler_max_threads: int = Field(
+        default=12, ge=1, le=64,
+        description="turns a worker process runs at once, at most",
     )
     turn_order: Literal["oldest-commit", "arrival"] = Field(
         default="oldest-commit",

@@ -119,6 +119,8 @@ class TurnQueue:
         self._quiet = threading.Condition(lock)
         """Notified when the last running turn ends (:meth:`_wait_quiet`)."""
         self._turns_running = 0
+        self._runners = 0
+        """Runner threads taking turns (the scheduler grows them with what it holds)."""
         self._busy_at = 0.0
         """When a turn last started or ended (monotonic; :meth:`_wait_quiet`)."""
         self._held: dict[str, Held] = {}
@@ -397,6 +399,7 @@ class TurnQueue:
         return {
             "owner": self.owner,
             "held": len(self._held),
+            "runners": self._runners,
             "turns": self._turns,
             "turn_wait_p50": round(_quantile(waits, 0.50), 4),
             "turn_wait_p99": round(_quantile(waits, 0.99), 4),

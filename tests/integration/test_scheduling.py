@@ -274,10 +274,11 @@ def test_one_worker_serves_twenty_subscriptions_fairly(tmp_path: Path, source_db
 def test_two_workers_share_and_a_killed_ones_subscriptions_move(
         tmp_path: Path, source_db: Database, native_db: Database, subscriber: LocalCluster):
     """Two workers, 20 tenants: both hold some; kill -9 one under load: each of its
-    subscriptions applies again on the other within 10 s, and all end identical to native."""
+    subscriptions applies again on the other within 10 s, and all end identical to native.
+    The survivor runs one more turn at once per 5 subscriptions it holds: 4 with all 20."""
     with tenants(tmp_path, source_db, native_db, subscriber) as t:
         one = t.env.start_worker("one")
-        t.env.start_worker("two")
+        t.env.start_worker("two", PGSIEVE_SCHEDULER_SUBSCRIPTIONS_PER_THREAD="5")
         wait_until(t.all_held, 60, "the workers to hold every subscription", t.env)
         wait_until(lambda: len(set(t.owners().values())) == 2, 30,
                    "both workers to hold subscriptions", t.env)
@@ -297,6 +298,15 @@ def test_two_workers_share_and_a_killed_ones_subscriptions_move(
         assert max(v or 0.0 for v in moved.values()) <= 10.0, moved
         assert victim_owner not in t.owners().values()
         wait_until(t.identical_to_native, 90, "every target to equal native's", t.env)
+        wait_until(lambda: _runners(t.env).get("two@") == 4.0, 30,
+                   "the survivor's runners to follow what it holds", t.env)
+
+
+def _runners(env: PipelineEnv) -> dict[str, float]:
+    """``pgsieve_worker_turn_runners`` per live worker (by its name's prefix)."""
+    return {m.labels["worker"].split("@")[0] + "@": m.value
+            for family in text_string_to_metric_families(env.client.get("/metrics").text)
+            if family.name == "pgsieve_worker_turn_runners" for m in family.samples}
 
 
 def test_a_new_subscription_starts_at_once_among_twenty_streaming(

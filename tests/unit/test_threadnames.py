@@ -14,7 +14,7 @@ import pytest
 from pgsieve.platform.migrate import upgrade
 from pgsieve.platform.settings import Settings
 from pgsieve.platform.threadnames import OS_NAME_BYTES, named, os_name
-from pgsieve.streaming.scheduler import Scheduler
+from pgsieve.streaming.scheduler import Scheduler, runner_threads
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="thread names for the kernel are Linux's")
@@ -58,3 +58,11 @@ def test_the_schedulers_threads_are_named(tmp_path: Path) -> None:
     finally:
         scheduler.stop(timeout=5)
     assert wanted <= names
+
+
+def test_runner_threads_follow_the_subscriptions_held(tmp_path: Path) -> None:
+    settings = Settings(home=tmp_path, scheduler_threads=2,
+                        scheduler_subscriptions_per_thread=32, scheduler_max_threads=12)
+    assert [runner_threads(n, settings) for n in (0, 1, 64, 65, 100, 250, 1000)] == [
+        2, 2, 2, 3, 4, 8, 12]
+    assert runner_threads(250, settings.model_copy(update={"scheduler_threads": 10})) == 10
