@@ -108,7 +108,9 @@ queues their share for them this long (:meth:`SharedStream.expect`): each coming
 finds its queue filled from the stream's start instead of making the stream read again
 from the slot's confirmed position (after a restart a 100-member backlog was decoded and
 routed ~9 times over: ``bench.shared_bench``). Long: a busy worker took 13 s to take its
-100 subscriptions back; a queue reaching ``max_queued`` is let go sooner."""
+100 subscriptions back; a queue reaching ``max_queued`` is let go sooner. Counted again
+from each member's return while others are still expected (250 took longer than one
+wait)."""
 
 HOLD_SECONDS = 30.0
 """A joiner's :meth:`SharedStream.hold` lapses unless it tries again (every few seconds
@@ -175,6 +177,7 @@ class SharedStream:
         self.pending: dict[str, deque[ConsumerItem]] = {}
         """Parked members expected back soon, with the share queued for them."""
         self.pending_until = 0.0
+        self._gather_seconds = GATHER_SECONDS
         self.transactions = 0
         """Transactions the group's stream delivered (each decoded once for all)."""
         self.closed = False
@@ -208,6 +211,12 @@ class SharedStream:
             need_from = resume_after if resume_after is not None else known
             read_to = self.consumer.delivered
             queued = self.pending.pop(name, None)  # (its share since the stream's start)
+            if queued is not None and self.pending:
+                # members are coming back: the others still expected get the whole wait
+                # from this one's return (taking 250 back outlasted one fixed wait, and
+                # every late member made the stream read the backlog again)
+                self.pending_until = max(self.pending_until,
+                                         time.monotonic() + self._gather_seconds)
             if queued is None and read_to is not None and (
                     need_from is None or need_from < read_to):
                 # it holds less than the group has read: read again from the slot's
@@ -234,6 +243,7 @@ class SharedStream:
             self.pending = {name: deque() for name in self.parked
                             if name not in self._held_until and name not in self.members}
             self.pending_until = time.monotonic() + seconds
+            self._gather_seconds = seconds
 
     def _drop_pending(self, names: Iterable[str]) -> None:
         for name in names:

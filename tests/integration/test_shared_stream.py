@@ -304,7 +304,10 @@ def test_members_coming_back_find_their_share_queued(source_db: Database,
     a = stream.attach("a", start)
     _commit(source_db, 1, 3)
     got_a = _read(a, 3)
+    stream.pending_until = time.monotonic() + 5  # (nearly up)
     b = stream.attach("b", start)
+    assert stream.pending_until > time.monotonic() + 30, \
+        "a member coming back gives those still expected the whole wait again"
     assert [t.end_lsn for t in _read(b, 3)] == [t.end_lsn for t in got_a]
     assert stream.transactions == 3 and stream.consumer.stats.skipped == 0, \
         "the stream read the backlog again for a member coming back"
