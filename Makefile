@@ -25,10 +25,11 @@ check: deps
 	$(BIN)/mypy
 	$(BIN)/pytest tests/unit -q
 
-# Two pytest-xdist workers, each with its own PostgreSQL clusters and Spark session; a
+# Three pytest-xdist workers on two cores, each with its own PostgreSQL clusters and Spark
+# session (a quarter of the machine idled with two: tests wait on leases and polls); a
 # file's tests stay on one worker (module fixtures, ordered scenarios). TEST_WORKERS=0
 # runs them in this process.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 test: deps
 	$(BIN)/ruff check .
