@@ -641,9 +641,12 @@ def main() -> None:
     parser.add_argument("--metadata", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a worker setting (PGSIEVE_NAME; defaults otherwise)")
+    parser.add_argument("--dump-transactions", metavar="CSV", default=None,
+                        help="append system,tenant,commit,applied per probed transaction "
+                             "(the lag's time series, to find stalls)")
     bench_report.add_argument(parser)
     # run_phase's other knobs, as scale_bench runs by default
-    parser.set_defaults(perf_sched=0.0, source_commit="async", dump_transactions=None)
+    parser.set_defaults(perf_sched=0.0, source_commit="async")
     args = parser.parse_args()
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(SYSTEMS)

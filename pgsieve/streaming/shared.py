@@ -12,9 +12,10 @@ How the pieces fit:
 
 * :class:`SharedStream` owns the group's :class:`~.consumer.SlotConsumer` (one slot, the
   union's ``publication_names``). :meth:`SharedStream.pump` reads it and appends each
-  member's routed transactions to that member's queue; a transaction with nothing for a
-  member becomes :class:`~.consumer.IdleProgress` at its end (coalesced), so an idle
-  member's position still moves.
+  member's routed transactions to that member's queue, touching only the members a
+  transaction is for; the stream's :attr:`~SharedStream.position` moves past each one,
+  and a member whose queue is empty is handed it as :class:`~.consumer.IdleProgress`, so
+  an idle member's position still moves.
 * :class:`MemberConsumer` is what a member's :class:`~.streamrun.StreamRun` reads instead
   of its own slot: the :class:`SlotConsumer` interface (``items``, ``confirm``,
   ``delivered``, ``stats``) over its queue, pumping the group when the queue is empty.
@@ -180,6 +181,11 @@ class SharedStream:
         self._gather_seconds = GATHER_SECONDS
         self.transactions = 0
         """Transactions the group's stream delivered (each decoded once for all)."""
+        self.position: Lsn | None = None
+        """The stream's end so far in this reading: every member's share of what commits
+        at or before it is in its queue. A member whose queue is empty has everything up
+        to here (:meth:`MemberConsumer.items` hands it out as :class:`IdleProgress`).
+        None after a restart of reading, until the new reading passes something."""
         self.closed = False
         self.wake: Callable[[str], None] | None = None
         """Called (outside the lock) with each member whose empty queue a pump filled:
@@ -194,8 +200,9 @@ class SharedStream:
         """The newest position this process confirmed the group's slot to (its server's
         ``confirmed_flush_lsn`` follows at the next feedback)."""
         self.on_confirmed: Callable[[Lsn], None] | None = None
-        """Told each position the group's slot was confirmed to (the store's
-        ``decoding_groups.confirmed_lsn``, written at most every few seconds)."""
+        """Told each position the group's slot was confirmed to, outside the lock (the
+        store's ``decoding_groups.confirmed_lsn``, written at most every few seconds);
+        closed with the group if it has a ``close``."""
 
     # -- membership ----------------------------------------------------------------------
     def attach(self, name: str, resume_after: Lsn | None, *,
@@ -376,6 +383,7 @@ class SharedStream:
     def _restart_reading(self) -> None:
         """The next pump starts new sessions at the slot's confirmed position."""
         items, self._items = self._items, None
+        self.position = None  # (the next reading rebuilds it; members skip what they had)
         if items is not None:
             items.close()
 
@@ -432,46 +440,43 @@ class SharedStream:
         staged.clear()
 
     def _append(self, item: ConsumerItem, routed: Routed) -> set[str]:
-        """Append ``item``'s share to each member's queue; the members that were waiting
-        with nothing to apply."""
+        """Append ``item``'s share to the queues of the members (and members expected
+        back) it has something for, then move the stream's :attr:`position` past it; the
+        members that were waiting with nothing to apply.
+
+        Only the members ``item`` routes to are touched: at 250 members, giving every
+        other member's queue a position per transaction held the group's lock for most
+        of its pump (``bench.shared_bench``), and the pump fell behind 500
+        transactions/s. The others learn the position from :attr:`position` when their
+        queues run dry (:meth:`MemberConsumer.items`)."""
         if isinstance(item, IdleProgress):
-            for member in self.members.values():
-                _push_progress(member.queue, item.lsn)
-            for queue in self.pending.values():
-                _push_progress(queue, item.lsn)
+            self._advance(item.lsn)
             return set()  # (a position to record is no reason for a turn now)
         if routed is None:
             return set()
-        waiting = {name for name, m in self.members.items() if _nothing_to_apply(m)}
-        if isinstance(item, StandaloneMessage):
-            for name, member in self.members.items():
-                message = routed.get(name)
-                if isinstance(message, StandaloneMessage):
-                    member.queue.append(message)
-            for name, queue in self.pending.items():
-                message = routed.get(name)
-                if isinstance(message, StandaloneMessage):
-                    queue.append(message)
-            return waiting & routed.keys()
-        assert isinstance(item, Transaction)
-        for name, member in self.members.items():
-            txn = routed.get(name)
-            if not isinstance(txn, Transaction):
-                _push_progress(member.queue, item.end_lsn)
+        woken: set[str] = set()
+        transactional = isinstance(item, Transaction)
+        for name, share in routed.items():
+            member = self.members.get(name)
+            queue = member.queue if member is not None else self.pending.get(name)
+            if queue is None:  # (neither reading nor expected back: not kept)
+                if isinstance(share, Transaction):
+                    share.close()
                 continue
-            member.queue.append(txn)
-            member.routed_transactions += 1
-        for name, queue in self.pending.items():
-            txn = routed.get(name)
-            if isinstance(txn, Transaction):
-                queue.append(txn)
-            else:
-                _push_progress(queue, item.end_lsn)
-        for name, txn in routed.items():
-            if name not in self.members and name not in self.pending \
-                    and isinstance(txn, Transaction):
-                txn.close()
-        return waiting & routed.keys()
+            if member is not None and not queue:
+                woken.add(name)
+            queue.append(share)
+            if member is not None and transactional:
+                member.routed_transactions += 1
+        if isinstance(item, Transaction):
+            self._advance(item.end_lsn)
+        return woken
+
+    def _advance(self, lsn: Lsn) -> None:
+        """Everything up to ``lsn`` is in the queues: set only after the appends (a
+        member reads :attr:`position` before it looks at its queue)."""
+        if self.position is None or lsn > self.position:
+            self.position = lsn
 
     # -- the server's push ---------------------------------------------------------------
     def start_reader(self) -> None:
@@ -491,7 +496,7 @@ class SharedStream:
 
     def waiting(self) -> bool:
         """Whether an attached member has nothing to apply (a push is worth a pump)."""
-        return any(_nothing_to_apply(m) for m in list(self.members.values()))
+        return any(not m.queue for m in list(self.members.values()))
 
     def _read_pushed(self) -> None:
         poller = select.poll()
@@ -557,12 +562,15 @@ class SharedStream:
             if member.confirmed is None or lsn > member.confirmed:
                 member.confirmed = lsn
             group = self.confirmable()
-            if group is not None and not self.closed:
-                self.consumer.confirm(group)
-                if self.last_confirmed is None or group > self.last_confirmed:
-                    self.last_confirmed = group
-                if self.on_confirmed is not None:
-                    self.on_confirmed(group)
+            if group is None or self.closed:
+                return
+            self.consumer.confirm(group)
+            if self.last_confirmed is None or group > self.last_confirmed:
+                self.last_confirmed = group
+        # Outside the lock: telling the store may wait on it (SQLite's write lock, held
+        # by the progress writer), and every member's pump waits on this lock.
+        if self.on_confirmed is not None:
+            self.on_confirmed(group)
 
     def confirmable(self) -> Lsn | None:
         """The newest LSN every member's target holds (None: one holds none known),
@@ -612,6 +620,9 @@ class SharedStream:
                 self.consumer.close()
             finally:
                 _close_fanout(self.fanout)
+        close_recorder = getattr(self.on_confirmed, "close", None)
+        if close_recorder is not None:
+            close_recorder()
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
             reader.join(timeout=2 * PUSH_WAIT_SECONDS)
@@ -621,27 +632,6 @@ def _close_fanout(fanout: Fanout) -> None:
     close = getattr(fanout, "close", None)
     if close is not None:
         close()
-
-
-def _nothing_to_apply(member: MemberPosition) -> bool:
-    """Its queue is empty or holds only a position (which ends a turn at once)."""
-    queue = member.queue
-    if not queue:
-        return True
-    try:
-        return len(queue) == 1 and isinstance(queue[0], IdleProgress)
-    except IndexError:  # (popped by its turn meanwhile)
-        return True
-
-
-def _push_progress(queue: deque[ConsumerItem], lsn: Lsn) -> None:
-    """Nothing for this member commits before ``lsn`` past what is queued: one
-    :class:`IdleProgress` at the queue's end says so (a run of them is coalesced)."""
-    if queue and isinstance(queue[-1], IdleProgress):
-        if lsn > queue[-1].lsn:
-            queue[-1] = IdleProgress(lsn)
-        return
-    queue.append(IdleProgress(lsn))
 
 
 class _MemberTransport:
@@ -680,8 +670,9 @@ class MemberConsumer:
 
     def items(self, deadline: float, *, quiet: bool = False
               ) -> Generator[ConsumerItem, None, None]:
-        """Its transactions, each once, in commit order, then :class:`IdleProgress`;
-        the group is pumped (once) when the queue runs empty."""
+        """Its transactions, each once, in commit order, then :class:`IdleProgress` at the
+        group's :attr:`~SharedStream.position` (what it was not given up to there was
+        not its); the group is pumped (once) when the queue runs empty."""
         member = self.group.members.get(self.name)
         pumped = False
         while member is not None and not self.group.closed:
@@ -691,20 +682,17 @@ class MemberConsumer:
                 if not pumped:
                     pumped = True
                     self.group.pump(deadline, self.name)
+                position = self.group.position  # (read before the queue: see _advance)
                 if not member.queue:
+                    if position is not None and (self._delivered is None
+                                                 or position > self._delivered):
+                        self._delivered = position
+                        yield IdleProgress(position)
                     if quiet:
                         yield QUIET
                     return
             item = member.queue.popleft()
-            if isinstance(item, IdleProgress):
-                if member.queue or (self._delivered is not None
-                                    and item.lsn <= self._delivered):
-                    # (a position with more queued behind it says nothing the next
-                    # transaction will not: a stream's turn ends at an idle position)
-                    continue
-                self._delivered = item.lsn
-                yield item
-            elif isinstance(item, Transaction):
+            if isinstance(item, Transaction):
                 if self._delivered is not None and item.end_lsn <= self._delivered:
                     self.stats.skipped += 1
                     item.close()

@@ -9,13 +9,14 @@ the slot stands."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping
 
 import pytest
 
 from pgsieve.routing.shadow import RoutingDivergence
-from pgsieve.streaming.consumer import IdleProgress, SlotConsumer
+from pgsieve.streaming.consumer import IdleProgress, Quiet, SlotConsumer
 from pgsieve.streaming.shared import MemberConsumer, SharedStream
 from pgsieve.streaming.sharedgroups import GroupSpec, JoinRefused, SharedGroups
 from pgsieve.streaming.transports.base import PgoutputOptions
@@ -324,3 +325,58 @@ def test_members_coming_back_find_their_share_queued(source_db: Database,
     c = stream.attach("c", start)
     assert [t.end_lsn for t in _read(c, 4)][:3] == [t.end_lsn for t in got_a]
     assert stream.transactions == 8, "c's share was read again from the slot"
+
+
+def test_telling_the_store_holds_no_member_up(source_db: Database, group) -> None:
+    """The group's confirmed position goes to the metadata store outside the group's
+    lock: a store that keeps the write waiting (SQLite's write lock, held by the progress
+    writer) stopped every member's pump for up to 2 s at 250 members."""
+    stream, fanout = group
+    fanout.members = ["a"]
+    a = stream.attach("a", None)
+    _commit(source_db, 1, 2)
+    got = _read(a, 2)
+    store_free = threading.Event()
+    told: list[Lsn] = []
+
+    def slow_store(lsn: Lsn) -> None:
+        store_free.wait(30)
+        told.append(lsn)
+
+    stream.on_confirmed = slow_store
+    confirming = threading.Thread(target=a.confirm, args=(got[-1].end_lsn,))
+    confirming.start()
+    try:
+        deadline = time.monotonic() + 20
+        while _slot_confirmed(source_db, "grp") != got[-1].end_lsn \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _slot_confirmed(source_db, "grp") == got[-1].end_lsn
+        _commit(source_db, 10)
+        (after,) = _read(a, 1)  # pumps (the group's lock) while the store still waits
+        assert confirming.is_alive() and told == []
+        assert after.end_lsn > got[-1].end_lsn
+    finally:
+        store_free.set()
+        confirming.join(10)
+    assert told == [got[-1].end_lsn]
+
+
+def test_a_transaction_for_one_member_leaves_the_others_queues_alone(
+        source_db: Database, group) -> None:
+    """Only the members a transaction is for are given it; the others learn the stream's
+    position when their queues run dry (at 250 members a position per member per
+    transaction held the group's lock for most of each pump)."""
+    stream, fanout = group
+    names = [f"m{i}" for i in range(50)]
+    fanout.members = ["m7"]  # every transaction is m7's alone
+    members = {name: stream.attach(name, None) for name in names}
+    _commit(source_db, 1, 3)
+    got = _read(members["m7"], 3)
+    assert all(not stream.members[n].queue for n in names)
+    assert stream.position is not None and stream.position >= got[-1].end_lsn
+    idle = [i for i in members["m3"].items(time.monotonic() + 1.0, quiet=True)
+            if not isinstance(i, Quiet)]
+    assert len(idle) == 1 and isinstance(idle[0], IdleProgress)
+    assert idle[0].lsn >= got[-1].end_lsn  # (the stream may have moved on meanwhile)
+    assert stream.report()["routed"]["m7"] == 3 and stream.report()["routed"]["m3"] == 0
