@@ -240,6 +240,12 @@ class Settings(BaseSettings):
         "decisions PostgreSQL checks again (a difference stops the group with "
         "routing_divergence)",
     )
+    shared_shadow_unrouted: int = Field(
+        default=16, ge=0,
+        description="shared decoding: of the subscriptions a sampled row was not routed "
+        "to, how many the shadow check asks PostgreSQL about (every one it was routed to "
+        "is asked)",
+    )
     shared_detach_bytes: int = Field(
         default=1 << 30, ge=0,
         description="shared decoding: a member not reading (target down, disabled) is "

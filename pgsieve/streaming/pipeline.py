@@ -355,6 +355,7 @@ class ConsumeCycle:
                            connect_timeout=self.settings.connect_timeout,
                            spill_dir=self._spill_dir(), sessions=self.sessions,
                            shadow_rate=self.settings.shared_shadow_rate,
+                           shadow_unrouted=self.settings.shared_shadow_unrouted,
                            detach_after_bytes=self.settings.shared_detach_bytes)
         self._join_pending = member is None
         self._join_check = None if member is not None else functools.partial(

@@ -38,7 +38,7 @@ from pgsieve.publications.store import desired
 from pgsieve.routing.fanout import TransactionFanout
 from pgsieve.routing.grouping import SharingCandidate, StreamOptions
 from pgsieve.routing.pgeval import PostgresFilterEvaluator, read_table_shape
-from pgsieve.routing.shadow import ShadowChecker
+from pgsieve.routing.shadow import UNROUTED_PER_IMAGE, ShadowChecker
 from pgsieve.streaming.groupslots import (
     confirmed_positions,
     control_connection,
@@ -156,7 +156,8 @@ class GroupRouting:
     verdicts on (closed with the group's stream, or when the membership changes)."""
 
     def __init__(self, source_dsn: str, candidates: Sequence[SharingCandidate],
-                 connect_timeout: int, shadow_rate: float, proto_version: int) -> None:
+                 connect_timeout: int, shadow_rate: float, proto_version: int,
+                 shadow_unrouted: int = UNROUTED_PER_IMAGE) -> None:
         self.conn: psycopg.Connection[Any] = psycopg.connect(secure_conninfo(
             source_dsn, purpose=Purpose.STREAM, connect_timeout=connect_timeout,
             application_name="pgsieve-routing"), autocommit=True)
@@ -165,7 +166,8 @@ class GroupRouting:
                 candidates, read_tables(self.conn),
                 shapes=lambda rel: read_table_shape(self.conn, rel.namespace, rel.name),
                 evaluators=lambda shape: PostgresFilterEvaluator(self.conn, shape),
-                shadow=ShadowChecker(shadow_rate) if shadow_rate > 0 else None,
+                shadow=(ShadowChecker(shadow_rate, unrouted=shadow_unrouted)
+                        if shadow_rate > 0 else None),
                 proto_version=proto_version)
         except BaseException:
             self.conn.close()
@@ -194,7 +196,7 @@ def open_member(plan: MemberPlan, *, source_dsn: str, own_slot: str,
                 window_bytes: int, connect_timeout: int,
                 spill_dir: str | None, sessions: sessionmaker[Session],
                 shadow_rate: float = 0.01, detach_after_bytes: int = 1 << 30,
-                ) -> MemberConsumer | None:
+                shadow_unrouted: int = UNROUTED_PER_IMAGE) -> MemberConsumer | None:
     """The member's consumer on its group, or None to stream from its own slot (which
     then exists). Raises :class:`JoinRefused` when it has no own slot left and cannot
     join now."""
@@ -217,7 +219,7 @@ def open_member(plan: MemberPlan, *, source_dsn: str, own_slot: str,
 
     def fanout() -> GroupRouting:
         return GroupRouting(source_dsn, plan.candidates, connect_timeout, shadow_rate,
-                            options.proto_version)
+                            options.proto_version, shadow_unrouted)
 
     try:
         if not names:

@@ -173,7 +173,7 @@ class TurnQueue:
         if not progress:
             return True
         try:
-            with self.sessions() as session:
+            with self._progress.group_write(), self.sessions() as session:
                 record_applied(session, progress, self._progress.trims, pause=self._gap)
                 session.commit()
         except Exception as exc:

@@ -333,6 +333,42 @@ def test_the_shadow_check_stops_on_a_divergence() -> None:
     assert metric.samples[0].value == 2
 
 
+class ClaimsMatch(FakeEvaluator):
+    """PostgreSQL as it would answer, except that ``filter`` matches every row."""
+
+    def __init__(self, filter_text: str) -> None:
+        super().__init__()
+        self.filter_text = filter_text
+
+    def evaluate(self, checks: Sequence[FilterCheck]) -> list[bool | None]:
+        honest = super().evaluate(checks)
+        return [True if c.filter.normalized == self.filter_text else v
+                for c, v in zip(checks, honest, strict=True)]
+
+
+def test_the_shadow_check_asks_about_every_routed_member_and_a_few_others() -> None:
+    """Per sampled row: every member it was routed to, and ``unrouted`` of the others —
+    not all 100 (a sampled change cost one evaluation per member)."""
+    router = Router(SHAPE, [SubscriptionFilters(f"s{i}", {"insert": f"tenant = {i}"})
+                            for i in range(100)])
+    changes = [RowChange("insert", new={"tenant": str(i % 100)}) for i in range(500)]
+    checker = ShadowChecker(rate=1.0, seed=1, unrouted=4)
+    assert checker.divergences(router, changes, FakeEvaluator()) == []
+    assert checker.checked == 500 * (1 + 4)
+    # a row in the wrong tenant is caught on every sampled change routed there
+    lied = checker.divergences(router, changes, FakeEvaluator(lie=True))
+    assert {d.row["tenant"] for d in lied if d.fast_matched} == {str(i) for i in range(100)}
+    # a tenant kept from its rows is caught by the draw among the not-routed ones
+    missed = checker.divergences(router, changes, ClaimsMatch("tenant = 99"))
+    assert missed and all(d.subscription == "s99" and not d.fast_matched for d in missed)
+    assert len(missed) < 495 / 4, "every not-routed member was asked"
+    # up to ``unrouted`` members, every one is asked
+    few = ShadowChecker(rate=1.0, unrouted=200)
+    assert len(few.divergences(router, changes, ClaimsMatch("tenant = 99"))) == 495
+    with pytest.raises(ValueError, match="negative"):
+        ShadowChecker(rate=1.0, unrouted=-1)
+
+
 def test_a_changed_table_needs_a_new_router() -> None:
     from pgsieve.routing.router import ShapeMismatch
     from pgsieve.wire import Column, Relation
