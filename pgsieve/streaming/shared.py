@@ -51,7 +51,8 @@ import select
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -196,6 +197,11 @@ class SharedStream:
         self._unknown_since: dict[str, float] = {}
         """Parked members of unknown position, since when (:data:`UNKNOWN_GRACE_SECONDS`)."""
         """Members held for (:meth:`hold`): until when, unless they try again."""
+        self._confirm_due = False
+        """A member confirmed while another thread held the lock: its holder confirms the
+        group's slot as it lets go (:meth:`_locked`)."""
+        self._told: Lsn | None = None
+        """A newer group position :attr:`on_confirmed` has not been told yet."""
         self.last_confirmed: Lsn | None = None
         """The newest position this process confirmed the group's slot to (its server's
         ``confirmed_flush_lsn`` follows at the next feedback)."""
@@ -317,9 +323,17 @@ class SharedStream:
         waiting (:attr:`wake`). True when it stopped because nothing more had arrived."""
         woken: set[str] = set()
         drained = False
-        with self._lock:
+        if self.failure is not None:
+            raise self.failure  # every member stops with the group's cause
+        # A member does not wait for another pump (or a confirm): that pump queues its
+        # share and wakes it, and the push reader reads what comes next. At 250 members
+        # the runners spent most of their time waiting here for each other's pumps.
+        wait = wanted_by is None or self._reader is None or not self._reader.is_alive()
+        with self._locked(wait) as locked:
+            if not locked:
+                return False
             if self.failure is not None:
-                raise self.failure  # every member stops with the group's cause
+                raise self.failure
             if self.pending and time.monotonic() >= self.pending_until:
                 self._drop_pending(list(self.pending))  # not back in time: parked
             if self.closed or self._backed_up(wanted_by):
@@ -379,6 +393,23 @@ class SharedStream:
             for name in woken - {wanted_by}:
                 wake(name)
         return drained
+
+    @contextmanager
+    def _locked(self, wait: bool = True) -> Iterator[bool]:
+        """The group's lock (or, without ``wait``, False when another thread holds it);
+        the group's slot is confirmed on the way out if a member confirmed meanwhile
+        without getting the lock (:meth:`confirm_member`)."""
+        if not self._lock.acquire(blocking=wait):
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            try:
+                if self._confirm_due:
+                    self._confirm_group()
+            finally:
+                self._lock.release()
 
     def _restart_reading(self) -> None:
         """The next pump starts new sessions at the slot's confirmed position."""
@@ -554,23 +585,36 @@ class SharedStream:
     # -- confirming ------------------------------------------------------------------------
     def confirm_member(self, name: str, lsn: Lsn) -> None:
         """``name``'s target holds everything up to ``lsn``; the group's slot is confirmed
-        to the slowest member's position."""
-        with self._lock:
-            member = self.members.get(name)
-            if member is None:
-                return
-            if member.confirmed is None or lsn > member.confirmed:
-                member.confirmed = lsn
-            group = self.confirmable()
-            if group is None or self.closed:
-                return
-            self.consumer.confirm(group)
-            if self.last_confirmed is None or group > self.last_confirmed:
-                self.last_confirmed = group
-        # Outside the lock: telling the store may wait on it (SQLite's write lock, held
-        # by the progress writer), and every member's pump waits on this lock.
-        if self.on_confirmed is not None:
-            self.on_confirmed(group)
+        to the slowest member's position — now if the group's lock is free, else by its
+        holder as it lets go: a member's turn does not wait for a pump's slice to end (at
+        250 members, waiting here was most of the runners' time)."""
+        member = self.members.get(name)
+        if member is None:
+            return
+        if member.confirmed is None or lsn > member.confirmed:
+            member.confirmed = lsn  # (only its own stream moves it)
+        self._confirm_due = True
+        with self._locked(wait=False):
+            pass  # (confirmed on the way out, by this thread or the lock's holder)
+        group = self._told
+        if group is not None:
+            self._told = None
+            if self.on_confirmed is not None:
+                # Outside the lock: telling the store may wait on it (SQLite's write
+                # lock, held by the progress writer), and every member's pump waits on
+                # this lock.
+                self.on_confirmed(group)
+
+    def _confirm_group(self) -> None:
+        """Confirm the group's slot to :meth:`confirmable` (call with the lock held)."""
+        self._confirm_due = False
+        group = self.confirmable()
+        if group is None or self.closed:
+            return
+        self.consumer.confirm(group)
+        if self.last_confirmed is None or group > self.last_confirmed:
+            self.last_confirmed = group
+            self._told = group
 
     def confirmable(self) -> Lsn | None:
         """The newest LSN every member's target holds (None: one holds none known),
