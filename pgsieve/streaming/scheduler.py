@@ -141,13 +141,17 @@ class Scheduler(TurnQueue):
                   ("pgsieve-sweep", self._sweep_loop),
                   ("pgsieve-push", lambda: self._push_waits.run(self._stopping))]
         for name, target in loops:
-            thread = threading.Thread(target=named(name, target), name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._start_thread(name, target)
         moved.on_staged(self._rows_staged)
         shared_groups().waker = self.wake
         if self.settings.read_ahead_min_bytes and self.settings.read_ahead_processes:
             prestart_read_ahead()
+
+    def _start_thread(self, name: str, target: Callable[[], None]) -> None:
+        """A daemon thread of the scheduler's, named for Python and the kernel."""
+        thread = threading.Thread(target=named(name, target), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
     def _rows_staged(self, subscription_id: str) -> bool:
         """A reconciliation's rows were staged or merged in this process: a stream of ours
@@ -306,10 +310,7 @@ class Scheduler(TurnQueue):
                     return
                 index = self._runners
                 self._runners += 1
-            name = f"pgsieve-turns-{index}"
-            thread = threading.Thread(target=named(name, self._runner), name=name, daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._start_thread(f"pgsieve-turns-{index}", self._runner)
             log.info("%d subscriptions held: %d turns run at once", len(self._held), index + 1)
 
     def _source(self, dsn: str) -> _SourceState:
