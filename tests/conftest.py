@@ -70,6 +70,19 @@ class Database:
     def connect(self, autocommit: bool = True) -> psycopg.Connection[tuple[object, ...]]:
         return psycopg.connect(self.dsn, autocommit=autocommit)
 
+    def drop_slot(self, name: str, timeout: float = 20.0) -> None:
+        """Drop replication slot ``name`` once its walsender is gone: one exits a moment
+        after its client closed, and a drop before then fails with "is active for PID"."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.execute("SELECT pg_drop_replication_slot(%s)", (name,))
+                return
+            except psycopg.errors.ObjectInUse:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
     def execute(self, sql: str, params: tuple[object, ...] | None = None) -> None:
         with self._session() as conn:
             conn.execute(sql.encode() if params is None else sql, params)

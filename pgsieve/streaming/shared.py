@@ -582,25 +582,19 @@ class SharedStream:
     # -- confirming ------------------------------------------------------------------------
     def confirm_member(self, name: str, lsn: Lsn) -> None:
         """``name``'s target holds everything up to ``lsn``; the group's slot is confirmed
-        to the slowest member's position — now if the group's lock is free, else by its
-        holder as it lets go: a member's turn does not wait for a pump's slice to end (at
-        250 members, waiting here was most of the runners' time)."""
-        member = self.members.get(name)
-        if member is None:
-            return
-        if member.confirmed is None or lsn > member.confirmed:
-            member.confirmed = lsn  # (only its own stream moves it)
-        self._confirm_due = True
-        with self._locked(wait=False):
-            pass  # (confirmed on the way out, by this thread or the lock's holder)
-        group = self._told
-        if group is not None:
-            self._told = None
-            if self.on_confirmed is not None:
-                # Outside the lock: telling the store may wait on it (SQLite's write
-                # lock, held by the progress writer), and every member's pump waits on
-                # this lock.
-                self.on_confirmed(group)
+        to the slowest member's position."""
+        with self._locked():
+            member = self.members.get(name)
+            if member is None:
+                return
+            if member.confirmed is None or lsn > member.confirmed:
+                member.confirmed = lsn
+            self._confirm_due = True
+        group, self._told = self._told, None
+        if group is not None and self.on_confirmed is not None:
+            # Outside the lock: telling the store may wait on it (SQLite's write lock,
+            # held by the progress writer), and every member's pump waits on this lock.
+            self.on_confirmed(group)
 
     def _confirm_group(self) -> None:
         """Confirm the group's slot to :meth:`confirmable` (call with the lock held)."""

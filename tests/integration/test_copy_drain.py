@@ -12,7 +12,6 @@ import termios
 import time
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 
 from pgsieve.platform.connpolicy import Purpose, secure_conninfo
@@ -121,22 +120,10 @@ def test_the_drain_reads_exactly_what_the_reference_reads(source_db: Database) -
     finally:
         reference.close()
         drained.close()
-        _drop_slots(source_db, "ref", "drained")
+        source_db.drop_slot("ref")
+        source_db.drop_slot("drained")
 
 
-def _drop_slots(db: Database, *names: str) -> None:
-    """Each slot dropped once its walsender is gone: one exits a moment after its client
-    closed, and dropping it before then fails with "is active for PID …"."""
-    deadline = time.monotonic() + 20
-    for name in names:
-        while True:
-            try:
-                db.execute("SELECT pg_drop_replication_slot(%s)", (name,))
-                break
-            except psycopg.errors.ObjectInUse:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
 
 
 def test_the_drain_answers_keepalives_and_reports_a_terminated_walsender(
@@ -162,7 +149,7 @@ def test_the_drain_answers_keepalives_and_reports_a_terminated_walsender(
             _read_until_broken(session, poller)
     finally:
         session.close()
-        _drop_slots(source_db, "ka")
+        source_db.drop_slot("ka")
         source_db.execute(f'ALTER DATABASE "{source_db.name}" RESET wal_sender_timeout')
 
 

@@ -381,35 +381,3 @@ def test_a_transaction_for_one_member_leaves_the_others_queues_alone(
     assert idle[0].lsn >= got[-1].end_lsn  # (the stream may have moved on meanwhile)
     assert stream.report()["routed"]["m7"] == 3 and stream.report()["routed"]["m3"] == 0
 
-
-def test_a_members_confirm_does_not_wait_for_the_groups_lock(source_db: Database,
-                                                             group) -> None:
-    """While another thread holds the group (a pump's slice routing for everyone), a
-    member's confirm returns at once; the holder confirms the group's slot as it lets go.
-    At 250 members the runners spent most of their time waiting to confirm."""
-    stream, fanout = group
-    fanout.members = ["a"]
-    a = stream.attach("a", None)
-    start = _slot_confirmed(source_db, "grp")
-    _commit(source_db, 1, 2)
-    got = _read(a, 2)
-    holding, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with stream._locked():
-            holding.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert holding.wait(10)
-        confirming = threading.Thread(target=a.confirm, args=(got[-1].end_lsn,))
-        confirming.start()
-        confirming.join(10)
-        assert not confirming.is_alive(), "the confirm waited for the lock"
-        assert _slot_confirmed(source_db, "grp") == start
-    finally:
-        release.set()
-        holder.join(10)
-    assert _slot_confirmed(source_db, "grp") == got[-1].end_lsn

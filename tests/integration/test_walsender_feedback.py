@@ -84,7 +84,7 @@ def test_a_keepalive_in_the_middle_of_a_transaction_confirms_nothing_unapplied(
     finally:
         items.close()
         consumer.close()
-        source_db.execute("SELECT pg_drop_replication_slot('fb')")
+        source_db.drop_slot("fb")
 
 
 def test_status_updates_written_straight_to_the_socket_reach_the_server(
@@ -114,7 +114,7 @@ def test_status_updates_written_straight_to_the_socket_reach_the_server(
                 time.sleep(0.02)
     finally:
         session.close()
-        source_db.execute("SELECT pg_drop_replication_slot('fb')")
+        source_db.drop_slot("fb")
 
 
 def _next_commit_end(session: ReplicationSession) -> int:
@@ -158,7 +158,7 @@ def test_a_status_update_on_a_closed_or_broken_session_is_a_replication_error(
                                   "WHERE slot_name = 'fb'") != [(False,)]:
                 time.sleep(0.05)
     finally:
-        source_db.execute("SELECT pg_drop_replication_slot('fb')")
+        source_db.drop_slot("fb")
 
 
 def _send_until_refused(session: ReplicationSession) -> None:
