@@ -51,8 +51,7 @@ import select
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -197,9 +196,6 @@ class SharedStream:
         self._unknown_since: dict[str, float] = {}
         """Parked members of unknown position, since when (:data:`UNKNOWN_GRACE_SECONDS`)."""
         """Members held for (:meth:`hold`): until when, unless they try again."""
-        self._confirm_due = False
-        """A member confirmed while another thread held the lock: its holder confirms the
-        group's slot as it lets go (:meth:`_locked`)."""
         self._told: Lsn | None = None
         """A newer group position :attr:`on_confirmed` has not been told yet."""
         self.last_confirmed: Lsn | None = None
@@ -309,10 +305,12 @@ class SharedStream:
 
     def replace_consumer(self, consumer: SlotConsumer) -> None:
         """The group's stream again, with another publication list (the union changed):
-        it starts at the slot's confirmed position; what the members had they skip."""
+        it starts where the old one stopped (:meth:`SlotConsumer.follow`); a joiner that
+        holds less rewinds it (:meth:`attach`), and what the members had they skip."""
         with self._lock:
             self._restart_reading()
             old, self.consumer = self.consumer, consumer
+            consumer.follow(old)  # (the members had what the old one read: not again)
             old.close()
 
     # -- reading ---------------------------------------------------------------------------
@@ -328,7 +326,7 @@ class SharedStream:
         # (A member's pump waits for another's: returning at once instead left the
         # reading to the push reader alone, which fell behind 500 transactions/s at 250
         # members — one thread among the runners for the GIL.)
-        with self._locked():
+        with self._lock:
             if self.failure is not None:
                 raise self.failure
             if self.pending and time.monotonic() >= self.pending_until:
@@ -390,23 +388,6 @@ class SharedStream:
             for name in woken - {wanted_by}:
                 wake(name)
         return drained
-
-    @contextmanager
-    def _locked(self, wait: bool = True) -> Iterator[bool]:
-        """The group's lock (or, without ``wait``, False when another thread holds it);
-        the group's slot is confirmed on the way out if a member confirmed meanwhile
-        without getting the lock (:meth:`confirm_member`)."""
-        if not self._lock.acquire(blocking=wait):
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            try:
-                if self._confirm_due:
-                    self._confirm_group()
-            finally:
-                self._lock.release()
 
     def _restart_reading(self) -> None:
         """The next pump starts new sessions at the slot's confirmed position."""
@@ -583,13 +564,13 @@ class SharedStream:
     def confirm_member(self, name: str, lsn: Lsn) -> None:
         """``name``'s target holds everything up to ``lsn``; the group's slot is confirmed
         to the slowest member's position."""
-        with self._locked():
+        with self._lock:
             member = self.members.get(name)
             if member is None:
                 return
             if member.confirmed is None or lsn > member.confirmed:
                 member.confirmed = lsn
-            self._confirm_due = True
+            self._confirm_group()
         group, self._told = self._told, None
         if group is not None and self.on_confirmed is not None:
             # Outside the lock: telling the store may wait on it (SQLite's write lock,
@@ -598,7 +579,6 @@ class SharedStream:
 
     def _confirm_group(self) -> None:
         """Confirm the group's slot to :meth:`confirmable` (call with the lock held)."""
-        self._confirm_due = False
         group = self.confirmable()
         if group is None or self.closed:
             return

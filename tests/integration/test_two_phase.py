@@ -26,6 +26,7 @@ from pgsieve.apply.target import TargetWriter
 from pgsieve.streaming.consumer import SlotConsumer
 from pgsieve.streaming.transports.base import PgoutputOptions
 from pgsieve.streaming.transports.sql import SqlTransport
+from pgsieve.streaming.transports.walsender import WalsenderTransport
 from pgsieve.wire.assembler import Transaction
 from pgsieve.wire.lsn import Lsn
 from tests.conftest import Database
@@ -81,6 +82,48 @@ def test_a_prepared_transaction_survives_a_session_that_confirmed_later_ones(
         txns, consumer = read(dsn, slot, resume_after=txns[-1].end_lsn)
         consumer.close()
         assert [t.gid for t in txns] == ["g"]
+
+
+def test_a_stream_following_another_starts_no_later_than_an_open_prepare(source: Database):
+    """A shared group's new stream (another publication list) starts where the old one
+    stopped (``SlotConsumer.follow``), the server skipping what commits before; but a
+    prepared transaction the old one met and has no outcome for would then come as a
+    bare COMMIT PREPARED: the new stream starts at its PREPARE instead, and skips the
+    rest it already delivered."""
+    dsn, slot = source.dsn, slot_of(source)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE t (id int PRIMARY KEY); CREATE PUBLICATION p FOR TABLE t")
+        conn.execute("SELECT pg_create_logical_replication_slot(%s, 'pgoutput', false, true)",
+                     (slot,))
+        options = PgoutputOptions(("p",), proto_version=3, messages=True)
+        conn.execute("INSERT INTO t VALUES (1)")
+        conn.execute("BEGIN; INSERT INTO t VALUES (2), (3); PREPARE TRANSACTION 'g'")
+        conn.execute("INSERT INTO t VALUES (4)")
+        old = SlotConsumer(WalsenderTransport(dsn, slot, options, held_open=True),
+                           proto_version=3)
+        got: list[Transaction] = []
+        items = old.items(time.monotonic() + 20, quiet=True)
+        for item in items:
+            if isinstance(item, Transaction):
+                got.append(item)
+                if len(got) == 2:
+                    break
+        assert [len(t.changes) for t in got] == [1, 1]  # the prepared one waits
+        new = SlotConsumer(WalsenderTransport(dsn, slot, options, held_open=True),
+                           proto_version=3)
+        new.follow(old)
+        items.close()
+        old.close()
+        conn.execute("COMMIT PREPARED 'g'")
+        conn.execute("INSERT INTO t VALUES (5)")
+        after: list[Transaction] = []
+        deadline = time.monotonic() + 20
+        while len(after) < 2 and time.monotonic() < deadline:
+            after += [i for i in new.items(time.monotonic() + 1, quiet=True)
+                      if isinstance(i, Transaction)]
+        new.close()
+        assert [(t.gid, len(t.changes)) for t in after] == [("g", 2), (None, 1)]
+        assert new.stats.skipped == 1  # the plain one after the PREPARE, sent again
 
 
 @pytest.mark.parametrize("seed", fuzz.seeds())

@@ -60,6 +60,7 @@ class WalsenderTransport:
         self._conn: ReplicationSession | None = None
         self._previous_pid: int | None = None
         self._confirmed: Lsn | None = None
+        self._start_hint: Lsn | None = None
         self._in_clear = False
         self.reconnects = 0
 
@@ -72,8 +73,10 @@ class WalsenderTransport:
                                   application_name="pgsieve-consumer")
         try:
             self._in_clear = not conn.ssl_in_use
-            conn.start(self.slot, self._confirmed.value if self._confirmed else 0,
-                       self.options.as_dict())
+            start = self._confirmed
+            if self._start_hint is not None and (start is None or self._start_hint > start):
+                start = self._start_hint
+            conn.start(self.slot, start.value if start else 0, self.options.as_dict())
         except BaseException:
             self._previous_pid = conn.backend_pid
             conn.close()
@@ -143,6 +146,12 @@ class WalsenderTransport:
             if session.failed:
                 self.reconnects += 1
                 time.sleep(min(self.max_backoff, 0.25 * 2 ** min(self.reconnects, 7)))
+
+    def start_after(self, lsn: Lsn | None) -> None:
+        """Sessions start at ``lsn`` while it is past what was confirmed (None: at the
+        confirmed position): the server skips, unsent, every transaction that commits
+        before it. Nothing is confirmed by it (:meth:`.SlotConsumer.follow`)."""
+        self._start_hint = lsn
 
     def idle_position(self) -> Lsn | None:
         """The server's sent position from its last keepalive (every transaction that
