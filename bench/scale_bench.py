@@ -702,6 +702,9 @@ class Phase:
     """``--perf-sched``: the scheduler trace's report (:mod:`bench.schedtrace`)."""
     stalls: Stalls | None = None
     """The machine's own stalls over the measured stretch (:mod:`bench.stallprobe`)."""
+    measured_from: float = 0.0
+    """Wall-clock time of the lags' start: ``exact`` holds one lag per ``EXACT_STEP``
+    from here."""
 
 
 PERF_AFTER_WARMUP = 2.0
@@ -768,7 +771,7 @@ def run_phase(d: dict[str, Any], tenants: list[int], systems: list[str],
         for system, pairs in measured.items():
             sched += sched_report(system, record, analyse(record, pairs))
     return Phase(systems, done, elapsed, lags, exact, latencies, bursts, watcher, report,
-                 sched, stall_probe.result())
+                 sched, stall_probe.result(), measured_from)
 
 
 PREFIXES = {"pgsieve": ("target", "t"), "native": ("native", "n")}

@@ -76,6 +76,7 @@ from typing import Any
 import psycopg
 
 from bench import report as bench_report
+from bench.membership_change import LIMIT_SECONDS, MembershipChange
 from bench.scale_bench import (
     CHANGES_PER_TXN,
     PREFIXES,
@@ -391,7 +392,15 @@ def one(n: int, system: str, args: argparse.Namespace) -> dict[str, float]:
             wal = WalSampler(d["src"]).start()
             decoded, written = decoded_bytes(d["src"]), wal_position(d["src"])
             t0 = time.monotonic()
+            change = (MembershipChange(d, n, args.seconds / 3, 2 * args.seconds / 3)
+                      if args.member_change and system == "shared" else None)
+            if change is not None:
+                change.start()
             phase = run_phase(d, tenants, [kind], args, None)
+            if change is not None:
+                change.join(LIMIT_SECONDS)
+                if change.error:
+                    print(f"  the membership change stopped: {change.error}", flush=True)
             wal.finish()
             decoded = decoded_bytes(d["src"]) - decoded
             written = wal_position(d["src"]) - written
@@ -421,6 +430,8 @@ def one(n: int, system: str, args: argparse.Namespace) -> dict[str, float]:
             }
             if system != "native":
                 figures["target_cpu_cores"] = cpu["target"]
+            if change is not None:
+                figures.update(change.figures(phase.exact, kind, tenants, phase.measured_from))
             if system == "shared":
                 figures["group_members"] = float(attached)
                 figures["group_detached"] = float(detached)
@@ -482,6 +493,14 @@ ROWS: list[tuple[str, str, str]] = [
     ("target_cpu_cores", "pgsieve target cluster CPU (cores)", "{:.3f}"),
     ("group_members", "shared group: members attached (detached)", "{:.0f}"),
     ("group_reading", "shared group: members reading its slot", "{:.0f}"),
+    ("join_s", "a member added mid-stretch: serving it after (s)", "{:.1f}"),
+    ("join_others_max_lag_worst_s", "  the others' largest lag meanwhile, worst (s)",
+     "{:.3f}"),
+    ("join_others_max_lag_median_s", "  … median subscription (s)", "{:.3f}"),
+    ("leave_s", "that member deleted: let go after (s)", "{:.1f}"),
+    ("leave_others_max_lag_worst_s", "  the others' largest lag meanwhile, worst (s)",
+     "{:.3f}"),
+    ("leave_others_max_lag_median_s", "  … median subscription (s)", "{:.3f}"),
     ("backlog_write_s", "backlog: written in (s)", "{:.1f}"),
     ("backlog_wal_retained_mib", "backlog: WAL retained before the catch-up (MiB)",
      "{:,.1f}"),
@@ -500,8 +519,8 @@ ROWS: list[tuple[str, str, str]] = [
     ("backlog_group_members", "backlog: shared group members after (detached)", "{:.0f}"),
     ("backlog_group_reading", "backlog: shared group members reading after", "{:.0f}"),
 ]
-NO_RATIO = {"slots", "backlog_caught_up", "group_members", "backlog_group_members",
-            "group_reading", "backlog_group_reading",
+NO_RATIO = {"slots", "join_s", "leave_s", "backlog_caught_up", "group_members",
+            "backlog_group_members", "group_reading", "backlog_group_reading",
             "achieved_changes_per_s", "backlog_write_s", "decode_cpu_over_N1",
             "wal_written_mib", "backlog_wal_written_mib"}
 
@@ -641,6 +660,9 @@ def main() -> None:
     parser.add_argument("--metadata", choices=["sqlite", "postgres"], default="sqlite")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a worker setting (PGSIEVE_NAME; defaults otherwise)")
+    parser.add_argument("--member-change", action="store_true",
+                        help="shared: one more subscription created a third into the "
+                             "stretch and deleted at two thirds (bench.membership_change)")
     parser.add_argument("--dump-transactions", metavar="CSV", default=None,
                         help="append system,tenant,commit,applied per probed transaction "
                              "(the lag's time series, to find stalls)")

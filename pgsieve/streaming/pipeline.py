@@ -74,6 +74,7 @@ from pgsieve.streaming.sharedgroups import JoinRefused
 from pgsieve.streaming.sharedmember import (
     detached_member,
     end_detachment,
+    follow_membership,
     joinable,
     member_plan,
     open_member,
@@ -175,6 +176,9 @@ class ConsumeCycle:
         self._join_pending = False
         self._detached = False
         self._join_check: Callable[[], bool] | None = None
+        self._member_stream: tuple[str, PgoutputOptions, int] | None = None
+        """How its group's stream was opened (source, options, window): what following
+        the group's membership in place builds the stream with again."""
 
     # -- entry point ---------------------------------------------------------------------
     def run(self) -> CycleOutcome:
@@ -349,6 +353,8 @@ class ConsumeCycle:
             self._detached = plan is None and detached_member(session, self.subscription_id)
         if plan is None:
             return None
+        self._member_stream = (source_dsn, options, window_bytes or
+                               self.settings.turn_window_bytes)
         member = open_member(plan, source_dsn=source_dsn, own_slot=slot, resume_after=applied,
                            options=options,
                            window_bytes=window_bytes or self.settings.turn_window_bytes,
@@ -361,6 +367,33 @@ class ConsumeCycle:
         self._join_check = None if member is not None else functools.partial(
             joinable, source_dsn, slot, plan, self.settings.connect_timeout)
         return member
+
+    def follow_group(self, consumer: object, was: tuple[object, ...],
+                     now: tuple[object, ...]) -> bool:
+        """Its :meth:`decoding_key` changed from ``was`` to ``now``: True when the stream
+        goes on — it reads a group whose membership changed (a member added, deleted,
+        regrouped), and the group follows it in place (:func:`.sharedmember.
+        follow_membership`) — False when it must open again. A member whose own place
+        changed (its ``decoding``, group or detachment; deleted) leaves its group for
+        good as it closes: a slot of its own holds its position if it needs one."""
+        if not isinstance(consumer, MemberConsumer):
+            return False
+        if not now or now[:3] != was[:3]:
+            consumer.leave_for_good()
+            return False
+        if self._member_stream is None:
+            return False
+        source_dsn, options, window_bytes = self._member_stream
+        membership = now[3:]
+        if consumer.group.membership == membership:
+            return True  # (another member had it followed)
+        with self.sessions() as session:
+            plan = member_plan(session, self.subscription_id, options.proto_version)
+        return follow_membership(
+            consumer, membership, plan, source_dsn=source_dsn, options=options,
+            window_bytes=window_bytes, connect_timeout=self.settings.connect_timeout,
+            spill_dir=self._spill_dir(), shadow_rate=self.settings.shared_shadow_rate,
+            shadow_unrouted=self.settings.shared_shadow_unrouted)
 
     def can_join(self) -> bool:
         """Whether its stream, on its own slot while its group's is ahead, may now open

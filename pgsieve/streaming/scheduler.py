@@ -378,6 +378,10 @@ class Scheduler(TurnQueue):
         if held.stream is not None and held.stream.run.reader is not None:
             self._switches += held.stream.run.reader.switches
         if held.stream is not None:
+            if held.fingerprint == 0:  # deleted: out of its decoding group for good
+                leave = getattr(held.stream.run.consumer, "leave_for_good", None)
+                if callable(leave):
+                    leave()
             try:
                 held.stream.close()
             except Exception as exc:

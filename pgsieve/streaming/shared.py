@@ -198,6 +198,10 @@ class SharedStream:
         """Members held for (:meth:`hold`): until when, unless they try again."""
         self._told: Lsn | None = None
         """A newer group position :attr:`on_confirmed` has not been told yet."""
+        self.membership: object = None
+        """The store's membership the group follows now (its union and when it was
+        regrouped): each member that sees it change has it followed once, in place
+        (:func:`.sharedmember.follow_membership`)."""
         self.last_confirmed: Lsn | None = None
         """The newest position this process confirmed the group's slot to (its server's
         ``confirmed_flush_lsn`` follows at the next feedback)."""
@@ -208,7 +212,7 @@ class SharedStream:
 
     # -- membership ----------------------------------------------------------------------
     def attach(self, name: str, resume_after: Lsn | None, *,
-               on_leave: Callable[[], None] | None = None,
+               on_leave: Callable[[bool], None] | None = None,
                known: Lsn | None = None) -> MemberConsumer:
         """``name`` reads the group from after ``resume_after`` (its target's LSN). The
         group's consumer is rewound there: the group's slot must not be confirmed past
@@ -266,14 +270,21 @@ class SharedStream:
             old, self.fanout = self.fanout, fanout
             _close_fanout(old)
 
-    def detach(self, name: str) -> None:
+    def detach(self, name: str, *, for_good: bool = False) -> None:
         """``name``'s stream closed (let go, its target down, the worker stopping): it
         stays a member whose position holds the group's slot (:attr:`parked`) until it
-        comes back or is detached to a slot of its own (:meth:`confirm_member`)."""
+        comes back or is detached to a slot of its own (:meth:`confirm_member`).
+        ``for_good``: it left the group (deleted, regrouped or detached: a slot of its
+        own holds its position when it needs one) and holds nothing."""
         with self._lock:
             member = self.members.pop(name, None)
+            if for_good:
+                self.parked.pop(name, None)
+                self._held_until.pop(name, None)
+                self._unknown_since.pop(name, None)
             if member is not None:
-                self.parked[name] = member.confirmed
+                if not for_good:
+                    self.parked[name] = member.confirmed
                 for queued in member.queue:
                     if isinstance(queued, Transaction):
                         queued.close()
@@ -285,8 +296,9 @@ class SharedStream:
         ``replace``: these are all of them (a parked member not among them left, except
         ``keep``: the member joining now, whose :meth:`hold` must last until it joins)."""
         with self._lock:
-            if replace:
-                for name in [n for n in self.parked if n not in positions and n != keep]:
+            if replace:  # (a joiner held for keeps its hold until it lapses: hold)
+                for name in [n for n in self.parked if n not in positions and n != keep
+                             and n not in self._held_until]:
                     del self.parked[name]
             for name, position in positions.items():
                 if name not in self.members and name not in self.parked:
@@ -653,16 +665,17 @@ class _MemberTransport:
     """What a member's stream holds as its "transport": closing it leaves the group."""
 
     def __init__(self, group: SharedStream, name: str,
-                 on_leave: Callable[[], None] | None) -> None:
+                 on_leave: Callable[[bool], None] | None) -> None:
         self._group = group
         self._name = name
         self._on_leave = on_leave
+        self.for_good = False
 
     def close(self) -> None:
         if self._on_leave is not None:
-            self._on_leave()
+            self._on_leave(self.for_good)
         else:
-            self._group.detach(self._name)
+            self._group.detach(self._name, for_good=self.for_good)
 
     def idle_position(self) -> Lsn | None:
         return None
@@ -672,7 +685,7 @@ class MemberConsumer:
     """A member's view of the group: :class:`SlotConsumer`'s interface over its queue."""
 
     def __init__(self, group: SharedStream, name: str, resume_after: Lsn | None,
-                 on_leave: Callable[[], None] | None = None) -> None:
+                 on_leave: Callable[[bool], None] | None = None) -> None:
         self.group = group
         self.name = name
         self._delivered = resume_after
@@ -724,6 +737,11 @@ class MemberConsumer:
     def confirm(self, lsn: Lsn) -> None:
         self.group.confirm_member(self.name, lsn)
         self.stats.confirmed = lsn
+
+    def leave_for_good(self) -> None:
+        """Closing it takes it out of the group: it holds the group's slot no more (its
+        subscription was deleted, regrouped or detached)."""
+        self.transport.for_good = True
 
     def close(self) -> None:
         self.transport.close()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pgsieve.platform.locks import AdvisoryLocks
@@ -53,7 +53,7 @@ class GroupSpec:
     """The union's ``publication_names`` and the members' (equal) stream options."""
     window_bytes: int = 16 << 20
     connect_timeout: int = 5
-    copy_from: str | None = None
+    copy_from: str | None = field(default=None, compare=False)
     """No member reads the group yet: its slot is (re)made as a copy of the joining
     member's own slot, so it starts exactly where that member stands."""
 
@@ -137,11 +137,38 @@ class SharedGroups:
                     raise JoinRefused("too_new", f"the group's slot is at {confirmed}, before "
                                       f"{since}, where its publications joined the stream")
                 return group.attach(member, resume_after, known=own_confirmed,
-                                    on_leave=lambda: self.leave(spec.slot, member))
+                                    on_leave=lambda for_good: self.leave(
+                                        spec.slot, member, for_good=for_good))
             except BaseException:
                 if not group.members:
                     self._close(spec.slot)
                 raise
+
+    def update(self, spec: GroupSpec, member: str, *, fanout: Callable[[], Fanout],
+               proto_version: int, spill_dir: str | None,
+               parked: Mapping[str, Lsn | None], members: frozenset[object]) -> bool:
+        """The group ``member`` reads here follows a changed membership in place: the
+        stream's publication list (:meth:`SharedStream.replace_consumer`, which goes on
+        where the group stood), the routing, the parked members — the members' streams
+        stay open. False when ``member`` does not read the group here (its stream opens
+        again instead).
+
+        Each member's stream opening again took it out of the group and back: at 250
+        members, each of them rewound the group to its own position, and a member added
+        or deleted held the others' applying up for seconds (``bench.shared_bench
+        --member-change``)."""
+        with self._mutex:
+            group = self._groups.get(spec.slot)
+            if group is None or member not in group.members:
+                return False
+            if self._specs[spec.slot] != spec:  # the union changed: a new stream
+                group.replace_consumer(self._consumer(spec, proto_version, spill_dir))
+                self._specs[spec.slot] = spec
+            if self._members.get(spec.slot) != members:
+                group.replace_fanout(fanout())
+                self._members[spec.slot] = members
+            group.park(parked, replace=True)
+            return True
 
     def hold(self, slot: str, member: str, position: Lsn) -> None:
         """A member on its own slot found the group's ahead of it (``position``): the
@@ -151,13 +178,14 @@ class SharedGroups:
             if group is not None:
                 _hold(group, member, position)
 
-    def leave(self, slot: str, member: str) -> None:
-        """``member``'s stream closed: the group stream goes on for the others, or ends."""
+    def leave(self, slot: str, member: str, *, for_good: bool = False) -> None:
+        """``member``'s stream closed: the group stream goes on for the others, or ends.
+        ``for_good``: it is no member any more (see :meth:`SharedStream.detach`)."""
         with self._mutex:
             group = self._groups.get(slot)
             if group is None:
                 return
-            group.detach(member)
+            group.detach(member, for_good=for_good)
             if not group.members:
                 self._close(slot)
 

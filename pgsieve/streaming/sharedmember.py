@@ -54,7 +54,7 @@ from pgsieve.wire.lsn import Lsn
 log = logging.getLogger(__name__)
 
 __all__ = ["GroupRouting", "MemberPlan", "detach_member", "detached_member", "end_detachment",
-           "joinable", "member_plan", "open_member"]
+           "follow_membership", "joinable", "member_plan", "open_member"]
 
 
 @dataclass(frozen=True)
@@ -208,14 +208,10 @@ def open_member(plan: MemberPlan, *, source_dsn: str, own_slot: str,
     own_exists = own_confirmed is not None
     # where the group's stream will start: its slot's position, or the first joiner's
     # own (the group's slot is made as a copy of it)
-    names = plan.stream_publications(positions.get(plan.group_slot) if plan.anyone_joined
-                                     else own_confirmed)
-    spec = GroupSpec(plan.group_slot, source_dsn,
-                     PgoutputOptions(names, proto_version=options.proto_version,
-                                     binary=options.binary, messages=options.messages,
-                                     streaming=options.streaming),
-                     window_bytes=window_bytes, connect_timeout=connect_timeout,
-                     copy_from=None if plan.anyone_joined else own_slot)
+    spec = _group_spec(plan, positions.get(plan.group_slot) if plan.anyone_joined
+                       else own_confirmed, source_dsn, options, window_bytes, connect_timeout,
+                       copy_from=None if plan.anyone_joined else own_slot)
+    names = spec.options.publication_names
 
     def fanout() -> GroupRouting:
         return GroupRouting(source_dsn, plan.candidates, connect_timeout, shadow_rate,
@@ -367,6 +363,53 @@ def end_detachment(sessions: sessionmaker[Session], subscription_id: str) -> Non
         if sub is not None and sub.decoding_detached:
             sub.decoding_detached = False
             session.commit()
+
+
+def _group_spec(plan: MemberPlan, start: Lsn | None, source_dsn: str,
+                options: PgoutputOptions, window_bytes: int, connect_timeout: int,
+                copy_from: str | None = None) -> GroupSpec:
+    """The group's stream as the plan has it, starting at ``start``."""
+    return GroupSpec(plan.group_slot, source_dsn,
+                     PgoutputOptions(plan.stream_publications(start),
+                                     proto_version=options.proto_version,
+                                     binary=options.binary, messages=options.messages,
+                                     streaming=options.streaming),
+                     window_bytes=window_bytes, connect_timeout=connect_timeout,
+                     copy_from=copy_from)
+
+
+def follow_membership(consumer: MemberConsumer, membership: object, plan: MemberPlan | None,
+                      *, source_dsn: str, options: PgoutputOptions, window_bytes: int,
+                      connect_timeout: int, spill_dir: str | None, shadow_rate: float = 0.01,
+                      shadow_unrouted: int = UNROUTED_PER_IMAGE) -> bool:
+    """The group ``consumer`` reads follows the store's changed ``membership`` (a
+    member added, deleted or regrouped; its union; a publication's filter) in place,
+    once for all its members (:meth:`.sharedgroups.SharedGroups.update`); False when
+    this member's stream must open again instead (``plan`` None: it reads no group
+    now, or another one)."""
+    group = consumer.group
+    if group.membership == membership:
+        return True  # (another member had it followed)
+    if plan is None or plan.stopped is not None \
+            or shared_groups().groups().get(plan.group_slot) is not group:
+        return False
+    with control_connection(source_dsn, connect_timeout) as conn:
+        start = confirmed_positions(conn, plan.group_slot).get(plan.group_slot)
+    spec = _group_spec(plan, start, source_dsn, options, window_bytes, connect_timeout)
+    if not spec.options.publication_names:
+        return False
+
+    def fanout() -> GroupRouting:
+        return GroupRouting(source_dsn, plan.candidates, connect_timeout, shadow_rate,
+                            options.proto_version, shadow_unrouted)
+
+    if not shared_groups().update(spec, plan.subscription_id, fanout=fanout,
+                                  proto_version=options.proto_version,
+                                  spill_dir=spill_dir, parked=plan.joined,
+                                  members=frozenset(plan.candidates)):
+        return False
+    group.membership = membership
+    return True
 
 
 def joinable(source_dsn: str, own_slot: str, plan: MemberPlan, connect_timeout: int) -> bool:

@@ -81,7 +81,8 @@ class StreamRun(StreamApplier):
         ))
         self.decoding = cycle.decoding_key()
         """What decides whether it reads its own slot or its group's (:mod:`.sharedmember`):
-        a change re-opens the stream (see :meth:`_control`)."""
+        a change re-opens the stream, unless only its group's membership changed and the
+        group follows it in place (see :meth:`_control`)."""
         self.join_pending = False
         """A member of a decoding group streaming from its own slot until it can join."""
         self.rejoin_when_drained = False
@@ -310,9 +311,12 @@ class StreamRun(StreamApplier):
         # leaving the stream before it moves the epoch (apply.applied.fence_routes), so
         # routes read after an epoch are never older than it; batches carry the epoch and
         # the merge refuses one whose epoch moved (RoutesChanged).
-        if self.cycle.decoding_key() != self.decoding:
-            raise Stop(CycleOutcome("retry", "its decoding changed: the stream opens again",
-                                    self.batches, self.changes, retry_after=0.2))
+        decoding = self.cycle.decoding_key()
+        if decoding != self.decoding:
+            if not self.cycle.follow_group(self.consumer, self.decoding, decoding):
+                raise Stop(CycleOutcome("retry", "its decoding changed: the stream opens "
+                                        "again", self.batches, self.changes, retry_after=0.2))
+            self.decoding = decoding
         epoch = self.writer.read_routes_epoch()
         routes, enabled, on_conflict, skip_lsn, catchup = self.cycle.load_routes()
         self.routes_epoch = epoch

@@ -266,7 +266,9 @@ def test_members_fall_behind_join_and_leave_while_the_others_go_on(
     group's); when its target is back it catches up exactly and joins again. Then, with
     the workload going on, a fourth tenant is added to the running group (its initial
     sync, then the group's stream, which restarts with the new publication list) and the
-    first is deleted: every tenant still in the group ends exactly as the source's rows."""
+    first is deleted: every tenant still in the group ends exactly as the source's rows,
+    the group follows both changes without the others' streams opening again, and the
+    deleted tenant holds the group's slot no more."""
     source_db.execute(SOURCE)
     rng = random.Random(59)
     next_id = [10_000]
@@ -325,6 +327,8 @@ def test_members_fall_behind_join_and_leave_while_the_others_go_on(
             # the others confirm the group's slot on and on meanwhile: the fourth must
             # still get in (the group waits for a joiner whose own slot is behind)
             _workload(conn, rng, 10, next_id)
+            log = env.tmp / "worker.log"
+            before = len(log.read_text(errors="replace"))
             add_tenant(4)  # into the running group, the workload going on
             _workload(conn, rng, 30, next_id)
             wait_until(lambda: sorted(_group(env, src["id"])["reading"]) == [
@@ -338,6 +342,15 @@ def test_members_fall_behind_join_and_leave_while_the_others_go_on(
         wait_until(lambda: all(applied_past(t, end) for t in targets[1:]), 180,
                    "the tenants of the group to apply everything", env)
         _assert_tenants_exact(source_db, targets, (2, 3, 4))
+        # the group followed both changes in place: the others' streams stayed open, and
+        # the deleted member holds the group's slot no more
+        reopened = [line for line in log.read_text(errors="replace")[before:].splitlines()
+                    if "its decoding changed" in line
+                    and any(sub["id"] in line for sub in subs[1:])]
+        assert reopened == [], reopened
+        wait_until(lambda: _confirmed_past(source_db, slot, end), 60,
+                   "the shared slot confirmed past the end (the deleted member holds "
+                   "nothing)", env)
         group = _group(env, src["id"])
         assert sorted(group["subscriptions"]) == ["tenant-2", "tenant-3", "tenant-4"]
         assert "tenant_1" not in group["publications"]

@@ -428,3 +428,75 @@ def test_a_new_publication_list_goes_on_where_the_group_stood(source_db: Databas
     (after_b,) = _read(b, 1)
     assert after_a.end_lsn == after_b.end_lsn > got_b[-1].end_lsn
     assert stream.transactions == 6 + 4 + 1
+
+
+def test_a_member_gone_for_good_holds_nothing_and_a_held_joiner_keeps_its_hold(
+        source_db: Database, group) -> None:
+    """A member whose subscription was deleted, regrouped or detached leaves the group
+    for good: unlike a member whose stream merely closed, it does not hold the group's
+    slot. Following the store's membership (``park(replace=True)``) drops parked members
+    no longer in it, but not a joiner the group is waiting for (its hold lapses alone)."""
+    stream, fanout = group
+    fanout.members = ["a", "b"]
+    a, b = stream.attach("a", None), stream.attach("b", None)
+    _commit(source_db, 1, 2)
+    got = _read(a, 2)
+    _read(b, 2)
+    b.confirm(got[0].end_lsn)
+    stream.hold("j", got[0].end_lsn)
+    b.leave_for_good()
+    b.close()
+    assert "b" not in stream.parked and "b" not in stream.members
+    a.confirm(got[-1].end_lsn)
+    assert _slot_confirmed(source_db, "grp") == got[0].end_lsn, "the joiner was not waited for"
+    stream.park({"a": got[-1].end_lsn}, replace=True)
+    assert stream.parked == {"j": got[0].end_lsn}
+
+
+def test_a_group_follows_a_new_membership_with_its_members_streams_open(
+        source_db: Database) -> None:
+    """``SharedGroups.update``: the group's stream takes the new publication list and
+    routing in place, going on where it stood; its members read on with the consumers
+    they have. At 250 members every member's stream opening again instead held the
+    others up ~36 s after a member was added (``bench.shared_bench --member-change``)."""
+    source_db.execute("CREATE TABLE t (id int PRIMARY KEY, tenant int);"
+                      "CREATE PUBLICATION everything FOR TABLE t;"
+                      "CREATE TABLE u (id int PRIMARY KEY); CREATE PUBLICATION only_u FOR TABLE u")
+    groups = SharedGroups()
+    spec = GroupSpec("grp_follow", source_db.dsn,
+                     PgoutputOptions(("everything",), proto_version=2, messages=True))
+    fanout = EveryoneGetsAll()
+    fanout.members = ["a", "b"]
+    built: list[EveryoneGetsAll] = []
+
+    def new_fanout() -> EveryoneGetsAll:
+        built.append(fanout)
+        return fanout
+
+    try:
+        a = groups.join(spec, "a", None, own_confirmed=None, since=None,
+                        fanout=lambda: fanout, proto_version=2)
+        b = groups.join(spec, "b", None, own_confirmed=None, since=None,
+                        fanout=lambda: fanout, proto_version=2)
+        _commit(source_db, 1, 3)
+        had = _read(a, 3)
+        _read(b, 3)
+        wider = GroupSpec("grp_follow", source_db.dsn,
+                          PgoutputOptions(("everything", "only_u"), proto_version=2,
+                                          messages=True))
+        assert not groups.update(wider, "nobody", fanout=new_fanout, proto_version=2,
+                                 spill_dir=None, parked={}, members=frozenset({"x"}))
+        assert groups.update(wider, "a", fanout=new_fanout, proto_version=2, spill_dir=None,
+                             parked={}, members=frozenset({"x"}))
+        assert len(built) == 1 and set(a.group.members) == {"a", "b"}
+        assert groups.update(wider, "b", fanout=new_fanout, proto_version=2, spill_dir=None,
+                             parked={}, members=frozenset({"x"}))
+        assert len(built) == 1, "the second member rebuilt what the first had"
+        source_db.execute("INSERT INTO u VALUES (1)")
+        _commit(source_db, 10)
+        for member in (a, b):
+            got = _read(member, 2)  # (u's row is in the new list only)
+            assert got[0].end_lsn > had[-1].end_lsn
+        assert a.group.transactions == 5, "the group routed again what its members had"
+    finally:
+        groups.close_all()
