@@ -388,3 +388,76 @@ def _assert_tenants_exact(source: Database, targets: list[Database],
             want = _rows(source, table, f"tenant_id = {k}")
             assert _diff(_rows(targets[k - 1], table), want) == ([], []), (
                 f"tenant {k}'s {table} differ from the source's rows of the tenant")
+
+
+@pytest.mark.timeout(600)
+def test_a_members_filter_changed_mid_stream_is_routed_by_the_new_filter_from_its_marker(
+        tmp_path: Path, source_db: Database, subscriber: LocalCluster) -> None:
+    """Tenant 1's filter is widened to take tenant 3's rows, then narrowed back, each with
+    ``reconcile: diff``, while tenant 3's rows keep changing. From each change's marker on
+    the group must route tenant 1 by the new filter: a row routed by the old one after it
+    is a tenant-3 row left in tenant 1's target for good (or one missing), which nothing
+    corrects later. Tenant 2, sharing the slot, keeps exactly its own."""
+    source_db.execute(SOURCE)
+    rng = random.Random(61)
+    next_id = [10_000]
+    with _databases(subscriber, "tenant", 2) as targets, pipeline_env(tmp_path) as env:
+        src = env.api("POST", "/sources", json={"name": "src", "dsn": source_db.dsn})
+        for k in (1, 2):
+            env.api("POST", f"/sources/{src['id']}/publications", json={
+                "name": f"tenant_{k}",
+                "tables": [{"table": "public.orders", "where": f"tenant_id = {k}"},
+                           {"table": "public.events", "where": f"tenant_id = {k}"}]})
+            tgt = env.api("POST", "/targets", json={"name": f"t{k}",
+                                                    "dsn": targets[k - 1].dsn})
+            env.api("POST", "/subscriptions", json={
+                "name": f"tenant-{k}", "source_id": src["id"], "target_id": tgt["id"],
+                "publications": [f"tenant_{k}"], "copy_data": True,
+                "options": {"decoding": "shared", "batch_max_wait_ms": 100}})
+        env.start_worker()
+        wait_until(lambda: len(_group(env, src["id"])["reading"]) == 2, 180,
+                   "both tenants to join the shared slot", env)
+        stop = threading.Event()
+
+        def tenant_3() -> None:  # tenant 3's rows change all along
+            with source_db.connect() as conn:
+                n = 0
+                while not stop.wait(0.01):
+                    n += 1
+                    conn.execute("INSERT INTO orders VALUES (3, %s, 'three', NULL) ON CONFLICT "
+                                 "DO NOTHING", (900_000 + n,))
+                    conn.execute("UPDATE orders SET v = v || '+' WHERE tenant_id = 3 "
+                                 "AND id %% 9 = %s", (n % 9,))
+
+        writer = threading.Thread(target=tenant_3, daemon=True)
+        writer.start()
+        try:
+            with source_db.connect() as conn:
+                _workload(conn, rng, 20, next_id)
+                for where in ("tenant_id IN (1, 3)", "tenant_id = 1"):
+                    changed = env.api("PATCH", f"/sources/{src['id']}/publications/tenant_1",
+                                      json={"alter_tables": [
+                                          {"table": "public.orders", "where": where},
+                                          {"table": "public.events", "where": where}],
+                                          "reconcile": "diff"})
+                    _workload(conn, rng, 30, next_id)
+                    for item in changed["reconcile"]:
+                        wait_until(lambda job=item["job_id"]: env.api(
+                            "GET", f"/jobs/{job}")["state"] in ("done", "failed"), 240,
+                            "the reconciliation", env)
+        finally:
+            stop.set()
+            writer.join(10)
+        end = source_lsn(source_db)
+        wait_until(lambda: all(applied_past(t, end) for t in targets), 240,
+                   "both tenants to apply everything", env)
+
+        wait_until(lambda: all(t["sync_state"] == "ready" for s in env.api(
+            "GET", "/subscriptions") for t in s["tables"]), 120, "the tables back", env)
+        wait_until(lambda: all(applied_past(t, end) for t in targets), 120,
+                   "both tenants to apply everything", env)
+        for k in (1, 2):
+            for table in ("orders", "events"):
+                want = _rows(source_db, table, f"tenant_id = {k}")
+                assert _diff(_rows(targets[k - 1], table), want) == ([], []), (
+                    f"tenant {k}'s {table} differ from the source's rows of the tenant")
