@@ -295,6 +295,15 @@ class StreamRun(StreamApplier):
             fault_point("cycle.after_commit")
             self.consumer.confirm(txn.end_lsn)
             txn.close()
+            if getattr(self.consumer, "group", None) is not None:
+                # A decoding group's member: what it has queued past the marker was
+                # routed by the filter the group knew then, maybe the old one (a tenant's
+                # rows in another's target). Opened again, its group routes by what the
+                # store holds now, and reads again from here for it (.sharedmember).
+                raise Stop(CycleOutcome("retry", "past its filter change: its share of "
+                                        "the group's stream is routed again by the new "
+                                        "filter", self.batches, self.changes,
+                                        retry_after=0.05))
             return True
         self._control(time.monotonic())  # a fall-back took tables out of the stream
         return False

@@ -21,6 +21,7 @@ import contextlib
 import os
 import random
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -394,20 +395,24 @@ def _assert_tenants_exact(source: Database, targets: list[Database],
 def test_a_members_filter_changed_mid_stream_is_routed_by_the_new_filter_from_its_marker(
         tmp_path: Path, source_db: Database, subscriber: LocalCluster) -> None:
     """Tenant 1's filter is widened to take tenant 3's rows, then narrowed back, each with
-    ``reconcile: diff``, while tenant 3's rows keep changing. From each change's marker on
-    the group must route tenant 1 by the new filter: a row routed by the old one after it
-    is a tenant-3 row left in tenant 1's target for good (or one missing), which nothing
-    corrects later. Tenant 2, sharing the slot, keeps exactly its own."""
+    ``reconcile: diff``, while tenant 3's rows keep changing; tenant 2 takes tenant 3's
+    rows all along, so the shared stream carries them throughout. From each change's
+    marker on the group must route tenant 1 by the new filter: a tenant-3 row routed by
+    the old one after it is missing from tenant 1's target for good, or left there (a
+    row in the wrong tenant's target). Tenant 1's target holds its apply up across each
+    change, so the group reads on for tenant 2 and queues tenant 1's share past the
+    marker before the group knows the new filter."""
     source_db.execute(SOURCE)
     rng = random.Random(61)
     next_id = [10_000]
+    filters = {1: "tenant_id = 1", 2: "tenant_id IN (2, 3)"}
     with _databases(subscriber, "tenant", 2) as targets, pipeline_env(tmp_path) as env:
         src = env.api("POST", "/sources", json={"name": "src", "dsn": source_db.dsn})
         for k in (1, 2):
             env.api("POST", f"/sources/{src['id']}/publications", json={
                 "name": f"tenant_{k}",
-                "tables": [{"table": "public.orders", "where": f"tenant_id = {k}"},
-                           {"table": "public.events", "where": f"tenant_id = {k}"}]})
+                "tables": [{"table": "public.orders", "where": filters[k]},
+                           {"table": "public.events", "where": filters[k]}]})
             tgt = env.api("POST", "/targets", json={"name": f"t{k}",
                                                     "dsn": targets[k - 1].dsn})
             env.api("POST", "/subscriptions", json={
@@ -417,47 +422,68 @@ def test_a_members_filter_changed_mid_stream_is_routed_by_the_new_filter_from_it
         env.start_worker()
         wait_until(lambda: len(_group(env, src["id"])["reading"]) == 2, 180,
                    "both tenants to join the shared slot", env)
-        stop = threading.Event()
-
-        def tenant_3() -> None:  # tenant 3's rows change all along
-            with source_db.connect() as conn:
-                n = 0
-                while not stop.wait(0.01):
-                    n += 1
-                    conn.execute("INSERT INTO orders VALUES (3, %s, 'three', NULL) ON CONFLICT "
-                                 "DO NOTHING", (900_000 + n,))
-                    conn.execute("UPDATE orders SET v = v || '+' WHERE tenant_id = 3 "
-                                 "AND id %% 9 = %s", (n % 9,))
-
-        writer = threading.Thread(target=tenant_3, daemon=True)
-        writer.start()
-        try:
-            with source_db.connect() as conn:
-                _workload(conn, rng, 20, next_id)
-                for where in ("tenant_id IN (1, 3)", "tenant_id = 1"):
-                    changed = env.api("PATCH", f"/sources/{src['id']}/publications/tenant_1",
-                                      json={"alter_tables": [
-                                          {"table": "public.orders", "where": where},
-                                          {"table": "public.events", "where": where}],
-                                          "reconcile": "diff"})
+        with source_db.connect() as conn:
+            _workload(conn, rng, 20, next_id)
+            for step, where in enumerate(("tenant_id IN (1, 3)", "tenant_id = 1")):
+                with _tenant_3_writes(source_db, 900_000 + 10_000 * step), \
+                        targets[0].connect() as held:
+                    held.execute("BEGIN")
+                    held.execute("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
+                    changed = env.api(
+                        "PATCH", f"/sources/{src['id']}/publications/tenant_1",
+                        json={"alter_tables": [{"table": "public.orders", "where": where},
+                                               {"table": "public.events", "where": where}],
+                              "reconcile": "diff"})
                     _workload(conn, rng, 30, next_id)
+                    time.sleep(3)
+                    held.execute("COMMIT")
                     for item in changed["reconcile"]:
-                        wait_until(lambda job=item["job_id"]: env.api(
-                            "GET", f"/jobs/{job}")["state"] in ("done", "failed"), 240,
-                            "the reconciliation", env)
-        finally:
-            stop.set()
-            writer.join(10)
-        end = source_lsn(source_db)
-        wait_until(lambda: all(applied_past(t, end) for t in targets), 240,
-                   "both tenants to apply everything", env)
+                        _wait_for_job(env, str(item["job_id"]))
+                filters[1] = where
+                _wait_applied(env, source_db, targets)
+                for k in (1, 2):
+                    for table in ("orders", "events"):
+                        want = _rows(source_db, table, filters[k])
+                        assert _diff(_rows(targets[k - 1], table), want) == ([], []), (
+                            f"after {where!r}: tenant {k}'s {table} differ from the "
+                            f"source's rows under {filters[k]!r}")
 
-        wait_until(lambda: all(t["sync_state"] == "ready" for s in env.api(
-            "GET", "/subscriptions") for t in s["tables"]), 120, "the tables back", env)
-        wait_until(lambda: all(applied_past(t, end) for t in targets), 120,
-                   "both tenants to apply everything", env)
-        for k in (1, 2):
-            for table in ("orders", "events"):
-                want = _rows(source_db, table, f"tenant_id = {k}")
-                assert _diff(_rows(targets[k - 1], table), want) == ([], []), (
-                    f"tenant {k}'s {table} differ from the source's rows of the tenant")
+
+def _wait_applied(env: PipelineEnv, source: Database, targets: list[Database]) -> None:
+    """Every table back in the stream and every target past the source's position."""
+    end = source_lsn(source)
+    wait_until(lambda: all(t["sync_state"] == "ready" for s in env.api("GET", "/subscriptions")
+                           for t in s["tables"]), 120, "the tables back in the stream", env)
+    wait_until(lambda: all(applied_past(t, end) for t in targets), 120,
+               "every target to apply everything", env)
+
+
+def _wait_for_job(env: PipelineEnv, job_id: str) -> None:
+    def ended() -> bool:
+        return env.api("GET", f"/jobs/{job_id}")["state"] in ("done", "failed")
+
+    wait_until(ended, 240, f"job {job_id}", env)
+
+
+@contextlib.contextmanager
+def _tenant_3_writes(source: Database, first_id: int) -> Iterator[None]:
+    """Tenant 3's rows inserted and updated every 10 ms while the block runs."""
+    stop = threading.Event()
+
+    def write() -> None:
+        with source.connect() as conn:
+            n = 0
+            while not stop.wait(0.01):
+                n += 1
+                conn.execute("INSERT INTO orders VALUES (3, %s, 'three', NULL)",
+                             (first_id + n,))
+                conn.execute("UPDATE orders SET v = v || '+' WHERE tenant_id = 3 "
+                             "AND id %% 9 = %s", (n % 9,))
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join(10)
