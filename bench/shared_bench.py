@@ -4,6 +4,7 @@ Usage:  .venv/bin/python -m bench.shared_bench [--subscriptions 1,10,100]
             [--systems shared,own,native] [--native-max 100] [--rate 5000] [--seconds 60]
             [--warmup 10] [--backlog 1000000] [--group-timeout 600]
             [--backlog-timeout 3600] [--set NAME=VALUE] [--metadata sqlite|postgres]
+            [--member-change] [--dump-transactions CSV]
 
 The deployment is :func:`bench.scale_bench.deployment`'s: one source, a publication per
 tenant (``ev`` and ``probe`` WHERE tenant = k), one target database per subscription
@@ -38,6 +39,11 @@ Then, after the worker's warm-up (:func:`~bench.scale_bench.wait_until_warm`),
   5 ms): the worst and the median subscription's p50 and p99;
 * worker CPU and peak RSS (its process group, Spark's JVM included); for native its
   subscriber cluster's (every apply worker); the pgsieve target cluster's CPU.
+
+With ``--member-change`` (shared only), one more subscription is created through the API
+a third into the stretch and deleted at two thirds (:mod:`bench.membership_change`):
+how long until the group served it and let it go, and the others' largest lag around
+each.
 
 Then the backlog: the worker stopped (SIGTERM to its process group) or native's
 subscriptions disabled, ``--backlog`` changes written as fast as the source takes them
