@@ -353,11 +353,10 @@ class ConsumeCycle:
             self._detached = plan is None and detached_member(session, self.subscription_id)
         if plan is None:
             return None
-        self._member_stream = (source_dsn, options, window_bytes or
-                               self.settings.turn_window_bytes)
+        window = window_bytes or self.settings.turn_window_bytes
+        self._member_stream = (source_dsn, options, window)
         member = open_member(plan, source_dsn=source_dsn, own_slot=slot, resume_after=applied,
-                           options=options,
-                           window_bytes=window_bytes or self.settings.turn_window_bytes,
+                           options=options, window_bytes=window,
                            connect_timeout=self.settings.connect_timeout,
                            spill_dir=self._spill_dir(), sessions=self.sessions,
                            shadow_rate=self.settings.shared_shadow_rate,

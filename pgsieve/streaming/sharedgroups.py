@@ -113,11 +113,7 @@ class SharedGroups:
                 group = self._open(spec, fanout(), proto_version, spill_dir)
                 group.on_detach = on_detach
             else:
-                if self._specs[spec.slot] != spec:  # the union changed: a new stream
-                    group.replace_consumer(self._consumer(spec, proto_version, spill_dir))
-                    self._specs[spec.slot] = spec
-                if self._members.get(spec.slot) != members:
-                    group.replace_fanout(fanout())  # the membership changed: route for all
+                self._follow(group, spec, members, fanout, proto_version, spill_dir)
             self._members[spec.slot] = members
             # Parked: the members that read the group and are not reading now; one that
             # left the group (its own slot given back) holds it no longer.
@@ -161,14 +157,21 @@ class SharedGroups:
             group = self._groups.get(spec.slot)
             if group is None or member not in group.members:
                 return False
-            if self._specs[spec.slot] != spec:  # the union changed: a new stream
-                group.replace_consumer(self._consumer(spec, proto_version, spill_dir))
-                self._specs[spec.slot] = spec
-            if self._members.get(spec.slot) != members:
-                group.replace_fanout(fanout())
-                self._members[spec.slot] = members
+            self._follow(group, spec, members, fanout, proto_version, spill_dir)
+            self._members[spec.slot] = members
             group.park(parked, replace=True)
             return True
+
+    def _follow(self, group: SharedStream, spec: GroupSpec, members: frozenset[object],
+                fanout: Callable[[], Fanout], proto_version: int,
+                spill_dir: str | None) -> None:
+        """A new stream if the union changed, new routing if the membership did (call
+        with the registry's mutex held)."""
+        if self._specs[spec.slot] != spec:
+            group.replace_consumer(self._consumer(spec, proto_version, spill_dir))
+            self._specs[spec.slot] = spec
+        if self._members.get(spec.slot) != members:
+            group.replace_fanout(fanout())  # (route for everyone as defined now)
 
     def hold(self, slot: str, member: str, position: Lsn) -> None:
         """A member on its own slot found the group's ahead of it (``position``): the

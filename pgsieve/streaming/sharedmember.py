@@ -13,6 +13,7 @@ worker that reads its group.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -212,11 +213,8 @@ def open_member(plan: MemberPlan, *, source_dsn: str, own_slot: str,
                        else own_confirmed, source_dsn, options, window_bytes, connect_timeout,
                        copy_from=None if plan.anyone_joined else own_slot)
     names = spec.options.publication_names
-
-    def fanout() -> GroupRouting:
-        return GroupRouting(source_dsn, plan.candidates, connect_timeout, shadow_rate,
-                            options.proto_version, shadow_unrouted)
-
+    fanout = functools.partial(GroupRouting, source_dsn, plan.candidates, connect_timeout,
+                               shadow_rate, options.proto_version, shadow_unrouted)
     try:
         if not names:
             raise JoinRefused("too_new", "no member's publications exist at the group's "
@@ -398,11 +396,8 @@ def follow_membership(consumer: MemberConsumer, membership: object, plan: Member
     spec = _group_spec(plan, start, source_dsn, options, window_bytes, connect_timeout)
     if not spec.options.publication_names:
         return False
-
-    def fanout() -> GroupRouting:
-        return GroupRouting(source_dsn, plan.candidates, connect_timeout, shadow_rate,
-                            options.proto_version, shadow_unrouted)
-
+    fanout = functools.partial(GroupRouting, source_dsn, plan.candidates, connect_timeout,
+                               shadow_rate, options.proto_version, shadow_unrouted)
     if not shared_groups().update(spec, plan.subscription_id, fanout=fanout,
                                   proto_version=options.proto_version,
                                   spill_dir=spill_dir, parked=plan.joined,

@@ -23,7 +23,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -359,27 +359,37 @@ def test_members_fall_behind_join_and_leave_while_the_others_go_on(
 
 
 @contextlib.contextmanager
-def _trickle(source: Database, tenants: tuple[int, ...]) -> Iterator[None]:
-    """A steady trickle of commits for the tenants in turn (every 20 ms) while the block
-    runs: each member applies and confirms on and on."""
+def _writing(source: Database, every: float,
+             write: Callable[[psycopg.Connection[Any], int], None]) -> Iterator[None]:
+    """``write(conn, n)`` for n = 1, 2, … every ``every`` seconds while the block runs."""
     stop = threading.Event()
 
-    def write() -> None:
+    def loop() -> None:
         with source.connect() as conn:
             n = 0
-            while not stop.wait(0.02):
+            while not stop.wait(every):
                 n += 1
-                conn.execute("INSERT INTO events VALUES (%s, %s, 'trickle') ON CONFLICT (id) "
-                             "DO UPDATE SET note = EXCLUDED.note || %s",
-                             (400 + n % 50, tenants[n % len(tenants)], str(n)))
+                write(conn, n)
 
-    writer = threading.Thread(target=write, daemon=True)
+    writer = threading.Thread(target=loop, daemon=True)
     writer.start()
     try:
         yield
     finally:
         stop.set()
         writer.join(10)
+
+
+def _trickle(source: Database, tenants: tuple[int, ...]
+             ) -> contextlib.AbstractContextManager[None]:
+    """A steady trickle of commits for the tenants in turn (every 20 ms) while the block
+    runs: each member applies and confirms on and on."""
+    def write(conn: psycopg.Connection[Any], n: int) -> None:
+        conn.execute("INSERT INTO events VALUES (%s, %s, 'trickle') ON CONFLICT (id) "
+                     "DO UPDATE SET note = EXCLUDED.note || %s",
+                     (400 + n % 50, tenants[n % len(tenants)], str(n)))
+
+    return _writing(source, 0.02, write)
 
 
 def _assert_tenants_exact(source: Database, targets: list[Database],
@@ -465,25 +475,12 @@ def _wait_for_job(env: PipelineEnv, job_id: str) -> None:
     wait_until(ended, 240, f"job {job_id}", env)
 
 
-@contextlib.contextmanager
-def _tenant_3_writes(source: Database, first_id: int) -> Iterator[None]:
+def _tenant_3_writes(source: Database, first_id: int
+                     ) -> contextlib.AbstractContextManager[None]:
     """Tenant 3's rows inserted and updated every 10 ms while the block runs."""
-    stop = threading.Event()
+    def write(conn: psycopg.Connection[Any], n: int) -> None:
+        conn.execute("INSERT INTO orders VALUES (3, %s, 'three', NULL)", (first_id + n,))
+        conn.execute("UPDATE orders SET v = v || '+' WHERE tenant_id = 3 AND id %% 9 = %s",
+                     (n % 9,))
 
-    def write() -> None:
-        with source.connect() as conn:
-            n = 0
-            while not stop.wait(0.01):
-                n += 1
-                conn.execute("INSERT INTO orders VALUES (3, %s, 'three', NULL)",
-                             (first_id + n,))
-                conn.execute("UPDATE orders SET v = v || '+' WHERE tenant_id = 3 "
-                             "AND id %% 9 = %s", (n % 9,))
-
-    writer = threading.Thread(target=write, daemon=True)
-    writer.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        writer.join(10)
+    return _writing(source, 0.01, write)
